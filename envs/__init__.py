@@ -1,0 +1,1 @@
+"""rlfunc's own environments, registered with gymnasium on import."""

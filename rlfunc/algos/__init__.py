@@ -1,0 +1,1 @@
+"""One short module per algorithm: make_<algo>(config) -> (init, iteration)."""

@@ -1,0 +1,319 @@
+"""PPO with a Gaussian actor, as ``make_ppo(config, env_spec) -> (init, iteration)`` over stacked seeds.
+
+Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but the
+optimizer object, whose Adam update is elementwise, so S seeds train exactly as S separate runs
+would (each has its own env seeds, noise generator, normalisers and minibatch order).
+
+Reference: Schulman et al. (2017) "Proximal Policy Optimization Algorithms"; the implementation
+details (observation/reward normalisation, advantage normalisation, orthogonal init, LR annealing,
+global grad clipping) follow Huang et al. (2022) "The 37 Implementation Details of PPO".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc import func
+from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.errors import ConfigError
+from rlfunc.losses.ppo import ppo_loss
+from rlfunc.nets.actor_critic import GaussianActorCritic
+from rlfunc.nets.mlp import seeded_init
+from rlfunc.optim import clip_grads_, masked_step
+from rlfunc.normalize import init_running_stats, normalize, scale_reward, update_running_stats
+from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """Every PPO hyperparameter, with its default. Steps are env steps per seed."""
+
+    env: str = "Pendulum-v1"  # gymnasium env id (Box observations and actions)
+    total_steps: int = 200_000  # env steps per seed
+    num_envs: int = 8  # parallel envs per seed
+    num_steps: int = 256  # steps per env per rollout; batch = num_envs * num_steps
+    num_epochs: int = 10  # passes over each batch
+    minibatch_size: int = 512  # samples per gradient step; must divide the batch
+    lr: float = 3e-4  # Adam learning rate
+    anneal_lr: bool = True  # linear decay of lr to 0 over the run
+    adam_eps: float = 1e-5  # Adam epsilon
+    gamma: float = 0.99  # discount, in [0, 1]
+    lmbda: float = 0.95  # GAE lambda, in [0, 1]
+    clip_epsilon: float = 0.2  # surrogate clip range
+    value_clip_epsilon: float | None = None  # clip range of V around its old value (None: off)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    value_coef: float = 0.5  # value loss weight
+    max_grad_norm: float = 0.5  # global grad-norm clip, per seed
+    normalize_advantages: bool = True  # per minibatch
+    normalize_observations: bool = True  # running mean/std, clipped to +-obs_clip
+    obs_clip: float = 10.0  # in standard deviations
+    normalize_rewards: bool = True  # divide by the running std of the discounted return
+    reward_clip: float = 10.0  # after scaling
+    hidden: tuple[int, ...] = (64, 64)  # MLP widths of actor and critic
+    activation: str = "tanh"  # tanh | relu | elu | silu
+    init_log_std: float = 0.0  # initial log standard deviation of the actions
+    target_kl: float | None = None  # stop the epochs of an iteration once approx KL exceeds it
+    vectorization: Literal["sync", "async"] = "sync"  # gymnasium vector env mode
+    seed: int = 0  # first seed; seed i of --num-seeds is seed + i
+    num_seeds: int = 1  # independent agents trained together (stacked params)
+    device: str = "auto"  # auto | cpu | cuda | npu
+    vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
+    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lmbda"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name}={value}: expected a value in [0, 1]")
+        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "num_seeds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.batch_size % self.minibatch_size:
+            raise ConfigError(
+                f"minibatch_size={self.minibatch_size} does not divide the batch "
+                f"num_envs*num_steps={self.batch_size}"
+            )
+        for name in ("lr", "clip_epsilon", "max_grad_norm", "obs_clip", "reward_clip"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
+        if self.entropy_coef < 0 or self.value_coef < 0:
+            raise ConfigError("entropy_coef and value_coef must be >= 0")
+        if self.activation not in ("tanh", "relu", "elu", "silu"):
+            raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def num_iterations(self) -> int:
+        return max(1, math.ceil(self.total_steps / self.batch_size))
+
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.num_seeds)]
+
+
+PRESETS: dict[str, dict] = {
+    # Pendulum: short horizon credit (gamma 0.9), large batches of short minibatch passes.
+    "Pendulum-v1": dict(
+        total_steps=200_000, num_envs=8, num_steps=256, num_epochs=10, minibatch_size=256,
+        lr=1e-3, gamma=0.9, lmbda=0.95, clip_epsilon=0.2, entropy_coef=0.0, max_grad_norm=0.5,
+    ),
+    # HalfCheetah: RL-Zoo-like settings, normalised observations and rewards.
+    "HalfCheetah-v5": dict(
+        total_steps=1_000_000, num_envs=8, num_steps=256, num_epochs=10, minibatch_size=512,
+        lr=3e-4, gamma=0.99, lmbda=0.92, clip_epsilon=0.2, max_grad_norm=0.8,
+        hidden=(256, 256), activation="relu", init_log_std=-1.0,
+    ),
+}
+
+
+def preset(env: str, **overrides) -> PPOConfig:
+    """The preset for ``env`` (defaults for envs without one) with ``overrides`` applied."""
+    return PPOConfig(**{**PRESETS.get(env, {}), "env": env, **overrides})
+
+
+class EnvSpec(NamedTuple):
+    """What the learner needs to know of an env: sizes and action bounds (env units)."""
+
+    obs_dim: int
+    act_dim: int
+    action_low: list[float]
+    action_high: list[float]
+
+
+class PPO(NamedTuple):
+    """The algorithm: ``init(spec) -> state`` and ``iteration(state, batch, generators) -> (state, metrics)``,
+    plus the policy the collector runs (``policy(state, generators, deterministic)``)."""
+
+    init: Callable[[], TensorDict]
+    iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    policy: Callable[..., Callable[[Tensor], tuple[Tensor, Tensor]]]
+    net: GaussianActorCritic
+
+
+def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
+    """Build PPO's pure pieces for ``config`` on envs described by ``spec``.
+
+    The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
+    "params" (actor, critic, log_std), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
+    "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64).
+    """
+    S, N = config.num_seeds, config.num_envs
+    make_net = lambda: GaussianActorCritic(  # noqa: E731
+        spec.obs_dim, spec.act_dim, config.hidden, config.activation, config.init_log_std
+    )
+    net = make_net().to(device)
+    use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
+    vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
+
+    def init() -> TensorDict:
+        params = func.stack_params(
+            [func.params_from_module(seeded_init(make_net, seed).to(device)) for seed in config.seeds]
+        )
+        gens = [torch.Generator(device=device).manual_seed(seed) for seed in config.seeds]
+        stats = init_running_stats((spec.obs_dim,), device=device)
+        ret_stats = init_running_stats((), device=device)
+        return TensorDict(
+            {
+                "params": params,
+                "obs_stats": torch.stack([stats] * S),
+                "return_stats": torch.stack([ret_stats] * S),
+                "discounted_return": torch.zeros(S, N, 1, device=device),
+                "rng": torch.stack([g.get_state() for g in gens]),
+                "iteration": torch.zeros((), dtype=torch.int64, device=device),
+                "env_steps": torch.zeros((), dtype=torch.int64, device=device),
+            },
+            batch_size=[],
+            device=device,
+        )
+
+    def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
+        if not config.normalize_observations:
+            return obs
+        return normalize(stats, obs, clip=config.obs_clip)
+
+    def policy(state: TensorDict, generators: list[torch.Generator], deterministic: bool = False):
+        """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1])."""
+        members = []
+        for s in range(S):
+            module = make_net().to(device)
+            state["params"][s].to_module(module)
+            members.append(module)
+
+        def act(observation: Tensor) -> tuple[Tensor, Tensor]:
+            obs = observation.reshape(S, -1, spec.obs_dim)
+            actions, log_probs = [], []
+            for s, module in enumerate(members):
+                loc = module.actor(norm_obs(state["obs_stats"][s], obs[s]))
+                if deterministic:
+                    actions.append(loc)
+                    log_probs.append(torch.zeros(*loc.shape[:-1], 1, device=loc.device))
+                    continue
+                noise = torch.randn(loc.shape, generator=generators[s], device=loc.device)
+                action = loc + module.log_std.exp() * noise
+                actions.append(action)
+                log_probs.append(gaussian_log_prob(action, loc, module.log_std))
+            return torch.cat(actions), torch.cat(log_probs)
+
+        return act
+
+    def member_loss(params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+        loc, log_std, value = func.apply(net, params, mb["observation"])
+        log_prob = gaussian_log_prob(mb["action"], loc, log_std)
+        entropy = gaussian_entropy(log_std, loc.shape[:-1])
+        return ppo_loss(
+            log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
+            entropy=entropy, old_state_value=mb["state_value"],
+            clip_epsilon=config.clip_epsilon, value_clip_epsilon=config.value_clip_epsilon,
+            entropy_coef=config.entropy_coef, value_coef=config.value_coef,
+            normalize_advantages=config.normalize_advantages,
+        )
+
+    def member_values(params: TensorDict, obs: Tensor) -> Tensor:
+        return func.apply(net.critic, params["critic"], obs)
+
+    def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, TensorDict, Tensor]:
+        """Normalise, scale rewards, compute values and GAE. batch [S, N, T] -> flat [S, N*T]."""
+        obs_stats = state["obs_stats"]
+        nrm = vmap(norm_obs)
+        obs = nrm(obs_stats, batch["observation"])
+        next_obs = nrm(obs_stats, batch["next", "observation"])
+        reward = batch["next", "reward"]
+        done = batch["next", "done"]
+        finite = torch.stack(
+            [
+                batch["observation"].isfinite().flatten(1).all(1),
+                batch["next", "observation"].isfinite().flatten(1).all(1),
+                reward.isfinite().flatten(1).all(1),
+            ]
+        )  # [3, S]: observation, next observation, reward
+        new = {}
+        if config.normalize_rewards:
+            discount = torch.full_like(reward, config.gamma)
+            discount[:, :, 1:] *= (~done[:, :, :-1]).float()
+            safe_reward = torch.where(reward.isfinite(), reward, torch.zeros_like(reward))
+            z = forward_discounted_sum(safe_reward, discount, initial=state["discounted_return"].unsqueeze(-2))
+            new["return_stats"] = vmap(update_running_stats)(state["return_stats"], z.flatten(1, -1))
+            new["discounted_return"] = z[:, :, -1] * (~done[:, :, -1]).float()
+            reward = vmap(scale_reward)(reward, new["return_stats"]).clamp(-config.reward_clip, config.reward_clip)
+        with torch.no_grad():
+            value = vmap(member_values)(state["params"], obs)
+            next_value = vmap(member_values)(state["params"], next_obs)
+        advantage, value_target = generalized_advantage_estimate(
+            config.gamma, config.lmbda, value, next_value, reward, done, batch["next", "terminated"]
+        )
+        flat = TensorDict(
+            {
+                "observation": obs, "action": batch["action"], "sample_log_prob": batch["sample_log_prob"],
+                "advantage": advantage, "value_target": value_target, "state_value": value,
+            },
+            batch_size=batch.batch_size,
+        ).flatten(1, 2)
+        if config.normalize_observations:
+            raw = batch["observation"].flatten(1, 2)
+            new["obs_stats"] = vmap(update_running_stats)(obs_stats, raw)
+        return flat, TensorDict(new, batch_size=[]), finite
+
+    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator], optimizer) -> tuple[TensorDict, TensorDict]:
+        """One PPO update on ``batch`` ([S, N, T] TorchRL keys), stepping ``optimizer`` over
+        ``state["params"]``' leaves. Returns the new state and per-seed metrics [S]."""
+        flat, new_stats, finite = prepare(state, batch)
+        data_ok = finite.all(0)  # [S]
+        params = state["params"]
+        leaves = func.leaves(params)
+        B = flat.batch_size[1]
+        num_mb = B // config.minibatch_size
+        rows = torch.arange(S, device=device).unsqueeze(1)
+        metric_sum, updates = None, 0
+        skipped = torch.zeros(S, 3, dtype=torch.int64, device=device)  # data, loss, gradient
+        stop = False
+        for _ in range(config.num_epochs):
+            perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
+            for k in range(num_mb):
+                idx = perm[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
+                mb = flat[rows, idx]
+                loss, metrics = vmap(member_loss)(params, mb)
+                optimizer.zero_grad(set_to_none=True)
+                loss.sum().backward()
+                grads = [p.grad for p in leaves]
+                loss_ok = loss.isfinite()
+                grad_ok = torch.stack([g.flatten(1).isfinite().all(1) for g in grads]).all(0)
+                ok = data_ok & loss_ok & grad_ok
+                skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~grad_ok], 1).long()
+                for g in grads:
+                    g.nan_to_num_(0.0, 0.0, 0.0)
+                norms = clip_grads_(grads, config.max_grad_norm, stacked=True)
+                masked_step(optimizer, leaves, ok)
+                metrics["grad_norm"] = norms
+                metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                updates += 1
+                if config.target_kl is not None and bool((metrics["approx_kl"] > config.target_kl).all()):
+                    stop = True
+                    break
+            if stop:
+                break
+        out = state.clone(recurse=False)
+        for key, value in new_stats.items():
+            out[key] = value
+        out["iteration"] = state["iteration"] + 1
+        out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2]
+        out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)
+        metrics = metric_sum / updates
+        metrics["skipped_data"] = skipped[:, 0]
+        metrics["skipped_loss"] = skipped[:, 1]
+        metrics["skipped_gradient"] = skipped[:, 2]
+        metrics["updates"] = torch.full((S,), updates, device=device)
+        metrics["value_target_mean"] = flat["value_target"].mean((1, 2))
+        return out, metrics
+
+    return PPO(init, iteration, policy, net)

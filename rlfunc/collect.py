@@ -1,0 +1,281 @@
+"""Environments to TensorDict batches: gymnasium vector envs, our rollout loop, and TorchRL collectors.
+
+Two ways to collect, giving the same batches (tested):
+
+- :func:`rollout` steps a gymnasium vector env (SAME_STEP autoreset) with a policy function and
+  writes a ``[N, T]`` TensorDict with TorchRL's keys. It is the trainer's default because it is
+  several times faster than a TorchRL collector on cheap envs (bench/collect.py) and because its
+  env state can be checkpointed for exact resume (:func:`env_state`).
+- :func:`make_collector` wraps the same vector env in TorchRL's ``GymWrapper`` and our functional
+  policy in a ``TensorDictModule`` and returns a TorchRL ``Collector``, for use inside TorchRL code.
+
+Batch keys (TorchRL conventions), all ``[N, T, ...]``: "observation", "action", "sample_log_prob",
+("next", "observation") (the true final observation at episode ends), ("next", "reward"),
+("next", "done"), ("next", "terminated"), ("next", "truncated"), ("next", "episode_reward")
+(return of the episode so far, including this step).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.vector import AutoresetMode
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc.errors import EnvError
+
+Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
+
+
+def check_env_id(env_id: str) -> None:
+    """Raise EnvError (with close matches) when ``env_id`` is not registered with gymnasium."""
+    import envs  # noqa: F401  (registers rlfunc's own environments)
+
+    if env_id not in gym.registry:
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise EnvError(f"env={env_id!r}: not a registered gymnasium environment{hint}")
+
+
+def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", **env_kwargs: Any) -> gym.vector.VectorEnv:
+    """A gymnasium vector env of ``num_envs`` copies with SAME_STEP autoreset.
+
+    Raises:
+        EnvError: unknown ``env_id``, ``num_envs < 1``, or an unknown ``vectorization``.
+    """
+    check_env_id(env_id)
+    if num_envs < 1:
+        raise EnvError(f"num_envs={num_envs}: expected >= 1")
+    if vectorization not in ("sync", "async"):
+        raise EnvError(f"vectorization={vectorization!r}: expected 'sync' or 'async'")
+    return gym.make_vec(
+        env_id,
+        num_envs=num_envs,
+        vectorization_mode=vectorization,
+        vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
+        **env_kwargs,
+    )
+
+
+def env_seeds(seed: int, num_envs: int) -> list[int]:
+    """Per-env reset seeds derived from one run seed (numpy SeedSequence, so they never collide)."""
+    return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(num_envs)]
+
+
+def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
+    """Reset every env with its seed; the rollout carry: observation [N, obs_dim], episode stats [N, 1]."""
+    obs, _ = venv.reset(seed=list(seeds))
+    n = venv.num_envs
+    return TensorDict(
+        {
+            "observation": torch.as_tensor(obs, dtype=torch.float32),
+            "episode_reward": torch.zeros(n, 1),
+            "episode_length": torch.zeros(n, 1, dtype=torch.int64),
+        },
+        batch_size=[n],
+    )
+
+
+def rollout(
+    venv: gym.vector.VectorEnv,
+    policy: Policy,
+    carry: TensorDict,
+    num_steps: int,
+    *,
+    device: torch.device,
+) -> tuple[TensorDict, TensorDict]:
+    """Step ``venv`` ``num_steps`` times with ``policy``; returns (batch [N, T] on ``device``, new carry).
+
+    Args:
+        venv: a gymnasium vector env with SAME_STEP autoreset (:func:`make_vec_env`), Box actions.
+        policy: ``observation [N, obs_dim] (device) -> (action [N, act_dim], sample_log_prob [N, 1])``;
+            the env receives the action clipped to its bounds, the batch stores it unclipped.
+        carry: the previous rollout's carry (or :func:`reset`'s); host tensors.
+        num_steps: T, steps per env.
+        device: where the batch goes, in one copy at the end.
+
+    The only per-step host<->device traffic is the observation in and the action out.
+    """
+    n = venv.num_envs
+    space = venv.single_action_space
+    low, high = space.low, space.high
+    obs_dim = carry["observation"].shape[-1]
+    act_dim = int(np.prod(space.shape))
+    observation = torch.empty(num_steps, n, obs_dim)
+    next_observation = torch.empty(num_steps, n, obs_dim)
+    action = torch.empty(num_steps, n, act_dim)
+    log_prob = torch.empty(num_steps, n, 1)
+    reward = np.empty((num_steps, n), np.float32)
+    terminated = np.empty((num_steps, n), bool)
+    truncated = np.empty((num_steps, n), bool)
+    episode_reward = torch.empty(num_steps, n, 1)
+
+    obs = carry["observation"]
+    ep_reward = carry["episode_reward"].clone()
+    ep_length = carry["episode_length"].clone()
+    for t in range(num_steps):
+        observation[t] = obs
+        with torch.no_grad():
+            act, logp = policy(obs.to(device, non_blocking=True))
+        action[t] = act
+        log_prob[t] = logp
+        next_obs, rew, term, trunc, info = venv.step(np.clip(action[t].numpy(), low, high))
+        reward[t], terminated[t], truncated[t] = rew, term, trunc
+        obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32))
+        next_observation[t] = obs
+        done = term | trunc
+        if done.any():
+            idx = np.flatnonzero(info["_final_obs"])
+            next_observation[t, idx] = torch.as_tensor(np.stack(info["final_obs"][idx]), dtype=torch.float32)
+        ep_reward += torch.from_numpy(reward[t]).unsqueeze(-1)
+        ep_length += 1
+        episode_reward[t] = ep_reward
+        if done.any():
+            mask = torch.from_numpy(done).unsqueeze(-1)
+            ep_reward.masked_fill_(mask, 0.0)
+            ep_length.masked_fill_(mask, 0)
+
+    term_t = torch.from_numpy(terminated).unsqueeze(-1)
+    trunc_t = torch.from_numpy(truncated).unsqueeze(-1)
+    batch = TensorDict(
+        {
+            "observation": observation,
+            "action": action,
+            "sample_log_prob": log_prob,
+            "next": {
+                "observation": next_observation,
+                "reward": torch.from_numpy(reward).unsqueeze(-1),
+                "done": term_t | trunc_t,
+                "terminated": term_t,
+                "truncated": trunc_t,
+                "episode_reward": episode_reward,
+            },
+        },
+        batch_size=[num_steps, n],
+    )
+    batch = batch.transpose(0, 1).contiguous().to(device, non_blocking=True)
+    new_carry = TensorDict(
+        {"observation": obs, "episode_reward": ep_reward, "episode_length": ep_length}, batch_size=[n]
+    )
+    return batch, new_carry
+
+
+# ---------------------------------------------------------------------------------------------
+# Env state, for exact resume.
+
+
+def _time_limit(env: gym.Env) -> gym.Env | None:
+    while env is not None:
+        if hasattr(env, "_elapsed_steps"):
+            return env
+        env = getattr(env, "env", None)
+    return None
+
+
+def env_state(venv: gym.vector.VectorEnv) -> list[dict] | None:
+    """JSON-able state of every sub-env (RNG, time-limit counter, physics), or None if not capturable.
+
+    Captured: the unwrapped env's numpy RNG state, the TimeLimit step counter, and the physical state:
+    MuJoCo envs (full integration state via ``mujoco.mj_getState``) and envs with a ``state`` array
+    (classic control). Async vector envs and other envs return None: a resume then starts new episodes.
+    """
+    if not hasattr(venv, "envs"):
+        return None
+    states = []
+    for env in venv.envs:
+        u = env.unwrapped
+        item: dict[str, Any] = {"rng": u.np_random.bit_generator.state}
+        limit = _time_limit(env)
+        item["elapsed_steps"] = None if limit is None else limit._elapsed_steps
+        if hasattr(u, "data") and hasattr(u, "model"):
+            import mujoco
+
+            spec = mujoco.mjtState.mjSTATE_INTEGRATION
+            buf = np.empty(mujoco.mj_stateSize(u.model, spec))
+            mujoco.mj_getState(u.model, u.data, buf, spec)
+            item["mujoco"] = buf.tolist()
+        elif isinstance(getattr(u, "state", None), (np.ndarray, tuple, list)):
+            item["state"] = np.asarray(u.state).tolist()
+        else:
+            return None
+        states.append(item)
+    return states
+
+
+def set_env_state(venv: gym.vector.VectorEnv, states: list[dict]) -> None:
+    """Restore what :func:`env_state` captured, into a vector env that has been reset once."""
+    if len(states) != venv.num_envs:
+        raise EnvError(f"env state has {len(states)} envs, the vector env has {venv.num_envs}")
+    for env, item in zip(venv.envs, states):
+        u = env.unwrapped
+        u.np_random.bit_generator.state = item["rng"]
+        limit = _time_limit(env)
+        if limit is not None:
+            limit._elapsed_steps = item["elapsed_steps"]
+        if "mujoco" in item:
+            import mujoco
+
+            mujoco.mj_setState(u.model, u.data, np.asarray(item["mujoco"]), mujoco.mjtState.mjSTATE_INTEGRATION)
+            mujoco.mj_forward(u.model, u.data)
+        else:
+            u.state = np.asarray(item["state"], dtype=np.asarray(u.state).dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# TorchRL interop.
+
+
+def make_torchrl_env(env_id: str, num_envs: int, *, device: torch.device | str = "cpu", **env_kwargs: Any):
+    """The same vector env as :func:`make_vec_env`, wrapped as a TorchRL ``EnvBase`` (GymWrapper)."""
+    from torchrl.envs import GymWrapper
+
+    return GymWrapper(make_vec_env(env_id, num_envs, **env_kwargs), device=device)
+
+
+def policy_module(policy: Policy):
+    """Wrap a functional policy as a ``TensorDictModule``: "observation" -> ("action", "sample_log_prob")."""
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(policy, in_keys=["observation"], out_keys=["action", "sample_log_prob"])
+
+
+def make_collector(env, policy: Policy, frames_per_batch: int, total_frames: int = -1, **kwargs: Any):
+    """A TorchRL ``Collector`` over a TorchRL env running our functional ``policy``.
+
+    Batches come out ``[N, T]`` with the same keys as :func:`rollout` (without "episode_reward").
+    """
+    from torchrl.collectors import Collector
+
+    return Collector(env, policy_module(policy), frames_per_batch=frames_per_batch, total_frames=total_frames, **kwargs)
+
+
+def episode_returns(venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[int], *, device: torch.device, max_steps: int = 100_000) -> Tensor:
+    """Return of the first episode of every env of ``venv`` (reset with ``seeds``), acting with ``policy``.
+
+    Returns:
+        [N] float32 episodic returns (undiscounted, env reward units).
+
+    Raises:
+        EnvError: an episode has not ended after ``max_steps`` steps.
+    """
+    carry = reset(venv, seeds)
+    obs = carry["observation"]
+    space = venv.single_action_space
+    total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
+    finished = np.zeros(venv.num_envs, bool)
+    for _ in range(max_steps):
+        with torch.no_grad():
+            act, _ = policy(obs.to(device))
+        next_obs, rew, term, trunc, _ = venv.step(np.clip(act.cpu().numpy(), space.low, space.high))
+        total += np.where(finished, 0.0, rew)
+        finished |= term | trunc
+        if finished.all():
+            return torch.as_tensor(total, dtype=torch.float32)
+        obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32))
+    raise EnvError(f"episode_returns: episodes did not end within max_steps={max_steps}")

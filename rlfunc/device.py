@@ -1,0 +1,85 @@
+"""Where tensors live: device resolution, autocast dtype and distributed backend per device.
+
+Everything in rlfunc that needs a device asks this module, so the same code runs on Ascend NPUs
+(torch_npu), NVIDIA GPUs and CPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rlfunc.errors import ConfigError
+
+_KNOWN = ("auto", "cpu", "cuda", "npu")
+
+
+def npu_available() -> bool:
+    """True when torch_npu is importable and reports at least one NPU."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Resolve a device name; ``"auto"`` picks npu > cuda > cpu.
+
+    Args:
+        device: "auto", "cpu", "cuda", "npu", optionally with an index ("cuda:1"), or a torch.device.
+
+    Returns:
+        A concrete ``torch.device``.
+
+    Raises:
+        ConfigError: the name is not one of the above, or names a device this machine lacks.
+    """
+    if isinstance(device, torch.device):
+        return device
+    kind = str(device).split(":")[0]
+    if kind not in _KNOWN:
+        raise ConfigError(f"device={device!r}: expected one of {', '.join(_KNOWN)} (optionally ':index')")
+    if kind == "auto":
+        if npu_available():
+            return torch.device("npu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if kind == "npu" and not npu_available():
+        raise ConfigError(f"device={device!r}: torch_npu is not installed or sees no NPU (pip install .[npu])")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}: this machine has no CUDA device")
+    return torch.device(device)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """The reduced-precision dtype to autocast to on ``device``.
+
+    bfloat16 on CPU and on CUDA devices that support it; float16 elsewhere (older GPUs, and NPUs,
+    where fp16 is the well-supported mixed-precision type and a GradScaler is needed).
+    """
+    if device.type == "cpu":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float16
+
+
+def distributed_backend(device: torch.device) -> str:
+    """torch.distributed backend for ``device``: hccl (npu), nccl (cuda), gloo (cpu)."""
+    return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
+
+
+def supports_vmap(device: torch.device) -> bool:
+    """False where torch.func.vmap is unavailable (torch_npu); callers then use a loop."""
+    return device.type != "npu"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device``; call only at rollout/update boundaries (for timing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)

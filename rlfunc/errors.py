@@ -1,0 +1,21 @@
+"""The one error hierarchy of rlfunc; the CLI prints these as one line and exits with code 2."""
+
+
+class RLFuncError(Exception):
+    """Base class of every error rlfunc raises on purpose."""
+
+
+class ConfigError(RLFuncError, ValueError):
+    """A hyperparameter or argument is outside what the method accepts."""
+
+
+class ShapeError(RLFuncError, ValueError):
+    """Tensor shapes, dtypes or devices disagree with what a function documents."""
+
+
+class EnvError(RLFuncError, ValueError):
+    """An environment id is unknown or an environment cannot be built."""
+
+
+class CheckpointError(RLFuncError):
+    """A checkpoint is missing, corrupt, or does not match the run it is loaded into."""

@@ -1,0 +1,153 @@
+"""Parameters as TensorDicts, applied through torch.func; stacking and vmap for seeds and ensembles.
+
+A network is an ``nn.Module`` used only as a skeleton: its weights live in a TensorDict made by
+:func:`params_from_module` and are applied with :func:`apply` (``torch.func.functional_call``).
+A set of seeds or an ensemble is the same TensorDict with a leading member dim (:func:`stack_params`)
+applied with :func:`vmap`, which uses ``torch.func.vmap`` where the device supports it and an
+equivalent loop + ``torch.stack`` elsewhere (torch_npu has no vmap); both give the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from rlfunc.device import supports_vmap
+from rlfunc.errors import ShapeError
+
+
+def params_from_module(module: nn.Module) -> TensorDict:
+    """A detached copy of ``module``'s parameters and buffers as a nested TensorDict.
+
+    The copy owns its storage (``requires_grad`` set on parameters) so the module stays a skeleton
+    and never aliases the learner's parameters.
+    """
+    return as_leaves(TensorDict.from_module(module, as_module=False).clone())
+
+
+def as_leaves(params: TensorDictBase) -> TensorDictBase:
+    """``params`` detached into autograd leaves, ``requires_grad`` on every floating tensor (in place)."""
+    for key, value in params.items(include_nested=True, leaves_only=True):
+        value = value.detach()
+        params.set(key, value.requires_grad_(True) if value.is_floating_point() else value)
+    return params
+
+
+def apply(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` with ``params`` substituted for its weights (``torch.func.functional_call``)."""
+    flat = dict(params.flatten_keys(".").items())
+    return torch.func.functional_call(module, flat, args, kwargs, strict=True)
+
+
+def stack_params(params: Sequence[TensorDictBase]) -> TensorDict:
+    """Stack parameter TensorDicts along a new leading member dim: ``[M, *leaf_shape]`` leaves."""
+    if not params:
+        raise ShapeError("stack_params: params must be a non-empty sequence")
+    with torch.no_grad():
+        stacked = torch.stack(list(params), dim=0).contiguous()
+    return as_leaves(stacked)
+
+
+def init_stacked(make_params: Callable[[int], TensorDict], seeds: Sequence[int]) -> TensorDict:
+    """Build one parameter set per seed with ``make_params(seed)`` and stack them: batch_size [M]."""
+    return stack_params([make_params(int(seed)) for seed in seeds])
+
+
+def _member(x: Any, dim: int | None, index: int) -> Any:
+    if dim is None:
+        return x
+    if isinstance(x, TensorDictBase):
+        if dim != 0:
+            raise ShapeError(f"vmap loop path: TensorDict inputs must be mapped over dim 0, got {dim}")
+        return x[index]
+    if isinstance(x, torch.Tensor):
+        return x.select(dim, index)
+    raise ShapeError(f"vmap: cannot map over an input of type {type(x).__name__}")
+
+
+def _size(x: Any, dim: int | None) -> int | None:
+    if dim is None:
+        return None
+    if isinstance(x, TensorDictBase):
+        return x.batch_size[0]
+    return x.shape[dim]
+
+
+def _stack_outputs(outputs: list[Any], out_dims: int) -> Any:
+    is_leaf = lambda x: isinstance(x, (TensorDictBase, torch.Tensor))  # noqa: E731
+    flat = [pytree.tree_flatten(o, is_leaf=is_leaf) for o in outputs]
+    spec = flat[0][1]
+    columns = zip(*(leaves for leaves, _ in flat))
+    stacked = [torch.stack(list(col), dim=out_dims) for col in columns]
+    return pytree.tree_unflatten(stacked, spec)
+
+
+def vmap(
+    fn: Callable[..., Any],
+    in_dims: int | None | tuple[int | None, ...] = 0,
+    *,
+    out_dims: int = 0,
+    randomness: str = "error",
+    use_loop: bool | None = None,
+    device: torch.device | None = None,
+) -> Callable[..., Any]:
+    """Map ``fn`` over a member dim of its inputs, like ``torch.func.vmap``, with a loop fallback.
+
+    Args:
+        fn: a function of tensors / TensorDicts returning a pytree of tensors / TensorDicts.
+        in_dims: per positional argument, the mapped dim or None (not mapped); an int maps all.
+            TensorDict arguments can only be mapped over dim 0 on the loop path.
+        out_dims: where the member dim goes in every output.
+        randomness: passed to ``torch.func.vmap`` ("error", "different", "same").
+        use_loop: True forces the loop path, False forces torch.func.vmap; None (default) picks the
+            loop on devices without vmap (``rlfunc.device.supports_vmap``) and when there is one member.
+        device: the device the inputs live on (used only to choose the path when use_loop is None).
+
+    Returns:
+        A function with ``fn``'s arguments whose outputs carry the member dim at ``out_dims``.
+        Both paths give the same numbers (tested); the loop path is what runs on NPUs.
+
+    Raises:
+        ShapeError: mapped inputs disagree on the number of members.
+    """
+    def mapped(*args: Any) -> Any:
+        dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+        if len(dims) != len(args):
+            raise ShapeError(f"vmap: in_dims has {len(dims)} entries for {len(args)} arguments")
+        sizes = {s for s in (_size(a, d) for a, d in zip(args, dims)) if s is not None}
+        if len(sizes) != 1:
+            raise ShapeError(f"vmap: mapped inputs must share one member count, got {sorted(sizes)}")
+        (size,) = sizes
+        loop = use_loop
+        if loop is None:
+            dev = device if device is not None else _first_device(args)
+            loop = size == 1 or (dev is not None and not supports_vmap(dev))
+        if not loop:
+            return torch.func.vmap(fn, in_dims=dims, out_dims=out_dims, randomness=randomness)(*args)
+        outputs = [fn(*(_member(a, d, i) for a, d in zip(args, dims))) for i in range(size)]
+        return _stack_outputs(outputs, out_dims)
+
+    return mapped
+
+
+def _first_device(args: Sequence[Any]) -> torch.device | None:
+    for a in args:
+        if isinstance(a, (torch.Tensor, TensorDictBase)) and a.device is not None:
+            return a.device
+    return None
+
+
+def leaves(params: TensorDictBase) -> list[torch.Tensor]:
+    """The tensors of ``params`` in a fixed (sorted key) order: what the optimizer steps."""
+    return [params.get(k) for k in sorted(params.keys(include_nested=True, leaves_only=True), key=str)]
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool tensor, True when every element of every tensor is finite (no host sync)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return torch.stack(flags).all() if flags else torch.tensor(True)

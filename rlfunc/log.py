@@ -1,0 +1,99 @@
+"""Metrics out: one JSON line per iteration, TensorBoard when installed, a learning-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+
+def to_jsonable(value: Any) -> Any:
+    """Tensors -> floats/lists (NaN -> None, so the line stays valid JSON), recursively."""
+    if isinstance(value, TensorDictBase):
+        value = value.to_dict()
+    if isinstance(value, dict):
+        return {k: to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        value = value.item() if value.numel() == 1 and value.dim() <= 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    """Appends one JSON object per call to ``RUN_DIR/metrics.jsonl``; mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:
+                self._tb = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = to_jsonable(record)
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                values = value if isinstance(value, list) else [value]
+                for i, v in enumerate(values):
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        tag = key if len(values) == 1 else f"{key}/seed{i}"
+                        self._tb.add_scalar(tag, v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (a torn last line, from a crash, is ignored)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def plot_learning_curve(metrics_path: Path, png_path: Path, key: str = "episode_return") -> Path:
+    """Plot ``key`` (one line per seed) against env steps; writes ``png_path`` and returns it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(metrics_path) if key in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if records:
+        steps = [r["step"] for r in records]
+        first = records[0][key]
+        num = len(first) if isinstance(first, list) else 1
+        for s in range(num):
+            ys = [(r[key][s] if isinstance(r[key], list) else r[key]) for r in records]
+            ys = [math.nan if y is None else y for y in ys]
+            ax.plot(steps, ys, label=f"seed {s}" if num > 1 else None)
+        if num > 1:
+            ax.legend()
+    ax.set_xlabel("env steps (per seed)")
+    ax.set_ylabel(key.replace("_", " "))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)

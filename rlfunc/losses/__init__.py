@@ -1,0 +1,1 @@
+"""Losses: pure functions of tensors (and params) returning (loss, metrics TensorDict)."""

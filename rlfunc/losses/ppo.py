@@ -1,0 +1,135 @@
+"""PPO's clipped objective as pure functions over tensors.
+
+Reference: Schulman et al. (2017), "Proximal Policy Optimization Algorithms", eq. 7 (clipped
+surrogate) and eq. 9 (value and entropy terms); the clipped value loss and per-minibatch advantage
+normalisation follow Huang et al. (2022), "The 37 implementation details of PPO", details 7 and 9.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc.errors import ConfigError, ShapeError
+
+
+def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(A - mean(A)) / (std(A) + eps)`` over all elements, with the population std.
+
+    For a minibatch of one the result is exactly 0 (finite, no policy-gradient signal), never NaN.
+    """
+    mean = advantage.mean()
+    std = advantage.std(correction=0)
+    return (advantage - mean) / (std + eps)
+
+
+def clipped_surrogate(log_prob: Tensor, sample_log_prob: Tensor, advantage: Tensor, clip_epsilon: float) -> tuple[Tensor, Tensor]:
+    """Per-sample clipped surrogate ``min(r A, clip(r, 1-eps, 1+eps) A)`` with ``r = exp(log_prob - sample_log_prob)``.
+
+    Args:
+        log_prob: [*B, 1] float, log pi_theta(a|s) under the current parameters.
+        sample_log_prob: [*B, 1] float, log pi_old(a|s) recorded when the action was sampled.
+        advantage: [*B, 1] float.
+        clip_epsilon: the clip range eps > 0.
+
+    Returns:
+        (objective [*B, 1], ratio [*B, 1]); the objective is to be maximised.
+    """
+    log_ratio = log_prob - sample_log_prob
+    ratio = log_ratio.exp()
+    clipped = ratio.clamp(1.0 - clip_epsilon, 1.0 + clip_epsilon)
+    return torch.minimum(ratio * advantage, clipped * advantage), ratio
+
+
+def ppo_loss(
+    log_prob: Tensor,
+    sample_log_prob: Tensor,
+    advantage: Tensor,
+    state_value: Tensor,
+    value_target: Tensor,
+    *,
+    entropy: Tensor | None = None,
+    old_state_value: Tensor | None = None,
+    clip_epsilon: float = 0.2,
+    value_clip_epsilon: float | None = None,
+    entropy_coef: float = 0.0,
+    value_coef: float = 0.5,
+    normalize_advantages: bool = True,
+) -> tuple[Tensor, TensorDict]:
+    """PPO loss ``-E[min(r A, clip(r) A)] + c_v * 0.5 E[(V - V_target)^2] - c_e * E[H]``.
+
+    Args:
+        log_prob: [*B, 1] float, log pi_theta(a|s) of the stored actions.
+        sample_log_prob: [*B, 1] float, log-probability recorded at collection (TorchRL's key name).
+        advantage: [*B, 1] float, e.g. from :func:`rlfunc.returns.generalized_advantage_estimate`.
+        state_value: [*B, 1] float, V_theta(s) under the current parameters.
+        value_target: [*B, 1] float, regression target for V.
+        entropy: [*B, 1] float policy entropy (or an estimate); None disables the bonus.
+        old_state_value: [*B, 1] float, V at collection; needed when ``value_clip_epsilon`` is set.
+        clip_epsilon: surrogate clip range, > 0.
+        value_clip_epsilon: clip range of V around ``old_state_value`` (max of clipped/unclipped
+            squared errors); None for the plain squared error.
+        entropy_coef: weight of the entropy bonus, >= 0.
+        value_coef: weight of the value loss, >= 0.
+        normalize_advantages: normalise ``advantage`` over this minibatch first (finite for one sample).
+
+    Returns:
+        (loss 0-dim float, metrics TensorDict of 0-dim floats: loss_objective, loss_critic,
+        loss_entropy, entropy, approx_kl (k3 estimator, Schulman 2020), clip_fraction,
+        explained_variance).
+
+    Raises:
+        ShapeError: the inputs do not share one shape.
+        ConfigError: clip_epsilon <= 0, negative coefficients, or value clipping without old values.
+    """
+    shape = log_prob.shape
+    for name, t in (("sample_log_prob", sample_log_prob), ("advantage", advantage), ("state_value", state_value), ("value_target", value_target)):
+        if t.shape != shape:
+            raise ShapeError(f"ppo_loss: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_prob")
+    if not clip_epsilon > 0:
+        raise ConfigError(f"clip_epsilon={clip_epsilon}: expected > 0")
+    if entropy_coef < 0 or value_coef < 0:
+        raise ConfigError(f"entropy_coef={entropy_coef}, value_coef={value_coef}: expected >= 0")
+    if value_clip_epsilon is not None and old_state_value is None:
+        raise ConfigError("value_clip_epsilon is set but old_state_value was not given")
+
+    adv = normalize_advantage(advantage) if normalize_advantages else advantage
+    objective, ratio = clipped_surrogate(log_prob, sample_log_prob, adv, clip_epsilon)
+    loss_objective = -objective.mean()
+
+    value_error = (state_value - value_target).pow(2)
+    if value_clip_epsilon is not None:
+        clipped_value = old_state_value + (state_value - old_state_value).clamp(-value_clip_epsilon, value_clip_epsilon)
+        value_error = torch.maximum(value_error, (clipped_value - value_target).pow(2))
+    loss_critic = value_coef * 0.5 * value_error.mean()
+
+    if entropy is not None:
+        mean_entropy = entropy.mean()
+        loss_entropy = -entropy_coef * mean_entropy
+    else:
+        mean_entropy = loss_entropy = torch.zeros((), device=log_prob.device)
+    loss = loss_objective + loss_critic + loss_entropy
+
+    with torch.no_grad():
+        log_ratio = log_prob - sample_log_prob
+        metrics = TensorDict(
+            {
+                "loss_objective": loss_objective.detach(),
+                "loss_critic": loss_critic.detach(),
+                "loss_entropy": loss_entropy.detach(),
+                "entropy": mean_entropy.detach(),
+                "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
+                "clip_fraction": ((ratio - 1.0).abs() > clip_epsilon).float().mean(),
+                "explained_variance": explained_variance(state_value, value_target),
+            },
+            batch_size=[],
+        )
+    return loss, metrics
+
+
+def explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
+    """``1 - Var[target - prediction] / Var[target]``; 0-dim, NaN-free (0 when Var[target] == 0)."""
+    var_t = target.var(correction=0)
+    ev = 1.0 - (target - prediction).var(correction=0) / var_t.clamp_min(1e-12)
+    return torch.where(var_t > 0, ev, torch.zeros_like(ev))

@@ -1,0 +1,273 @@
+"""Running mean and variance as TensorDict state, merged with the parallel (Chan et al.) formulas.
+
+The statistics of a stream of samples x of shape [*shape] are a TensorDict with batch_size []:
+
+    "mean"   [*shape]  float   sample mean
+    "var"    [*shape]  float   population variance M2 / count (1 before any sample)
+    "count"  []        float32 number of samples merged so far
+
+Every function is pure (returns a new TensorDict, never mutates its inputs) and free of
+value-dependent Python control flow, so a stack of statistics (batch_size [S], one per seed or
+device) is handled with ``torch.func.vmap`` (or ``rlfunc.func.vmap``) over the leading dim.
+
+Counts are float32: exact up to 2^24 (about 1.7e7) samples; beyond that each merge's weights carry
+a relative error of at most 6e-8, which is harmless for normalisation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc.errors import ConfigError, ShapeError
+
+__all__ = [
+    "denormalize",
+    "init_running_stats",
+    "merge_running_stats",
+    "normalize",
+    "scale_reward",
+    "update_running_stats",
+]
+
+_KEYS = ("mean", "var", "count")
+
+
+def _check_stats(stats: TensorDict, name: str) -> torch.Size:
+    """The sample shape of ``stats``; ShapeError naming ``name`` when it is not running stats."""
+    if not isinstance(stats, TensorDict):
+        raise ShapeError(f"{name}: expected a TensorDict from init_running_stats, got {type(stats).__name__}")
+    missing = [k for k in _KEYS if k not in stats.keys()]
+    if missing:
+        raise ShapeError(f"{name}: missing keys {missing}; expected keys {list(_KEYS)}")
+    mean, var, count = stats["mean"], stats["var"], stats["count"]
+    if mean.shape != var.shape:
+        raise ShapeError(f"{name}: 'mean' shape {tuple(mean.shape)} != 'var' shape {tuple(var.shape)}")
+    if count.ndim != 0:
+        raise ShapeError(
+            f"{name}: 'count' has shape {tuple(count.shape)}, expected []"
+            " (stacked statistics are handled with torch.func.vmap over the stack dim)"
+        )
+    return mean.shape
+
+
+def _check_sample(x: Tensor, shape: torch.Size, name: str) -> torch.Size:
+    """The batch shape of ``x`` = [*batch, *shape]; ShapeError naming ``name`` otherwise."""
+    if not isinstance(x, Tensor):
+        raise ShapeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    k = len(shape)
+    if x.ndim < k or tuple(x.shape[x.ndim - k :]) != tuple(shape):
+        raise ShapeError(f"{name}: shape {tuple(x.shape)} does not end with the statistics' shape {tuple(shape)}")
+    return x.shape[: x.ndim - k]
+
+
+def _check_eps(eps: float) -> None:
+    if not eps >= 0.0:
+        raise ConfigError(f"eps={eps!r}: expected eps >= 0")
+
+
+def init_running_stats(
+    shape: Sequence[int] | torch.Size,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> TensorDict:
+    """Empty running statistics: mean = 0, var = 1, count = 0.
+
+    With count 0 the first update replaces mean and var exactly by the batch's moments (no
+    epsilon-count prior); var = 1 only makes ``normalize`` the identity before any data.
+
+    Args:
+        shape: shape of one sample, e.g. (obs_dim,) for observations or () for scalar returns.
+        device: where the statistics live (keep them on the training device).
+        dtype: floating dtype of "mean" and "var"; "count" is always float32.
+
+    Returns:
+        TensorDict, batch_size [], keys "mean" [*shape], "var" [*shape] ``dtype``, "count" [] float32.
+
+    Raises:
+        ConfigError: ``dtype`` is not floating, or ``shape`` has a negative entry.
+    """
+    shape = tuple(int(s) for s in shape)
+    if not dtype.is_floating_point:
+        raise ConfigError(f"dtype={dtype}: expected a floating dtype")
+    if any(s < 0 for s in shape):
+        raise ConfigError(f"shape={shape}: entries must be >= 0")
+    return TensorDict(
+        {
+            "mean": torch.zeros(shape, device=device, dtype=dtype),
+            "var": torch.ones(shape, device=device, dtype=dtype),
+            "count": torch.zeros((), device=device, dtype=torch.float32),
+        },
+        batch_size=[],
+        device=device,
+    )
+
+
+def _merge(mean_a: Tensor, var_a: Tensor, n_a: Tensor, mean_b: Tensor, var_b: Tensor, n_b: Tensor):
+    """Chan et al. merge of (mean, population var, count) pairs; empty sides are passed through exactly."""
+    n = n_a + n_b
+    w_b = (n_b / torch.where(n > 0, n, torch.ones_like(n))).to(mean_a.dtype)
+    w_a = 1 - w_b
+    delta = mean_b - mean_a
+    mean = mean_a + w_b * delta
+    var = w_a * var_a + w_b * var_b + (w_a * w_b) * delta.square()
+    mean = torch.where(n_b == 0, mean_a, torch.where(n_a == 0, mean_b, mean))
+    var = torch.where(n_b == 0, var_a, torch.where(n_a == 0, var_b, var))
+    return mean, var, n
+
+
+def merge_running_stats(a: TensorDict, b: TensorDict) -> TensorDict:
+    """Statistics of the union of two disjoint sample sets (Chan, Golub & LeVeque 1979):
+
+        n = n_a + n_b,  delta = mean_b - mean_a,
+        mean = mean_a + delta * n_b / n,
+        var  = (n_a var_a + n_b var_b) / n + delta^2 n_a n_b / n^2.
+
+    Exact when either side is empty (count 0): the other side is returned unchanged. Symmetric up to
+    rounding. Use it to combine statistics gathered on different seeds, workers or devices.
+
+    Args:
+        a: running statistics (see module docstring).
+        b: running statistics of the same sample shape, device and dtype.
+
+    Returns:
+        New TensorDict with a's layout; a and b are not modified.
+
+    Raises:
+        ShapeError: an argument is not running statistics, or the sample shapes differ.
+
+    Reference: Chan, Golub & LeVeque (1979), "Updating formulae and a pairwise algorithm for
+    computing sample variances", eq. 2.1.
+    """
+    shape_a = _check_stats(a, "a")
+    shape_b = _check_stats(b, "b")
+    if shape_a != shape_b:
+        raise ShapeError(f"b: sample shape {tuple(shape_b)} != a's sample shape {tuple(shape_a)}")
+    mean, var, count = _merge(a["mean"], a["var"], a["count"], b["mean"], b["var"], b["count"])
+    return TensorDict({"mean": mean, "var": var, "count": count}, batch_size=[], device=a.device)
+
+
+def update_running_stats(stats: TensorDict, x: Tensor, mask: Tensor | None = None) -> TensorDict:
+    """Merge a batch of samples into running statistics.
+
+    The batch's own moments (count n_b, mean, population variance; two-pass, so no cancellation)
+    are merged with ``merge_running_stats``. A row is one sample x[i] of shape [*shape]; it is
+    counted only if ``mask[i]`` is True (when a mask is given) and every value in it is finite.
+    Rows with NaN or +-inf are skipped, never merged: one bad observation cannot poison the
+    statistics. If no row is counted the statistics come back unchanged.
+
+    Args:
+        stats: running statistics with sample shape [*shape] (see module docstring).
+        x: [*batch, *shape] samples, any real dtype; cast to the statistics' dtype.
+        mask: optional [*batch] bool, True for rows to include (e.g. valid steps of a padded rollout).
+
+    Returns:
+        New statistics TensorDict; ``stats`` is not modified.
+
+    Raises:
+        ShapeError: ``stats`` is not running statistics; ``x`` does not end with [*shape] or is on
+            another device; ``mask`` is not bool or its shape is not x's batch shape.
+
+    Reference: Chan, Golub & LeVeque (1979), eq. 2.1; Welford (1962) for the streaming case.
+    """
+    shape = _check_stats(stats, "stats")
+    batch = _check_sample(x, shape, "x")
+    mean_a = stats["mean"]
+    if x.device != mean_a.device:
+        raise ShapeError(f"x: on device {x.device}, but stats are on {mean_a.device}")
+    rows = batch.numel()
+    x = x.to(mean_a.dtype).reshape(rows, *shape)
+    valid = torch.isfinite(x).reshape(rows, math.prod(shape)).all(-1)
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise ShapeError(f"mask: expected a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if tuple(mask.shape) != tuple(batch):
+            raise ShapeError(f"mask: shape {tuple(mask.shape)} != x's batch shape {tuple(batch)}")
+        valid = valid & mask.to(valid.device).reshape(rows)
+    keep = valid.reshape(rows, *([1] * len(shape)))
+    n_b = valid.sum().to(torch.float32)
+    denom = torch.where(n_b > 0, n_b, torch.ones_like(n_b)).to(mean_a.dtype)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    mean_b = torch.where(keep, x, zero).sum(0) / denom
+    var_b = torch.where(keep, x - mean_b, zero).square().sum(0) / denom
+    mean, var, count = _merge(mean_a, stats["var"], stats["count"], mean_b, var_b, n_b)
+    return TensorDict({"mean": mean, "var": var, "count": count}, batch_size=[], device=stats.device)
+
+
+def normalize(stats: TensorDict, x: Tensor, *, clip: float | None = None, eps: float = 1e-8) -> Tensor:
+    """y = clamp((x - mean) / sqrt(var + eps), -clip, clip).
+
+    Args:
+        stats: running statistics with sample shape [*shape].
+        x: [*batch, *shape] float.
+        clip: optional bound > 0 on |y| (e.g. 10.0 as in SB3 VecNormalize); None: no clipping.
+        eps: >= 0, added to the variance (units of x^2) so constant features do not divide by 0.
+
+    Returns:
+        [*batch, *shape] float, dtype by torch type promotion of x and the statistics.
+
+    Raises:
+        ShapeError: ``stats`` is not running statistics, or ``x`` does not end with [*shape].
+        ConfigError: clip <= 0 or eps < 0.
+    """
+    shape = _check_stats(stats, "stats")
+    _check_sample(x, shape, "x")
+    _check_eps(eps)
+    if clip is not None and not clip > 0:
+        raise ConfigError(f"clip={clip!r}: expected clip > 0 or None")
+    y = (x - stats["mean"]) * torch.rsqrt(stats["var"] + eps)
+    return y if clip is None else y.clamp(-clip, clip)
+
+
+def denormalize(stats: TensorDict, y: Tensor, *, eps: float = 1e-8) -> Tensor:
+    """x = y * sqrt(var + eps) + mean, the inverse of ``normalize`` without clipping (same ``eps``).
+
+    Args:
+        stats: running statistics with sample shape [*shape].
+        y: [*batch, *shape] float, normalised values.
+        eps: >= 0, must equal the ``eps`` used to normalise.
+
+    Returns:
+        [*batch, *shape] float.
+
+    Raises:
+        ShapeError: ``stats`` is not running statistics, or ``y`` does not end with [*shape].
+        ConfigError: eps < 0.
+    """
+    shape = _check_stats(stats, "stats")
+    _check_sample(y, shape, "y")
+    _check_eps(eps)
+    return y * torch.sqrt(stats["var"] + eps) + stats["mean"]
+
+
+def scale_reward(reward: Tensor, return_stats: TensorDict, eps: float = 1e-8) -> Tensor:
+    """r' = r / sqrt(Var[G] + eps): rewards scaled by the running std of the discounted return.
+
+    ``return_stats`` are running statistics (usually sample shape []) of the discounted return
+    G_t = gamma * G_{t-1} + r_t accumulated per environment and reset at episode ends, as in SB3's
+    VecNormalize; maintaining G and updating the statistics is the caller's job. The mean is not
+    subtracted (that would change the optimal policy's incentives to end or prolong episodes).
+
+    Args:
+        reward: [*batch, *shape] float, e.g. [*B, T, 1] rewards with statistics of shape [1] or [].
+        return_stats: running statistics of the discounted return, sample shape [*shape].
+        eps: >= 0, added to the variance.
+
+    Returns:
+        [*batch, *shape] float, the scaled reward.
+
+    Raises:
+        ShapeError: ``return_stats`` is not running statistics, or ``reward`` does not end with [*shape].
+        ConfigError: eps < 0.
+
+    Reference: Stable-Baselines3 ``VecNormalize`` (norm_reward=True); Engstrom et al. (2020),
+    "Implementation Matters in Deep Policy Gradients", reward scaling.
+    """
+    shape = _check_stats(return_stats, "return_stats")
+    _check_sample(reward, shape, "reward")
+    _check_eps(eps)
+    return reward * torch.rsqrt(return_stats["var"] + eps)

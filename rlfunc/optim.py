@@ -1,0 +1,107 @@
+"""torch.optim over the leaves of a parameter TensorDict, with per-member gradient clipping.
+
+The optimizer step is the one stateful edge of rlfunc: it updates the parameter TensorDict's leaves
+in place, so every policy bound to those leaves (the collector's included) sees the new weights.
+With stacked params (a leading seed/ensemble dim) Adam is elementwise, so members stay independent;
+gradient-norm clipping and non-finite skipping are done per member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.func import leaves
+
+
+def make_adam(params: TensorDictBase, lr: float, *, eps: float = 1e-5, betas=(0.9, 0.999)) -> torch.optim.Adam:
+    """Adam over ``params``' leaves (foreach implementation). ``lr`` in units of the loss per step."""
+    if not lr > 0:
+        raise ConfigError(f"lr={lr}: expected a positive learning rate")
+    return torch.optim.Adam(leaves(params), lr=lr, eps=eps, betas=betas, foreach=True)
+
+
+def linear_lr(base_lr: float, iteration: int, num_iterations: int, anneal: bool = True) -> float:
+    """Linearly annealed learning rate: ``base_lr * (1 - iteration / num_iterations)``, or constant."""
+    if not anneal or num_iterations <= 0:
+        return base_lr
+    return base_lr * max(1.0 - iteration / num_iterations, 0.0)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def member_grad_norms(grads: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
+    """Global L2 norm of the gradients, per member: ``[M]`` when ``stacked`` else ``[1]``."""
+    if stacked:
+        sq = [g.pow(2).flatten(1).sum(1) for g in grads]
+    else:
+        sq = [g.pow(2).sum().reshape(1) for g in grads]
+    return torch.stack(sq).sum(0).sqrt()
+
+
+def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float, stacked: bool) -> torch.Tensor:
+    """Scale gradients in place so each member's global norm is at most ``max_norm``.
+
+    Returns:
+        [M] (or [1]) float, the norms before clipping.
+    """
+    norms = member_grad_norms(grads, stacked)
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.view(-1, *([1] * (g.dim() - 1))) if stacked else scale)
+    return norms
+
+
+def masked_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], ok: torch.Tensor) -> None:
+    """``optimizer.step()`` that leaves members with ``ok[m] == False`` untouched (params and state).
+
+    Args:
+        params: the leaves the optimizer steps, each ``[M, ...]`` when ``ok`` has M > 1 entries.
+        ok: [M] bool, members whose update is valid (finite loss and gradients).
+
+    The common case (all ok) costs one host read of ``ok``; otherwise the skipped members' params and
+    optimizer state are restored after the step, and their (non-finite) gradients never touch them.
+    """
+    if bool(ok.all()):
+        optimizer.step()
+        return
+    bad = ~ok
+    saved = []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        saved.append((p.detach().clone(), {k: v.clone() for k, v in state.items() if torch.is_tensor(v)}))
+        if p.grad is not None:
+            p.grad.nan_to_num_(0.0, 0.0, 0.0)
+    if ok.numel() == 1:
+        return  # a single member: skip the whole step
+    optimizer.step()
+    with torch.no_grad():
+        for p, (old, old_state) in zip(params, saved):
+            idx = bad.nonzero().squeeze(-1)
+            p.index_copy_(0, idx, old.index_select(0, idx))
+            state = optimizer.state.get(p, {})
+            for k, v in old_state.items():
+                if k in state and state[k].dim() > 0 and state[k].shape[0] == ok.numel():
+                    state[k].index_copy_(0, idx, v.index_select(0, idx))
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> TensorDict:
+    """The optimizer's tensor state as a TensorDict ``{"<i>": {"step", "exp_avg", ...}}`` for checkpoints."""
+    sd = optimizer.state_dict()["state"]
+    return TensorDict({str(i): TensorDict(dict(s), batch_size=[]) for i, s in sd.items()}, batch_size=[])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: TensorDictBase) -> None:
+    """Inverse of :func:`optimizer_state`, keeping the optimizer's current hyperparameters."""
+    sd = optimizer.state_dict()
+    try:
+        sd["state"] = {int(i): {k: v.clone() for k, v in s.items()} for i, s in state.items()}
+        optimizer.load_state_dict(sd)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"optimizer state does not match the parameters: {e}") from e

@@ -1,0 +1,271 @@
+"""A whole PPO run as one function of its config: collect -> update -> log -> checkpoint, resumable.
+
+``train(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
+checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), learning_curve.png and eval.json.
+Resume is exact on CPU: the learner state, optimizer state, RNG states, rollout carry and the
+gymnasium envs' own state (RNG, time limit, physics) all go into each snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from rlfunc import checkpoint, collect, func
+from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
+from rlfunc.device import resolve_device
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.log import MetricsLogger, plot_learning_curve
+from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
+
+EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
+
+
+class TrainResult(NamedTuple):
+    state: TensorDict
+    run_dir: Path
+    interrupted: bool
+
+
+def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
+    """Sizes and bounds of a vector env; EnvError unless observations and actions are flat Boxes."""
+    obs_space, act_space = venv.single_observation_space, venv.single_action_space
+    if not isinstance(act_space, gym.spaces.Box) or not isinstance(obs_space, gym.spaces.Box):
+        raise EnvError(
+            f"PPO with a Gaussian actor needs Box observations and actions; got "
+            f"{type(obs_space).__name__} observations and {type(act_space).__name__} actions"
+        )
+    return EnvSpec(
+        int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)),
+        act_space.low.astype(float).tolist(), act_space.high.astype(float).tolist(),
+    )
+
+
+def _generators(state: TensorDict, device: torch.device) -> list[torch.Generator]:
+    gens = []
+    for s in range(state["rng"].shape[0]):
+        g = torch.Generator(device=device)
+        g.set_state(state["rng"][s].cpu())
+        gens.append(g)
+    return gens
+
+
+def _member_seeds(config: PPOConfig) -> list[int]:
+    return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
+
+
+def _like(state: TensorDict, carry: TensorDict, optimizer: torch.optim.Optimizer) -> TensorDict:
+    """The structure a snapshot of this run must have (keys, shapes, dtypes) for load validation."""
+    opt = TensorDict(
+        {
+            str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            for i, p in enumerate(optimizer.param_groups[0]["params"])
+        },
+        batch_size=[],
+    )
+    return TensorDict({"learner": state, "optim": opt, "carry": carry}, batch_size=[])
+
+
+def _episode_stats(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean return of the episodes that ended in ``batch`` ([S, N, T]) per seed, and their count."""
+    done = batch["next", "done"].flatten(1).float()
+    returns = batch["next", "episode_reward"].flatten(1)
+    count = done.sum(1)
+    mean = (returns * done).sum(1) / count.clamp_min(1)
+    return torch.where(count > 0, mean, torch.full_like(mean, float("nan"))), count
+
+
+def _save(run_dir, state, optimizer, carry, venv, config, spec) -> Path:
+    snapshot = TensorDict(
+        {"learner": state, "optim": optimizer_state(optimizer), "carry": carry}, batch_size=[]
+    )
+    meta = {
+        "algo": "ppo",
+        "config": dataclasses.asdict(config),
+        "env_spec": spec._asdict(),
+        "env_state": collect.env_state(venv),
+        "iteration": int(state["iteration"]),
+        "env_steps": int(state["env_steps"]),
+    }
+    return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=int(state["env_steps"]))
+
+
+def config_from_meta(meta: dict) -> PPOConfig:
+    """Rebuild a PPOConfig from a snapshot's meta; CheckpointError if it does not fit this version."""
+    if meta.get("algo") != "ppo":
+        raise CheckpointError(f"snapshot algo={meta.get('algo')!r}: expected 'ppo'")
+    cfg = dict(meta["config"])
+    cfg["hidden"] = tuple(cfg["hidden"])
+    try:
+        return PPOConfig(**cfg)
+    except TypeError as e:
+        raise CheckpointError(f"snapshot config does not match this rlfunc version: {e}") from e
+
+
+def train(
+    config: PPOConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    max_iterations: int | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> TrainResult:
+    """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``).
+
+    Args:
+        config: every hyperparameter (see PPOConfig); on resume, the snapshot's config is used.
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot in ``run_dir``.
+        max_iterations: stop after this many iterations of this call (the LR schedule still spans
+            ``config.total_steps``), e.g. to split a run in parts.
+        progress: show a tqdm bar.
+
+    Returns:
+        TrainResult(state, run_dir, interrupted): interrupted is True when SIGINT/SIGTERM stopped
+        the run (a snapshot was saved first).
+
+    Raises:
+        ConfigError, EnvError, CheckpointError: bad config, env id or snapshot; nothing is written then.
+    """
+    run_dir = Path(run_dir)
+    device = resolve_device(config.device)
+    snapshot_path = None
+    if resume:
+        snapshot_path = checkpoint.latest_snapshot(run_dir)
+        if snapshot_path is None:
+            raise CheckpointError(f"{run_dir}: no snapshot to resume from")
+        config = config_from_meta(checkpoint.load_meta(snapshot_path))
+    elif (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; use `rlfunc resume {run_dir}` or a new --run-dir")
+
+    venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
+    try:
+        return _train(config, run_dir, device, venv, snapshot_path, max_iterations, progress, tensorboard)
+    finally:
+        venv.close()
+
+
+def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progress, tensorboard) -> TrainResult:
+    spec = env_spec(venv)
+    algo: PPO = make_ppo(config, spec, device)
+    state = algo.init()
+    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+    carry = collect.reset(venv, _member_seeds(config))
+    if snapshot_path is not None:
+        loaded, meta = checkpoint.load_snapshot(snapshot_path, device=device, like=_like(state, carry, optimizer))
+        state.update_(loaded["learner"])  # in place: the optimizer keeps stepping the same leaves
+        for key in ("iteration", "env_steps", "discounted_return", "rng"):
+            state[key] = loaded["learner"][key]
+        load_optimizer_state(optimizer, loaded["optim"])
+        carry = loaded["carry"].to("cpu")
+        if meta.get("env_state") is not None:
+            collect.set_env_state(venv, meta["env_state"])
+        else:  # an env whose state can't be captured: start fresh episodes (documented)
+            carry = collect.reset(venv, _member_seeds(config))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+
+    stop = {"signal": None}
+    def handler(signum, _frame):
+        stop["signal"] = signal.Signals(signum).name
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    start_iteration = int(state["iteration"])
+    end = config.num_iterations if max_iterations is None else min(config.num_iterations, start_iteration + max_iterations)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.num_iterations, initial=start_iteration, unit="it", dynamic_ncols=True)
+    S, N, T = config.num_seeds, config.num_envs, config.num_steps
+    t_start = time.perf_counter()
+    interrupted = False
+    try:
+        for it in range(start_iteration, end):
+            t0 = time.perf_counter()
+            set_lr(optimizer, linear_lr(config.lr, it, config.num_iterations, config.anneal_lr))
+            gens = _generators(state, device)
+            batch, carry = collect.rollout(venv, algo.policy(state, gens), carry, T, device=device)
+            batch = batch.reshape(S, N, T)
+            t1 = time.perf_counter()
+            state, metrics = algo.iteration(state, batch, gens, optimizer)
+            t2 = time.perf_counter()
+            ep_return, ep_count = _episode_stats(batch)
+            record = {
+                "iteration": it + 1,
+                "step": int(state["env_steps"]),
+                "time": time.perf_counter() - t_start,
+                "steps_per_s": S * N * T / (t2 - t0),
+                "collect_s": t1 - t0,
+                "update_s": t2 - t1,
+                "lr": optimizer.param_groups[0]["lr"],
+                "episode_return": ep_return if S > 1 else ep_return[0],
+                "episodes": ep_count if S > 1 else ep_count[0],
+                **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
+            }
+            logger.log(record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(ret=f"{ep_return.nanmean().item():.1f}", sps=f"{record['steps_per_s']:.0f}")
+            last = it + 1 == end
+            if stop["signal"] or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
+                _save(run_dir, state, optimizer, carry, venv, config, spec)
+            if stop["signal"]:
+                interrupted = True
+                break
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        logger.close()
+        if bar is not None:
+            bar.close()
+    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
+    return TrainResult(state, run_dir, interrupted)
+
+
+def evaluate(run_dir: str | Path, episodes: int = 10, *, seed: int | None = None, device: str = "auto") -> dict:
+    """Deterministic-action returns of the latest snapshot in ``run_dir``: {mean, std, per_seed, episodes}.
+
+    Raises:
+        CheckpointError: no readable snapshot in ``run_dir``. ConfigError: ``episodes < 1``.
+    """
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    path = checkpoint.latest_snapshot(run_dir)
+    if path is None:
+        raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
+    config = config_from_meta(checkpoint.load_meta(path))
+    dev = resolve_device(device)
+    config = dataclasses.replace(config, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
+    venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
+    try:
+        algo = make_ppo(config, env_spec(venv), dev)
+        like = algo.init()
+        loaded, _ = checkpoint.load_snapshot(path, device=dev)
+        state = like.clone()
+        state["params"].update_(loaded["learner", "params"])
+        state["obs_stats"].update_(loaded["learner", "obs_stats"])
+        base = (config.seed if seed is None else seed) + EVAL_SEED_OFFSET
+        seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(base + i, episodes)]
+        returns = collect.episode_returns(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)
+    finally:
+        venv.close()
+    per_seed = returns.view(config.num_seeds, episodes)
+    return {
+        "env": config.env,
+        "episodes": episodes,
+        "mean": float(per_seed.mean()),
+        "std": float(per_seed.std(correction=0)),
+        "per_seed_mean": per_seed.mean(1).tolist(),
+        "env_steps": int(loaded["learner", "env_steps"]),
+    }

@@ -1,0 +1,203 @@
+"""rlfunc.normalize: merge property, float64 numpy references, masking, vmap vs loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.normalize import (
+    denormalize,
+    init_running_stats,
+    merge_running_stats,
+    normalize,
+    scale_reward,
+    update_running_stats,
+)
+
+
+def _close(stats, mean, var, count, atol=1e-5, rtol=1e-5):
+    torch.testing.assert_close(stats["mean"].double(), torch.as_tensor(mean, dtype=torch.float64), atol=atol, rtol=rtol)
+    torch.testing.assert_close(stats["var"].double(), torch.as_tensor(var, dtype=torch.float64), atol=atol, rtol=rtol)
+    assert stats["count"].item() == count
+
+
+def test_init_layout():
+    s = init_running_stats((3,))
+    assert s.batch_size == torch.Size([])
+    assert s["mean"].shape == (3,) and s["var"].shape == (3,) and s["count"].shape == ()
+    assert s["mean"].dtype == torch.float32 and s["count"].dtype == torch.float32
+    assert s["count"].item() == 0
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(normalize(s, x), x)  # identity before any data
+
+
+def test_first_update_from_count_zero_is_exact():
+    x = torch.tensor([[1.0, -2.0], [3.0, 5.0], [8.0, 0.5]])
+    s = update_running_stats(init_running_stats((2,)), x)
+    assert torch.equal(s["mean"], x.mean(0))
+    torch.testing.assert_close(s["var"], x.var(0, unbiased=False), atol=0, rtol=1e-6)
+    assert s["count"].item() == 3
+
+
+def test_merge_property_1234():
+    s = init_running_stats(())
+    s12 = update_running_stats(s, torch.tensor([1.0, 2.0]))
+    s1234_seq = update_running_stats(s12, torch.tensor([3.0, 4.0]))
+    s1234 = update_running_stats(s, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    _close(s1234_seq, 2.5, 1.25, 4, atol=0, rtol=1e-7)
+    _close(s1234, 2.5, 1.25, 4, atol=0, rtol=1e-7)
+    merged = merge_running_stats(update_running_stats(s, torch.tensor([3.0, 4.0])), s12)
+    _close(merged, 2.5, 1.25, 4, atol=0, rtol=1e-7)
+
+
+def test_update_is_pure():
+    s = init_running_stats((2,))
+    before = s.clone()
+    s2 = update_running_stats(s, torch.randn(5, 2))
+    merge_running_stats(s, s2)
+    assert (s == before).all()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_splits_match_numpy_float64(seed):
+    rng = np.random.default_rng(seed)
+    shape = (3, 2)
+    data = rng.normal(loc=rng.normal(size=shape) * 50, scale=rng.uniform(0.1, 10, size=shape), size=(200, *shape))
+    cuts = np.sort(rng.choice(np.arange(1, 200), size=6, replace=False))
+    s = init_running_stats(shape)
+    parts = []
+    for chunk in np.split(data, cuts):
+        s = update_running_stats(s, torch.from_numpy(chunk))  # float64 input is cast to float32
+        parts.append(update_running_stats(init_running_stats(shape), torch.from_numpy(chunk).float()))
+    _close(s, data.mean(0), data.var(0), 200, atol=1e-4, rtol=1e-5)
+    # tree merge of the parts, as across seeds/devices
+    while len(parts) > 1:
+        pairs = [parts[i : i + 2] for i in range(0, len(parts), 2)]
+        parts = [merge_running_stats(*p) if len(p) == 2 else p[0] for p in pairs]
+    _close(parts[0], data.mean(0), data.var(0), 200, atol=1e-4, rtol=1e-5)
+
+
+def test_large_offset_is_stable():
+    # mean 1e4, std 1e-1: naive E[x^2] - E[x]^2 in float32 loses everything
+    rng = np.random.default_rng(0)
+    data = 1e4 + 0.1 * rng.normal(size=(4000, 1))
+    s = init_running_stats((1,))
+    for chunk in np.split(data, 40):
+        s = update_running_stats(s, torch.from_numpy(chunk).float())
+    ref = data.astype(np.float32).astype(np.float64)
+    _close(s, ref.mean(0), ref.var(0), 4000, atol=1e-3, rtol=1e-3)
+
+
+def test_non_finite_rows_are_skipped():
+    x = torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3.0, 4.0], [0.0, float("inf")], [-float("inf"), 1.0]])
+    s = update_running_stats(init_running_stats((2,)), x)
+    ref = x[[0, 2]].double()
+    _close(s, ref.mean(0), ref.var(0, unbiased=False), 2)
+    assert torch.isfinite(s["mean"]).all() and torch.isfinite(s["var"]).all()
+
+
+def test_all_rows_invalid_leaves_stats_unchanged():
+    s = update_running_stats(init_running_stats((2,)), torch.tensor([[1.0, 2.0], [3.0, 5.0]]))
+    s2 = update_running_stats(s, torch.full((3, 2), float("nan")))
+    assert (s2 == s).all()
+    s3 = update_running_stats(s, torch.zeros(0, 2))
+    assert (s3 == s).all()
+    fresh = update_running_stats(init_running_stats((2,)), torch.full((3, 2), float("nan")))
+    assert (fresh == init_running_stats((2,))).all()
+
+
+def test_mask():
+    x = torch.arange(12.0).reshape(2, 3, 2)  # batch [2, 3], shape [2]
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    s = update_running_stats(init_running_stats((2,)), x, mask)
+    ref = x[mask].double()
+    _close(s, ref.mean(0), ref.var(0, unbiased=False), 4)
+
+
+def test_merge_with_empty_is_exact():
+    a = update_running_stats(init_running_stats((3,)), torch.randn(7, 3))
+    e = init_running_stats((3,))
+    assert (merge_running_stats(a, e) == a).all()
+    assert (merge_running_stats(e, a) == a).all()
+
+
+def test_vmap_over_stacked_stats_equals_loop():
+    S = 3
+    g = torch.Generator().manual_seed(0)
+    stats = torch.stack([init_running_stats((2,)) for _ in range(S)])
+    assert stats.batch_size == torch.Size([S])
+    xs = [torch.randn(S, 5, 2, generator=g) * (i + 1) + i for i in range(3)]
+    xs[1][1, 2, 0] = float("nan")  # a bad row on one member only
+    masks = [torch.rand(S, 5, generator=g) > 0.3 for _ in range(3)]
+    vupdate = torch.func.vmap(update_running_stats)
+    v = stats
+    loop = [stats[i] for i in range(S)]
+    for x, m in zip(xs, masks):
+        v = vupdate(v, x, m)
+        loop = [update_running_stats(loop[i], x[i], m[i]) for i in range(S)]
+    ref = torch.stack(loop)
+    assert v.batch_size == torch.Size([S])
+    for key in ("mean", "var", "count"):
+        torch.testing.assert_close(v[key], ref[key])
+    # merge, normalize and denormalize under vmap too
+    other = vupdate(stats, torch.randn(S, 4, 2, generator=g), torch.ones(S, 4, dtype=torch.bool))
+    vm = torch.func.vmap(merge_running_stats)(v, other)
+    lm = torch.stack([merge_running_stats(v[i], other[i]) for i in range(S)])
+    for key in ("mean", "var", "count"):
+        torch.testing.assert_close(vm[key], lm[key])
+    y = torch.randn(S, 6, 2, generator=g)
+    vn = torch.func.vmap(lambda s, x: normalize(s, x, clip=5.0))(v, y)
+    torch.testing.assert_close(vn, torch.stack([normalize(v[i], y[i], clip=5.0) for i in range(S)]))
+
+
+def test_normalize_denormalize_round_trip_and_clip():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=g) * torch.tensor([1.0, 10.0, 0.01]) + torch.tensor([5.0, -3.0, 100.0])
+    s = update_running_stats(init_running_stats((3,)), x)
+    y = normalize(s, x)
+    x64 = x.double()
+    y_ref = (x64 - x64.mean(0)) / torch.sqrt(x64.var(0, unbiased=False) + 1e-8)
+    # column 2 (100 +- 0.01) is quantised by float32 to 7.6e-6 / 0.01 ~ 8e-4 of a std
+    torch.testing.assert_close(y.double(), y_ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(y[:, :2].mean(0), torch.zeros(2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(y[:, :2].var(0, unbiased=False), torch.ones(2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(denormalize(s, y), x, atol=1e-4, rtol=1e-5)
+    far = normalize(s, x + 1e6, clip=10.0)
+    assert far.abs().max().item() == 10.0
+
+
+def test_scale_reward():
+    returns = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    s = update_running_stats(init_running_stats(()), returns)
+    reward = torch.tensor([[2.0], [-4.0]])
+    torch.testing.assert_close(scale_reward(reward, s), reward / torch.sqrt(torch.tensor(5.0 + 1e-8)))
+    s1 = update_running_stats(init_running_stats((1,)), returns[:, None])
+    torch.testing.assert_close(scale_reward(reward, s1), scale_reward(reward, s))
+
+
+def test_bad_inputs_raise():
+    s = init_running_stats((3,))
+    with pytest.raises(ShapeError, match="x"):
+        update_running_stats(s, torch.zeros(4, 2))
+    with pytest.raises(ShapeError, match="mask"):
+        update_running_stats(s, torch.zeros(4, 3), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ShapeError, match="mask"):
+        update_running_stats(s, torch.zeros(4, 3), torch.ones(4))
+    with pytest.raises(ShapeError, match="stats"):
+        update_running_stats(s.exclude("count"), torch.zeros(4, 3))
+    with pytest.raises(ShapeError, match="b"):
+        merge_running_stats(s, init_running_stats((2,)))
+    with pytest.raises(ShapeError, match="y"):
+        denormalize(s, torch.zeros(3, 4))
+    with pytest.raises(ShapeError, match="reward"):
+        scale_reward(torch.zeros(5, 2), s)
+    with pytest.raises(ShapeError, match="vmap"):
+        update_running_stats(torch.stack([s, s]), torch.zeros(2, 3))
+    with pytest.raises(ConfigError, match="clip"):
+        normalize(s, torch.zeros(3), clip=0.0)
+    with pytest.raises(ConfigError, match="eps"):
+        normalize(s, torch.zeros(3), eps=-1.0)
+    with pytest.raises(ConfigError, match="dtype"):
+        init_running_stats((3,), dtype=torch.int64)
