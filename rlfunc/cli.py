@@ -11,12 +11,14 @@ env's preset. rlfunc's own errors print as one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from rlfunc.algos.ppo import PPOConfig
 from rlfunc.errors import RLFuncError
 
 USAGE = __doc__
@@ -25,7 +27,7 @@ USAGE = __doc__
 def _train(argv: list[str]) -> int:
     import tyro
 
-    from rlfunc.algos.ppo import PPOConfig, preset
+    from rlfunc.algos.ppo import preset
     from rlfunc.collect import check_env_id
     from rlfunc.train import train
 
@@ -37,13 +39,22 @@ def _train(argv: list[str]) -> int:
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(rest)
     check_env_id(known.env)
-    default = preset(known.env)
-    config = tyro.cli(PPOConfig, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
+    default = _Unchecked(**dataclasses.asdict(preset(known.env)))
+    parsed = tyro.cli(_Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
                       description="Train PPO with a Gaussian actor. Defaults: the env's preset.")
+    config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
     run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = train(config, run_dir)
     _report(result)
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unchecked(PPOConfig):
+    """PPOConfig parsed without validation (tyro would box a ValueError); validated right after."""
+
+    def __post_init__(self) -> None:
+        pass
 
 
 def _report(result) -> None:
@@ -73,7 +84,6 @@ def _eval(argv: list[str]) -> int:
 
 
 def _resume(argv: list[str]) -> int:
-    from rlfunc.algos.ppo import PPOConfig
     from rlfunc.train import train
 
     p = argparse.ArgumentParser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")

@@ -51,7 +51,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         raise ConfigError(f"device={device!r}: torch_npu is not installed or sees no NPU (pip install .[npu])")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}: this machine has no CUDA device")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:  # a known kind with a bad index, e.g. "cpu:x" or "cpu:-1"
+        raise ConfigError(f"device={device!r}: expected one of {', '.join(_KNOWN)} (optionally ':index')") from None
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype:

@@ -86,15 +86,19 @@ def masked_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
             idx = bad.nonzero().squeeze(-1)
             p.index_copy_(0, idx, old.index_select(0, idx))
             state = optimizer.state.get(p, {})
-            for k, v in old_state.items():
-                if k in state and state[k].dim() > 0 and state[k].shape[0] == ok.numel():
-                    state[k].index_copy_(0, idx, v.index_select(0, idx))
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == ok.numel():
+                    if k in old_state:
+                        v.index_copy_(0, idx, old_state[k].index_select(0, idx))
+                    else:  # state created by this (first) step: skipped members keep the initial zeros
+                        v.index_fill_(0, idx, 0.0)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> TensorDict:
     """The optimizer's tensor state as a TensorDict ``{"<i>": {"step", "exp_avg", ...}}`` for checkpoints."""
     sd = optimizer.state_dict()["state"]
-    return TensorDict({str(i): TensorDict(dict(s), batch_size=[]) for i, s in sd.items()}, batch_size=[])
+    # clone: a snapshot, not a view of the live state that later steps update in place
+    return TensorDict({str(i): TensorDict(dict(s), batch_size=[]) for i, s in sd.items()}, batch_size=[]).clone()
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: TensorDictBase) -> None:

@@ -54,7 +54,7 @@ def _generators(state: TensorDict, device: torch.device) -> list[torch.Generator
     gens = []
     for s in range(state["rng"].shape[0]):
         g = torch.Generator(device=device)
-        g.set_state(state["rng"][s].cpu())
+        g.set_state(state["rng"][s].cpu().clone())  # a fresh tensor: set_state misreads offset views
         gens.append(g)
     return gens
 
@@ -163,7 +163,8 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
     carry = collect.reset(venv, _member_seeds(config))
     if snapshot_path is not None:
         loaded, meta = checkpoint.load_snapshot(snapshot_path, device=device, like=_like(state, carry, optimizer))
-        state.update_(loaded["learner"])  # in place: the optimizer keeps stepping the same leaves
+        with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
+            state.update_(loaded["learner"])
         for key in ("iteration", "env_steps", "discounted_return", "rng"):
             state[key] = loaded["learner"][key]
         load_optimizer_state(optimizer, loaded["optim"])
@@ -253,8 +254,9 @@ def evaluate(run_dir: str | Path, episodes: int = 10, *, seed: int | None = None
         like = algo.init()
         loaded, _ = checkpoint.load_snapshot(path, device=dev)
         state = like.clone()
-        state["params"].update_(loaded["learner", "params"])
-        state["obs_stats"].update_(loaded["learner", "obs_stats"])
+        with torch.no_grad():
+            state["params"].update_(loaded["learner", "params"])
+            state["obs_stats"].update_(loaded["learner", "obs_stats"])
         base = (config.seed if seed is None else seed) + EVAL_SEED_OFFSET
         seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(base + i, episodes)]
         returns = collect.episode_returns(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)

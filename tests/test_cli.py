@@ -1,0 +1,89 @@
+"""The `rlfunc` command: a tiny train/eval/resume round, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfunc.cli import main
+
+TINY = ["--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--minibatch-size", "64",
+        "--num-epochs", "1", "--eval-episodes", "2", "--device", "cpu", "--checkpoint-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(d), *TINY]) == 0
+    return d
+
+
+def test_train_writes_run(run_dir, capsys):
+    assert (run_dir / "learning_curve.png").exists()
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [128, 256]
+    assert {"time", "steps_per_s", "loss_objective", "loss_critic", "episode_return"} <= records[0].keys()
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert summary["episodes"] == 2 and summary["mean"] < 0  # Pendulum returns are negative
+
+
+def test_eval_prints_one_json_line(run_dir, capsys):
+    assert main(["eval", str(run_dir), "--episodes", "3"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    summary = json.loads(out[0])
+    assert summary["episodes"] == 3 and summary["std"] >= 0 and -2000 < summary["mean"] < 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env", "NoSuchEnv-v0"], "NoSuchEnv-v0"),
+        (["--env", "Pendulum-v1", "--gamma", "1.5"], "gamma=1.5"),
+        (["--env", "Pendulum-v1", "--num-envs", "0"], "num_envs=0"),
+        (["--env", "Pendulum-v1", "--minibatch-size", "100"], "minibatch_size=100"),
+        (["--env", "Pendulum-v1", "--device", "tpu"], "device='tpu'"),
+    ],
+)
+def test_bad_train_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+    code = main(["train", "ppo", "--run-dir", str(tmp_path / "r"), *TINY, *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("rlfunc: error:") and message in err[-1]
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_existing_run_is_not_overwritten(run_dir, capsys):
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run_dir), *TINY]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_corrupt_snapshot_is_refused(tmp_path, run_dir, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    latest = (broken / "checkpoints" / "latest").read_text().strip()
+    state = broken / "checkpoints" / latest / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    before = (broken / "metrics.jsonl").read_text()
+    for command in (["eval", str(broken)], ["resume", str(broken)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("rlfunc: error:") and "sha256" in err[-1]
+    assert (broken / "metrics.jsonl").read_text() == before
+
+
+def test_entry_point_exit_code(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlfunc.cli", "train", "ppo", "--env", "Nope-v0", "--run-dir", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("rlfunc: error: env='Nope-v0'")
