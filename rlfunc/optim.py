@@ -45,14 +45,22 @@ def member_grad_norms(grads: Sequence[torch.Tensor], stacked: bool) -> torch.Ten
     return torch.stack(sq).sum(0).sqrt()
 
 
-def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float, stacked: bool) -> torch.Tensor:
+def clip_grads_(
+    grads: Sequence[torch.Tensor], max_norm: float, stacked: bool, norms: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scale gradients in place so each member's global norm is at most ``max_norm``.
+
+    Args:
+        norms: the members' norms if already computed (:func:`member_grad_norms`); non-finite
+            entries leave that member's gradients unscaled (its step is skipped anyway).
 
     Returns:
         [M] (or [1]) float, the norms before clipping.
     """
-    norms = member_grad_norms(grads, stacked)
+    if norms is None:
+        norms = member_grad_norms(grads, stacked)
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    scale = torch.where(norms.isfinite(), scale, torch.ones_like(scale))
     for g in grads:
         g.mul_(scale.view(-1, *([1] * (g.dim() - 1))) if stacked else scale)
     return norms

@@ -26,7 +26,7 @@ from rlfunc.errors import ConfigError
 from rlfunc.losses.ppo import ppo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic
 from rlfunc.nets.mlp import seeded_init
-from rlfunc.optim import clip_grads_, masked_step
+from rlfunc.optim import clip_grads_, masked_step, member_grad_norms
 from rlfunc.normalize import init_running_stats, normalize, scale_reward, update_running_stats
 from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
 
@@ -183,26 +183,39 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         return normalize(stats, obs, clip=config.obs_clip)
 
     def policy(state: TensorDict, generators: list[torch.Generator], deterministic: bool = False):
-        """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1])."""
+        """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1]).
+
+        Per member: a skeleton bound to that member's parameter views (so optimizer steps show up
+        without rebinding) and the normaliser as (mean, 1/sqrt(var + eps)) computed once, as
+        ``rlfunc.normalize.normalize`` computes it. The log-probability uses the drawn noise
+        directly: log N(a; mu, sigma) with (a - mu) / sigma = noise.
+        """
         members = []
         for s in range(S):
             module = make_net().to(device)
             state["params"][s].to_module(module)
-            members.append(module)
+            stats = state["obs_stats"][s]
+            members.append((module, stats["mean"], torch.rsqrt(stats["var"] + 1e-8)))
+        half_log_2pi = 0.5 * math.log(2.0 * math.pi)
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor]:
             obs = observation.reshape(S, -1, spec.obs_dim)
             actions, log_probs = [], []
-            for s, module in enumerate(members):
-                loc = module.actor(norm_obs(state["obs_stats"][s], obs[s]))
+            for s, (module, mean, inv_std) in enumerate(members):
+                x = obs[s]
+                if config.normalize_observations:
+                    x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
+                loc = module.actor(x)
                 if deterministic:
                     actions.append(loc)
-                    log_probs.append(torch.zeros(*loc.shape[:-1], 1, device=loc.device))
+                    log_probs.append(loc.new_zeros(*loc.shape[:-1], 1))
                     continue
+                log_std = module.log_std
                 noise = torch.randn(loc.shape, generator=generators[s], device=loc.device)
-                action = loc + module.log_std.exp() * noise
-                actions.append(action)
-                log_probs.append(gaussian_log_prob(action, loc, module.log_std))
+                actions.append(torch.addcmul(loc, log_std.exp(), noise))
+                log_probs.append((-0.5 * noise.square() - log_std - half_log_2pi).sum(-1, keepdim=True))
+            if S == 1:
+                return actions[0], log_probs[0]
             return torch.cat(actions), torch.cat(log_probs)
 
         return act
@@ -279,20 +292,21 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         stop = False
         for _ in range(config.num_epochs):
             perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
+            shuffled = flat[rows, perm]  # one gather per epoch; minibatches are then slices
             for k in range(num_mb):
-                idx = perm[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
-                mb = flat[rows, idx]
+                mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
                 loss, metrics = vmap(member_loss)(params, mb)
                 optimizer.zero_grad(set_to_none=True)
                 loss.sum().backward()
                 grads = [p.grad for p in leaves]
-                loss_ok = loss.isfinite()
-                grad_ok = torch.stack([g.flatten(1).isfinite().all(1) for g in grads]).all(0)
-                ok = data_ok & loss_ok & grad_ok
-                skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~grad_ok], 1).long()
-                for g in grads:
-                    g.nan_to_num_(0.0, 0.0, 0.0)
-                norms = clip_grads_(grads, config.max_grad_norm, stacked=True)
+                norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
+                ok = data_ok & loss.isfinite() & norms.isfinite()
+                if not bool(ok.all()):
+                    loss_ok = loss.isfinite()
+                    skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1).long()
+                    for g in grads:
+                        g.nan_to_num_(0.0, 0.0, 0.0)
+                clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
                 masked_step(optimizer, leaves, ok)
                 metrics["grad_norm"] = norms
                 metric_sum = metrics if metric_sum is None else metric_sum + metrics

@@ -1,0 +1,259 @@
+"""rlfunc.func: params as TensorDicts, apply, stacking, and vmap (torch.func path == loop path)."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import rlfunc.func as F
+from rlfunc.errors import ShapeError
+from rlfunc.func import all_finite, apply, init_stacked, leaves, params_from_module, stack_params, vmap
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def stacked_mlp_params(seeds=(0, 1, 2)) -> tuple[nn.Module, TensorDict]:
+    return mlp(), init_stacked(lambda s: params_from_module(mlp(s)), seeds)
+
+
+# --------------------------------------------------------------------------------------------
+# params_from_module / apply / stack_params
+# --------------------------------------------------------------------------------------------
+
+
+def test_params_from_module_are_leaves_that_do_not_alias_the_module():
+    module = mlp()
+    params = params_from_module(module)
+    assert set(params.keys(include_nested=True, leaves_only=True)) == {("0", "weight"), ("0", "bias"), ("2", "weight"), ("2", "bias")}
+    for (name, p), key in zip(module.named_parameters(), [("0", "weight"), ("0", "bias"), ("2", "weight"), ("2", "bias")]):
+        leaf = params.get(key)
+        assert leaf.is_leaf and leaf.requires_grad and leaf.grad_fn is None
+        assert torch.equal(leaf, p.detach())
+        assert leaf.data_ptr() != p.data_ptr()
+    # Writing into the copy leaves the module untouched, and vice versa.
+    before = module[0].weight.detach().clone()
+    with torch.no_grad():
+        params.get(("0", "weight")).add_(1.0)
+    assert torch.equal(module[0].weight.detach(), before)
+    bias_before = params.get(("2", "bias")).detach().clone()
+    with torch.no_grad():
+        module[2].bias.fill_(7.0)
+    assert torch.equal(params.get(("2", "bias")), bias_before)
+
+
+def test_params_from_module_keeps_integer_buffers_without_grad():
+    module = nn.BatchNorm1d(4)
+    params = params_from_module(module)
+    assert params.get("weight").requires_grad
+    assert params.get("running_mean").requires_grad  # floating buffers are leaves too
+    count = params.get("num_batches_tracked")
+    assert count.dtype == torch.long and not count.requires_grad
+
+
+def test_apply_equals_module_forward():
+    module = mlp(3)
+    params = params_from_module(module)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(apply(module, params, x), module(x), rtol=0, atol=0)
+    # Other params give other outputs: the substitution really happens.
+    other = params_from_module(mlp(4))
+    torch.testing.assert_close(apply(module, other, x), mlp(4)(x), rtol=0, atol=0)
+    assert not torch.allclose(apply(module, other, x), module(x))
+
+
+def test_apply_gradient_reaches_params_not_module():
+    module = mlp()
+    params = params_from_module(module)
+    apply(module, params, torch.randn(4, 3)).sum().backward()
+    assert params.get(("2", "bias")).grad is not None
+    # d(sum of outputs)/d(last bias) = batch size for each output.
+    torch.testing.assert_close(params.get(("2", "bias")).grad, torch.full((2,), 4.0))
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_stack_params_shapes_values_and_leafness():
+    members = [params_from_module(mlp(s)) for s in (0, 1, 2)]
+    stacked = stack_params(members)
+    assert stacked.batch_size == torch.Size([3])
+    assert stacked.get(("0", "weight")).shape == (3, 8, 3)
+    assert stacked.get(("2", "bias")).shape == (3, 2)
+    for m, p in enumerate(members):
+        assert torch.equal(stacked.get(("0", "weight"))[m], p.get(("0", "weight")))
+    for leaf in leaves(stacked):
+        assert leaf.is_leaf and leaf.requires_grad and leaf.is_contiguous()
+    # Usable by torch.optim: one SGD step moves every leaf by -lr * grad.
+    before = [t.detach().clone() for t in leaves(stacked)]
+    opt = torch.optim.SGD(leaves(stacked), lr=0.1)
+    sum(t.sum() for t in leaves(stacked)).backward()
+    opt.step()
+    for b, t in zip(before, leaves(stacked)):
+        torch.testing.assert_close(t.detach(), b - 0.1)
+    # The members were not stepped: the stack does not alias them.
+    for m, p in enumerate(members):
+        torch.testing.assert_close(stacked.get(("2", "bias"))[m].detach(), p.get(("2", "bias")).detach() - 0.1)
+
+
+def test_stack_params_empty_raises():
+    with pytest.raises(ShapeError):
+        stack_params([])
+
+
+def test_leaves_order_is_sorted_and_complete():
+    params = params_from_module(mlp())
+    got = leaves(params)
+    assert len(got) == 4
+    assert got[0] is params.get(("0", "bias")) and got[1] is params.get(("0", "weight"))
+    assert got[2] is params.get(("2", "bias")) and got[3] is params.get(("2", "weight"))
+
+
+# --------------------------------------------------------------------------------------------
+# vmap: torch.func path vs loop path
+# --------------------------------------------------------------------------------------------
+
+
+def test_vmap_mlp_forward_both_paths_match_per_member_apply():
+    module, params = stacked_mlp_params()
+    x = torch.randn(3, 5, 3)
+    fwd = lambda p, xi: apply(module, p, xi)  # noqa: E731
+    out_vmap = vmap(fwd, use_loop=False)(params, x)
+    out_loop = vmap(fwd, use_loop=True)(params, x)
+    assert out_vmap.shape == out_loop.shape == (3, 5, 2)
+    torch.testing.assert_close(out_vmap, out_loop, rtol=0, atol=1e-6)
+    for m in range(3):
+        torch.testing.assert_close(out_loop[m], mlp(m)(x[m]), rtol=0, atol=1e-6)
+
+
+def test_vmap_tuple_of_tensor_and_tensordict():
+    module, params = stacked_mlp_params()
+    x = torch.randn(3, 4, 3)
+
+    def fn(p, xi):
+        y = apply(module, p, xi)
+        loss = y.pow(2).mean()
+        return loss, TensorDict({"loss": loss.detach(), "y_max": y.max().detach(), "y": y.detach()}, batch_size=[])
+
+    loss_v, td_v = vmap(fn, use_loop=False)(params, x)
+    loss_l, td_l = vmap(fn, use_loop=True)(params, x)
+    assert loss_v.shape == loss_l.shape == (3,)
+    assert isinstance(td_v, TensorDict) and isinstance(td_l, TensorDict)
+    assert td_v.batch_size == td_l.batch_size == torch.Size([3])
+    torch.testing.assert_close(loss_v, loss_l, rtol=0, atol=1e-6)
+    for key in ("loss", "y_max", "y"):
+        torch.testing.assert_close(td_v.get(key), td_l.get(key), rtol=0, atol=1e-6)
+    assert td_l.get("y").shape == td_v.get("y").shape == (3, 4, 2)
+    for m in range(3):
+        torch.testing.assert_close(loss_l[m], mlp(m)(x[m]).pow(2).mean(), rtol=0, atol=1e-6)
+
+
+def test_vmap_in_dims_none_broadcasts_unmapped_args():
+    module, params = stacked_mlp_params()
+    x = torch.randn(5, 3)  # shared by all members
+    scale = torch.tensor(2.5)
+
+    def fn(p, xi, s):
+        return apply(module, p, xi) * s
+
+    out_v = vmap(fn, in_dims=(0, None, None), use_loop=False)(params, x, scale)
+    out_l = vmap(fn, in_dims=(0, None, None), use_loop=True)(params, x, scale)
+    assert out_v.shape == out_l.shape == (3, 5, 2)
+    torch.testing.assert_close(out_v, out_l, rtol=0, atol=1e-6)
+    for m in range(3):
+        torch.testing.assert_close(out_l[m], 2.5 * mlp(m)(x), rtol=0, atol=1e-6)
+
+
+def test_vmap_tensor_in_dim_1_and_out_dims():
+    a = torch.randn(4, 3)  # member dim is 1
+    b = torch.randn(3)
+    fn = lambda u, v: u * v  # noqa: E731
+    out_v = vmap(fn, in_dims=(1, 0), out_dims=1, use_loop=False)(a, b)
+    out_l = vmap(fn, in_dims=(1, 0), out_dims=1, use_loop=True)(a, b)
+    torch.testing.assert_close(out_v, a * b, rtol=0, atol=0)
+    torch.testing.assert_close(out_l, a * b, rtol=0, atol=0)
+
+
+def test_vmap_default_uses_loop_where_device_has_no_vmap(monkeypatch):
+    calls = []
+    monkeypatch.setattr(F, "supports_vmap", lambda device: calls.append(device) or False)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("torch.func.vmap must not be called when supports_vmap is False")
+
+    monkeypatch.setattr(torch.func, "vmap", fail)
+    seen = []
+
+    def fn(x):
+        seen.append(x.shape)  # the loop path sees one member at a time
+        return x * 2
+
+    x = torch.arange(6.0).reshape(3, 2)
+    out = vmap(fn)(x)
+    torch.testing.assert_close(out, x * 2)
+    assert seen == [torch.Size([2])] * 3
+    assert calls == [torch.device("cpu")]
+
+
+def test_vmap_default_uses_torch_func_where_supported(monkeypatch):
+    used = []
+    real = torch.func.vmap
+    monkeypatch.setattr(torch.func, "vmap", lambda *a, **k: used.append(True) or real(*a, **k))
+    x = torch.arange(6.0).reshape(3, 2)
+    torch.testing.assert_close(vmap(lambda t: t + 1)(x), x + 1)
+    assert used == [True]
+    # A single member takes the loop even where vmap exists.
+    used.clear()
+    torch.testing.assert_close(vmap(lambda t: t + 1)(x[:1]), x[:1] + 1)
+    assert used == []
+
+
+@pytest.mark.parametrize("use_loop", [True, False, None])
+def test_vmap_mismatched_member_counts_raise(use_loop):
+    _, params = stacked_mlp_params()  # 3 members
+    with pytest.raises(ShapeError, match=r"\[2, 3\]"):
+        vmap(lambda p, x: x, use_loop=use_loop)(params, torch.randn(2, 3))
+
+
+def test_vmap_in_dims_length_mismatch_raises():
+    with pytest.raises(ShapeError, match="in_dims"):
+        vmap(lambda a, b: a, in_dims=(0,))(torch.ones(2), torch.ones(2))
+
+
+def test_vmap_gradients_agree_between_paths():
+    module, _ = stacked_mlp_params()
+    x = torch.randn(3, 6, 3)
+    target = torch.randn(3, 6, 2)
+
+    def loss_fn(p, xi, ti):
+        return (apply(module, p, xi) - ti).pow(2).mean()
+
+    grads = {}
+    for use_loop in (False, True):
+        params = init_stacked(lambda s: params_from_module(mlp(s)), (0, 1, 2))
+        vmap(loss_fn, use_loop=use_loop)(params, x, target).sum().backward()
+        grads[use_loop] = [t.grad.clone() for t in leaves(params)]
+    for gv, gl in zip(grads[False], grads[True]):
+        assert gv.abs().sum() > 0
+        torch.testing.assert_close(gv, gl, rtol=0, atol=1e-6)
+    # And equal to the gradient of each member on its own.
+    for m in range(3):
+        p = params_from_module(mlp(m))
+        loss_fn(p, x[m], target[m]).backward()
+        for g_own, g_stacked in zip([t.grad for t in leaves(p)], grads[True]):
+            torch.testing.assert_close(g_own, g_stacked[m], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# all_finite
+# --------------------------------------------------------------------------------------------
+
+
+def test_all_finite():
+    ok = all_finite([torch.ones(3), torch.zeros(2, 2)])
+    assert ok.dim() == 0 and ok.dtype == torch.bool and bool(ok)
+    assert not bool(all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])]))
+    assert not bool(all_finite([torch.tensor([float("inf")])]))
+    assert not bool(all_finite([torch.tensor([-float("inf")]), torch.ones(1)]))
+    assert bool(all_finite([None, torch.ones(2)]))  # missing grads are skipped
+    assert bool(all_finite([]))

@@ -1,0 +1,233 @@
+"""rlfunc.losses.ppo against hand-computed values and a plain float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.ppo import clipped_surrogate, explained_variance, normalize_advantage, ppo_loss
+
+E5 = math.exp(0.5)  # 1.6487212707
+EM5 = math.exp(-0.5)  # 0.6065306597
+
+
+def col(*values, dtype=torch.float64, requires_grad=False):
+    return torch.tensor(values, dtype=dtype).unsqueeze(-1).requires_grad_(requires_grad)
+
+
+def surrogate_inputs(requires_grad=False):
+    # log-ratios 0.5, -0.5, 0.5, -0.5, 0, 0 -> ratios e^0.5, e^-0.5, e^0.5, e^-0.5, 1, 1
+    log_prob = col(0.5, -0.5, 0.5, -0.5, 0.0, 0.0, requires_grad=requires_grad)
+    sample_log_prob = col(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    advantage = col(1.0, 1.0, -1.0, -1.0, 1.0, -1.0)
+    return log_prob, sample_log_prob, advantage
+
+
+# Clipped surrogate min(r A, clip(r, 0.8, 1.2) A), per sample, with eps = 0.2:
+#   s0: r = e^0.5  = 1.6487, A = +1: rA =  1.6487, clip*A =  1.2 -> min  1.2     (clipped)
+#   s1: r = e^-0.5 = 0.6065, A = +1: rA =  0.6065, clip*A =  0.8 -> min  0.6065  (unclipped)
+#   s2: r = e^0.5  = 1.6487, A = -1: rA = -1.6487, clip*A = -1.2 -> min -1.6487  (unclipped)
+#   s3: r = e^-0.5 = 0.6065, A = -1: rA = -0.6065, clip*A = -0.8 -> min -0.8     (clipped)
+#   s4: r = 1,               A = +1:                               -> min  1
+#   s5: r = 1,               A = -1:                               -> min -1
+EXPECTED_OBJECTIVE = [1.2, EM5, -E5, -0.8, 1.0, -1.0]
+# mean = (1.2 + 0.6065307 - 1.6487213 - 0.8 + 1 - 1) / 6 = -0.6421906 / 6 = -0.1070318
+EXPECTED_LOSS_OBJECTIVE = -sum(EXPECTED_OBJECTIVE) / 6
+
+
+def test_clipped_surrogate_by_hand():
+    log_prob, sample_log_prob, advantage = surrogate_inputs()
+    objective, ratio = clipped_surrogate(log_prob, sample_log_prob, advantage, clip_epsilon=0.2)
+    torch.testing.assert_close(ratio, col(E5, EM5, E5, EM5, 1.0, 1.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(objective, col(*EXPECTED_OBJECTIVE), rtol=0, atol=1e-12)
+    assert EXPECTED_LOSS_OBJECTIVE == pytest.approx(0.10703177, abs=1e-7)
+
+
+def test_ppo_loss_objective_kl_and_clip_fraction_by_hand():
+    log_prob, sample_log_prob, advantage = surrogate_inputs()
+    zeros = torch.zeros_like(log_prob)
+    loss, metrics = ppo_loss(
+        log_prob, sample_log_prob, advantage, zeros, zeros, clip_epsilon=0.2, normalize_advantages=False
+    )
+    torch.testing.assert_close(metrics["loss_objective"], torch.tensor(EXPECTED_LOSS_OBJECTIVE, dtype=torch.float64))
+    # No value error, no entropy: the loss is the objective term alone.
+    torch.testing.assert_close(loss, torch.tensor(EXPECTED_LOSS_OBJECTIVE, dtype=torch.float64))
+    assert float(metrics["loss_critic"]) == 0.0 and float(metrics["loss_entropy"]) == 0.0
+    # k3: (r - 1) - log r:
+    #   r = e^0.5:  0.6487213 - 0.5 = 0.1487213 (twice)
+    #   r = e^-0.5: -0.3934693 + 0.5 = 0.1065307 (twice)
+    #   r = 1: 0 (twice)               -> mean = 2 * (0.1487213 + 0.1065307) / 6 = 0.0850840
+    expected_kl = 2 * ((E5 - 1 - 0.5) + (EM5 - 1 + 0.5)) / 6
+    assert float(metrics["approx_kl"]) == pytest.approx(expected_kl, abs=1e-12)
+    assert float(metrics["approx_kl"]) == pytest.approx(0.0850840, abs=1e-7)
+    # |r - 1| > 0.2 for the four samples with |log r| = 0.5, not for r = 1 -> 4 / 6.
+    assert float(metrics["clip_fraction"]) == pytest.approx(4 / 6, abs=1e-7)  # computed in float32
+
+
+def test_ppo_loss_symmetric_advantages_normalize_to_themselves():
+    # A = +-1 (three each): mean 0, population std 1 -> normalised A = A / (1 + 1e-8).
+    log_prob, sample_log_prob, advantage = surrogate_inputs()
+    zeros = torch.zeros_like(log_prob)
+    _, metrics = ppo_loss(log_prob, sample_log_prob, advantage, zeros, zeros, clip_epsilon=0.2)
+    assert float(metrics["loss_objective"]) == pytest.approx(EXPECTED_LOSS_OBJECTIVE, abs=1e-7)
+    # Scaling and shifting the advantages does not change the normalised loss.
+    _, shifted = ppo_loss(log_prob, sample_log_prob, 3.0 * advantage + 7.0, zeros, zeros, clip_epsilon=0.2)
+    assert float(shifted["loss_objective"]) == pytest.approx(EXPECTED_LOSS_OBJECTIVE, abs=1e-7)
+
+
+def test_value_loss_without_clipping_by_hand():
+    # V = [1, 2, 3], V_target = [1.5, 2, 1]: squared errors [0.25, 0, 4], mean 4.25 / 3 = 1.4166667;
+    # loss_critic = value_coef * 0.5 * mean = 0.5 * 0.5 * 1.4166667 = 0.3541667.
+    zeros = col(0.0, 0.0, 0.0)
+    loss, metrics = ppo_loss(zeros, zeros, zeros, col(1.0, 2.0, 3.0), col(1.5, 2.0, 1.0), value_coef=0.5)
+    assert float(metrics["loss_objective"]) == 0.0  # ratio 1, normalised advantage exactly 0
+    assert float(metrics["loss_critic"]) == pytest.approx(0.25 * 4.25 / 3, abs=1e-12)
+    assert float(loss) == pytest.approx(0.3541667, abs=1e-7)
+    _, metrics2 = ppo_loss(zeros, zeros, zeros, col(1.0, 2.0, 3.0), col(1.5, 2.0, 1.0), value_coef=2.0)
+    assert float(metrics2["loss_critic"]) == pytest.approx(1.0 * 4.25 / 3, abs=1e-12)
+
+
+def test_value_loss_with_clipping_by_hand():
+    # V = [1, 2, 3], V_old = [0.5, 2.5, 2], V_target = [1.5, 2, 1], value_clip_epsilon = 0.2:
+    #   s0: V - V_old =  0.5 -> clipped  0.2 -> V_c = 0.7; (0.7-1.5)^2 = 0.64; max(0.25, 0.64) = 0.64
+    #   s1: V - V_old = -0.5 -> clipped -0.2 -> V_c = 2.3; (2.3-2)^2   = 0.09; max(0,    0.09) = 0.09
+    #   s2: V - V_old =  1   -> clipped  0.2 -> V_c = 2.2; (2.2-1)^2   = 1.44; max(4,    1.44) = 4
+    # mean = 4.73 / 3 = 1.5766667; loss_critic = 0.5 * 0.5 * 1.5766667 = 0.3941667.
+    zeros = col(0.0, 0.0, 0.0)
+    state_value = col(1.0, 2.0, 3.0, requires_grad=True)
+    _, metrics = ppo_loss(
+        zeros, zeros, zeros, state_value, col(1.5, 2.0, 1.0),
+        old_state_value=col(0.5, 2.5, 2.0), value_clip_epsilon=0.2, value_coef=0.5,
+    )
+    assert float(metrics["loss_critic"]) == pytest.approx(0.25 * 4.73 / 3, abs=1e-12)
+    assert float(metrics["loss_critic"]) == pytest.approx(0.3941667, abs=1e-7)
+    # Gradient w.r.t. V: the clipped branch (s0, s1) has no gradient through V; s2 uses the plain
+    # error: d/dV [0.25 * (V - 1)^2 / 3] = 0.5 * (3 - 1) / 3 = 1/3.
+    loss, _ = ppo_loss(
+        zeros, zeros, zeros, state_value, col(1.5, 2.0, 1.0),
+        old_state_value=col(0.5, 2.5, 2.0), value_clip_epsilon=0.2, value_coef=0.5,
+    )
+    loss.backward()
+    torch.testing.assert_close(state_value.grad, col(0.0, 0.0, 1.0 / 3.0), rtol=0, atol=1e-12)
+
+
+def test_value_clipping_needs_old_values():
+    z = col(0.0, 0.0)
+    with pytest.raises(ConfigError, match="old_state_value"):
+        ppo_loss(z, z, z, z, z, value_clip_epsilon=0.2)
+
+
+def test_entropy_term_sign():
+    # H = [1, 2, 3], mean 2; entropy_coef 0.01 -> loss_entropy = -0.01 * 2 = -0.02 (a bonus).
+    zeros = col(0.0, 0.0, 0.0)
+    entropy = col(1.0, 2.0, 3.0, requires_grad=True)
+    loss, metrics = ppo_loss(zeros, zeros, zeros, zeros, zeros, entropy=entropy, entropy_coef=0.01)
+    assert float(metrics["entropy"]) == pytest.approx(2.0)
+    assert float(metrics["loss_entropy"]) == pytest.approx(-0.02, abs=1e-12)
+    assert float(loss) == pytest.approx(-0.02, abs=1e-12)
+    loss.backward()
+    # Minimising the loss increases entropy: d loss / d H_i = -0.01 / 3 < 0.
+    torch.testing.assert_close(entropy.grad, torch.full_like(entropy, -0.01 / 3), rtol=0, atol=1e-15)
+    # Entropy is reported even with coefficient 0, and then does not enter the loss.
+    loss0, metrics0 = ppo_loss(zeros, zeros, zeros, zeros, zeros, entropy=col(1.0, 2.0, 3.0), entropy_coef=0.0)
+    assert float(metrics0["entropy"]) == pytest.approx(2.0) and float(loss0) == 0.0
+
+
+def test_explained_variance():
+    target = torch.tensor([1.0, 2.0, 4.0, 7.0])
+    assert float(explained_variance(target.clone(), target)) == pytest.approx(1.0, abs=1e-7)
+    # Predicting the mean everywhere explains nothing.
+    assert float(explained_variance(torch.full_like(target, target.mean()), target)) == pytest.approx(0.0, abs=1e-6)
+    # Hand value: prediction [1, 2, 4, 5]: residual [0, 0, 0, 2], Var = 0.75; Var[target] = 5.25 -> 1 - 1/7.
+    assert float(explained_variance(torch.tensor([1.0, 2.0, 4.0, 5.0]), target)) == pytest.approx(6 / 7, abs=1e-6)
+    # Worse than the mean: negative.
+    assert float(explained_variance(-target, target)) < 0
+    # Constant target: 0 and finite, whatever the prediction.
+    constant = torch.full((4,), 3.0)
+    for pred in (constant.clone(), torch.tensor([0.0, 1.0, 2.0, 10.0])):
+        ev = explained_variance(pred, constant)
+        assert ev.dim() == 0 and torch.isfinite(ev) and float(ev) == 0.0
+
+
+def test_normalize_advantage():
+    one = normalize_advantage(torch.tensor([[3.5]]))
+    assert torch.isfinite(one).all() and float(one) == 0.0
+    constant = normalize_advantage(torch.full((4, 1), -2.0))
+    assert torch.equal(constant, torch.zeros(4, 1))
+    a = torch.tensor([[1.0], [2.0], [3.0], [6.0]], dtype=torch.float64)
+    # mean 3, population std sqrt((4 + 1 + 0 + 9) / 4) = sqrt(3.5)
+    torch.testing.assert_close(normalize_advantage(a), (a - 3.0) / (math.sqrt(3.5) + 1e-8), rtol=0, atol=1e-12)
+
+
+def test_ppo_loss_minibatch_of_one_is_finite():
+    x = col(0.3, dtype=torch.float32)
+    loss, metrics = ppo_loss(x, col(0.1, dtype=torch.float32), col(5.0, dtype=torch.float32), x, col(0.3, dtype=torch.float32))
+    assert torch.isfinite(loss)
+    assert float(metrics["loss_objective"]) == 0.0  # normalised advantage of one sample is 0
+    assert all(torch.isfinite(v) for v in metrics.values())
+    assert float(metrics["explained_variance"]) == 0.0
+
+
+def test_gradient_zero_where_ratio_clipped_in_direction_of_advantage():
+    log_prob, sample_log_prob, advantage = surrogate_inputs(requires_grad=True)
+    zeros = torch.zeros_like(advantage)
+    loss, _ = ppo_loss(log_prob, sample_log_prob, advantage, zeros, zeros, clip_epsilon=0.2, normalize_advantages=False)
+    loss.backward()
+    # loss = -mean(objective); unclipped samples: d(-rA/6)/d log_prob = -rA/6; clipped (s0, s3): 0.
+    expected = col(0.0, -EM5 / 6, E5 / 6, 0.0, -1.0 / 6, 1.0 / 6)
+    torch.testing.assert_close(log_prob.grad, expected, rtol=0, atol=1e-12)
+
+
+def ppo_loss_reference(log_prob, sample_log_prob, advantage, state_value, value_target, entropy,
+                       old_state_value, eps, veps, c_e, c_v):
+    """Plain float64 loop over samples."""
+    n = len(log_prob)
+    a = [float(x) for x in advantage]
+    mean = sum(a) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in a) / n)
+    a = [(x - mean) / (std + 1e-8) for x in a]
+    obj = crit = ent = 0.0
+    for i in range(n):
+        r = math.exp(float(log_prob[i]) - float(sample_log_prob[i]))
+        obj += min(r * a[i], min(max(r, 1 - eps), 1 + eps) * a[i])
+        v, vt, vo = float(state_value[i]), float(value_target[i]), float(old_state_value[i])
+        vc = vo + min(max(v - vo, -veps), veps)
+        crit += max((v - vt) ** 2, (vc - vt) ** 2)
+        ent += float(entropy[i])
+    return -obj / n + c_v * 0.5 * crit / n - c_e * ent / n
+
+
+def test_ppo_loss_matches_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    n = 17
+    t = lambda: torch.randn(n, 1, generator=g, dtype=torch.float64)  # noqa: E731
+    lp, slp, adv, v, vt, ov = t(), t(), t(), t(), t(), t()
+    lp = slp + 0.3 * lp
+    ent = t().abs()
+    loss, _ = ppo_loss(lp, slp, adv, v, vt, entropy=ent, old_state_value=ov, clip_epsilon=0.15,
+                       value_clip_epsilon=0.3, entropy_coef=0.02, value_coef=0.7)
+    ref = ppo_loss_reference(lp, slp, adv, v, vt, ent, ov, 0.15, 0.3, 0.02, 0.7)
+    assert float(loss) == pytest.approx(ref, abs=1e-10)
+
+
+@pytest.mark.parametrize("name", ["sample_log_prob", "advantage", "state_value", "value_target"])
+def test_shape_mismatch_names_the_argument(name):
+    args = {k: torch.zeros(4, 1) for k in ("log_prob", "sample_log_prob", "advantage", "state_value", "value_target")}
+    args[name] = torch.zeros(4)
+    with pytest.raises(ShapeError, match=name):
+        ppo_loss(**args)
+
+
+@pytest.mark.parametrize("clip_epsilon", [0.0, -0.1, float("nan")])
+def test_bad_clip_epsilon_raises(clip_epsilon):
+    z = torch.zeros(3, 1)
+    with pytest.raises(ConfigError, match="clip_epsilon"):
+        ppo_loss(z, z, z, z, z, clip_epsilon=clip_epsilon)
+
+
+@pytest.mark.parametrize("kwargs", [{"entropy_coef": -0.01}, {"value_coef": -0.5}])
+def test_negative_coefficients_raise(kwargs):
+    z = torch.zeros(3, 1)
+    with pytest.raises(ConfigError):
+        ppo_loss(z, z, z, z, z, **kwargs)
