@@ -58,7 +58,7 @@ def _scan(
     if a is not None:
         a = a.expand_as(x)
     if torch.is_grad_enabled() and (x.requires_grad or (a is not None and a.requires_grad)):
-        return _scan_autograd(x, a if coef is None else (coef if a is None else coef * a), dim, reverse, products)
+        return _scan_autograd(x, a, coef, dim, reverse, products)
     y_bufs = [torch.empty_like(x), torch.empty_like(x) if T > 2 else None]
     a_bufs = [None, None]
     y, s, i = x, 1, 0
@@ -93,8 +93,9 @@ def _scan(
     return y, (a if products else None)
 
 
-def _scan_autograd(x: Tensor, a: Tensor | float, dim: int, reverse: bool, products: bool):
-    """:func:`_scan` without ``out=`` (which autograd refuses): same steps, new tensors each step."""
+def _scan_autograd(x: Tensor, a: Tensor | None, coef: float | None, dim: int, reverse: bool, products: bool):
+    """:func:`_scan` without ``out=`` (which autograd refuses): the same steps, a_t = coef * a_t
+    with either factor absent (``None``), new tensors at every step."""
     T, y, s = x.shape[dim], x, 1
 
     def join(updated: Tensor, kept: Tensor) -> Tensor:
@@ -103,12 +104,13 @@ def _scan_autograd(x: Tensor, a: Tensor | float, dim: int, reverse: bool, produc
     while s < T:
         n = T - s
         dst, src, keep = (0, s, n) if reverse else (s, 0, 0)
-        if isinstance(a, Tensor):
-            upd = y.narrow(dim, dst, n) + a.narrow(dim, dst, n) * y.narrow(dim, src, n)
+        term = y.narrow(dim, src, n)
+        if a is not None:
+            term = a.narrow(dim, dst, n) * term
             a = join(a.narrow(dim, dst, n) * a.narrow(dim, src, n), a.narrow(dim, keep, s))
-        else:
-            upd, a = y.narrow(dim, dst, n) + a * y.narrow(dim, src, n), a * a
-        y, s = join(upd, y.narrow(dim, keep, s)), 2 * s
+        if coef is not None:
+            term, coef = coef * term, coef * coef
+        y, s = join(y.narrow(dim, dst, n) + term, y.narrow(dim, keep, s)), 2 * s
     return (y if y is not x else x.clone()), (a if products else None)
 
 

@@ -96,7 +96,9 @@ def _save(run_dir, state, optimizer, carry, venv, config, spec) -> Path:
         "iteration": int(state["iteration"]),
         "env_steps": int(state["env_steps"]),
     }
-    return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=int(state["env_steps"]))
+    return checkpoint.save_run_snapshot(
+        run_dir, snapshot, meta, step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None
+    )
 
 
 def config_from_meta(meta: dict) -> PPOConfig:
@@ -149,6 +151,8 @@ def train(
         raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; use `rlfunc resume {run_dir}` or a new --run-dir")
 
     venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     try:
         return _train(config, run_dir, device, venv, snapshot_path, max_iterations, progress, tensorboard)
     finally:
@@ -234,15 +238,21 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
     return TrainResult(state, run_dir, interrupted)
 
 
-def evaluate(run_dir: str | Path, episodes: int = 10, *, seed: int | None = None, device: str = "auto") -> dict:
-    """Deterministic-action returns of the latest snapshot in ``run_dir``: {mean, std, per_seed, episodes}.
+def evaluate(
+    run_dir: str | Path, episodes: int = 10, *, seed: int | None = None, device: str = "auto", snapshot: str | Path | None = None
+) -> dict:
+    """Deterministic-action returns of the latest snapshot in ``run_dir`` (or of ``snapshot``).
+
+    Returns:
+        {"env", "episodes", "mean", "std", "per_seed_mean", "env_steps"}: mean and std over all
+        episodes of all seeds (env reward units), the mean per seed, and the snapshot's env steps.
 
     Raises:
         CheckpointError: no readable snapshot in ``run_dir``. ConfigError: ``episodes < 1``.
     """
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
-    path = checkpoint.latest_snapshot(run_dir)
+    path = Path(snapshot) if snapshot is not None else checkpoint.latest_snapshot(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
     config = config_from_meta(checkpoint.load_meta(path))

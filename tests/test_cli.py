@@ -87,3 +87,28 @@ def test_entry_point_exit_code(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("rlfunc: error: env='Nope-v0'")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_saves_snapshot_and_exits_cleanly(tmp_path, sig):
+    import signal
+    import time
+
+    from rlfunc import checkpoint
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "rlfunc.cli", "train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run),
+            *TINY[2:], "--total-steps", "1280000", "--checkpoint-every", "0"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "interrupted: snapshot saved" in err
+    snap = checkpoint.latest_snapshot(run)
+    meta = checkpoint.load_meta(snap)
+    lines = metrics.read_text().splitlines()
+    assert 2 <= meta["iteration"] == len(lines) < 10000  # saved at the iteration it stopped after

@@ -1,0 +1,78 @@
+"""Collection overhead: steps/s of our rollout (PPO policy in the loop) and of a TorchRL Collector,
+as a share of the bare gymnasium vector env stepping random actions. Same process, interleaved.
+
+    python -m bench.collect [--env Pendulum-v1] [--num-envs 8 64] [--repeats 5] [--steps 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from rlfunc import collect
+from rlfunc.algos.ppo import make_ppo, preset
+from rlfunc.train import _generators, env_spec
+
+
+def bare(venv, steps: int) -> float:
+    venv.action_space.seed(0)
+    t = time.perf_counter()
+    for _ in range(steps):
+        venv.step(venv.action_space.sample())
+    return steps * venv.num_envs / (time.perf_counter() - t)
+
+
+def ours(venv, policy, carry, steps: int) -> tuple[float, object]:
+    t = time.perf_counter()
+    _, carry = collect.rollout(venv, policy, carry, steps, device=torch.device("cpu"))
+    return steps * venv.num_envs / (time.perf_counter() - t), carry
+
+
+def torchrl(collector_iter, frames: int) -> float:
+    t = time.perf_counter()
+    next(collector_iter)
+    return frames / (time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--env", default="Pendulum-v1")
+    p.add_argument("--num-envs", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=256)
+    a = p.parse_args()
+    print(f"env={a.env} steps/env/repeat={a.steps} repeats={a.repeats} torch threads={torch.get_num_threads()}")
+    print(f"{'num_envs':>8} {'bare steps/s':>13} {'ours steps/s':>13} {'ours/bare':>9} {'torchrl steps/s':>16} {'torchrl/bare':>12}")
+    for n in a.num_envs:
+        config = preset(a.env, num_envs=n, minibatch_size=n, device="cpu")
+        venv = collect.make_vec_env(a.env, n)
+        algo = make_ppo(config, env_spec(venv), torch.device("cpu"))
+        state = algo.init()
+        state["obs_stats", "var"] = torch.full_like(state["obs_stats", "var"], 2.0)  # a non-trivial normaliser
+        policy = algo.policy(state, _generators(state, torch.device("cpu")))
+        carry = collect.reset(venv, collect.env_seeds(0, n))
+        bare_venv = collect.make_vec_env(a.env, n)
+        bare_venv.reset(seed=0)
+        tr_env = collect.make_torchrl_env(a.env, n)
+        tr_iter = iter(collect.make_collector(tr_env, policy, frames_per_batch=n * a.steps))
+        next(tr_iter)  # warm-up
+        ours(venv, policy, carry, 8)
+        rates = {"bare": [], "ours": [], "torchrl": []}
+        for _ in range(a.repeats):  # interleaved
+            rates["bare"].append(bare(bare_venv, a.steps))
+            r, carry = ours(venv, policy, carry, a.steps)
+            rates["ours"].append(r)
+            rates["torchrl"].append(torchrl(tr_iter, n * a.steps))
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        print(f"{n:>8} {med['bare']:>13.0f} {med['ours']:>13.0f} {med['ours'] / med['bare']:>9.2f} "
+              f"{med['torchrl']:>16.0f} {med['torchrl'] / med['bare']:>12.2f}")
+        for v in (venv, bare_venv):
+            v.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""PPO on a gymnasium env: rlfunc vs stable-baselines3 with RL-Zoo settings, same script, interleaved.
+
+For each seed, both train; every --eval-every env steps the policy is evaluated with deterministic
+actions on --eval-episodes episodes (evaluation time excluded from both clocks). Reports the final
+return, and the training wall-clock until the evaluation return first reaches --threshold.
+
+    python -m bench.ppo_vs_sb3 --env Pendulum-v1 --seeds 0 1 2 --threshold -200
+    python -m bench.ppo_vs_sb3 --env HalfCheetah-v5 --seeds 0 --eval-every 50000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlfunc.algos.ppo import preset
+from rlfunc.log import read_metrics
+from rlfunc.train import evaluate, train
+
+# RL-Zoo (rl-baselines3-zoo, hyperparams/ppo.yml) settings.
+ZOO = {
+    "Pendulum-v1": dict(
+        n_envs=4, n_timesteps=100_000, normalize=False,
+        kwargs=dict(n_steps=1024, gae_lambda=0.95, gamma=0.9, n_epochs=10, ent_coef=0.0, learning_rate=1e-3,
+                    clip_range=0.2, use_sde=True, sde_sample_freq=4),
+    ),
+    "HalfCheetah-v5": dict(
+        n_envs=1, n_timesteps=1_000_000, normalize=True,
+        kwargs=dict(batch_size=64, n_steps=512, gamma=0.98, learning_rate=2.0633e-05, ent_coef=0.000401762,
+                    clip_range=0.1, n_epochs=20, gae_lambda=0.92, max_grad_norm=0.8, vf_coef=0.58096),
+        policy_kwargs=dict(log_std_init=-2, ortho_init=False, activation_fn="relu", net_arch=dict(pi=[256, 256], vf=[256, 256])),
+    ),
+}
+
+
+def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, total_steps: int | None) -> dict:
+    run_dir = out / f"rlfunc-{env}-s{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = {} if total_steps is None else {"total_steps": total_steps}
+    config = preset(env, seed=seed, device="cpu", keep_checkpoints=0, **overrides)
+    config = preset(env, seed=seed, device="cpu", keep_checkpoints=0,
+                    checkpoint_every=max(1, eval_every // config.batch_size), **overrides)
+    t = time.perf_counter()
+    train(config, run_dir, progress=False, tensorboard=False)
+    wall = time.perf_counter() - t
+    times = {r["step"]: r["time"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    curve = []
+    for snap in sorted((run_dir / "checkpoints").glob("step_*")):
+        result = evaluate(run_dir, episodes, device="cpu", snapshot=snap)
+        curve.append((result["env_steps"], times[result["env_steps"]], result["mean"]))
+    return {"wall": wall, "curve": curve}
+
+
+def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: int | None) -> dict:
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    zoo = ZOO[env]
+    venv = make_vec_env(env, n_envs=zoo["n_envs"], seed=seed)
+    eval_env = make_vec_env(env, n_envs=1, seed=seed + 10_000)
+    if zoo["normalize"]:
+        venv = VecNormalize(venv, gamma=zoo["kwargs"]["gamma"])
+        eval_env = VecNormalize(eval_env, training=False, norm_reward=False)
+    policy_kwargs = dict(zoo.get("policy_kwargs", {}))
+    if policy_kwargs.get("activation_fn") == "relu":
+        policy_kwargs["activation_fn"] = torch.nn.ReLU
+    model = PPO("MlpPolicy", venv, seed=seed, device="cpu", verbose=0, policy_kwargs=policy_kwargs or None, **zoo["kwargs"])
+
+    class Clock(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.train_time, self.last, self.next_eval, self.curve = 0.0, time.perf_counter(), eval_every, []
+
+        def _on_step(self) -> bool:
+            if self.num_timesteps >= self.next_eval:
+                self.train_time += time.perf_counter() - self.last
+                self.next_eval += eval_every
+                if zoo["normalize"]:
+                    eval_env.obs_rms = venv.obs_rms
+                mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=episodes, deterministic=True)
+                self.curve.append((self.num_timesteps, self.train_time, float(mean)))
+                self.last = time.perf_counter()
+            return True
+
+    clock = Clock()
+    t = time.perf_counter()
+    model.learn(total_timesteps=total_steps or zoo["n_timesteps"], callback=clock)
+    return {"wall": time.perf_counter() - t, "curve": clock.curve}
+
+
+def first_reach(curve, threshold):
+    for steps, seconds, ret in curve:
+        if ret >= threshold:
+            return steps, seconds
+    return None, None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--env", default="Pendulum-v1", choices=sorted(ZOO))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--threshold", type=float, default=-200.0)
+    p.add_argument("--eval-every", type=int, default=10_240)
+    p.add_argument("--eval-episodes", type=int, default=10)
+    p.add_argument("--ours-steps", type=int, default=None, help="default: the preset's total_steps")
+    p.add_argument("--sb3-steps", type=int, default=None, help="default: RL-Zoo's n_timesteps")
+    p.add_argument("--out", default="bench/out")
+    p.add_argument("--skip-sb3", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(1)  # both sides: one intra-op thread (our trainer's default)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in a.seeds:  # interleaved per seed
+        ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps)
+        sb3 = None if a.skip_sb3 else run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps)
+        rows.append({"seed": seed, "ours": ours, "sb3": sb3})
+        (out / f"ppo_vs_sb3-{a.env}.json").write_text(json.dumps(rows, indent=1))
+    print(f"env={a.env} threshold={a.threshold} eval every {a.eval_every} steps, {a.eval_episodes} episodes, torch threads=1")
+    print(f"{'seed':>4} {'who':>6} {'final return':>12} {'steps to thr':>12} {'s to thr':>9} {'train wall s':>12}")
+    summary = {}
+    for who in ("ours", "sb3"):
+        finals, times = [], []
+        for row in rows:
+            r = row[who]
+            if r is None:
+                continue
+            steps, secs = first_reach(r["curve"], a.threshold)
+            final = r["curve"][-1][2] if r["curve"] else float("nan")
+            finals.append(final)
+            times.append(secs if secs is not None else float("inf"))
+            print(f"{row['seed']:>4} {who:>6} {final:>12.1f} {str(steps):>12} {secs if secs is None else round(secs, 1)!s:>9} {r['wall']:>12.1f}")
+        if finals:
+            summary[who] = (statistics.median(finals), statistics.median(times))
+    for who, (final, secs) in summary.items():
+        print(f"median {who}: final return {final:.1f}, seconds to threshold {secs:.1f}")
+    if "ours" in summary and "sb3" in summary:
+        print(f"time-to-threshold ratio ours/sb3 = {summary['ours'][1] / summary['sb3'][1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
