@@ -2,7 +2,7 @@
 
 A policy head outputs ``loc`` and ``log_std`` of shape [*B, D]; these functions turn them into
 samples, log-likelihoods and entropies without building ``torch.distributions`` objects, so they run
-unchanged under ``torch.func.vmap`` / ``grad`` and on devices without float64. Randomness is never
+unchanged under ``torch.func.vmap`` / ``grad`` and on devices without 64-bit floats. Randomness is never
 drawn inside: a sample is ``loc + exp(log_std) * noise`` with the standard-normal ``noise`` passed in
 (see ``standard_normal``), so the same noise gives the same action.
 

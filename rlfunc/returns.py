@@ -2,10 +2,10 @@
 
 Every function here is a first-order linear recurrence along one time dimension,
 ``y_t = x_t + a_t * y_{t+1}`` (or its forward twin), evaluated exactly by a parallel scan:
-ceil(log2 T) vectorised steps, no Python loop over time steps, no division and no float64 tensors
+ceil(log2 T) vectorised steps, no Python loop over time steps, no division and no 64-bit float tensors
 (NPUs lack them), so nothing overflows in float32 for any T (a product of discounts can only
 underflow to 0 where its true value is below 1e-38). A discount given as a
-number (gamma, lmbda) has its powers formed in float64 on the host and rounded once, which makes
+number (gamma, lmbda) has its powers formed in double precision (Python floats) on the host and rounded once, which makes
 these results more accurate than a float32 loop over time when gamma * lmbda is close to 1.
 float16/bfloat16 inputs are computed in float32 and returned in their own dtype. Any device; no
 host-device synchronisation except the range check of tensor-valued gamma/lmbda. Differentiable:
@@ -46,7 +46,7 @@ def _scan(
     zero. ``x`` and ``a`` are only read.
 
     ``a`` is a tensor, or a number c, optionally times ``mask`` (0/1 in ``x``'s dtype), i.e.
-    a_t = c * mask_t. A number's powers c^s are formed in float64 on the host and rounded once, so
+    a_t = c * mask_t. A number's powers c^s are formed as Python floats (double precision) and rounded once, so
     a float32 c^s is as accurate as one rounding (squaring a float32 c k times instead would err by
     2^k roundings of c: 1.5e-5 relative at s = 512). With ``products`` (tensor ``a`` only) the
     products over the windows clipped at the sequence end are returned as well.
