@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import EnvError
+from rlfunc.returns import forward_discounted_sum
 
 Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
 
@@ -107,51 +108,51 @@ def rollout(
     low, high = space.low, space.high
     obs_dim = carry["observation"].shape[-1]
     act_dim = int(np.prod(space.shape))
-    observation = torch.empty(num_steps, n, obs_dim)
-    next_observation = torch.empty(num_steps, n, obs_dim)
+    observation = torch.empty(num_steps + 1, n, obs_dim)  # [t] observed at t; [T] the next carry
     action = torch.empty(num_steps, n, act_dim)
     log_prob = torch.empty(num_steps, n, 1)
     reward = np.empty((num_steps, n), np.float32)
     terminated = np.empty((num_steps, n), bool)
     truncated = np.empty((num_steps, n), bool)
-    episode_reward = torch.empty(num_steps, n, 1)
+    final = []  # (t, env indices, final observations) at episode ends
 
-    obs = carry["observation"]
-    ep_reward = carry["episode_reward"].clone()
-    ep_length = carry["episode_length"].clone()
-    for t in range(num_steps):
-        observation[t] = obs
-        with torch.no_grad():
-            act, logp = policy(obs.to(device, non_blocking=True))
-        action[t] = act
-        log_prob[t] = logp
-        next_obs, rew, term, trunc, info = venv.step(np.clip(action[t].numpy(), low, high))
-        reward[t], terminated[t], truncated[t] = rew, term, trunc
-        obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32))
-        next_observation[t] = obs
-        done = term | trunc
-        if done.any():
-            idx = np.flatnonzero(info["_final_obs"])
-            next_observation[t, idx] = torch.as_tensor(np.stack(info["final_obs"][idx]), dtype=torch.float32)
-        ep_reward += torch.from_numpy(reward[t]).unsqueeze(-1)
-        ep_length += 1
-        episode_reward[t] = ep_reward
-        if done.any():
-            mask = torch.from_numpy(done).unsqueeze(-1)
-            ep_reward.masked_fill_(mask, 0.0)
-            ep_length.masked_fill_(mask, 0)
+    observation[0] = carry["observation"]
+    with torch.no_grad():
+        for t in range(num_steps):
+            act, logp = policy(observation[t].to(device, non_blocking=True))
+            action[t] = act
+            log_prob[t] = logp
+            env_action = np.nan_to_num(np.clip(action[t].numpy(), low, high))  # a NaN never reaches the env
+            next_obs, rew, term, trunc, info = venv.step(env_action)
+            reward[t], terminated[t], truncated[t] = rew, term, trunc
+            observation[t + 1] = torch.from_numpy(np.asarray(next_obs, dtype=np.float32))
+            if "_final_obs" in info:
+                idx = np.flatnonzero(info["_final_obs"])
+                if idx.size:
+                    final.append((t, idx, np.stack(info["final_obs"][idx])))
 
+    next_observation = observation[1:].clone()
+    for t, idx, obs in final:
+        next_observation[t, idx] = torch.as_tensor(obs, dtype=torch.float32)
     term_t = torch.from_numpy(terminated).unsqueeze(-1)
     trunc_t = torch.from_numpy(truncated).unsqueeze(-1)
+    done_t = term_t | trunc_t
+    reward_t = torch.from_numpy(reward).unsqueeze(-1)
+    # return so far of each episode: R_t = r_t + (1 - done_{t-1}) R_{t-1}, carried across rollouts
+    not_done_before = torch.cat([torch.ones(1, n, 1), (~done_t[:-1]).float()])
+    episode_reward = forward_discounted_sum(reward_t, not_done_before, time_dim=0, initial=carry["episode_reward"].unsqueeze(0))
+    steps_since = torch.arange(1, num_steps + 1).view(-1, 1, 1).expand(num_steps, n, 1)
+    last_done = torch.where(done_t, steps_since, torch.zeros_like(steps_since)).cummax(0).values
+    episode_length = torch.where(last_done > 0, steps_since - last_done, carry["episode_length"] + steps_since)
     batch = TensorDict(
         {
-            "observation": observation,
+            "observation": observation[:-1],
             "action": action,
             "sample_log_prob": log_prob,
             "next": {
                 "observation": next_observation,
-                "reward": torch.from_numpy(reward).unsqueeze(-1),
-                "done": term_t | trunc_t,
+                "reward": reward_t,
+                "done": done_t,
                 "terminated": term_t,
                 "truncated": trunc_t,
                 "episode_reward": episode_reward,
@@ -160,8 +161,14 @@ def rollout(
         batch_size=[num_steps, n],
     )
     batch = batch.transpose(0, 1).contiguous().to(device, non_blocking=True)
+    ended = done_t[-1]
     new_carry = TensorDict(
-        {"observation": obs, "episode_reward": ep_reward, "episode_length": ep_length}, batch_size=[n]
+        {
+            "observation": observation[-1].clone(),
+            "episode_reward": episode_reward[-1].masked_fill(ended, 0.0),
+            "episode_length": episode_length[-1],
+        },
+        batch_size=[n],
     )
     return batch, new_carry
 

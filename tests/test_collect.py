@@ -78,3 +78,18 @@ def test_unknown_env_id_names_close_matches():
         collect.make_vec_env("Pendulum-v9", 2)
     with pytest.raises(EnvError, match="num_envs"):
         collect.make_vec_env("Pendulum-v1", 0)
+
+
+def test_episode_statistics_carry_across_rollouts():
+    venv = collect.make_vec_env("Pendulum-v1", 2)
+    carry = collect.reset(venv, [3, 4])
+    first, carry = collect.rollout(venv, policy, carry, 150, device=torch.device("cpu"))
+    assert torch.equal(carry["episode_length"], torch.full((2, 1), 150))
+    second, carry = collect.rollout(venv, policy, carry, 60, device=torch.device("cpu"))
+    rewards = torch.cat([first["next", "reward"], second["next", "reward"]], 1)
+    # the episode that started in the first rollout ends at its step 199 = step 49 of the second
+    assert second["next", "done"][:, 49].all()
+    torch.testing.assert_close(second["next", "episode_reward"][:, 49], rewards[:, :200].sum(1), rtol=1e-5, atol=1e-3)
+    # after the end a new episode accumulates from zero; 10 steps into it at the end of the rollout
+    torch.testing.assert_close(carry["episode_reward"], rewards[:, 200:].sum(1), rtol=1e-5, atol=1e-4)
+    assert torch.equal(carry["episode_length"], torch.full((2, 1), 10))

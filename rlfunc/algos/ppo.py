@@ -193,32 +193,36 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         Per member: a skeleton bound to that member's parameter views (so optimizer steps show up
         without rebinding) and the normaliser as (mean, 1/sqrt(var + eps)) computed once, as
         ``rlfunc.normalize.normalize`` computes it. The log-probability uses the drawn noise
-        directly: log N(a; mu, sigma) with (a - mu) / sigma = noise.
+        directly: log N(a; mu, sigma) with (a - mu) / sigma = noise. The normaliser and sigma are
+        read when the policy is built: build one per rollout (the trainer does).
         """
+        half_log_2pi = 0.5 * math.log(2.0 * math.pi)
         members = []
         for s in range(S):
             module = make_net().to(device)
             state["params"][s].to_module(module)
             stats = state["obs_stats"][s]
-            members.append((module, stats["mean"], torch.rsqrt(stats["var"] + 1e-8)))
-        half_log_2pi = 0.5 * math.log(2.0 * math.pi)
+            log_std = module.log_std.detach()
+            members.append((
+                module.actor, stats["mean"], torch.rsqrt(stats["var"] + 1e-8),
+                log_std.exp(), -(log_std + half_log_2pi).sum(),
+            ))
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor]:
             obs = observation.reshape(S, -1, spec.obs_dim)
             actions, log_probs = [], []
-            for s, (module, mean, inv_std) in enumerate(members):
+            for s, (actor, mean, inv_std, std, log_norm) in enumerate(members):
                 x = obs[s]
                 if config.normalize_observations:
                     x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
-                loc = module.actor(x)
+                loc = actor(x)
                 if deterministic:
                     actions.append(loc)
                     log_probs.append(loc.new_zeros(*loc.shape[:-1], 1))
                     continue
-                log_std = module.log_std
                 noise = torch.randn(loc.shape, generator=generators[s], device=loc.device)
-                actions.append(torch.addcmul(loc, log_std.exp(), noise))
-                log_probs.append((-0.5 * noise.square() - log_std - half_log_2pi).sum(-1, keepdim=True))
+                actions.append(torch.addcmul(loc, std, noise))
+                log_probs.append(noise.square().sum(-1, keepdim=True).mul_(-0.5).add_(log_norm))
             if S == 1:
                 return actions[0], log_probs[0]
             return torch.cat(actions), torch.cat(log_probs)
