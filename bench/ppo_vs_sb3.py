@@ -5,7 +5,7 @@ actions on --eval-episodes episodes (evaluation time excluded from both clocks).
 return, and the training wall-clock until the evaluation return first reaches --threshold.
 
     python -m bench.ppo_vs_sb3 --env Pendulum-v1 --seeds 0 1 2 --threshold -200
-    python -m bench.ppo_vs_sb3 --env HalfCheetah-v5 --seeds 0 --eval-every 50000
+    python -m bench.ppo_vs_sb3 --env HalfCheetah-v5 --seeds 0 1 2 --sb3-seeds 0 --eval-every 100000 --threshold 6941
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, tot
     run_dir = out / f"rlfunc-{env}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = {} if total_steps is None else {"total_steps": total_steps}
-    config = preset(env, seed=seed, device="cpu", keep_checkpoints=0, **overrides)
+    config = preset(env, seed=seed, device="cpu", **overrides)
     config = preset(env, seed=seed, device="cpu", keep_checkpoints=0,
                     checkpoint_every=max(1, eval_every // config.batch_size), **overrides)
     t = time.perf_counter()
@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--ours-steps", type=int, default=None, help="default: the preset's total_steps")
     p.add_argument("--sb3-steps", type=int, default=None, help="default: RL-Zoo's n_timesteps")
     p.add_argument("--out", default="bench/out")
-    p.add_argument("--skip-sb3", action="store_true")
+    p.add_argument("--sb3-seeds", type=int, nargs="*", default=None, help="default: --seeds; fewer saves time")
     a = p.parse_args()
     torch.set_num_threads(1)  # both sides: one intra-op thread (our trainer's default)
     out = Path(a.out)
@@ -124,7 +124,8 @@ def main() -> None:
     rows = []
     for seed in a.seeds:  # interleaved per seed
         ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps)
-        sb3 = None if a.skip_sb3 else run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps)
+        sb3_seeds = a.seeds if a.sb3_seeds is None else a.sb3_seeds
+        sb3 = run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps) if seed in sb3_seeds else None
         rows.append({"seed": seed, "ours": ours, "sb3": sb3})
         (out / f"ppo_vs_sb3-{a.env}.json").write_text(json.dumps(rows, indent=1))
     print(f"env={a.env} threshold={a.threshold} eval every {a.eval_every} steps, {a.eval_episodes} episodes, torch threads=1")

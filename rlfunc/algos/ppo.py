@@ -115,7 +115,7 @@ PRESETS: dict[str, dict] = {
     # HalfCheetah: RL-Zoo's gamma/lambda/grad clip and 256x256 ReLU nets, with fewer and larger
     # minibatches than RL-Zoo's 20 epochs of 64 (the bulk of its wall-clock).
     "HalfCheetah-v5": dict(
-        total_steps=1_000_000, num_envs=4, num_steps=512, num_epochs=10, minibatch_size=128,
+        total_steps=1_000_000, num_envs=4, num_steps=512, num_epochs=10, minibatch_size=256,
         lr=3e-4, gamma=0.98, lmbda=0.92, clip_epsilon=0.2, max_grad_norm=0.8,
         hidden=(256, 256), activation="relu", init_log_std=-1.0,
     ),
