@@ -96,3 +96,27 @@ def test_short_pendulum_run_improves(tmp_path):
     trained = evaluate(tmp_path / "r", episodes=10, device="cpu")
     assert trained["mean"] > first + 400, (first, trained)
     assert (tmp_path / "r" / "learning_curve.png").stat().st_size > 1000
+
+
+def test_rollout_log_prob_matches_the_loss_log_prob():
+    # The collector's fast log-probability (from the drawn noise, normaliser precomputed) equals
+    # log pi(a|s) recomputed by the loss path on the same observations: the first PPO ratio is 1.
+    from rlfunc import collect
+    from rlfunc.algos.ppo import make_ppo
+    from rlfunc.distributions import gaussian_log_prob
+    from rlfunc.normalize import normalize, update_running_stats
+    from rlfunc.train import _generators, env_spec
+
+    config = preset("Pendulum-v1", num_envs=4, num_steps=32, minibatch_size=32, num_seeds=2, device="cpu")
+    venv = collect.make_vec_env("Pendulum-v1", 8)
+    algo = make_ppo(config, env_spec(venv), torch.device("cpu"))
+    state = algo.init()
+    state["obs_stats"] = func.vmap(update_running_stats)(state["obs_stats"], torch.randn(2, 50, 3) * 3 + 1)
+    batch, _ = collect.rollout(venv, algo.policy(state, _generators(state, torch.device("cpu"))),
+                               collect.reset(venv, range(8)), 32, device=torch.device("cpu"))
+    batch = batch.reshape(2, 4, 32)
+    for s in range(2):
+        obs = normalize(state["obs_stats"][s], batch["observation"][s], clip=config.obs_clip)
+        loc, log_std, _ = func.apply(algo.net, state["params"][s], obs)
+        expected = gaussian_log_prob(batch["action"][s], loc, log_std)
+        torch.testing.assert_close(batch["sample_log_prob"][s], expected, atol=1e-5, rtol=1e-5)
