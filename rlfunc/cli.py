@@ -2,10 +2,11 @@
 
     rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the episodic return
-    rlfunc resume RUN_DIR                   continue a run from its latest snapshot
+    rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
 
-Every PPOConfig field is a flag of ``train ppo`` (``rlfunc train ppo --help``); defaults come from the
-env's preset. rlfunc's own errors print as one line on stderr with exit code 2.
+Every PPOConfig field is a flag of `train ppo` (`rlfunc train ppo --help`); defaults come from the
+env's preset. Errors print as one line on stderr with exit code 2; a run stopped by SIGINT/SIGTERM
+saves a snapshot and exits with 130/143.
 """
 
 from __future__ import annotations
@@ -14,39 +15,16 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from rlfunc.algos.ppo import PPOConfig
-from rlfunc.errors import RLFuncError
+from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
-
-
-def _train(argv: list[str]) -> int:
-    import tyro
-
-    from rlfunc.algos.ppo import preset
-    from rlfunc.collect import check_env_id
-    from rlfunc.train import train
-
-    if not argv or argv[0] not in ("ppo",):
-        raise SystemExit(f"usage: rlfunc train ppo --env ENV_ID [...]; algorithms: ppo (got {argv[:1]})")
-    rest = argv[1:]
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--env", default=PPOConfig.env)
-    pre.add_argument("--run-dir", default=None)
-    known, rest = pre.parse_known_args(rest)
-    check_env_id(known.env)
-    default = _Unchecked(**dataclasses.asdict(preset(known.env)))
-    parsed = tyro.cli(_Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
-                      description="Train PPO with a Gaussian actor. Defaults: the env's preset.")
-    config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
-    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    result = train(config, run_dir)
-    _report(result)
-    return 0
+ALGORITHMS = ("ppo",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +35,46 @@ class _Unchecked(PPOConfig):
         pass
 
 
-def _report(result) -> None:
+def _train(argv: list[str]) -> int:
+    import tyro
+
+    from rlfunc.algos.ppo import preset
+    from rlfunc.collect import check_env_id
+    from rlfunc.train import train
+
+    if not argv or argv[0] not in ALGORITHMS:
+        got = repr(argv[0]) if argv else "nothing"
+        raise ConfigError(f"algorithm: expected one of {', '.join(ALGORITHMS)} after `rlfunc train`, got {got}")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env", default=PPOConfig.env)
+    pre.add_argument("--run-dir", default=None)
+    known, rest = pre.parse_known_args(argv[1:])
+    if "-h" not in rest and "--help" not in rest:
+        check_env_id(known.env)
+    default = _Unchecked(**dataclasses.asdict(preset(known.env)))
+    parsed = tyro.cli(
+        _Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
+        description="Train PPO with a Gaussian actor. Defaults: the env's preset. "
+        "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME).",
+    )
+    config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
+    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return _report(train(config, run_dir))
+
+
+def _report(result) -> int:
     print(f"run dir: {result.run_dir}", file=sys.stderr)
     if result.interrupted:
-        print(f"interrupted: snapshot saved; continue with `rlfunc resume {result.run_dir}`", file=sys.stderr)
-        return
+        print(f"interrupted ({result.interrupted}): snapshot saved; continue with `rlfunc resume {result.run_dir}`",
+              file=sys.stderr)
+        return 128 + int(getattr(signal, result.interrupted))
     from rlfunc.train import evaluate
 
     config = json.loads((Path(result.run_dir) / "config.json").read_text())
     summary = evaluate(result.run_dir, episodes=config["eval_episodes"], device=config["device"])
     (Path(result.run_dir) / "eval.json").write_text(json.dumps(summary) + "\n")
     print(json.dumps(summary))
+    return 0
 
 
 def _eval(argv: list[str]) -> int:
@@ -88,9 +95,9 @@ def _resume(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")
     p.add_argument("run_dir")
+    p.add_argument("--total-steps", type=int, default=None, help="a new budget in env steps per seed")
     a = p.parse_args(argv)
-    _report(train(PPOConfig(), a.run_dir, resume=True))
-    return 0
+    return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
 
 
 COMMANDS = {"train": _train, "eval": _eval, "resume": _resume}
@@ -98,14 +105,21 @@ COMMANDS = {"train": _train, "eval": _eval, "resume": _resume}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        got = f"unknown command {argv[0]!r}" if argv else "no command"
+        print(f"rlfunc: error: {got}; expected one of: {', '.join(COMMANDS)} (rlfunc --help)", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[argv[0]](argv[1:])
     except RLFuncError as e:
         print(f"rlfunc: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training started or during the final evaluation
+        print("rlfunc: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

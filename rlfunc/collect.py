@@ -48,20 +48,25 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", **e
     """A gymnasium vector env of ``num_envs`` copies with SAME_STEP autoreset.
 
     Raises:
-        EnvError: unknown ``env_id``, ``num_envs < 1``, or an unknown ``vectorization``.
+        EnvError: unknown ``env_id``, ``num_envs < 1``, an unknown ``vectorization``, or an env that
+            cannot be built here (e.g. a missing optional dependency such as box2d).
     """
     check_env_id(env_id)
     if num_envs < 1:
         raise EnvError(f"num_envs={num_envs}: expected >= 1")
     if vectorization not in ("sync", "async"):
         raise EnvError(f"vectorization={vectorization!r}: expected 'sync' or 'async'")
-    return gym.make_vec(
-        env_id,
-        num_envs=num_envs,
-        vectorization_mode=vectorization,
-        vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
-        **env_kwargs,
-    )
+    try:
+        return gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode=vectorization,
+            vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
+            **env_kwargs,
+        )
+    except Exception as e:  # gymnasium raises many types here (DependencyNotInstalled, ImportError, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise EnvError(f"env={env_id!r} could not be built: {type(e).__name__}: {first}") from e
 
 
 def env_seeds(seed: int, num_envs: int) -> list[int]:
@@ -69,18 +74,32 @@ def env_seeds(seed: int, num_envs: int) -> list[int]:
     return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(num_envs)]
 
 
-def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
-    """Reset every env with its seed; the rollout carry: observation [N, obs_dim], episode stats [N, 1]."""
-    obs, _ = venv.reset(seed=list(seeds))
-    n = venv.num_envs
+def empty_carry(num_envs: int, obs_dim: int) -> TensorDict:
+    """The rollout carry with zeros: "observation" [N, obs_dim] (flattened), and the running episode
+    statistics "episode_reward" [N, 1], "episode_length" [N, 1] int64, "episode_nonfinite" [N, 1]
+    (count of non-finite rewards in the current episode; its return is reported as NaN)."""
     return TensorDict(
         {
-            "observation": torch.as_tensor(obs, dtype=torch.float32),
-            "episode_reward": torch.zeros(n, 1),
-            "episode_length": torch.zeros(n, 1, dtype=torch.int64),
+            "observation": torch.zeros(num_envs, obs_dim),
+            "episode_reward": torch.zeros(num_envs, 1),
+            "episode_length": torch.zeros(num_envs, 1, dtype=torch.int64),
+            "episode_nonfinite": torch.zeros(num_envs, 1),
         },
-        batch_size=[n],
+        batch_size=[num_envs],
     )
+
+
+def _flat_obs(obs: Any, n: int) -> Tensor:
+    return torch.from_numpy(np.asarray(obs, dtype=np.float32).reshape(n, -1))
+
+
+def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
+    """Reset every env with its seed; returns :func:`empty_carry` holding the first observations."""
+    obs, _ = venv.reset(seed=list(seeds))
+    first = _flat_obs(obs, venv.num_envs)
+    carry = empty_carry(venv.num_envs, first.shape[-1])
+    carry["observation"] = first
+    return carry
 
 
 def rollout(
@@ -94,9 +113,10 @@ def rollout(
     """Step ``venv`` ``num_steps`` times with ``policy``; returns (batch [N, T] on ``device``, new carry).
 
     Args:
-        venv: a gymnasium vector env with SAME_STEP autoreset (:func:`make_vec_env`), Box actions.
+        venv: a gymnasium vector env with SAME_STEP autoreset (:func:`make_vec_env`) with Box
+            observations and actions of any shape; both are flattened (obs_dim, act_dim).
         policy: ``observation [N, obs_dim] (device) -> (action [N, act_dim], sample_log_prob [N, 1])``;
-            the env receives the action clipped to its bounds, the batch stores it unclipped.
+            the env receives the action clipped to its bounds (NaN -> 0), the batch stores it as drawn.
         carry: the previous rollout's carry (or :func:`reset`'s); host tensors.
         num_steps: T, steps per env.
         device: where the batch goes, in one copy at the end.
@@ -105,7 +125,7 @@ def rollout(
     """
     n = venv.num_envs
     space = venv.single_action_space
-    low, high = space.low, space.high
+    low, high = space.low.reshape(-1), space.high.reshape(-1)
     obs_dim = carry["observation"].shape[-1]
     act_dim = int(np.prod(space.shape))
     observation = torch.empty(num_steps + 1, n, obs_dim)  # [t] observed at t; [T] the next carry
@@ -123,13 +143,13 @@ def rollout(
             action[t] = act
             log_prob[t] = logp
             env_action = np.nan_to_num(np.clip(action[t].numpy(), low, high))  # a NaN never reaches the env
-            next_obs, rew, term, trunc, info = venv.step(env_action)
+            next_obs, rew, term, trunc, info = venv.step(env_action.reshape(n, *space.shape))
             reward[t], terminated[t], truncated[t] = rew, term, trunc
-            observation[t + 1] = torch.from_numpy(np.asarray(next_obs, dtype=np.float32))
+            observation[t + 1] = _flat_obs(next_obs, n)
             if "_final_obs" in info:
                 idx = np.flatnonzero(info["_final_obs"])
                 if idx.size:
-                    final.append((t, idx, np.stack(info["final_obs"][idx])))
+                    final.append((t, idx, np.stack(info["final_obs"][idx]).reshape(idx.size, -1)))
 
     next_observation = observation[1:].clone()
     for t, idx, obs in final:
@@ -138,9 +158,17 @@ def rollout(
     trunc_t = torch.from_numpy(truncated).unsqueeze(-1)
     done_t = term_t | trunc_t
     reward_t = torch.from_numpy(reward).unsqueeze(-1)
-    # return so far of each episode: R_t = r_t + (1 - done_{t-1}) R_{t-1}, carried across rollouts
+    # return so far of each episode: R_t = r_t + (1 - done_{t-1}) R_{t-1}, carried across rollouts;
+    # non-finite rewards are counted apart so they void their own episode's return, not later ones
     not_done_before = torch.cat([torch.ones(1, n, 1), (~done_t[:-1]).float()])
-    episode_reward = forward_discounted_sum(reward_t, not_done_before, time_dim=0, initial=carry["episode_reward"].unsqueeze(0))
+    finite = reward_t.isfinite()
+    episode_reward = forward_discounted_sum(
+        torch.where(finite, reward_t, torch.zeros_like(reward_t)), not_done_before, time_dim=0,
+        initial=carry["episode_reward"].unsqueeze(0),
+    )
+    nonfinite = forward_discounted_sum(
+        (~finite).float(), not_done_before, time_dim=0, initial=carry["episode_nonfinite"].unsqueeze(0)
+    )
     steps_since = torch.arange(1, num_steps + 1).view(-1, 1, 1).expand(num_steps, n, 1)
     last_done = torch.where(done_t, steps_since, torch.zeros_like(steps_since)).cummax(0).values
     episode_length = torch.where(last_done > 0, steps_since - last_done, carry["episode_length"] + steps_since)
@@ -155,7 +183,7 @@ def rollout(
                 "done": done_t,
                 "terminated": term_t,
                 "truncated": trunc_t,
-                "episode_reward": episode_reward,
+                "episode_reward": episode_reward.masked_fill(nonfinite > 0, float("nan")),
             },
         },
         batch_size=[num_steps, n],
@@ -167,6 +195,7 @@ def rollout(
             "observation": observation[-1].clone(),
             "episode_reward": episode_reward[-1].masked_fill(ended, 0.0),
             "episode_length": episode_length[-1],
+            "episode_nonfinite": nonfinite[-1].masked_fill(ended, 0.0),
         },
         batch_size=[n],
     )
@@ -209,6 +238,7 @@ def env_state(venv: gym.vector.VectorEnv) -> list[dict] | None:
             item["mujoco"] = buf.tolist()
         elif isinstance(getattr(u, "state", None), (np.ndarray, tuple, list)):
             item["state"] = np.asarray(u.state).tolist()
+            item["state_dtype"] = str(np.asarray(u.state).dtype)
         else:
             return None
         states.append(item)
@@ -231,7 +261,7 @@ def set_env_state(venv: gym.vector.VectorEnv, states: list[dict]) -> None:
             mujoco.mj_setState(u.model, u.data, np.asarray(item["mujoco"]), mujoco.mjtState.mjSTATE_INTEGRATION)
             mujoco.mj_forward(u.model, u.data)
         else:
-            u.state = np.asarray(item["state"], dtype=np.asarray(u.state).dtype)
+            u.state = np.asarray(item["state"], dtype=item.get("state_dtype", np.asarray(u.state).dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +289,7 @@ def make_collector(env, policy: Policy, frames_per_batch: int, total_frames: int
     """
     from torchrl.collectors import Collector
 
+    kwargs.setdefault("auto_register_policy_transforms", False)
     return Collector(env, policy_module(policy), frames_per_batch=frames_per_batch, total_frames=total_frames, **kwargs)
 
 
@@ -274,15 +305,18 @@ def episode_returns(venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[
     carry = reset(venv, seeds)
     obs = carry["observation"]
     space = venv.single_action_space
+    n = venv.num_envs
+    low, high = space.low.reshape(-1), space.high.reshape(-1)
     total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
     finished = np.zeros(venv.num_envs, bool)
     for _ in range(max_steps):
         with torch.no_grad():
             act, _ = policy(obs.to(device))
-        next_obs, rew, term, trunc, _ = venv.step(np.clip(act.cpu().numpy(), space.low, space.high))
+        env_action = np.nan_to_num(np.clip(act.cpu().numpy(), low, high)).reshape(n, *space.shape)
+        next_obs, rew, term, trunc, _ = venv.step(env_action)
         total += np.where(finished, 0.0, rew)
         finished |= term | trunc
         if finished.all():
             return torch.as_tensor(total, dtype=torch.float32)
-        obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32))
+        obs = _flat_obs(next_obs, n)
     raise EnvError(f"episode_returns: episodes did not end within max_steps={max_steps}")

@@ -24,17 +24,22 @@ from rlfunc.errors import ShapeError
 def params_from_module(module: nn.Module) -> TensorDict:
     """A detached copy of ``module``'s parameters and buffers as a nested TensorDict.
 
-    The copy owns its storage (``requires_grad`` set on parameters) so the module stays a skeleton
-    and never aliases the learner's parameters.
+    The copy owns its storage so the module stays a skeleton and never aliases the learner's
+    parameters. Parameters require grad; buffers (e.g. BatchNorm running statistics) do not.
     """
-    return as_leaves(TensorDict.from_module(module, as_module=False).clone())
+    params = TensorDict.from_module(module, as_module=False).clone()
+    trainable = {tuple(name.split(".")) for name, _ in module.named_parameters()}
+    return as_leaves(params, trainable)
 
 
-def as_leaves(params: TensorDictBase) -> TensorDictBase:
-    """``params`` detached into autograd leaves, ``requires_grad`` on every floating tensor (in place)."""
+def as_leaves(params: TensorDictBase, trainable: set[tuple[str, ...]] | None = None) -> TensorDictBase:
+    """``params`` detached into autograd leaves (in place); ``requires_grad`` on the floating tensors
+    whose key is in ``trainable`` (all floating tensors when None)."""
     for key, value in params.items(include_nested=True, leaves_only=True):
         value = value.detach()
-        params.set(key, value.requires_grad_(True) if value.is_floating_point() else value)
+        key_t = key if isinstance(key, tuple) else (key,)
+        grad = value.is_floating_point() and (trainable is None or key_t in trainable)
+        params.set(key, value.requires_grad_(True) if grad else value)
     return params
 
 
@@ -48,9 +53,10 @@ def stack_params(params: Sequence[TensorDictBase]) -> TensorDict:
     """Stack parameter TensorDicts along a new leading member dim: ``[M, *leaf_shape]`` leaves."""
     if not params:
         raise ShapeError("stack_params: params must be a non-empty sequence")
+    trainable = {k if isinstance(k, tuple) else (k,) for k, v in params[0].items(True, True) if v.requires_grad}
     with torch.no_grad():
         stacked = torch.stack(list(params), dim=0).contiguous()
-    return as_leaves(stacked)
+    return as_leaves(stacked, trainable)
 
 
 def init_stacked(make_params: Callable[[int], TensorDict], seeds: Sequence[int]) -> TensorDict:
@@ -109,13 +115,15 @@ def vmap(
         device: the device the inputs live on (used only to choose the path when use_loop is None).
 
     Returns:
-        A function with ``fn``'s arguments whose outputs carry the member dim at ``out_dims``.
-        Both paths give the same numbers (tested); the loop path is what runs on NPUs.
+        A function with ``fn``'s arguments whose outputs carry the member dim at ``out_dims``;
+        keyword arguments are passed to every call unmapped. Both paths give the same numbers
+        (tested); the loop path is what runs on NPUs. The loop path cannot detect random ops, so
+        ``randomness="error"`` is only enforced on the vmap path.
 
     Raises:
         ShapeError: mapped inputs disagree on the number of members.
     """
-    def mapped(*args: Any) -> Any:
+    def mapped(*args: Any, **kwargs: Any) -> Any:
         dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
         if len(dims) != len(args):
             raise ShapeError(f"vmap: in_dims has {len(dims)} entries for {len(args)} arguments")
@@ -128,8 +136,8 @@ def vmap(
             dev = device if device is not None else _first_device(args)
             loop = size == 1 or (dev is not None and not supports_vmap(dev))
         if not loop:
-            return torch.func.vmap(fn, in_dims=dims, out_dims=out_dims, randomness=randomness)(*args)
-        outputs = [fn(*(_member(a, d, i) for a, d in zip(args, dims))) for i in range(size)]
+            return torch.func.vmap(fn, in_dims=dims, out_dims=out_dims, randomness=randomness)(*args, **kwargs)
+        outputs = [fn(*(_member(a, d, i) for a, d in zip(args, dims)), **kwargs) for i in range(size)]
         return _stack_outputs(outputs, out_dims)
 
     return mapped

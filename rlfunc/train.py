@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,7 +27,7 @@ from rlfunc import checkpoint, collect, func
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.log import MetricsLogger, plot_learning_curve
+from rlfunc.log import MetricsLogger, plot_learning_curve, read_metrics
 from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
@@ -33,7 +36,7 @@ EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset s
 class TrainResult(NamedTuple):
     state: TensorDict
     run_dir: Path
-    interrupted: bool
+    interrupted: str | None  # the signal's name ("SIGINT", "SIGTERM") when one stopped the run
 
 
 def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
@@ -63,12 +66,13 @@ def _member_seeds(config: PPOConfig) -> list[int]:
     return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
 
 
-def _like(state: TensorDict, carry: TensorDict, optimizer: torch.optim.Optimizer) -> TensorDict:
+def _like(state: TensorDict, carry: TensorDict, optimizer: torch.optim.Optimizer | None = None) -> TensorDict:
     """The structure a snapshot of this run must have (keys, shapes, dtypes) for load validation."""
+    params = func.leaves(state["params"]) if optimizer is None else optimizer.param_groups[0]["params"]
     opt = TensorDict(
         {
             str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-            for i, p in enumerate(optimizer.param_groups[0]["params"])
+            for i, p in enumerate(params)
         },
         batch_size=[],
     )
@@ -101,16 +105,47 @@ def _save(run_dir, state, optimizer, carry, venv, config, spec) -> Path:
     )
 
 
-def config_from_meta(meta: dict) -> PPOConfig:
-    """Rebuild a PPOConfig from a snapshot's meta; CheckpointError if it does not fit this version."""
+def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> PPOConfig:
+    """Rebuild a PPOConfig from a snapshot's meta (with ``overrides``).
+
+    Raises:
+        CheckpointError: the meta holds no valid PPO config (missing, wrong types, out of range);
+            the message names the snapshot ``path``.
+    """
     if meta.get("algo") != "ppo":
-        raise CheckpointError(f"snapshot algo={meta.get('algo')!r}: expected 'ppo'")
-    cfg = dict(meta["config"])
-    cfg["hidden"] = tuple(cfg["hidden"])
+        raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'ppo'")
     try:
+        cfg = {**dict(meta["config"]), **overrides}
+        cfg["hidden"] = tuple(int(h) for h in cfg["hidden"])
         return PPOConfig(**cfg)
-    except TypeError as e:
-        raise CheckpointError(f"snapshot config does not match this rlfunc version: {e}") from e
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
+        raise CheckpointError(f"{path}: snapshot config is not a valid PPOConfig: {e}") from e
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir={str(run_dir)!r} exists and is not a directory")
+    if resume or not run_dir.exists() or not any(run_dir.iterdir()):
+        return
+    if checkpoint.latest_snapshot(run_dir) is not None:
+        raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; use `rlfunc resume {run_dir}` or a new --run-dir")
+    raise ConfigError(
+        f"run_dir={str(run_dir)!r} is not empty (a run stopped before its first snapshot, or other files); "
+        "choose a new --run-dir or remove it"
+    )
+
+
+def _truncate_metrics(run_dir: Path, iteration: int) -> float:
+    """Drop metrics lines past ``iteration`` (written after the snapshot a resume starts from, e.g.
+    before a crash), atomically; returns the wall time of the last kept line (to continue the clock)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    kept = [r for r in read_metrics(path) if r.get("iteration", 0) <= iteration]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return float(kept[-1]["time"]) if kept else 0.0
 
 
 def train(
@@ -121,6 +156,7 @@ def train(
     max_iterations: int | None = None,
     progress: bool = True,
     tensorboard: bool = True,
+    total_steps: int | None = None,
 ) -> TrainResult:
     """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``).
 
@@ -131,24 +167,27 @@ def train(
         max_iterations: stop after this many iterations of this call (the LR schedule still spans
             ``config.total_steps``), e.g. to split a run in parts.
         progress: show a tqdm bar.
+        total_steps: on resume, a new budget (env steps per seed) to extend or shorten the run;
+            the learning-rate schedule is then stretched over the new budget.
 
     Returns:
-        TrainResult(state, run_dir, interrupted): interrupted is True when SIGINT/SIGTERM stopped
-        the run (a snapshot was saved first).
+        TrainResult(state, run_dir, interrupted): interrupted names the signal (SIGINT/SIGTERM) that
+        stopped the run after saving a snapshot, else None. Signals are caught only when called
+        from the main thread.
 
     Raises:
         ConfigError, EnvError, CheckpointError: bad config, env id or snapshot; nothing is written then.
     """
     run_dir = Path(run_dir)
-    device = resolve_device(config.device)
+    _check_run_dir(run_dir, resume)
     snapshot_path = None
     if resume:
         snapshot_path = checkpoint.latest_snapshot(run_dir)
         if snapshot_path is None:
             raise CheckpointError(f"{run_dir}: no snapshot to resume from")
-        config = config_from_meta(checkpoint.load_meta(snapshot_path))
-    elif (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
-        raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; use `rlfunc resume {run_dir}` or a new --run-dir")
+        extra = {} if total_steps is None else {"total_steps": total_steps}
+        config = config_from_meta(checkpoint.load_meta(snapshot_path), snapshot_path, **extra)
+    device = resolve_device(config.device)
 
     venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
     if config.torch_threads:
@@ -175,15 +214,27 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
         carry = loaded["carry"].to("cpu")
         if meta.get("env_state") is not None:
             collect.set_env_state(venv, meta["env_state"])
-        else:  # an env whose state can't be captured: start fresh episodes (documented)
+        else:  # an env whose state can't be captured (async vector envs, ...): fresh episodes
             carry = collect.reset(venv, _member_seeds(config))
+            warnings.warn(
+                f"{config.env} ({config.vectorization} vectorization): env state was not captured, so the "
+                "resumed run starts new episodes and is not bit-identical to an uninterrupted one",
+                stacklevel=2,
+            )
+        time_offset = _truncate_metrics(run_dir, int(state["iteration"]))
+    else:
+        time_offset = 0.0
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
 
     stop = {"signal": None}
+
     def handler(signum, _frame):
         stop["signal"] = signal.Signals(signum).name
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signals can only be caught there
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     logger = MetricsLogger(run_dir, tensorboard=tensorboard)
     start_iteration = int(state["iteration"])
     end = config.num_iterations if max_iterations is None else min(config.num_iterations, start_iteration + max_iterations)
@@ -193,8 +244,8 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
 
         bar = tqdm(total=config.num_iterations, initial=start_iteration, unit="it", dynamic_ncols=True)
     S, N, T = config.num_seeds, config.num_envs, config.num_steps
-    t_start = time.perf_counter()
-    interrupted = False
+    t_start = time.perf_counter() - time_offset
+    interrupted = None
     try:
         for it in range(start_iteration, end):
             t0 = time.perf_counter()
@@ -226,7 +277,7 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
             if stop["signal"] or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
                 _save(run_dir, state, optimizer, carry, venv, config, spec)
             if stop["signal"]:
-                interrupted = True
+                interrupted = stop["signal"]
                 break
     finally:
         for s, h in previous.items():
@@ -255,15 +306,17 @@ def evaluate(
     path = Path(snapshot) if snapshot is not None else checkpoint.latest_snapshot(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
-    config = config_from_meta(checkpoint.load_meta(path))
+    trained = config_from_meta(checkpoint.load_meta(path), path)
     dev = resolve_device(device)
-    config = dataclasses.replace(config, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
+    config = dataclasses.replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
     venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
     try:
-        algo = make_ppo(config, env_spec(venv), dev)
-        like = algo.init()
-        loaded, _ = checkpoint.load_snapshot(path, device=dev)
-        state = like.clone()
+        spec = env_spec(venv)
+        like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
+        carry = collect.empty_carry(trained.num_seeds * trained.num_envs, spec.obs_dim)
+        loaded, _ = checkpoint.load_snapshot(path, device=dev, like=_like(like, carry))
+        algo = make_ppo(config, spec, dev)
+        state = algo.init()
         with torch.no_grad():
             state["params"].update_(loaded["learner", "params"])
             state["obs_stats"].update_(loaded["learner", "obs_stats"])

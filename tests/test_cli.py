@@ -45,6 +45,10 @@ def test_eval_prints_one_json_line(run_dir, capsys):
         (["--env", "Pendulum-v1", "--num-envs", "0"], "num_envs=0"),
         (["--env", "Pendulum-v1", "--minibatch-size", "100"], "minibatch_size=100"),
         (["--env", "Pendulum-v1", "--device", "tpu"], "device='tpu'"),
+        (["--env", "Pendulum-v1", "--seed", "-1"], "seed=-1"),
+        (["--env", "Pendulum-v1", "--hidden", "0"], "hidden="),
+        (["--env", "Pendulum-v1", "--eval-episodes", "0"], "eval_episodes=0"),
+        (["--env", "CartPole-v1"], "Box"),
     ],
 )
 def test_bad_train_input_is_one_line_exit_2(tmp_path, capsys, args, message):
@@ -80,6 +84,48 @@ def test_corrupt_snapshot_is_refused(tmp_path, run_dir, capsys):
     assert (broken / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [([], "no command"), (["bogus"], "unknown command 'bogus'"), (["train"], "algorithm"), (["train", "sac"], "'sac'")],
+)
+def test_bad_commands_are_one_line_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_run_dir_that_is_a_file_or_not_empty(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert main(["train", "ppo", "--run-dir", str(afile), *TINY]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    other = tmp_path / "proj"
+    other.mkdir()
+    (other / "config.json").write_text("mine")
+    assert main(["train", "ppo", "--run-dir", str(other), *TINY]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert afile.read_text() == "keep me" and (other / "config.json").read_text() == "mine"
+
+
+def test_eval_refuses_snapshot_whose_config_does_not_match(tmp_path, run_dir, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(run_dir, bad)
+    snap = bad / "checkpoints" / (bad / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((snap / "meta.json").read_text())
+    meta["meta"]["config"]["hidden"] = [128, 128]
+    (snap / "meta.json").write_text(json.dumps(meta))
+    assert main(["eval", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match" in err[0]
+    meta["meta"]["config"] = None
+    (snap / "meta.json").write_text(json.dumps(meta))
+    assert main(["eval", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a valid PPOConfig" in err[0] and str(snap) in err[0]
+
+
 def test_entry_point_exit_code(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rlfunc.cli", "train", "ppo", "--env", "Nope-v0", "--run-dir", str(tmp_path / "x")],
@@ -106,8 +152,8 @@ def test_signal_saves_snapshot_and_exits_cleanly(tmp_path, sig):
         time.sleep(0.2)
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert "interrupted: snapshot saved" in err
+    assert proc.returncode == 128 + getattr(signal, sig), err  # 130 for SIGINT, 143 for SIGTERM
+    assert f"interrupted ({sig}): snapshot saved" in err
     snap = checkpoint.latest_snapshot(run)
     meta = checkpoint.load_meta(snap)
     lines = metrics.read_text().splitlines()

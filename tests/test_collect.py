@@ -22,10 +22,8 @@ def test_rollout_matches_torchrl_collector():
     venv = collect.make_vec_env("Pendulum-v1", n)
     venv.reset(seed=7)
     obs, _ = venv.reset()
-    carry = TensorDict(
-        {"observation": torch.as_tensor(obs), "episode_reward": torch.zeros(n, 1), "episode_length": torch.zeros(n, 1, dtype=torch.int64)},
-        batch_size=[n],
-    )
+    carry = collect.empty_carry(n, 3)
+    carry["observation"] = torch.as_tensor(obs)
     ours, _ = collect.rollout(venv, policy, carry, t, device=torch.device("cpu"))
     assert ours.batch_size == theirs.batch_size == torch.Size([n, t])
     # Identical through the first episode, its last step included (("next", "observation") there is
@@ -54,7 +52,7 @@ def test_episode_end_keeps_true_final_observation():
     torch.testing.assert_close(batch["next", "episode_reward"][:, 199], batch["next", "reward"][:, :200].sum(1), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("env_id", ["Pendulum-v1", "HalfCheetah-v5"])
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "MountainCarContinuous-v0", "HalfCheetah-v5"])
 def test_env_state_round_trip(env_id):
     a = collect.make_vec_env(env_id, 2)
     b = collect.make_vec_env(env_id, 2)
@@ -93,3 +91,69 @@ def test_episode_statistics_carry_across_rollouts():
     # after the end a new episode accumulates from zero; 10 steps into it at the end of the rollout
     torch.testing.assert_close(carry["episode_reward"], rewards[:, 200:].sum(1), rtol=1e-5, atol=1e-4)
     assert torch.equal(carry["episode_length"], torch.full((2, 1), 10))
+
+
+def test_non_finite_reward_voids_only_its_own_episode():
+    # Regression: 0 * inf = NaN used to carry a NaN return into every later episode.
+    venv = collect.make_vec_env("Pendulum-v1", 1)
+    carry = collect.reset(venv, [0])
+    real_step = venv.step
+
+    def step(action, t=[0]):
+        obs, rew, term, trunc, info = real_step(action)
+        t[0] += 1
+        return obs, (np.full_like(rew, np.inf) if t[0] == 10 else rew), term, trunc, info
+
+    venv.step = step
+    batch, carry = collect.rollout(venv, policy, carry, 400, device=torch.device("cpu"))
+    ep = batch["next", "episode_reward"][0, :, 0]
+    assert torch.isnan(ep[9:200]).all() and torch.isfinite(ep[:9]).all()
+    assert torch.isfinite(ep[200:]).all() and torch.isfinite(carry["episode_reward"]).all()
+    rewards = batch["next", "reward"][0, 200:400, 0]
+    torch.testing.assert_close(ep[399], rewards.sum(), rtol=1e-5, atol=1e-3)
+
+
+class _Grid(__import__("gymnasium").Env):
+    """An env with matrix-shaped Box observations and actions: obs = state (2x3), action (3x2)."""
+
+    def __init__(self):
+        import gymnasium as gym
+
+        self.observation_space = gym.spaces.Box(-10, 10, (2, 3), np.float32)
+        self.action_space = gym.spaces.Box(-1, 1, (3, 2), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.state = self.np_random.uniform(-1, 1, (2, 3)).astype(np.float32)
+        self.t = 0
+        return self.state.copy(), {}
+
+    def step(self, action):
+        self.t += 1
+        self.state = np.clip(self.state + 0.1 * action.T, -10, 10).astype(np.float32)
+        return self.state.copy(), float(-np.abs(self.state).sum()), False, self.t >= 20, {}
+
+
+def test_matrix_shaped_spaces_are_flattened():
+    import gymnasium as gym
+
+    gym.register("GridTest-v0", entry_point=_Grid)
+    venv = collect.make_vec_env("GridTest-v0", 2)
+    carry = collect.reset(venv, [1, 2])
+    assert carry["observation"].shape == (2, 6)
+    flat_policy = lambda obs: (torch.ones(obs.shape[0], 6) * 0.5, torch.zeros(obs.shape[0], 1))  # noqa: E731
+    batch, _ = collect.rollout(venv, flat_policy, carry, 25, device=torch.device("cpu"))
+    assert batch["observation"].shape == (2, 25, 6) and batch["action"].shape == (2, 25, 6)
+    # action 0.5 everywhere moves every state entry by +0.05 per step
+    torch.testing.assert_close(batch["next", "observation"][:, 0] - batch["observation"][:, 0], torch.full((2, 6), 0.05))
+
+
+def test_env_that_cannot_be_built_is_an_env_error():
+    import gymnasium as gym
+
+    def broken(**kwargs):
+        raise ImportError("no module named box2d")
+
+    gym.register("BrokenTest-v0", entry_point=broken)
+    with pytest.raises(EnvError, match="could not be built: ImportError"):
+        collect.make_vec_env("BrokenTest-v0", 1)

@@ -7,6 +7,7 @@ from torch import nn
 
 import rlfunc.func as F
 from rlfunc.errors import ShapeError
+from rlfunc import func
 from rlfunc.func import all_finite, apply, init_stacked, leaves, params_from_module, stack_params, vmap
 
 
@@ -48,7 +49,7 @@ def test_params_from_module_keeps_integer_buffers_without_grad():
     module = nn.BatchNorm1d(4)
     params = params_from_module(module)
     assert params.get("weight").requires_grad
-    assert params.get("running_mean").requires_grad  # floating buffers are leaves too
+    assert not params.get("running_mean").requires_grad  # buffers are state, not trained
     count = params.get("num_batches_tracked")
     assert count.dtype == torch.long and not count.requires_grad
 
@@ -257,3 +258,24 @@ def test_all_finite():
     assert not bool(all_finite([torch.tensor([-float("inf")]), torch.ones(1)]))
     assert bool(all_finite([None, torch.ones(2)]))  # missing grads are skipped
     assert bool(all_finite([]))
+
+
+def test_buffers_are_not_trainable_and_batchnorm_applies():
+    # Regression: float buffers (BatchNorm running stats) used to get requires_grad, and
+    # functional_call then failed ("native_batch_norm is not differentiable w.r.t. running_mean").
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
+    params = func.params_from_module(net)
+    assert params["1", "weight"].requires_grad and not params["1", "running_mean"].requires_grad
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(func.apply(net, params, x), net(x))
+    stacked = func.stack_params([params, func.params_from_module(net)])
+    assert stacked["0", "weight"].requires_grad and not stacked["1", "running_var"].requires_grad
+    out = func.vmap(lambda p, x: func.apply(net, p, x), (0, None))(stacked, x)
+    torch.testing.assert_close(out[1], net(x))
+
+
+def test_vmap_passes_keyword_arguments_to_both_paths():
+    f = lambda x, *, scale: x * scale  # noqa: E731
+    x = torch.randn(3, 4)
+    for loop in (False, True):
+        torch.testing.assert_close(func.vmap(f, use_loop=loop)(x, scale=2.0), x * 2.0)

@@ -120,3 +120,20 @@ def test_rollout_log_prob_matches_the_loss_log_prob():
         loc, log_std, _ = func.apply(algo.net, state["params"][s], obs)
         expected = gaussian_log_prob(batch["action"][s], loc, log_std)
         torch.testing.assert_close(batch["sample_log_prob"][s], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_resume_after_a_crash_drops_metrics_written_after_the_snapshot(tmp_path):
+    # A crash (SIGKILL) after iteration 3 but before its snapshot: resume restarts from iteration 2,
+    # and metrics.jsonl must not list iteration 3 twice, nor restart its clock.
+    import shutil
+
+    config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, checkpoint_every=2), keep_checkpoints=0)
+    train(config, tmp_path / "r", max_iterations=3, progress=False, tensorboard=False)
+    ckpt = tmp_path / "r" / "checkpoints"
+    shutil.rmtree(ckpt / "step_000000000384")  # the snapshot the crash never wrote
+    (ckpt / "latest").write_text("step_000000000256\n")
+    train(config, tmp_path / "r", resume=True, progress=False, tensorboard=False)
+    records = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    times = [r["time"] for r in records]
+    assert times == sorted(times)

@@ -36,7 +36,7 @@ class PPOConfig:
     """Every PPO hyperparameter, with its default. Steps are env steps per seed."""
 
     env: str = "Pendulum-v1"  # gymnasium env id (Box observations and actions)
-    total_steps: int = 200_000  # env steps per seed
+    total_steps: int = 200_000  # env steps per seed (rounded up to whole iterations of the batch)
     num_envs: int = 8  # parallel envs per seed
     num_steps: int = 256  # steps per env per rollout; batch = num_envs * num_steps
     num_epochs: int = 10  # passes over each batch
@@ -59,7 +59,7 @@ class PPOConfig:
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of actor and critic
     activation: str = "tanh"  # tanh | relu | elu | silu
     init_log_std: float = 0.0  # initial log standard deviation of the actions
-    target_kl: float | None = None  # stop the epochs of an iteration once approx KL exceeds it
+    target_kl: float | None = None  # a seed stops its epochs of an iteration once its approx KL exceeds it
     vectorization: Literal["sync", "async"] = "sync"  # gymnasium vector env mode
     seed: int = 0  # first seed; seed i of --num-seeds is seed + i
     num_seeds: int = 1  # independent agents trained together (stacked params)
@@ -90,6 +90,14 @@ class PPOConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
         if self.entropy_coef < 0 or self.value_coef < 0:
             raise ConfigError("entropy_coef and value_coef must be >= 0")
+        if not 0 <= self.seed < 2**31 - self.num_seeds:
+            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
+        if any(h <= 0 for h in self.hidden):
+            raise ConfigError(f"hidden={self.hidden}: every layer width must be positive")
+        if self.eval_episodes < 1:
+            raise ConfigError(f"eval_episodes={self.eval_episodes}: expected >= 1")
+        if self.target_kl is not None and not self.target_kl > 0:
+            raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
         if self.activation not in ("tanh", "relu", "elu", "silu"):
             raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
 
@@ -298,7 +306,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         rows = torch.arange(S, device=device).unsqueeze(1)
         metric_sum, updates = None, 0
         skipped = torch.zeros(S, 3, dtype=torch.int64, device=device)  # data, loss, gradient
-        stop = False
+        active = torch.ones(S, dtype=torch.bool, device=device)  # seeds still updating (target_kl)
         for _ in range(config.num_epochs):
             perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
             shuffled = flat[rows, perm]  # one gather per epoch; minibatches are then slices
@@ -316,14 +324,15 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                     for g in grads:
                         g.nan_to_num_(0.0, 0.0, 0.0)
                 clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
-                masked_step(optimizer, leaves, ok)
+                masked_step(optimizer, leaves, ok & active)
                 metrics["grad_norm"] = norms
                 metric_sum = metrics if metric_sum is None else metric_sum + metrics
                 updates += 1
-                if config.target_kl is not None and bool((metrics["approx_kl"] > config.target_kl).all()):
-                    stop = True
-                    break
-            if stop:
+                if config.target_kl is not None:
+                    active = active & ~(metrics["approx_kl"] > config.target_kl)
+                    if not bool(active.any()):
+                        break
+            if not bool(active.any()):
                 break
         out = state.clone(recurse=False)
         for key, value in new_stats.items():
