@@ -40,10 +40,11 @@ ZOO = {
 }
 
 
-def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, total_steps: int | None) -> dict:
-    run_dir = out / f"rlfunc-{env}-s{seed}"
+def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, total_steps: int | None, **overrides) -> dict:
+    run_dir = out / f"rlfunc-{env}-s{seed}" if not overrides else out / f"rlfunc-{env}-s{seed}-{abs(hash(str(overrides)))}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = {} if total_steps is None else {"total_steps": total_steps}
+    if total_steps is not None:
+        overrides["total_steps"] = total_steps
     config = preset(env, seed=seed, device="cpu", **overrides)
     config = preset(env, seed=seed, device="cpu", keep_checkpoints=0,
                     checkpoint_every=max(1, eval_every // config.batch_size), **overrides)
