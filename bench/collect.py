@@ -1,7 +1,7 @@
 """Collection overhead: steps/s of our rollout (PPO policy in the loop) and of a TorchRL Collector,
 as a share of the bare gymnasium vector env stepping random actions. Same process, interleaved.
 
-    python -m bench.collect [--env Pendulum-v1] [--num-envs 8 64] [--repeats 5] [--steps 256]
+    python -m bench.collect [--env Pendulum-v1] [--num-envs 8 64] [--repeats 5] [--steps 256] [--threads 1]
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def main() -> None:
     p.add_argument("--num-envs", type=int, nargs="+", default=[8, 64])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the trainer's default: 1)")
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
     print(f"env={a.env} steps/env/repeat={a.steps} repeats={a.repeats} torch threads={torch.get_num_threads()}")
     print(f"{'num_envs':>8} {'bare steps/s':>13} {'ours steps/s':>13} {'ours/bare':>9} {'torchrl steps/s':>16} {'torchrl/bare':>12}")
     for n in a.num_envs:

@@ -279,3 +279,15 @@ def test_vmap_passes_keyword_arguments_to_both_paths():
     x = torch.randn(3, 4)
     for loop in (False, True):
         torch.testing.assert_close(func.vmap(f, use_loop=loop)(x, scale=2.0), x * 2.0)
+
+
+def test_stacked_sequential_equals_each_member():
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    stacked = func.stack_params([func.params_from_module(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))) for _ in range(3)])
+    x = torch.randn(3, 5, 3)
+    out = func.stacked_sequential(net, stacked, x)
+    for m in range(3):
+        torch.testing.assert_close(out[m], func.apply(net, stacked[m], x[m]), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ShapeError, match="BatchNorm1d"):
+        bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        func.stacked_sequential(bn, func.stack_params([func.params_from_module(bn)] * 3), x)

@@ -198,42 +198,41 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     def policy(state: TensorDict, generators: list[torch.Generator], deterministic: bool = False):
         """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1]).
 
-        Per member: a skeleton bound to that member's parameter views (so optimizer steps show up
-        without rebinding) and the normaliser as (mean, 1/sqrt(var + eps)) computed once, as
-        ``rlfunc.normalize.normalize`` computes it. The log-probability uses the drawn noise
-        directly: log N(a; mu, sigma) with (a - mu) / sigma = noise. The normaliser and sigma are
-        read when the policy is built: build one per rollout (the trainer does).
+        One seed: a skeleton bound to the parameter views (so optimizer steps show up without
+        rebinding); several: one batched matmul per layer (``func.stacked_sequential``). The
+        normaliser is (mean, 1/sqrt(var + eps)) computed once, as ``rlfunc.normalize.normalize``
+        does. The log-probability uses the drawn noise directly: log N(a; mu, sigma) with
+        (a - mu) / sigma = noise. The normaliser and sigma are read when the policy is built:
+        build one per rollout (the trainer does).
         """
         half_log_2pi = 0.5 * math.log(2.0 * math.pi)
-        members = []
-        for s in range(S):
-            module = make_net().to(device)
-            state["params"][s].to_module(module)
-            stats = state["obs_stats"][s]
-            log_std = module.log_std.detach()
-            members.append((
-                module.actor, stats["mean"], torch.rsqrt(stats["var"] + 1e-8),
-                log_std.exp(), -(log_std + half_log_2pi).sum(),
-            ))
+        params = state["params"]
+        stats = state["obs_stats"]
+        mean, inv_std = stats["mean"].unsqueeze(1), torch.rsqrt(stats["var"] + 1e-8).unsqueeze(1)  # [S, 1, obs]
+        log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
+        std, log_norm = log_std.exp(), -(log_std + half_log_2pi).sum(-1, keepdim=True)
+        if S == 1:  # one skeleton bound to the member's parameter views: a plain module call
+            actor = make_net().to(device)
+            params[0].to_module(actor)
+            forward = lambda x: actor.actor(x[0]).unsqueeze(0)  # noqa: E731
+        else:  # all members in one batched matmul per layer (detached views see optimizer steps)
+            actor_params = params["actor"].detach()
+            forward = lambda x: func.stacked_sequential(net.actor, actor_params, x)  # noqa: E731
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor]:
-            obs = observation.reshape(S, -1, spec.obs_dim)
-            actions, log_probs = [], []
-            for s, (actor, mean, inv_std, std, log_norm) in enumerate(members):
-                x = obs[s]
-                if config.normalize_observations:
-                    x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
-                loc = actor(x)
-                if deterministic:
-                    actions.append(loc)
-                    log_probs.append(loc.new_zeros(*loc.shape[:-1], 1))
-                    continue
-                noise = torch.randn(loc.shape, generator=generators[s], device=loc.device)
-                actions.append(torch.addcmul(loc, std, noise))
-                log_probs.append(noise.square().sum(-1, keepdim=True).mul_(-0.5).add_(log_norm))
+            x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass float64
+            if config.normalize_observations:
+                x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
+            loc = forward(x)
+            if deterministic:
+                return loc.reshape(-1, spec.act_dim), loc.new_zeros(loc.shape[0] * loc.shape[1], 1)
             if S == 1:
-                return actions[0], log_probs[0]
-            return torch.cat(actions), torch.cat(log_probs)
+                noise = torch.randn(loc.shape, generator=generators[0], device=loc.device)
+            else:
+                noise = torch.stack([torch.randn(loc.shape[1:], generator=g, device=loc.device) for g in generators])
+            action = torch.addcmul(loc, std, noise)
+            log_prob = noise.square().sum(-1, keepdim=True).mul_(-0.5).add_(log_norm)
+            return action.reshape(-1, spec.act_dim), log_prob.reshape(-1, 1)
 
         return act
 
