@@ -80,11 +80,14 @@ def _like(state: TensorDict, carry: TensorDict, optimizer: torch.optim.Optimizer
 
 
 def _episode_stats(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean return of the episodes that ended in ``batch`` ([S, N, T]) per seed, and their count."""
-    done = batch["next", "done"].flatten(1).float()
+    """Mean return of the episodes that ended in ``batch`` ([S, N, T]) per seed, and their count.
+
+    Episodes with a non-finite reward (their return is NaN) are left out of both.
+    """
     returns = batch["next", "episode_reward"].flatten(1)
-    count = done.sum(1)
-    mean = (returns * done).sum(1) / count.clamp_min(1)
+    ended = batch["next", "done"].flatten(1) & returns.isfinite()
+    count = ended.sum(1).float()
+    mean = torch.where(ended, returns, torch.zeros_like(returns)).sum(1) / count.clamp_min(1)
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan"))), count
 
 
