@@ -161,32 +161,42 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(flags).all() if flags else torch.tensor(True)
 
 
-def stacked_sequential(module: nn.Sequential, params: TensorDictBase, x: torch.Tensor) -> torch.Tensor:
-    """Apply an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers for every member at once.
+def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A fast forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers over ``params``.
 
-    ``y[m] = module_with(params[m])(x[m])``, computed with one batched matmul per Linear layer
-    (``torch.baddbmm``) instead of M calls: the fast path for small networks applied once per env
-    step (the rollout policy of stacked seeds). Equal to the per-member result up to float rounding.
+    For a small network applied once per env step (a rollout policy), module-call and key-lookup
+    overheads dominate; this resolves the layers once and returns ``x -> y`` built from
+    ``torch.addmm`` (one member) or ``torch.baddbmm`` (``stacked``: all members in one batched
+    matmul per layer). The weights are read as views, so in-place optimizer steps are seen. Equal to
+    ``apply(module, params, x)`` (per member) up to float rounding. Not differentiable.
 
     Args:
         module: the skeleton; its layers are ``nn.Linear`` or have no parameters (activations).
-        params: the skeleton's parameters stacked over M members (batch_size [M]).
-        x: [M, B, in_features] float.
+        params: its parameters, with a leading member dim M when ``stacked``.
 
     Returns:
-        [M, B, out_features].
+        ``f(x)``: x [B, in] -> [B, out], or with ``stacked`` x [M, B, in] -> [M, B, out].
 
     Raises:
-        ShapeError: a layer with parameters is not ``nn.Linear``, or ``x`` is not [M, B, in].
+        ShapeError: a layer with parameters is not ``nn.Linear``.
     """
-    if x.dim() != 3 or x.shape[0] != params.batch_size[0]:
-        raise ShapeError(f"stacked_sequential: x must be [M={params.batch_size[0]}, B, in], got {tuple(x.shape)}")
+    layers: list[Any] = []
     for name, layer in module.named_children():
         if isinstance(layer, nn.Linear):
-            weight, bias = params[name, "weight"], params[name, "bias"]
-            x = torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+            weight, bias = params[name, "weight"].detach(), params[name, "bias"].detach()
+            if stacked:
+                layers.append((weight.transpose(-1, -2), bias.unsqueeze(-2)))
+            else:
+                layers.append((weight.t(), bias))
         elif next(layer.parameters(), None) is None:
-            x = layer(x)
+            layers.append(layer)
         else:
-            raise ShapeError(f"stacked_sequential: layer {name!r} ({type(layer).__name__}) has parameters and is not nn.Linear")
-    return x
+            raise ShapeError(f"sequential_forward: layer {name!r} ({type(layer).__name__}) has parameters and is not nn.Linear")
+    matmul = torch.baddbmm if stacked else torch.addmm
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = matmul(layer[1], x, layer[0]) if isinstance(layer, tuple) else layer(x)
+        return x
+
+    return forward

@@ -281,13 +281,20 @@ def test_vmap_passes_keyword_arguments_to_both_paths():
         torch.testing.assert_close(func.vmap(f, use_loop=loop)(x, scale=2.0), x * 2.0)
 
 
-def test_stacked_sequential_equals_each_member():
+def test_sequential_forward_equals_apply_and_sees_optimizer_steps():
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
     stacked = func.stack_params([func.params_from_module(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))) for _ in range(3)])
     x = torch.randn(3, 5, 3)
-    out = func.stacked_sequential(net, stacked, x)
+    batched = func.sequential_forward(net, stacked, stacked=True)
+    single = func.sequential_forward(net, stacked[1], stacked=False)
     for m in range(3):
-        torch.testing.assert_close(out[m], func.apply(net, stacked[m], x[m]), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(batched(x)[m], func.apply(net, stacked[m], x[m]), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(single(x[1]), func.apply(net, stacked[1], x[1]), atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # an in-place step on the leaves, as the optimizer does
+        for leaf in func.leaves(stacked):
+            leaf.mul_(0.5)
+    torch.testing.assert_close(batched(x)[2], func.apply(net, stacked[2], x[2]), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(single(x[1]), func.apply(net, stacked[1], x[1]), atol=1e-6, rtol=1e-5)
     with pytest.raises(ShapeError, match="BatchNorm1d"):
         bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-        func.stacked_sequential(bn, func.stack_params([func.params_from_module(bn)] * 3), x)
+        func.sequential_forward(bn, func.stack_params([func.params_from_module(bn)] * 3), stacked=True)

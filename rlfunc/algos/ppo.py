@@ -198,8 +198,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     def policy(state: TensorDict, generators: list[torch.Generator], deterministic: bool = False):
         """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1]).
 
-        One seed: a skeleton bound to the parameter views (so optimizer steps show up without
-        rebinding); several: one batched matmul per layer (``func.stacked_sequential``). The
+        The actor runs through ``func.sequential_forward`` (weights resolved once as views; all
+        seeds in one batched matmul per layer). The
         normaliser is (mean, 1/sqrt(var + eps)) computed once, as ``rlfunc.normalize.normalize``
         does. The log-probability uses the drawn noise directly: log N(a; mu, sigma) with
         (a - mu) / sigma = noise. The normaliser and sigma are read when the policy is built:
@@ -211,13 +211,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         mean, inv_std = stats["mean"].unsqueeze(1), torch.rsqrt(stats["var"] + 1e-8).unsqueeze(1)  # [S, 1, obs]
         log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
         std, log_norm = log_std.exp(), -(log_std + half_log_2pi).sum(-1, keepdim=True)
-        if S == 1:  # one skeleton bound to the member's parameter views: a plain module call
-            actor = make_net().to(device)
-            params[0].to_module(actor)
-            forward = lambda x: actor.actor(x[0]).unsqueeze(0)  # noqa: E731
-        else:  # all members in one batched matmul per layer (detached views see optimizer steps)
-            actor_params = params["actor"].detach()
-            forward = lambda x: func.stacked_sequential(net.actor, actor_params, x)  # noqa: E731
+        if S == 1:  # weights resolved once, as views that see the optimizer's in-place steps
+            single = func.sequential_forward(net.actor, params["actor"][0], stacked=False)
+            forward = lambda x: single(x[0]).unsqueeze(0)  # noqa: E731
+        else:  # all members in one batched matmul per layer
+            forward = func.sequential_forward(net.actor, params["actor"], stacked=True)
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor]:
             x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass float64
