@@ -32,6 +32,7 @@ def linear_lr(base_lr: float, iteration: int, num_iterations: int, anneal: bool 
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group (e.g. to :func:`linear_lr`'s value)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -75,6 +76,8 @@ def masked_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
 
     The common case (all ok) costs one host read of ``ok``; otherwise the skipped members' params and
     optimizer state are restored after the step, and their (non-finite) gradients never touch them.
+    Adam's ``step`` counter is one scalar for all members, so it still advances for a skipped
+    member (its later bias correction is that of one more step).
     """
     if bool(ok.all()):
         optimizer.step()
