@@ -71,6 +71,21 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def curve_points(records: list[dict[str, Any]], key: str) -> list[tuple[list, list]]:
+    """Per seed, the (steps, values) of ``key`` over the records that have a value: iterations in
+    which no episode ended (None) are skipped, so the curve joins the points that exist."""
+    records = [r for r in records if key in r]
+    if not records:
+        return []
+    first = records[0][key]
+    curves = []
+    for s in range(len(first) if isinstance(first, list) else 1):
+        points = [(r["step"], r[key][s] if isinstance(r[key], list) else r[key]) for r in records]
+        points = [(x, y) for x, y in points if y is not None]
+        curves.append(([x for x, _ in points], [y for _, y in points]))
+    return curves
+
+
 def plot_learning_curve(metrics_path: Path, png_path: Path, key: str = "episode_return") -> Path:
     """Plot ``key`` (one line per seed) against env steps; writes ``png_path`` and returns it."""
     import matplotlib
@@ -78,18 +93,14 @@ def plot_learning_curve(metrics_path: Path, png_path: Path, key: str = "episode_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_metrics(metrics_path) if key in r]
+    records = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4))
-    if records:
-        steps = [r["step"] for r in records]
-        first = records[0][key]
-        num = len(first) if isinstance(first, list) else 1
-        for s in range(num):
-            ys = [(r[key][s] if isinstance(r[key], list) else r[key]) for r in records]
-            ys = [math.nan if y is None else y for y in ys]
-            ax.plot(steps, ys, label=f"seed {s}" if num > 1 else None)
-        if num > 1:
-            ax.legend()
+    curves = curve_points(records, key)
+    for s, (xs, ys) in enumerate(curves):
+        if xs:
+            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=f"seed {s}" if len(curves) > 1 else None)
+    if len(curves) > 1:
+        ax.legend()
     ax.set_xlabel("env steps (per seed)")
     ax.set_ylabel(key.replace("_", " "))
     ax.grid(alpha=0.3)
