@@ -10,7 +10,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from rlfunc import collect

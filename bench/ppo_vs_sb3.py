@@ -17,7 +17,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rlfunc.algos.ppo import preset
@@ -60,7 +59,6 @@ def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, tot
 
 
 def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: int | None) -> dict:
-    import gymnasium as gym
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env

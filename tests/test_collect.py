@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from rlfunc import collect
 from rlfunc.errors import EnvError

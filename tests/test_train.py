@@ -91,6 +91,7 @@ def test_short_pendulum_run_improves(tmp_path):
     # A small budget with a fixed seed must clearly beat the untrained policy.
     config = preset("Pendulum-v1", total_steps=40_960, checkpoint_every=0, device="cpu")
     result = train(config, tmp_path / "r", progress=False, tensorboard=False)
+    assert result.interrupted is None and int(result.state["env_steps"]) == 40_960
     records = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     first = np.mean([r["episode_return"] for r in records[:2]])
     trained = evaluate(tmp_path / "r", episodes=10, device="cpu")

@@ -218,7 +218,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             forward = func.sequential_forward(net.actor, params["actor"], stacked=True)
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor]:
-            x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass float64
+            x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass 64-bit floats
             if config.normalize_observations:
                 x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
             loc = forward(x)
