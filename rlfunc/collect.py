@@ -93,6 +93,12 @@ def _flat_obs(obs: Any, n: int) -> Tensor:
     return torch.from_numpy(np.asarray(obs, dtype=np.float32).reshape(n, -1))
 
 
+def _env_action(action: np.ndarray, space: gym.spaces.Box) -> np.ndarray:
+    """Flat actions [N, act_dim] -> the env's [N, *shape], clipped to the bounds; NaN never reaches the env."""
+    flat = np.nan_to_num(np.clip(action, space.low.reshape(-1), space.high.reshape(-1)))
+    return flat.reshape(action.shape[0], *space.shape)
+
+
 def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
     """Reset every env with its seed; returns :func:`empty_carry` holding the first observations."""
     obs, _ = venv.reset(seed=list(seeds))
@@ -125,7 +131,6 @@ def rollout(
     """
     n = venv.num_envs
     space = venv.single_action_space
-    low, high = space.low.reshape(-1), space.high.reshape(-1)
     obs_dim = carry["observation"].shape[-1]
     act_dim = int(np.prod(space.shape))
     observation = torch.empty(num_steps + 1, n, obs_dim)  # [t] observed at t; [T] the next carry
@@ -142,8 +147,7 @@ def rollout(
             act, logp = policy(observation[t].to(device, non_blocking=True))
             action[t] = act
             log_prob[t] = logp
-            env_action = np.nan_to_num(np.clip(action[t].numpy(), low, high))  # a NaN never reaches the env
-            next_obs, rew, term, trunc, info = venv.step(env_action.reshape(n, *space.shape))
+            next_obs, rew, term, trunc, info = venv.step(_env_action(action[t].numpy(), space))
             reward[t], terminated[t], truncated[t] = rew, term, trunc
             observation[t + 1] = _flat_obs(next_obs, n)
             if "_final_obs" in info:
@@ -169,9 +173,9 @@ def rollout(
     nonfinite = forward_discounted_sum(
         (~finite).float(), not_done_before, time_dim=0, initial=carry["episode_nonfinite"].unsqueeze(0)
     )
-    steps_since = torch.arange(1, num_steps + 1).view(-1, 1, 1).expand(num_steps, n, 1)
-    last_done = torch.where(done_t, steps_since, torch.zeros_like(steps_since)).cummax(0).values
-    episode_length = torch.where(last_done > 0, steps_since - last_done, carry["episode_length"] + steps_since)
+    steps = torch.arange(1, num_steps + 1).view(-1, 1, 1)
+    last_end = torch.where(done_t, steps, torch.zeros_like(steps)).amax(0)  # [N, 1], 0: no end
+    episode_length = torch.where(last_end > 0, num_steps - last_end, carry["episode_length"] + num_steps)
     batch = TensorDict(
         {
             "observation": observation[:-1],
@@ -194,7 +198,7 @@ def rollout(
         {
             "observation": observation[-1].clone(),
             "episode_reward": episode_reward[-1].masked_fill(ended, 0.0),
-            "episode_length": episode_length[-1],
+            "episode_length": episode_length,
             "episode_nonfinite": nonfinite[-1].masked_fill(ended, 0.0),
         },
         batch_size=[n],
@@ -306,14 +310,12 @@ def episode_returns(venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[
     obs = carry["observation"]
     space = venv.single_action_space
     n = venv.num_envs
-    low, high = space.low.reshape(-1), space.high.reshape(-1)
     total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
     finished = np.zeros(venv.num_envs, bool)
     for _ in range(max_steps):
         with torch.no_grad():
             act, _ = policy(obs.to(device))
-        env_action = np.nan_to_num(np.clip(act.cpu().numpy(), low, high)).reshape(n, *space.shape)
-        next_obs, rew, term, trunc, _ = venv.step(env_action)
+        next_obs, rew, term, trunc, _ = venv.step(_env_action(act.cpu().numpy(), space))
         total += np.where(finished, 0.0, rew)
         finished |= term | trunc
         if finished.all():

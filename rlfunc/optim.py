@@ -92,9 +92,9 @@ def masked_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
     if ok.numel() == 1:
         return  # a single member: skip the whole step
     optimizer.step()
+    idx = bad.nonzero().squeeze(-1)
     with torch.no_grad():
         for p, (old, old_state) in zip(params, saved):
-            idx = bad.nonzero().squeeze(-1)
             p.index_copy_(0, idx, old.index_select(0, idx))
             state = optimizer.state.get(p, {})
             for k, v in state.items():

@@ -66,9 +66,10 @@ def _member_seeds(config: PPOConfig) -> list[int]:
     return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
 
 
-def _like(state: TensorDict, carry: TensorDict, optimizer: torch.optim.Optimizer | None = None) -> TensorDict:
-    """The structure a snapshot of this run must have (keys, shapes, dtypes) for load validation."""
-    params = func.leaves(state["params"]) if optimizer is None else optimizer.param_groups[0]["params"]
+def _like(state: TensorDict, carry: TensorDict) -> TensorDict:
+    """The structure a snapshot of this run must have (keys, shapes, dtypes) for load validation;
+    the optimizer holds Adam state for each leaf of ``state["params"]``, in ``func.leaves`` order."""
+    params = func.leaves(state["params"])
     opt = TensorDict(
         {
             str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
@@ -208,11 +209,9 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
     optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
     carry = collect.reset(venv, _member_seeds(config))
     if snapshot_path is not None:
-        loaded, meta = checkpoint.load_snapshot(snapshot_path, device=device, like=_like(state, carry, optimizer))
+        loaded, meta = checkpoint.load_snapshot(snapshot_path, device=device, like=_like(state, carry))
         with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
             state.update_(loaded["learner"])
-        for key in ("iteration", "env_steps", "discounted_return", "rng"):
-            state[key] = loaded["learner"][key]
         load_optimizer_state(optimizer, loaded["optim"])
         carry = loaded["carry"].to("cpu")
         if meta.get("env_state") is not None:

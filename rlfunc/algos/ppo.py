@@ -199,11 +199,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1]).
 
         The actor runs through ``func.sequential_forward`` (weights resolved once as views; all
-        seeds in one batched matmul per layer). The
-        normaliser is (mean, 1/sqrt(var + eps)) computed once, as ``rlfunc.normalize.normalize``
-        does. The log-probability uses the drawn noise directly: log N(a; mu, sigma) with
-        (a - mu) / sigma = noise. The normaliser and sigma are read when the policy is built:
-        build one per rollout (the trainer does).
+        seeds in one batched matmul per layer). The normaliser is (mean, 1/sqrt(var + eps))
+        computed once, as ``rlfunc.normalize.normalize`` does. The log-probability uses the drawn
+        noise directly: log N(a; mu, sigma) with (a - mu) / sigma = noise. The normaliser and sigma
+        are read when the policy is built: build one per rollout (the trainer does).
         """
         half_log_2pi = 0.5 * math.log(2.0 * math.pi)
         params = state["params"]
