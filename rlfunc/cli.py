@@ -1,11 +1,14 @@
 """The ``rlfunc`` command.
 
     rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]
+    rlfunc train bc [--num-demos N] [--actor.denoiser mlp|unet] [...]            diffusion BC on PointReach-v0 demos
+    rlfunc train dppo [--init-from BC_RUN_DIR] [--likelihood chain|output-noise] [...]
+    rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the episodic return
     rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
 
-Every PPOConfig field is a flag of `train ppo` (`rlfunc train ppo --help`); defaults come from the
-env's preset. Errors print as one line on stderr with exit code 2; a run stopped by SIGINT/SIGTERM
+Every config field is a flag of `train ALGO` (`rlfunc train ALGO --help`); ppo's defaults come from
+the env's preset. Errors print as one line on stderr with exit code 2; a run stopped by SIGINT/SIGTERM
 saves a snapshot and exits with 130/143.
 """
 
@@ -24,7 +27,7 @@ from rlfunc.algos.ppo import PPOConfig
 from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
-ALGORITHMS = ("ppo",)
+ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,8 @@ def _train(argv: list[str]) -> int:
     if not argv or argv[0] not in ALGORITHMS:
         got = repr(argv[0]) if argv else "nothing"
         raise ConfigError(f"algorithm: expected one of {', '.join(ALGORITHMS)} after `rlfunc train`, got {got}")
+    if argv[0] != "ppo":
+        return _train_diffusion(argv[0], argv[1:])
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=PPOConfig.env)
     pre.add_argument("--run-dir", default=None)
@@ -60,6 +65,40 @@ def _train(argv: list[str]) -> int:
     config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
     run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     return _report(train(config, run_dir))
+
+
+def _unchecked(cls):
+    """``cls`` with validation deferred (tyro would box a ValueError); validated by rebuilding ``cls``."""
+    return dataclasses.dataclass(frozen=True)(type(f"_Unchecked{cls.__name__}", (cls,), {"__post_init__": lambda self: None}))
+
+
+def _train_diffusion(algo: str, argv: list[str]) -> int:
+    import tyro
+
+    from rlfunc import train_diffusion as td
+    from rlfunc.algos.bc import BCConfig
+    from rlfunc.algos.dppo import DPPOConfig
+    from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
+
+    cls, fn, what = {
+        "bc": (BCConfig, td.train_bc, "diffusion behaviour cloning on the env's scripted-expert demonstrations"),
+        "dppo": (DPPOConfig, td.train_dppo, "PPO over the denoising chain of a diffusion actor (DPPO)"),
+        "td3-diffusion": (TD3DiffusionConfig, td.train_td3_diffusion, "TD3 with a diffusion actor (Diffusion-QL)"),
+    }[algo]
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--run-dir", default=None)
+    known, rest = pre.parse_known_args(argv)
+    loose = _unchecked(cls)
+    parsed = tyro.cli(
+        loose, args=rest, default=loose(**{f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}),
+        prog=f"rlfunc train {algo}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{algo}-sSEED-TIME).",
+    )
+    config = cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls)})
+    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-{algo}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = fn(config, run_dir)
+    print(f"run dir: {result.run_dir}", file=sys.stderr)
+    print(json.dumps(result.evaluation))
+    return 0
 
 
 def _report(result) -> int:

@@ -1,0 +1,135 @@
+"""Diffusion behaviour cloning: DDPM training of a diffusion actor on demonstrations, with an EMA.
+
+The usual pretraining before ``dppo``: the denoiser learns the demonstrations' (multimodal) action
+chunks given the observation; evaluation and fine-tuning use the EMA of the weights.
+
+References: Ho et al. (2020), "Denoising Diffusion Probabilistic Models", Algorithm 1 (epsilon
+prediction); Chi et al. (2023), "Diffusion Policy" (action chunks, EMA of the weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict
+
+from rlfunc import func
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
+from rlfunc.amp import Precision, accumulate_gradients, step
+from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
+from rlfunc.errors import ConfigError
+from rlfunc.normalize import init_running_stats, update_running_stats
+
+
+@dataclass(frozen=True)
+class BCConfig:
+    """Every diffusion-BC hyperparameter, with its default."""
+
+    env: str = "PointReach-v0"  # torch-batched env with a scripted expert
+    actor: ActorSpec = field(default_factory=ActorSpec)  # architecture and diffusion settings
+    num_demos: int = 1000  # expert episodes in the dataset
+    demo_noise_std: float = 0.1  # std of the expert's action noise, in action units
+    num_updates: int = 3000  # gradient steps
+    batch_size: int = 256  # samples per gradient step
+    micro_batch_size: int | None = None  # gradient accumulation: samples per backward (None: whole batch)
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 1e-6  # AdamW weight decay
+    ema_decay: float = 0.995  # EMA of the weights per update (Chi et al. use 0.995 after warm-up)
+    max_grad_norm: float = 1.0  # global grad-norm clip
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the denoiser forward
+    seed: int = 0  # dataset, init and noise seed
+    device: str = "auto"  # auto | cpu | cuda | npu
+    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
+    log_every: int = 100  # updates between metrics lines
+    checkpoint_every: int = 1000  # updates between checkpoints (0: only at the end)
+    eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
+
+    def __post_init__(self) -> None:
+        for name in ("num_demos", "num_updates", "batch_size", "log_every", "eval_episodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay={self.ema_decay}: expected a value in [0, 1)")
+        if not self.lr > 0 or not self.max_grad_norm > 0:
+            raise ConfigError("lr and max_grad_norm must be > 0")
+        if self.checkpoint_every < 0 or self.torch_threads < 0 or self.demo_noise_std < 0:
+            raise ConfigError("checkpoint_every, torch_threads and demo_noise_std must be >= 0")
+        if not 0 <= self.seed < 2**31:
+            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
+
+
+class BC(NamedTuple):
+    init: Callable[[TensorDict], TensorDict]
+    iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    actor: DiffusionActor
+
+
+def ema_update_(ema: TensorDict, params: TensorDict, decay: float) -> None:
+    """``ema <- decay * ema + (1 - decay) * params`` in place, leaf by leaf."""
+    with torch.no_grad():
+        torch._foreach_lerp_(func.leaves(ema), [p.detach() for p in func.leaves(params)], 1.0 - decay)
+
+
+def make_bc(config: BCConfig, obs_dim: int, act_dim: int, device: torch.device) -> BC:
+    """Build diffusion BC's pure pieces.
+
+    The learner state is one TensorDict: "params" and "ema" (denoiser), "obs_stats" (of the
+    dataset, fixed), "schedule" (betas, alphas, alphas_cumprod [T]), "rng" (generator state),
+    "iteration" (0-dim int64).
+    """
+    actor = DiffusionActor(config.actor, obs_dim, act_dim, device)
+    T = config.actor.num_train_steps
+
+    def init(dataset: TensorDict) -> TensorDict:
+        params = actor.init_params(config.seed)
+        stats = update_running_stats(init_running_stats((obs_dim,), device=device), dataset["observation"])
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+        return TensorDict(
+            {
+                "params": params,
+                "ema": params.detach().clone(),
+                "obs_stats": stats,
+                "schedule": schedule_for(config.actor, device),
+                "rng": gen.get_state(),
+                "iteration": torch.zeros((), dtype=torch.int64, device=device),
+            },
+            batch_size=[],
+            device=device,
+        )
+
+    def iteration(state: TensorDict, dataset: TensorDict, generator: torch.Generator, optimizer, prec: Precision):
+        """One gradient step on a random batch of ``dataset`` ([M] with "observation", "action")."""
+        idx = torch.randint(dataset.batch_size[0], (config.batch_size,), generator=generator, device=device)
+        batch = dataset[idx]
+        t = sample_timesteps((config.batch_size,), T, generator=generator, device=device)
+        noise = torch.randn(batch["action"].shape, generator=generator, device=device)
+        batch = TensorDict(
+            {"cond": actor.cond(state["obs_stats"], batch["observation"]), "x0": batch["action"], "t": t, "noise": noise},
+            batch_size=[config.batch_size],
+        )
+        params = state["params"]
+
+        def loss_fn(mb: TensorDict):
+            loss = denoising_loss(
+                actor.apply, params, mb["x0"], mb["cond"], mb["t"], mb["noise"],
+                state["schedule", "alphas_cumprod"], prediction=config.actor.prediction,
+            )
+            return loss, TensorDict({"loss_denoise": loss.detach()}, batch_size=[])
+
+        optimizer.zero_grad(set_to_none=True)
+        loss, metrics = accumulate_gradients(loss_fn, batch, config.micro_batch_size, prec=prec)
+        norm, ok = step(optimizer, func.leaves(params), config.max_grad_norm, prec)
+        ema_update_(state["ema"], params, config.ema_decay)
+        out = state.clone(recurse=False)
+        out["iteration"] = state["iteration"] + 1
+        out["rng"] = generator.get_state()
+        metrics["grad_norm"] = norm
+        metrics["skipped"] = torch.tensor(float(not ok))
+        return out, metrics
+
+    return BC(init, iteration, actor)

@@ -1,0 +1,295 @@
+"""DPPO: PPO fine-tuning of a diffusion actor, as ``make_dppo(config) -> (init, rollout, iteration)``.
+
+Two likelihoods drive the PPO ratio:
+
+- ``"chain"`` (DPPO, Ren et al. 2024): DDIM with eta > 0 makes every denoising step a Gaussian
+  pi(x_{k-1} | x_k, s) (std floored so eta = 0 stays finite); the ratio is per denoising step, over
+  the last ``finetune_steps`` steps of the chain (the earlier ones run the frozen pretrained weights).
+- ``"output-noise"``: deterministic DDIM (eta = 0) gives the chunk mean mu_theta(s, x_K); Gaussian
+  exploration noise of std ``output_noise_std`` is added to the executed actions and its
+  log-likelihood gives the ratio. One Gaussian per action instead of K: cheaper, and it needs no
+  per-step likelihood of the sampler (useful on Ascend, where the fused DDIM kernels give no chain).
+  The update backpropagates through the whole deterministic chain (optionally checkpointed per step).
+
+A critic V_phi(s) on the environment observation gives GAE advantages over chunk steps (one env step
+of the learner executes ``act_steps`` actions open loop; rewards within a chunk are summed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc import func
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
+from rlfunc.amp import Precision, accumulate_gradients, step
+from rlfunc.diffusion.ddim import chain_log_prob, sample
+from rlfunc.errors import ConfigError
+from rlfunc.losses.dppo import clip_schedule, dppo_loss
+from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.normalize import init_running_stats
+from rlfunc.returns import generalized_advantage_estimate
+
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class DPPOConfig:
+    """Every DPPO hyperparameter, with its default. Steps count env steps (not chunks)."""
+
+    env: str = "PointReach-v0"  # torch-batched env
+    init_from: str | None = None  # bc run dir (or snapshot): its EMA weights, obs stats, schedule and actor spec
+    actor: ActorSpec = field(default_factory=ActorSpec)  # used only without init_from
+    likelihood: Literal["chain", "output-noise"] = "chain"  # what gives the PPO ratio (module doc)
+    total_steps: int = 100_000  # env steps
+    num_envs: int = 256  # parallel envs
+    num_steps: int = 8  # chunk steps per env per rollout
+    num_epochs: int = 5  # passes over each batch
+    minibatch_size: int = 512  # chunk samples per gradient step; must divide num_envs * num_steps
+    micro_batch_size: int | None = None  # gradient accumulation inside a minibatch (None: off)
+    actor_lr: float = 1e-4  # Adam lr of the denoiser
+    critic_lr: float = 1e-3  # Adam lr of the critic
+    gamma: float = 0.99  # discount per chunk step, in [0, 1]
+    lmbda: float = 0.95  # GAE lambda, in [0, 1]
+    finetune_steps: int | None = None  # K': fine-tune the last K' denoising steps (None: all K)
+    eta: float = 1.0  # DDIM eta while collecting (chain likelihood); evaluation uses eval_eta
+    eval_eta: float = 0.0  # DDIM eta at evaluation (0: deterministic given the initial noise)
+    sample_std_floor: float = 0.1  # min std of a denoising step while collecting (chain)
+    logprob_std_floor: float = 0.1  # min std of a denoising step in the likelihood (chain)
+    output_noise_std: float = 0.1  # exploration std on the executed actions (output-noise)
+    clip_min: float = 0.01  # clip range of the first fine-tuned denoising step
+    clip_max: float = 0.01  # clip range of the last denoising step (and of output-noise)
+    clip_rate: float = 3.0  # exponential rate of the clip schedule over denoising steps
+    denoising_discount: float = 0.99  # gamma_denoise: advantage weight per denoising step back
+    value_coef: float = 0.5  # critic loss weight
+    max_grad_norm: float = 1.0  # global grad-norm clip
+    target_kl: float | None = 1.0  # stop an iteration's epochs once approx KL exceeds it (None: off)
+    critic_hidden: tuple[int, ...] = (256, 256)  # critic MLP widths
+    reward_scale: float = 1.0  # rewards are multiplied by this
+    normalize_advantages: bool = True  # per minibatch
+    gradient_checkpointing: bool = False  # checkpoint each denoising step (output-noise update)
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks
+    seed: int = 0  # init, env and noise seed
+    device: str = "auto"  # auto | cpu | cuda | npu
+    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
+    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lmbda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
+        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "eval_episodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if (self.num_envs * self.num_steps) % self.minibatch_size:
+            raise ConfigError(
+                f"minibatch_size={self.minibatch_size} does not divide num_envs*num_steps={self.num_envs * self.num_steps}"
+            )
+        if self.likelihood not in ("chain", "output-noise"):
+            raise ConfigError(f"likelihood={self.likelihood!r}: expected 'chain' or 'output-noise'")
+        for name in ("actor_lr", "critic_lr", "max_grad_norm", "output_noise_std", "reward_scale"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
+        if self.eta < 0 or self.eval_eta < 0 or self.sample_std_floor < 0 or self.logprob_std_floor <= 0:
+            raise ConfigError("eta, eval_eta, sample_std_floor must be >= 0 and logprob_std_floor > 0")
+        if self.finetune_steps is not None and not 1 <= self.finetune_steps:
+            raise ConfigError(f"finetune_steps={self.finetune_steps}: expected >= 1 or None")
+        if not 0 < self.denoising_discount <= 1:
+            raise ConfigError(f"denoising_discount={self.denoising_discount}: expected a value in (0, 1]")
+        if not 0 < self.clip_min <= self.clip_max:
+            raise ConfigError(f"clip_min={self.clip_min}, clip_max={self.clip_max}: expected 0 < clip_min <= clip_max")
+        if self.target_kl is not None and not self.target_kl > 0:
+            raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
+        if self.checkpoint_every < 0 or self.torch_threads < 0:
+            raise ConfigError("checkpoint_every and torch_threads must be >= 0")
+        if not 0 <= self.seed < 2**31:
+            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    def num_iterations(self, act_steps: int) -> int:
+        return max(1, math.ceil(self.total_steps / (self.batch_size * act_steps)))
+
+
+class DPPO(NamedTuple):
+    init: Callable[..., TensorDict]
+    rollout: Callable[..., TensorDict]
+    iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    actor: DiffusionActor
+    critic: MLP
+
+
+def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, device: torch.device) -> DPPO:
+    """Build DPPO's pure pieces for an actor described by ``spec`` (that of the BC snapshot).
+
+    The learner state is one TensorDict: "params" {"actor", "critic"}, "base" (frozen pretrained
+    actor, used by the denoising steps that are not fine-tuned), "obs_stats" (fixed), "schedule",
+    "rng", "iteration", "env_steps".
+    """
+    actor = DiffusionActor(spec, obs_dim, act_dim, device)
+    critic = MLP(obs_dim, 1, config.critic_hidden, "tanh").to(device)
+    K = spec.ddim_steps
+    K_ft = K if config.finetune_steps is None else config.finetune_steps
+    if K_ft > K:
+        raise ConfigError(f"finetune_steps={K_ft}: expected <= ddim_steps={K}")
+    first_step = K - K_ft
+    clips = clip_schedule(K, config.clip_min, config.clip_max, config.clip_rate, device=device)[first_step:]
+    sample_kw = dict(prediction=spec.prediction)
+
+    def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None) -> TensorDict:
+        if actor_params is None:
+            actor_params = actor.init_params(config.seed)
+        actor_params = func.as_leaves(actor_params.detach().clone())
+        critic_params = func.params_from_module(seeded_init(lambda: MLP(obs_dim, 1, config.critic_hidden, "tanh"), config.seed + 1).to(device))
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+        return TensorDict(
+            {
+                "params": {"actor": actor_params, "critic": critic_params},
+                "base": actor_params.detach().clone(),
+                "obs_stats": obs_stats if obs_stats is not None else init_running_stats((obs_dim,), device=device),
+                "schedule": schedule_for(spec, device),
+                "rng": gen.get_state(),
+                "iteration": torch.zeros((), dtype=torch.int64, device=device),
+                "env_steps": torch.zeros((), dtype=torch.int64, device=device),
+            },
+            batch_size=[],
+            device=device,
+        )
+
+    def policy(state: TensorDict, generator: torch.Generator):
+        """The collector's policy: td["observation"] -> td["action"] [N, act_steps, A] plus what the
+        update needs ("chain" [N, K+1, H, A], or "x_T" and "loc" for output-noise)."""
+        params, base, schedule = state["params", "actor"], state["base"], state["schedule"]
+
+        @torch.no_grad()
+        def act(td: TensorDict) -> TensorDict:
+            cond = actor.cond(state["obs_stats"], td["observation"])
+            noise = actor.noise(cond.shape[0], generator)
+            if config.likelihood == "chain":
+                _, chain = sample(
+                    actor.apply, params, cond, noise, schedule, K, config.eta, std_floor=config.sample_std_floor,
+                    return_chain=True, frozen_params=base if first_step else None,
+                    finetune_steps=K_ft if first_step else None, **sample_kw,
+                )
+                td["chain"] = chain
+                td["action"] = actor.env_action(chain[:, -1])
+            else:
+                loc = actor.env_action(sample(actor.apply, params, cond, noise, schedule, K, 0.0, **sample_kw))
+                z = torch.randn(loc.shape, generator=generator, device=device)
+                td["x_T"], td["loc"] = noise[0], loc
+                td["action"] = loc + config.output_noise_std * z
+            return td
+
+        return act
+
+    def rollout(state: TensorDict, env, generator: torch.Generator) -> TensorDict:
+        """``num_steps`` chunk steps of every env from a reset: [N, T] TorchRL keys + the policy's."""
+        return env.rollout(config.num_steps, policy(state, generator), break_when_any_done=False)
+
+    def log_prob(actor_params: TensorDict, state: TensorDict, mb: TensorDict) -> Tensor:
+        """[B, K'] per-step log-likelihoods (chain) or [B, 1] (output-noise) of the stored samples."""
+        if config.likelihood == "chain":
+            return chain_log_prob(
+                actor.apply, actor_params, mb["cond"], mb["chain"], state["schedule"], K, config.eta,
+                std_floor=config.logprob_std_floor, first_step=first_step, **sample_kw,
+            )
+        noise = torch.zeros((K + 1, *mb["x_T"].shape), device=device)
+        noise[0] = mb["x_T"]
+        loc = actor.env_action(sample(
+            actor.apply, actor_params, mb["cond"], noise, state["schedule"], K, 0.0,
+            checkpoint=config.gradient_checkpointing, **sample_kw,
+        ))
+        sigma = config.output_noise_std
+        z = (mb["action"] - loc) / sigma
+        return (-0.5 * z.square() - math.log(sigma) - _HALF_LOG_2PI).flatten(1).sum(1, keepdim=True)
+
+    def prepare(state: TensorDict, batch: TensorDict) -> TensorDict:
+        """Conditions, values, GAE and the stored samples' log-likelihoods; [N, T] -> flat [N*T]."""
+        obs_stats = state["obs_stats"]
+        with torch.no_grad():
+            cond = actor.cond(obs_stats, batch["observation"])
+            next_cond = actor.cond(obs_stats, batch["next", "observation"])
+            critic_params = state["params", "critic"]
+            value = func.apply(critic, critic_params, cond)
+            next_value = func.apply(critic, critic_params, next_cond)
+            reward = batch["next", "reward"] * config.reward_scale
+            advantage, value_target = generalized_advantage_estimate(
+                config.gamma, config.lmbda, value, next_value, reward, batch["next", "done"], batch["next", "terminated"]
+            )
+            flat = TensorDict(
+                {"cond": cond, "action": batch["action"], "advantage": advantage, "value_target": value_target, "state_value": value},
+                batch_size=batch.batch_size,
+            )
+            for key in ("chain", "x_T", "loc"):
+                if key in batch.keys():
+                    flat[key] = batch[key]
+            flat = flat.flatten(0, 1)
+            flat["sample_log_prob"] = torch.cat(
+                [log_prob(state["params", "actor"], state, mb) for mb in flat.split(max(config.minibatch_size, 1024))]
+            )
+        return flat
+
+    def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, optimizer, prec: Precision):
+        """One DPPO update on a rollout ``batch`` [N, T]; returns (new state, metrics)."""
+        flat = prepare(state, batch)
+        params = state["params"]
+        leaves = func.leaves(params)
+        B = flat.batch_size[0]
+        metric_sum, updates, stop = None, 0, False
+        for _ in range(config.num_epochs):
+            perm = torch.randperm(B, generator=generator, device=device)
+            for k in range(B // config.minibatch_size):
+                mb = flat[perm[k * config.minibatch_size : (k + 1) * config.minibatch_size]]
+
+                def loss_fn(micro: TensorDict):
+                    lp = log_prob(params["actor"], state, micro)
+                    value = func.apply(critic, params["critic"], micro["cond"])
+                    return dppo_loss(
+                        lp, micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
+                        clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
+                        denoising_discount=config.denoising_discount,
+                        total_steps=K if config.likelihood == "chain" else 1,
+                        value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
+                    )
+
+                optimizer.zero_grad(set_to_none=True)
+                _, metrics = accumulate_gradients(loss_fn, mb, config.micro_batch_size, prec=prec)
+                norm, ok = step(optimizer, leaves, config.max_grad_norm, prec)
+                metrics["grad_norm"] = norm
+                metrics["skipped"] = torch.tensor(float(not ok))
+                metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                updates += 1
+                if config.target_kl is not None and float(metrics["approx_kl"]) > config.target_kl:
+                    stop = True
+                    break
+            if stop:
+                break
+        out = state.clone(recurse=False)
+        out["iteration"] = state["iteration"] + 1
+        out["env_steps"] = state["env_steps"] + B * spec.act_steps
+        out["rng"] = generator.get_state()
+        metrics = metric_sum / updates
+        metrics["updates"] = torch.tensor(float(updates))
+        return out, metrics
+
+    return DPPO(init, rollout, iteration, actor, critic)
+
+
+def make_optimizer(state: TensorDict, config: DPPOConfig) -> torch.optim.Adam:
+    """Adam with the actor and critic leaves in two groups (``actor_lr`` and ``critic_lr``)."""
+    groups = [
+        {"params": func.leaves(state["params", "actor"]), "lr": config.actor_lr},
+        {"params": func.leaves(state["params", "critic"]), "lr": config.critic_lr},
+    ]
+    return torch.optim.Adam(groups, eps=1e-5, foreach=True)

@@ -1,0 +1,230 @@
+"""TD3/DDPG with a diffusion actor: Q(s, a) backpropagated through the whole reverse chain.
+
+The actor samples a = DDIM_theta(s, x_K) with eta = 0 (a deterministic policy given the initial
+noise, as TD3 needs) keeping the autograd graph, so dQ/da flows through every denoising step into
+the denoiser; a denoising (behaviour) term on replayed actions keeps it near the data
+(Diffusion-QL). Twin critics are one stacked parameter TensorDict applied with ``rlfunc.func.vmap``;
+target critics and a target actor follow by Polyak averaging; target policy smoothing and delayed
+actor updates as in TD3. ``policy_delay=1, policy_noise=0`` with one critic used is DDPG-like.
+
+References: Fujimoto et al. (2018) (TD3); Wang et al. (2022) (Diffusion-QL), eq. 3.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc import func
+from rlfunc.algos.bc import ema_update_
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
+from rlfunc.amp import Precision, step
+from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
+from rlfunc.errors import ConfigError
+from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, td3_target
+from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.normalize import init_running_stats
+
+
+@dataclass(frozen=True)
+class TD3DiffusionConfig:
+    """Every TD3-diffusion hyperparameter, with its default. Steps count env steps."""
+
+    env: str = "PointReach-v0"  # torch-batched env
+    init_from: str | None = None  # bc run dir (or snapshot) to start the actor from
+    actor: ActorSpec = field(default_factory=lambda: ActorSpec(horizon=1, act_steps=1, num_train_steps=10, ddim_steps=5))
+    total_steps: int = 60_000  # env steps
+    num_envs: int = 64  # parallel envs
+    num_steps: int = 30  # chunk steps per env per iteration (from a reset)
+    updates_per_iteration: int = 64  # gradient steps after each rollout
+    warmup_steps: int = 5_000  # env steps of uniform random actions before the actor acts
+    buffer_size: int = 200_000  # replay capacity, transitions (kept on the device)
+    batch_size: int = 256  # transitions per gradient step
+    actor_lr: float = 3e-4  # Adam lr of the denoiser
+    critic_lr: float = 1e-3  # Adam lr of the twin critics
+    gamma: float = 0.99  # discount per chunk step, in [0, 1]
+    tau: float = 0.005  # Polyak rate of the target networks
+    exploration_noise: float = 0.2  # std of Gaussian noise on executed actions
+    policy_noise: float = 0.2  # target policy smoothing std
+    noise_clip: float = 0.5  # clip of the smoothing noise
+    policy_delay: int = 2  # critic updates per actor update
+    q_coef: float = 1.0  # alpha of Diffusion-QL: weight of -Q / |Q|
+    bc_coef: float = 1.0  # weight of the denoising (behaviour) term on replayed actions
+    critic_hidden: tuple[int, ...] = (256, 256)  # critic MLP widths
+    num_critics: int = 2  # ensemble size (min over members in the target)
+    gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
+    max_grad_norm: float = 10.0  # global grad-norm clip (actor and critics separately)
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks
+    seed: int = 0  # init, env and noise seed
+    device: str = "auto"  # auto | cpu | cuda | npu
+    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
+    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    eval_episodes: int = 500  # episodes of the final evaluation
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
+        if not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"tau={self.tau}: expected a value in (0, 1]")
+        for name in ("total_steps", "num_envs", "num_steps", "updates_per_iteration", "buffer_size",
+                     "batch_size", "policy_delay", "num_critics", "eval_episodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.actor.horizon != self.actor.act_steps:
+            raise ConfigError(
+                f"actor.horizon={self.actor.horizon}, actor.act_steps={self.actor.act_steps}: td3-diffusion's critic "
+                "scores the executed chunk, so the two must be equal"
+            )
+        for name in ("exploration_noise", "policy_noise", "noise_clip", "q_coef", "bc_coef", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
+        if not self.actor_lr > 0 or not self.critic_lr > 0 or not self.max_grad_norm > 0:
+            raise ConfigError("actor_lr, critic_lr and max_grad_norm must be > 0")
+        if not 0 <= self.seed < 2**31:
+            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
+
+    def num_iterations(self) -> int:
+        return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
+
+
+class TD3Diffusion(NamedTuple):
+    init: Callable[..., TensorDict]
+    rollout: Callable[..., TensorDict]
+    iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    actor: DiffusionActor
+
+
+def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int, act_dim: int, device: torch.device) -> TD3Diffusion:
+    """Build TD3-diffusion's pure pieces. Learner state: "params" {"actor", "critic" [E, ...]},
+    "target" {"actor", "critic"}, "obs_stats", "schedule", "rng", "iteration", "env_steps", "updates"."""
+    actor = DiffusionActor(spec, obs_dim, act_dim, device)
+    chunk_dim = spec.act_steps * act_dim
+    make_critic = lambda: MLP(obs_dim + chunk_dim, 1, config.critic_hidden, "relu")  # noqa: E731
+    critic = make_critic().to(device)
+    E = config.num_critics
+    q_all = func.vmap(lambda p, s, a: func.apply(critic, p, torch.cat([s, a], -1)), in_dims=(0, None, None), device=device)
+
+    def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None) -> TensorDict:
+        actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.seed)).detach().clone())
+        critics = func.init_stacked(
+            lambda s: func.params_from_module(seeded_init(make_critic, s).to(device)), [config.seed + 1 + e for e in range(E)]
+        )
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+        return TensorDict(
+            {
+                "params": {"actor": actor_params, "critic": critics},
+                "target": {"actor": actor_params.detach().clone(), "critic": critics.detach().clone()},
+                "obs_stats": obs_stats if obs_stats is not None else init_running_stats((obs_dim,), device=device),
+                "schedule": schedule_for(spec, device),
+                "rng": gen.get_state(),
+                "iteration": torch.zeros((), dtype=torch.int64, device=device),
+                "env_steps": torch.zeros((), dtype=torch.int64, device=device),
+                "updates": torch.zeros((), dtype=torch.int64, device=device),
+            },
+            batch_size=[],
+            device=device,
+        )
+
+    def deterministic_chunk(params: TensorDict, state: TensorDict, cond: Tensor, generator: torch.Generator, **kw) -> Tensor:
+        """x_0 [B, H, A] of DDIM with eta = 0 from fresh initial noise."""
+        return actor.act(params, state["schedule"], cond, actor.noise(cond.shape[0], generator), eta=0.0, **kw)
+
+    def rollout(state: TensorDict, env, generator: torch.Generator) -> TensorDict:
+        warm = int(state["env_steps"]) < config.warmup_steps
+
+        @torch.no_grad()
+        def act(td: TensorDict) -> TensorDict:
+            n = td["observation"].shape[0]
+            if warm:
+                x = torch.rand((n, spec.horizon, act_dim), generator=generator, device=device) * 2 - 1
+            else:
+                cond = actor.cond(state["obs_stats"], td["observation"])
+                x = deterministic_chunk(state["params", "actor"], state, cond, generator)
+                x = x + config.exploration_noise * torch.randn(x.shape, generator=generator, device=device)
+            td["action"] = actor.env_action(x.clamp(-1.0, 1.0))
+            return td
+
+        return env.rollout(config.num_steps, act, break_when_any_done=False)
+
+    def critic_update(state, mb, generator, optimizer, prec):
+        params, target = state["params"], state["target"]
+        with torch.no_grad():
+            a_next = deterministic_chunk(target["actor"], state, mb["next_cond"], generator)
+            smooth = (config.policy_noise * torch.randn(a_next.shape, generator=generator, device=device)).clamp(
+                -config.noise_clip, config.noise_clip
+            )
+            a_next = (a_next + smooth).clamp(-1.0, 1.0).flatten(1)
+            y = td3_target(q_all(target["critic"], mb["next_cond"], a_next), mb["reward"], mb["terminated"], config.gamma)
+        with prec.autocast():
+            q = q_all(params["critic"], mb["cond"], mb["action"])
+        loss, metrics = critic_loss(q.float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm, _ = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, None)
+        metrics["critic_grad_norm"] = norm
+        return metrics
+
+    def actor_update(state, mb, generator, optimizer, prec):
+        params = state["params"]
+        with prec.autocast():
+            a = deterministic_chunk(params["actor"], state, mb["cond"], generator, checkpoint=config.gradient_checkpointing)
+            q = func.apply(critic, params["critic"][0], torch.cat([mb["cond"], a.flatten(1)], -1))
+            t = sample_timesteps((mb.batch_size[0],), spec.num_train_steps, generator=generator, device=device)
+            noise = torch.randn(mb["chunk"].shape, generator=generator, device=device)
+            bc = denoising_loss(actor.apply, params["actor"], mb["chunk"], mb["cond"], t, noise,
+                                state["schedule", "alphas_cumprod"], prediction=spec.prediction)
+        loss, metrics = diffusion_ql_actor_loss(q.float(), bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm, _ = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, None)
+        metrics["actor_grad_norm"] = norm
+        return metrics
+
+    def iteration(state: TensorDict, buffer, generator: torch.Generator, optimizers, prec: Precision):
+        """``updates_per_iteration`` TD3 steps on minibatches drawn from ``buffer`` (a TorchRL
+        replay buffer of flat transitions, see :func:`transitions`)."""
+        critic_opt, actor_opt = optimizers
+        metric_sum, actor_sum, n_actor = None, None, 0
+        updates = int(state["updates"])
+        for _ in range(config.updates_per_iteration):
+            idx = torch.randint(len(buffer), (config.batch_size,), generator=generator, device=device)
+            mb = buffer[idx.cpu()].to(device)
+            m = critic_update(state, mb, generator, critic_opt, prec)
+            metric_sum = m if metric_sum is None else metric_sum + m
+            updates += 1
+            if updates % config.policy_delay == 0:
+                am = actor_update(state, mb, generator, actor_opt, prec)
+                actor_sum = am if actor_sum is None else actor_sum + am
+                n_actor += 1
+                ema_update_(state["target", "actor"], state["params", "actor"], 1.0 - config.tau)
+                ema_update_(state["target", "critic"], state["params", "critic"], 1.0 - config.tau)
+        metrics = metric_sum / config.updates_per_iteration
+        if actor_sum is not None:
+            metrics.update(actor_sum / n_actor)
+        out = state.clone(recurse=False)
+        out["iteration"] = state["iteration"] + 1
+        out["updates"] = torch.tensor(updates, device=device)
+        out["rng"] = generator.get_state()
+        return out, metrics
+
+    def transitions(state: TensorDict, batch: TensorDict) -> TensorDict:
+        """A rollout [N, T] -> flat transitions [N*T] with "cond", "next_cond" (normalised
+        observations), "action" [A*act_steps] in [-1, 1], "chunk" [H, A], "reward", "terminated"."""
+        cond = actor.cond(state["obs_stats"], batch["observation"])
+        next_cond = actor.cond(state["obs_stats"], batch["next", "observation"])
+        chunk = batch["action"].reshape(*batch.batch_size, spec.horizon, act_dim)
+        return TensorDict(
+            {
+                "cond": cond, "next_cond": next_cond, "action": chunk.flatten(-2), "chunk": chunk,
+                "reward": batch["next", "reward"], "terminated": batch["next", "terminated"],
+            },
+            batch_size=batch.batch_size,
+        ).flatten(0, 1)
+
+    return TD3Diffusion(init, rollout, iteration, actor), transitions

@@ -1,0 +1,262 @@
+"""Whole runs of the diffusion algorithms (bc, dppo, td3-diffusion), each one function of its config.
+
+Each writes RUN_DIR/config.json, metrics.jsonl (one line per logged iteration), checkpoints/
+(safetensors snapshots whose learner state includes the noise schedule, verified against the actor
+spec on every load) and eval.json (one episode per env with deterministic DDIM, eta = 0, and
+PointReach's mode statistics).
+
+``init_from`` (dppo, td3-diffusion) takes a bc run dir or snapshot and starts from its EMA weights,
+observation statistics and actor spec. These runs are not resumable yet (``rlfunc resume`` is
+PPO's); a snapshot is written every ``checkpoint_every`` iterations and at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from rlfunc import checkpoint, func
+from rlfunc.algos.bc import BCConfig, make_bc
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, evaluate_chunks, make_env, schedule_for
+from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
+from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
+from rlfunc.amp import precision
+from rlfunc.device import resolve_device
+from rlfunc.diffusion.schedule import check_schedule
+from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.log import MetricsLogger, plot_learning_curve
+from rlfunc.optim import optimizer_state
+from rlfunc.train import _check_run_dir
+
+OBS_DIM, ACT_DIM = 6, 2  # PointReach-v0
+EVAL_SEED_OFFSET = 1_000_003
+
+
+class DiffusionResult(NamedTuple):
+    state: TensorDict
+    run_dir: Path
+    evaluation: dict
+
+
+def _setup(config, run_dir) -> tuple[torch.device, Path]:
+    device = resolve_device(config.device)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir, resume=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    return device, run_dir
+
+
+def _save(run_dir: Path, algo: str, config, spec: ActorSpec, state: TensorDict, optimizers, step: int) -> Path:
+    snapshot = TensorDict({"learner": state}, batch_size=[])
+    for name, opt in optimizers.items():
+        snapshot[f"optim_{name}"] = optimizer_state(opt)
+    meta = {
+        "algo": algo,
+        "config": dataclasses.asdict(config),
+        "actor_spec": dataclasses.asdict(spec),
+        "obs_dim": OBS_DIM,
+        "act_dim": ACT_DIM,
+        "iteration": int(state["iteration"]),
+    }
+    return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=step, keep_last=3)
+
+
+def actor_spec_from_meta(meta: dict, path) -> ActorSpec:
+    """The ActorSpec saved in a diffusion snapshot's meta; CheckpointError if missing or invalid."""
+    try:
+        raw = dict(meta["actor_spec"])
+        for key in ("hidden", "down_dims"):
+            raw[key] = tuple(raw[key])
+        return ActorSpec(**raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: no valid actor_spec in meta.json ({e})") from None
+
+
+def load_actor(path: str | Path, device: torch.device) -> tuple[ActorSpec, TensorDict, TensorDict, dict]:
+    """Load a diffusion actor from a run dir (latest snapshot) or a snapshot dir.
+
+    Returns (spec, actor params, obs_stats, meta): the EMA weights for a bc snapshot, the trained
+    actor for dppo / td3-diffusion. The stored schedule must equal the one the spec defines.
+
+    Raises:
+        CheckpointError: no snapshot, not a diffusion snapshot, or a schedule that does not match.
+    """
+    path = Path(path)
+    snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
+    if snap is None:
+        raise CheckpointError(f"{path}: holds no complete snapshot")
+    meta = checkpoint.load_meta(snap)
+    if meta.get("algo") not in ("bc", "dppo", "td3-diffusion"):
+        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a bc, dppo or td3-diffusion snapshot")
+    spec = actor_spec_from_meta(meta, snap)
+    loaded, _ = checkpoint.load_snapshot(snap, device=device)
+    learner = loaded["learner"]
+    check_schedule(learner["schedule"], schedule_for(spec, device))
+    params = learner["ema"] if meta["algo"] == "bc" else learner["params", "actor"]
+    return spec, func.as_leaves(params.clone()), learner["obs_stats"], meta
+
+
+def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Path, eta: float = 0.0) -> dict:
+    env = make_env(config.env, config.eval_episodes, actor.spec.act_steps, device, config.seed + EVAL_SEED_OFFSET)
+    gen = torch.Generator(device=device).manual_seed(config.seed + EVAL_SEED_OFFSET)
+    summary = evaluate_chunks(actor, params, state["obs_stats"], state["schedule"], env, gen, eta=eta)
+    (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
+    return summary
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+    """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc`)."""
+    from envs.point_reach import collect_demonstrations
+
+    device, run_dir = _setup(config, run_dir)
+    if config.env != "PointReach-v0":
+        make_env(config.env, 1, 1, device, 0)  # raises EnvError naming the supported envs
+    gen = torch.Generator(device=device).manual_seed(config.seed)
+    dataset = collect_demonstrations(
+        config.num_demos, config.actor.horizon, generator=gen, device=device, noise_std=config.demo_noise_std
+    ).select("observation", "action")
+    algo = make_bc(config, OBS_DIM, ACT_DIM, device)
+    state = algo.init(dataset)
+    optimizer = torch.optim.AdamW(func.leaves(state["params"]), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
+    prec = precision(device, config.precision)
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    start, acc = time.perf_counter(), None
+    try:
+        with _progress(config.num_updates, "bc", progress) as bar:
+            for i in range(1, config.num_updates + 1):
+                state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
+                acc = metrics if acc is None else acc + metrics
+                if i % config.log_every == 0 or i == config.num_updates:
+                    n = i % config.log_every or config.log_every
+                    record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(acc / n).to_dict()}
+                    logger.log(record)
+                    bar.set_postfix(loss=f"{record['loss_denoise']:.4f}")
+                    acc = None
+                if config.checkpoint_every and i % config.checkpoint_every == 0:
+                    _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, i)
+                bar.update(1)
+    finally:
+        logger.close()
+    _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, config.num_updates)
+    summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir)
+    return DiffusionResult(state, run_dir, summary)
+
+
+def _init_actor(config, device):
+    """(spec, params, obs_stats) from ``config.init_from``, or (config.actor, None, None)."""
+    if config.init_from is None:
+        return config.actor, None, None
+    spec, params, obs_stats, _ = load_actor(config.init_from, device)
+    return spec, params, obs_stats
+
+
+def _episode_metrics(batch: TensorDict) -> dict:
+    from envs.point_reach import rollout_mode_statistics
+
+    done = batch["next", "done"]
+    ended = int(done.sum())
+    out = {"episodes": ended}
+    if ended:
+        # episode return: chunk rewards accumulated along each episode
+        out.update(rollout_mode_statistics(batch))
+    return out
+
+
+def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+    """DPPO fine-tuning (see :mod:`rlfunc.algos.dppo`), usually from a bc run (``init_from``)."""
+    device, run_dir = _setup(config, run_dir)
+    spec, actor_params, obs_stats = _init_actor(config, device)
+    algo = make_dppo(config, spec, OBS_DIM, ACT_DIM, device)
+    state = algo.init(actor_params, obs_stats)
+    optimizer = make_optimizer(state, config)
+    prec = precision(device, config.precision)
+    env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
+    gen = torch.Generator(device=device).manual_seed(config.seed)
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    n_iter = config.num_iterations(spec.act_steps)
+    start = time.perf_counter()
+    try:
+        with _progress(n_iter, "dppo", progress) as bar:
+            for i in range(1, n_iter + 1):
+                batch = algo.rollout(state, env, gen)
+                state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
+                record = {
+                    "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
+                    **_episode_metrics(batch), **metrics.to_dict(),
+                }
+                logger.log(record)
+                bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
+                if config.checkpoint_every and i % config.checkpoint_every == 0:
+                    _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))
+                bar.update(1)
+    finally:
+        logger.close()
+    _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))
+    _plot(run_dir)
+    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, eta=config.eval_eta)
+    return DiffusionResult(state, run_dir, summary)
+
+
+def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+    """TD3 with a diffusion actor (see :mod:`rlfunc.algos.td3_diffusion`); a device-resident
+    TorchRL replay buffer holds the transitions."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    device, run_dir = _setup(config, run_dir)
+    spec, actor_params, obs_stats = _init_actor(config, device)
+    if spec.horizon != spec.act_steps:
+        raise ConfigError(f"init_from actor has horizon={spec.horizon} != act_steps={spec.act_steps}; td3-diffusion needs them equal")
+    algo, transitions = make_td3_diffusion(config, spec, OBS_DIM, ACT_DIM, device)
+    state = algo.init(actor_params, obs_stats)
+    critic_opt = torch.optim.Adam(func.leaves(state["params", "critic"]), lr=config.critic_lr, foreach=True)
+    actor_opt = torch.optim.Adam(func.leaves(state["params", "actor"]), lr=config.actor_lr, foreach=True)
+    prec = precision(device, config.precision)
+    env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
+    gen = torch.Generator(device=device).manual_seed(config.seed)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    n_iter = config.num_iterations()
+    start = time.perf_counter()
+    try:
+        with _progress(n_iter, "td3-diffusion", progress) as bar:
+            for i in range(1, n_iter + 1):
+                batch = algo.rollout(state, env, gen)
+                buffer.extend(transitions(state, batch))
+                state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
+                record = {"iteration": i, "step": int(state["env_steps"]), "time": 0.0, **_episode_metrics(batch)}
+                if int(state["env_steps"]) >= config.warmup_steps:
+                    state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
+                    record.update(metrics.to_dict())
+                else:
+                    state["iteration"] = state["iteration"] + 1
+                record["time"] = time.perf_counter() - start
+                logger.log(record)
+                bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
+                if config.checkpoint_every and i % config.checkpoint_every == 0:
+                    _save(run_dir, "td3-diffusion", config, spec, state, {"critic": critic_opt, "actor": actor_opt}, int(state["env_steps"]))
+                bar.update(1)
+    finally:
+        logger.close()
+    _save(run_dir, "td3-diffusion", config, spec, state, {"critic": critic_opt, "actor": actor_opt}, int(state["env_steps"]))
+    _plot(run_dir)
+    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir)
+    return DiffusionResult(state, run_dir, summary)
+
+
+def _plot(run_dir: Path) -> None:
+    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key="success_rate")

@@ -1,0 +1,105 @@
+"""Mixed precision and gradient accumulation (rlfunc.amp)."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlfunc import func
+from rlfunc.amp import accumulate_gradients, precision, step
+from rlfunc.errors import ConfigError
+from rlfunc.nets.denoiser import DiffusionMLP
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    net = DiffusionMLP(2, 4, 6, hidden=(32, 32))
+    params = func.params_from_module(net)
+    batch = TensorDict(
+        {"x": torch.randn(24, 4, 2), "t": torch.randint(0, 10, (24,)), "cond": torch.randn(24, 6), "y": torch.randn(24, 4, 2)},
+        batch_size=[24],
+    )
+
+    def loss_fn(mb):
+        out = func.apply(net, params, mb["x"], mb["t"], mb["cond"])
+        loss = (out.float() - mb["y"]).square().mean()
+        return loss, TensorDict({"loss": loss.detach()}, batch_size=[])
+
+    return params, batch, loss_fn
+
+
+@pytest.mark.parametrize("micro", [1, 5, 8, 24, None])
+def test_accumulation_equals_full_batch(micro):
+    params, batch, loss_fn = _setup()
+    loss_full, _ = accumulate_gradients(loss_fn, batch, None)
+    full = [p.grad.clone() for p in func.leaves(params)]
+    for p in func.leaves(params):
+        p.grad = None
+    loss_acc, metrics = accumulate_gradients(loss_fn, batch, micro)
+    acc = [p.grad for p in func.leaves(params)]
+    for a, b in zip(full, acc):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_full, loss_acc, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["loss"], loss_full, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulated_update_equals_full_batch_update():
+    """Same optimizer step (Adam, clipping) from micro-batches x steps as from the full batch."""
+    results = []
+    for micro in (None, 6):
+        params, batch, loss_fn = _setup()
+        opt = torch.optim.Adam(func.leaves(params), lr=1e-2)
+        opt.zero_grad()
+        accumulate_gradients(loss_fn, batch, micro)
+        step(opt, func.leaves(params), 0.5)
+        results.append([p.detach().clone() for p in func.leaves(params)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_close_to_fp32_and_grads_fp32():
+    params, batch, loss_fn = _setup()
+    loss32, _ = accumulate_gradients(loss_fn, batch, None)
+    g32 = [p.grad.clone() for p in func.leaves(params)]
+    for p in func.leaves(params):
+        p.grad = None
+    prec = precision(torch.device("cpu"), "bf16")
+    assert prec.dtype == torch.bfloat16 and prec.scaler is None
+    loss16, _ = accumulate_gradients(loss_fn, batch, None, prec=prec)
+    assert loss16.dtype == torch.float32
+    assert abs(float(loss16) - float(loss32)) < 0.05 * abs(float(loss32))
+    for p, g in zip(func.leaves(params), g32):
+        assert p.grad.dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(p.grad.flatten(), g.flatten(), dim=0)
+        assert cos > 0.95
+
+
+def test_fp16_has_a_scaler_and_steps():
+    prec = precision(torch.device("cpu"), "fp16")
+    assert prec.dtype == torch.float16 and prec.scaler is not None
+    params, batch, loss_fn = _setup()
+    before = [p.detach().clone() for p in func.leaves(params)]
+    opt = torch.optim.Adam(func.leaves(params), lr=1e-2)
+    accumulate_gradients(loss_fn, batch, 8, prec=prec)
+    norm, ok = step(opt, func.leaves(params), 1.0, prec)
+    assert ok and norm.isfinite()
+    assert any(not torch.equal(a, p) for a, p in zip(before, func.leaves(params)))
+
+
+def test_step_skips_nonfinite_gradients():
+    params, batch, loss_fn = _setup()
+    opt = torch.optim.Adam(func.leaves(params), lr=1e-2)
+    accumulate_gradients(loss_fn, batch, None)
+    func.leaves(params)[0].grad[0] = float("nan")
+    before = [p.detach().clone() for p in func.leaves(params)]
+    _, ok = step(opt, func.leaves(params), 1.0)
+    assert not ok
+    assert all(torch.equal(a, p) for a, p in zip(before, func.leaves(params)))
+
+
+def test_precision_and_micro_batch_errors():
+    with pytest.raises(ConfigError, match="precision="):
+        precision(torch.device("cpu"), "fp8")
+    assert precision(torch.device("cpu"), "auto").dtype == torch.bfloat16
+    params, batch, loss_fn = _setup()
+    with pytest.raises(ConfigError, match="micro_batch_size=0"):
+        accumulate_gradients(loss_fn, batch, 0)
