@@ -125,6 +125,14 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
+    from rlfunc import checkpoint
+
+    snap = checkpoint.latest_snapshot(a.run_dir)
+    if snap is not None and checkpoint.load_meta(snap).get("algo") in ("bc", "dppo", "td3-diffusion"):
+        from rlfunc.train_diffusion import evaluate_run
+
+        print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed or 0, device=a.device)))
+        return 0
     print(json.dumps(evaluate(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
     return 0
 

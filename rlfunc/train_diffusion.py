@@ -113,6 +113,30 @@ def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Pat
     return summary
 
 
+def evaluate_run(run_dir: str | Path, episodes: int = 500, *, seed: int = 0, device: str = "auto", eta: float = 0.0) -> dict:
+    """Evaluate the latest diffusion actor of ``run_dir`` (EMA weights for bc): ``episodes`` envs,
+    one episode each, DDIM with ``eta`` (0: deterministic given the initial noise).
+
+    Returns:
+        {"algo", "episodes", "episode_return", "success_rate", "share_goal_a", "share_goal_b",
+        "share_neither", "num_episodes"}.
+
+    Raises:
+        CheckpointError: no diffusion snapshot, or its schedule does not match its actor spec.
+        ConfigError: ``episodes < 1``.
+    """
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    dev = resolve_device(device)
+    spec, params, obs_stats, meta = load_actor(run_dir, dev)
+    actor = DiffusionActor(spec, OBS_DIM, ACT_DIM, dev)
+    env_id = meta["config"].get("env", "PointReach-v0")
+    env = make_env(env_id, episodes, spec.act_steps, dev, seed + EVAL_SEED_OFFSET)
+    gen = torch.Generator(device=dev).manual_seed(seed + EVAL_SEED_OFFSET)
+    summary = evaluate_chunks(actor, params, obs_stats, schedule_for(spec, dev), env, gen, eta=eta)
+    return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
+
+
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -221,7 +245,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     spec, actor_params, obs_stats = _init_actor(config, device)
     if spec.horizon != spec.act_steps:
         raise ConfigError(f"init_from actor has horizon={spec.horizon} != act_steps={spec.act_steps}; td3-diffusion needs them equal")
-    algo, transitions = make_td3_diffusion(config, spec, OBS_DIM, ACT_DIM, device)
+    algo = make_td3_diffusion(config, spec, OBS_DIM, ACT_DIM, device)
     state = algo.init(actor_params, obs_stats)
     critic_opt = torch.optim.Adam(func.leaves(state["params", "critic"]), lr=config.critic_lr, foreach=True)
     actor_opt = torch.optim.Adam(func.leaves(state["params", "actor"]), lr=config.actor_lr, foreach=True)
@@ -236,7 +260,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
         with _progress(n_iter, "td3-diffusion", progress) as bar:
             for i in range(1, n_iter + 1):
                 batch = algo.rollout(state, env, gen)
-                buffer.extend(transitions(state, batch))
+                buffer.extend(algo.transitions(state, batch))
                 state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
                 record = {"iteration": i, "step": int(state["env_steps"]), "time": 0.0, **_episode_metrics(batch)}
                 if int(state["env_steps"]) >= config.warmup_steps:

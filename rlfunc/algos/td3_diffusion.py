@@ -97,6 +97,7 @@ class TD3Diffusion(NamedTuple):
     init: Callable[..., TensorDict]
     rollout: Callable[..., TensorDict]
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    transitions: Callable[[TensorDict, TensorDict], TensorDict]
     actor: DiffusionActor
 
 
@@ -227,4 +228,4 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
             batch_size=batch.batch_size,
         ).flatten(0, 1)
 
-    return TD3Diffusion(init, rollout, iteration, actor), transitions
+    return TD3Diffusion(init, rollout, iteration, transitions, actor)

@@ -1,0 +1,213 @@
+"""bc / dppo / td3-diffusion on PointReach-v0 with small budgets: modes kept, updates sane, the
+schedule checked on load, gradients through the chain into every U-Net parameter."""
+
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlfunc import checkpoint, func
+from rlfunc.algos.bc import BCConfig
+from rlfunc.algos.diffusion_actor import ActorSpec, make_env
+from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
+from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
+from rlfunc.amp import precision
+from rlfunc.diffusion.ddim import sample
+from rlfunc.diffusion.schedule import make_schedule
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.nets.unet1d import ConditionalUnet1D
+from rlfunc.train_diffusion import evaluate_run, load_actor, train_bc, train_dppo, train_td3_diffusion
+
+CPU = torch.device("cpu")
+SMALL = ActorSpec(hidden=(128, 128, 128), horizon=4, act_steps=4, num_train_steps=20, ddim_steps=10)
+
+
+@pytest.fixture(scope="module")
+def bc_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bc") / "run"
+    config = BCConfig(actor=SMALL, num_demos=300, num_updates=2000, batch_size=512, lr=3e-3, ema_decay=0.99,
+                      log_every=500, checkpoint_every=1000, eval_episodes=400, device="cpu")
+    return train_bc(config, d, progress=False, tensorboard=False)
+
+
+def test_bc_keeps_both_modes(bc_run):
+    ev = bc_run.evaluation
+    assert ev["num_episodes"] == 400
+    assert ev["success_rate"] >= 0.3, ev  # about 0.5 after 2000 updates; 0.99 after 10k (bench/)
+    # a Gaussian regression of this data would average the goals; the diffusion actor keeps both:
+    # each goal takes at least 30% of the successful episodes
+    assert min(ev["share_goal_a"], ev["share_goal_b"]) >= 0.3 * ev["success_rate"], ev
+    records = [json.loads(l) for l in (bc_run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [500, 1000, 1500, 2000]
+    assert records[-1]["loss_denoise"] < records[0]["loss_denoise"]
+    assert json.loads((bc_run.run_dir / "eval.json").read_text()) == pytest.approx(ev)
+
+
+def test_every_snapshot_holds_the_schedule(bc_run):
+    steps = sorted(p.name for p in (bc_run.run_dir / "checkpoints").glob("step_*"))
+    assert steps == ["step_000000001000", "step_000000002000"]
+    for name in steps:
+        state, meta = checkpoint.load_snapshot(bc_run.run_dir / "checkpoints" / name)
+        want = make_schedule("cosine", 20)["alphas_cumprod"]
+        torch.testing.assert_close(state["learner", "schedule", "alphas_cumprod"], want, rtol=0, atol=0)
+        assert meta["actor_spec"]["num_train_steps"] == 20
+
+
+def test_schedule_mismatch_is_refused(bc_run, tmp_path):
+    state, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(bc_run.run_dir))
+    state["learner", "schedule", "alphas_cumprod"][3] += 1e-3
+    checkpoint.save_snapshot(tmp_path / "bad", state, meta)
+    with pytest.raises(CheckpointError, match="alphas_cumprod"):
+        load_actor(tmp_path / "bad", CPU)
+    state, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(bc_run.run_dir))
+    meta = {**meta, "actor_spec": {**meta["actor_spec"], "schedule": "linear"}}
+    checkpoint.save_snapshot(tmp_path / "other", state, meta)
+    with pytest.raises(CheckpointError, match="alphas_cumprod"):
+        load_actor(tmp_path / "other", CPU)
+    with pytest.raises(CheckpointError, match="no complete snapshot|missing|not"):
+        load_actor(tmp_path / "nothing", CPU)
+
+
+def test_evaluate_run_matches_the_final_evaluation(bc_run):
+    ev = evaluate_run(bc_run.run_dir, 400, device="cpu")
+    assert ev["algo"] == "bc"
+    assert ev["success_rate"] == pytest.approx(bc_run.evaluation["success_rate"])
+
+
+def _dppo(bc_run, **kw):
+    spec, params, obs_stats, _ = load_actor(bc_run.run_dir, CPU)
+    config = DPPOConfig(**{"num_envs": 32, "num_steps": 8, "minibatch_size": 256, "num_epochs": 1, "device": "cpu", **kw})
+    algo = make_dppo(config, spec, 6, 2, CPU)
+    state = algo.init(params, obs_stats)
+    env = make_env("PointReach-v0", 32, spec.act_steps, CPU, 0)
+    return config, algo, state, env, params
+
+
+@pytest.mark.parametrize("likelihood", ["chain", "output-noise"])
+def test_dppo_first_update_starts_at_ratio_one(bc_run, likelihood):
+    """One epoch over the batch as one minibatch: the ratio of the stored samples is exactly 1
+    (the stored log-likelihoods are those of the collecting parameters), then the actor moves."""
+    config, algo, state, env, bc_params = _dppo(bc_run, likelihood=likelihood)
+    gen = torch.Generator().manual_seed(0)
+    batch = algo.rollout(state, env, gen)
+    assert batch.batch_size == torch.Size([32, 8])
+    assert batch["action"].shape == (32, 8, 4, 2)
+    if likelihood == "chain":
+        assert batch["chain"].shape == (32, 8, 11, 4, 2)
+        torch.testing.assert_close(batch["chain"][:, :, -1], batch["action"])
+    opt = make_optimizer(state, config)
+    new, metrics = algo.iteration(state, batch, gen, opt, precision(CPU, "off"))
+    assert float(metrics["approx_kl"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(metrics["clip_fraction"]) == 0.0
+    assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=1e-4)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    moved = [not torch.equal(a, b) for a, b in zip(func.leaves(new["params", "actor"]), func.leaves(bc_params))]
+    assert any(moved)
+    for a, b in zip(func.leaves(new["base"]), func.leaves(bc_params)):
+        assert torch.equal(a, b)  # the frozen copy never moves
+    assert int(new["env_steps"]) == 32 * 8 * 4
+
+
+def test_dppo_finetune_steps_keeps_the_frozen_prefix(bc_run):
+    """With K' = 2 of K = 10 fine-tuned, the first 8 denoising steps of a collected chain are the
+    frozen base actor's: perturbing the trainable actor changes only the last 2 steps."""
+    config, algo, state, env, bc_params = _dppo(bc_run, finetune_steps=2, num_epochs=2)
+    chains = []
+    for perturb in (0.0, 0.05):
+        with torch.no_grad():
+            for p in func.leaves(state["params", "actor"]):
+                p.add_(perturb * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        env = make_env("PointReach-v0", 32, 4, CPU, 0)
+        chains.append(algo.rollout(state, env, torch.Generator().manual_seed(1))["chain"][:, 0])
+    torch.testing.assert_close(chains[0][:, :9], chains[1][:, :9], rtol=0, atol=0)
+    assert not torch.allclose(chains[0][:, 9:], chains[1][:, 9:])
+    opt = make_optimizer(state, config)
+    env = make_env("PointReach-v0", 32, 4, CPU, 0)
+    batch = algo.rollout(state, env, torch.Generator().manual_seed(1))
+    new, metrics = algo.iteration(state, batch, torch.Generator().manual_seed(2), opt, precision(CPU, "off"))
+    assert torch.isfinite(metrics["loss_objective"]) and float(metrics["approx_kl"]) >= 0
+    with pytest.raises(ConfigError, match="finetune_steps"):
+        make_dppo(DPPOConfig(finetune_steps=11), SMALL, 6, 2, CPU)
+
+
+def test_dppo_run_from_bc(bc_run, tmp_path):
+    config = DPPOConfig(init_from=str(bc_run.run_dir), total_steps=2 * 64 * 8 * 4, num_envs=64, num_steps=8,
+                        minibatch_size=256, num_epochs=2, eval_episodes=64, checkpoint_every=1, device="cpu")
+    result = train_dppo(config, tmp_path / "dppo", progress=False, tensorboard=False)
+    records = [json.loads(l) for l in (tmp_path / "dppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2048, 4096]
+    assert {"success_rate", "share_goal_a", "share_goal_b", "loss_objective", "approx_kl"} <= records[0].keys()
+    assert 0.0 <= result.evaluation["success_rate"] <= 1.0
+    spec, _, _, meta = load_actor(tmp_path / "dppo", CPU)  # the dppo snapshot carries a verified schedule
+    assert meta["algo"] == "dppo" and spec == load_actor(bc_run.run_dir, CPU)[0]
+
+
+def test_td3_diffusion_run(tmp_path):
+    actor = ActorSpec(hidden=(64, 64), horizon=1, act_steps=1, num_train_steps=10, ddim_steps=3)
+    config = TD3DiffusionConfig(actor=actor, total_steps=3 * 32 * 30, num_envs=32, num_steps=30, warmup_steps=1000,
+                                updates_per_iteration=8, batch_size=64, critic_hidden=(64, 64), eval_episodes=32,
+                                device="cpu")
+    result = train_td3_diffusion(config, tmp_path / "td3", progress=False, tensorboard=False)
+    records = [json.loads(l) for l in (tmp_path / "td3" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and "loss_critic" not in records[0] and "loss_critic" in records[1]
+    assert "loss_actor_q" in records[1] and all(r["loss_critic"] >= 0 for r in records[1:])
+    state = result.state
+    assert int(state["updates"]) == 16
+    # Polyak targets moved towards the online weights but are not equal to them
+    online, target = func.leaves(state["params", "critic"]), func.leaves(state["target", "critic"])
+    assert any(not torch.equal(a, b) for a, b in zip(online, target))
+    assert state["params", "critic", "0", "weight"].shape[0] == 2  # twin critics, stacked
+
+
+def test_td3_diffusion_config_errors():
+    with pytest.raises(ConfigError, match="horizon"):
+        TD3DiffusionConfig(actor=ActorSpec(horizon=4, act_steps=2))
+    with pytest.raises(ConfigError, match="tau"):
+        TD3DiffusionConfig(tau=0.0)
+
+
+def test_diffusion_algorithms_need_a_torch_env():
+    with pytest.raises(EnvError, match="PointReach-v0"):
+        make_env("Pendulum-v1", 2, 1, CPU, 0)
+
+
+def test_q_gradient_reaches_every_unet_parameter_through_the_chain():
+    """A loss on the final action of a 4-step DDIM chain (eta = 0) gives every U-Net parameter a
+    finite, non-zero gradient; per-step checkpointing gives the same gradients."""
+    torch.manual_seed(0)
+    net = ConditionalUnet1D(2, 6, down_dims=(16, 32), kernel_size=3, n_groups=4)
+    params = func.params_from_module(net)
+    schedule = make_schedule("cosine", 20)
+    cond = torch.randn(5, 6)
+    noise = torch.randn(5, 5, 7, 2)  # K + 1 = 5 noises, batch 5, horizon 7 (not a power of two)
+    apply = lambda p, x, t, c: func.apply(net, p, x, t, c)  # noqa: E731
+    grads = []
+    for ckpt in (False, True):
+        x0 = sample(apply, params, cond, noise, schedule, 4, 0.0, checkpoint=ckpt)
+        q = -(x0 - 0.3).square().sum()
+        for p in func.leaves(params):
+            p.grad = None
+        q.backward()
+        grads.append([p.grad.clone() for p in func.leaves(params)])
+    for name, g in zip(params.flatten_keys(".").keys(), grads[0]):
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bc_config_errors():
+    with pytest.raises(ConfigError, match="ema_decay"):
+        BCConfig(ema_decay=1.0)
+    with pytest.raises(ConfigError, match="act_steps"):
+        ActorSpec(horizon=2, act_steps=3)
+    with pytest.raises(ConfigError, match="ddim_steps"):
+        ActorSpec(num_train_steps=5, ddim_steps=6)
+
+
+def test_ema_is_a_lerp():
+    from rlfunc.algos.bc import ema_update_
+
+    ema = TensorDict({"w": torch.zeros(3)}, [])
+    ema_update_(ema, TensorDict({"w": torch.ones(3)}, []), 0.9)
+    torch.testing.assert_close(ema["w"], torch.full((3,), 0.1))
