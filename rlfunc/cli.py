@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 
 from rlfunc.algos.ppo import PPOConfig
@@ -68,8 +69,26 @@ def _train(argv: list[str]) -> int:
 
 
 def _unchecked(cls):
-    """``cls`` with validation deferred (tyro would box a ValueError); validated by rebuilding ``cls``."""
-    return dataclasses.dataclass(frozen=True)(type(f"_Unchecked{cls.__name__}", (cls,), {"__post_init__": lambda self: None}))
+    """``cls`` (and its nested config dataclasses) with validation deferred, since tyro would box a
+    ValueError; :func:`_checked` rebuilds the real, validated config."""
+    hints = typing.get_type_hints(cls)
+    ns: dict = {"__post_init__": lambda self: None, "__annotations__": {}}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            loose = _unchecked(hints[f.name])
+            ns["__annotations__"][f.name] = loose
+            ns[f.name] = dataclasses.field(default_factory=lambda loose=loose, t=hints[f.name]: _convert(loose, t()))
+    return dataclasses.dataclass(frozen=True)(type(f"_Unchecked{cls.__name__}", (cls,), ns))
+
+
+def _convert(cls, obj):
+    """Rebuild dataclass ``obj`` as ``cls`` field by field (nested config dataclasses included)."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name)
+        values[f.name] = _convert(hints[f.name], value) if dataclasses.is_dataclass(hints[f.name]) else value
+    return cls(**values)
 
 
 def _train_diffusion(algo: str, argv: list[str]) -> int:
@@ -90,10 +109,10 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
     known, rest = pre.parse_known_args(argv)
     loose = _unchecked(cls)
     parsed = tyro.cli(
-        loose, args=rest, default=loose(**{f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}),
+        loose, args=rest, default=_convert(loose, cls()),
         prog=f"rlfunc train {algo}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{algo}-sSEED-TIME).",
     )
-    config = cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls)})
+    config = _convert(cls, parsed)  # validated here, so errors print as one line
     run_dir = known.run_dir or os.path.join("runs", f"{config.env}-{algo}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = fn(config, run_dir)
     print(f"run dir: {result.run_dir}", file=sys.stderr)

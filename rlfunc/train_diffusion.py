@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from rlfunc import checkpoint, func
 from rlfunc.algos.bc import BCConfig, make_bc
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, evaluate_chunks, make_env, schedule_for
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_env, evaluate_chunks, make_env, schedule_for
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.amp import precision
@@ -45,14 +45,20 @@ class DiffusionResult(NamedTuple):
 
 
 def _setup(config, run_dir) -> tuple[torch.device, Path]:
+    check_env(config.env)
     device = resolve_device(config.device)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     run_dir = Path(run_dir)
     _check_run_dir(run_dir, resume=False)
+    return device, run_dir
+
+
+def _start(config, run_dir: Path, tensorboard: bool) -> MetricsLogger:
+    """Create the run dir (once every input has been checked) with its config.json and logger."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    return device, run_dir
+    return MetricsLogger(run_dir, tensorboard=tensorboard)
 
 
 def _save(run_dir: Path, algo: str, config, spec: ActorSpec, state: TensorDict, optimizers, step: int) -> Path:
@@ -148,8 +154,6 @@ def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, te
     from envs.point_reach import collect_demonstrations
 
     device, run_dir = _setup(config, run_dir)
-    if config.env != "PointReach-v0":
-        make_env(config.env, 1, 1, device, 0)  # raises EnvError naming the supported envs
     gen = torch.Generator(device=device).manual_seed(config.seed)
     dataset = collect_demonstrations(
         config.num_demos, config.actor.horizon, generator=gen, device=device, noise_std=config.demo_noise_std
@@ -158,7 +162,7 @@ def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, te
     state = algo.init(dataset)
     optimizer = torch.optim.AdamW(func.leaves(state["params"]), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
     prec = precision(device, config.precision)
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    logger = _start(config, run_dir, tensorboard)
     start, acc = time.perf_counter(), None
     try:
         with _progress(config.num_updates, "bc", progress) as bar:
@@ -211,7 +215,7 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     prec = precision(device, config.precision)
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    logger = _start(config, run_dir, tensorboard)
     n_iter = config.num_iterations(spec.act_steps)
     start = time.perf_counter()
     try:
@@ -253,7 +257,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    logger = _start(config, run_dir, tensorboard)
     n_iter = config.num_iterations()
     start = time.perf_counter()
     try:

@@ -69,6 +69,17 @@ def schedule_for(spec: ActorSpec, device: torch.device) -> TensorDict:
     return make_schedule(spec.schedule, spec.num_train_steps, device=device)
 
 
+TORCH_ENVS = ("PointReach-v0",)
+
+
+def check_env(env_id: str) -> None:
+    """EnvError unless ``env_id`` has a torch-batched implementation the diffusion algorithms run on."""
+    if env_id not in TORCH_ENVS:
+        raise EnvError(
+            f"env={env_id!r}: the diffusion algorithms run on torch-batched envs; expected one of {', '.join(TORCH_ENVS)}"
+        )
+
+
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
     """The torch-batched TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks.
 
@@ -76,8 +87,7 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
         EnvError: ``env_id`` has no torch-batched implementation (the diffusion algorithms run on
             PointReach-v0 for now; gymnasium envs are stepped one action at a time by ``ppo``).
     """
-    if env_id != "PointReach-v0":
-        raise EnvError(f"env={env_id!r}: the diffusion algorithms run on torch-batched envs; expected 'PointReach-v0'")
+    check_env(env_id)
     from envs.point_reach import PointReachEnv
 
     return PointReachEnv(num_envs, act_steps=act_steps, device=device, seed=seed)

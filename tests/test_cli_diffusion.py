@@ -1,0 +1,73 @@
+"""`rlfunc train bc | dppo | td3-diffusion` and `rlfunc eval` on their runs; one-line errors."""
+
+import json
+
+import pytest
+
+from rlfunc.cli import main
+
+ACTOR = ["--actor.hidden", "32", "32", "--actor.ddim-steps", "3", "--actor.num-train-steps", "5"]
+BC = ["--num-demos", "8", "--num-updates", "20", "--batch-size", "32", "--log-every", "10", "--eval-episodes", "8",
+      "--device", "cpu", *ACTOR]
+
+
+@pytest.fixture(scope="module")
+def bc_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli_bc") / "bc"
+    assert main(["train", "bc", "--run-dir", str(d), *BC]) == 0
+    return d
+
+
+def test_train_bc_prints_its_evaluation(bc_dir):
+    summary = json.loads((bc_dir / "eval.json").read_text())
+    assert summary["num_episodes"] == 8
+    assert summary["share_goal_a"] + summary["share_goal_b"] + summary["share_neither"] == pytest.approx(1.0)
+    config = json.loads((bc_dir / "config.json").read_text())
+    assert config["actor"]["hidden"] == [32, 32] and config["num_updates"] == 20
+
+
+def test_eval_of_a_diffusion_run(bc_dir, capsys):
+    assert main(["eval", str(bc_dir), "--episodes", "5", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["algo"] == "bc" and out["episodes"] == 5 and 0.0 <= out["success_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("likelihood", ["chain", "output-noise"])
+def test_train_dppo_from_bc(bc_dir, tmp_path, likelihood, capsys):
+    d = tmp_path / "dppo"
+    args = ["train", "dppo", "--init-from", str(bc_dir), "--likelihood", likelihood, "--total-steps", "512",
+            "--num-envs", "16", "--num-steps", "8", "--minibatch-size", "64", "--num-epochs", "1",
+            "--eval-episodes", "4", "--device", "cpu", "--run-dir", str(d)]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_episodes"] == 4
+    assert (d / "learning_curve.png").exists()
+    meta = json.loads((d / "checkpoints" / (d / "checkpoints" / "latest").read_text().strip() / "meta.json").read_text())
+    assert meta["meta"]["actor_spec"]["hidden"] == [32, 32]  # the bc actor's architecture, not dppo's default
+
+
+def test_train_td3_diffusion(tmp_path, capsys):
+    d = tmp_path / "td3"
+    args = ["train", "td3-diffusion", "--total-steps", "960", "--num-envs", "16", "--num-steps", "30",
+            "--warmup-steps", "480", "--updates-per-iteration", "2", "--batch-size", "32", "--eval-episodes", "4",
+            "--actor.hidden", "32", "32", "--actor.ddim-steps", "2", "--device", "cpu", "--run-dir", str(d)]
+    assert main(args) == 0
+    assert len((d / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "dppo", "--init-from", "/no/such/run"], "/no/such/run"),
+        (["train", "dppo", "--gamma", "2"], "gamma=2"),
+        (["train", "dppo", "--likelihood", "chain", "--minibatch-size", "7"], "minibatch_size=7"),
+        (["train", "bc", "--env", "Pendulum-v1"], "PointReach-v0"),
+        (["train", "bc", "--actor.act-steps", "9"], "act_steps=9"),
+        (["train", "td3-diffusion", "--tau", "0"], "tau=0"),
+    ],
+)
+def test_bad_diffusion_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    code = main([*argv, "--run-dir", str(tmp_path / "r"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err[-1].startswith("rlfunc: error:") and message in err[-1], err
+    assert not (tmp_path / "r").exists()  # nothing written
