@@ -32,12 +32,12 @@ class BCConfig:
     actor: ActorSpec = field(default_factory=ActorSpec)  # architecture and diffusion settings
     num_demos: int = 1000  # expert episodes in the dataset
     demo_noise_std: float = 0.1  # std of the expert's action noise, in action units
-    num_updates: int = 3000  # gradient steps
-    batch_size: int = 256  # samples per gradient step
+    num_updates: int = 5000  # gradient steps
+    batch_size: int = 512  # samples per gradient step
     micro_batch_size: int | None = None  # gradient accumulation: samples per backward (None: whole batch)
-    lr: float = 1e-3  # AdamW learning rate
+    lr: float = 3e-3  # AdamW learning rate
     weight_decay: float = 1e-6  # AdamW weight decay
-    ema_decay: float = 0.995  # EMA of the weights per update (Chi et al. use 0.995 after warm-up)
+    ema_decay: float = 0.99  # EMA of the weights per update (Chi et al. use 0.995 over longer runs)
     max_grad_norm: float = 1.0  # global grad-norm clip
     precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the denoiser forward
     seed: int = 0  # dataset, init and noise seed

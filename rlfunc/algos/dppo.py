@@ -47,15 +47,15 @@ class DPPOConfig:
     init_from: str | None = None  # bc run dir (or snapshot): its EMA weights, obs stats, schedule and actor spec
     actor: ActorSpec = field(default_factory=ActorSpec)  # used only without init_from
     likelihood: Literal["chain", "output-noise"] = "chain"  # what gives the PPO ratio (module doc)
-    total_steps: int = 100_000  # env steps
-    num_envs: int = 256  # parallel envs
+    total_steps: int = 300_000  # env steps
+    num_envs: int = 128  # parallel envs
     num_steps: int = 8  # chunk steps per env per rollout
     num_epochs: int = 5  # passes over each batch
-    minibatch_size: int = 512  # chunk samples per gradient step; must divide num_envs * num_steps
+    minibatch_size: int = 256  # chunk samples per gradient step; must divide num_envs * num_steps
     micro_batch_size: int | None = None  # gradient accumulation inside a minibatch (None: off)
-    actor_lr: float = 1e-4  # Adam lr of the denoiser
+    actor_lr: float = 3e-4  # Adam lr of the denoiser
     critic_lr: float = 1e-3  # Adam lr of the critic
-    gamma: float = 0.99  # discount per chunk step, in [0, 1]
+    gamma: float = 0.9  # discount per chunk step (act_steps env steps), in [0, 1]
     lmbda: float = 0.95  # GAE lambda, in [0, 1]
     finetune_steps: int | None = None  # K': fine-tune the last K' denoising steps (None: all K)
     eta: float = 1.0  # DDIM eta while collecting (chain likelihood); evaluation uses eval_eta
@@ -64,7 +64,7 @@ class DPPOConfig:
     logprob_std_floor: float = 0.1  # min std of a denoising step in the likelihood (chain)
     output_noise_std: float = 0.1  # exploration std on the executed actions (output-noise)
     clip_min: float = 0.01  # clip range of the first fine-tuned denoising step
-    clip_max: float = 0.01  # clip range of the last denoising step (and of output-noise)
+    clip_max: float = 0.05  # clip range of the last denoising step (and of output-noise)
     clip_rate: float = 3.0  # exponential rate of the clip schedule over denoising steps
     denoising_discount: float = 0.99  # gamma_denoise: advantage weight per denoising step back
     value_coef: float = 0.5  # critic loss weight

@@ -166,8 +166,8 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
             q = q_all(params["critic"], mb["cond"], mb["action"])
         loss, metrics = critic_loss(q.float(), y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm, _ = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, None)
+        (prec.scaler.scale(loss) if prec.scaler is not None else loss).backward()
+        norm, _ = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, prec)
         metrics["critic_grad_norm"] = norm
         return metrics
 
@@ -182,8 +182,8 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
                                 state["schedule", "alphas_cumprod"], prediction=spec.prediction)
         loss, metrics = diffusion_ql_actor_loss(q.float(), bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm, _ = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, None)
+        (prec.scaler.scale(loss) if prec.scaler is not None else loss).backward()
+        norm, _ = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, prec)
         metrics["actor_grad_norm"] = norm
         return metrics
 
