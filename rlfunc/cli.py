@@ -163,6 +163,15 @@ def _resume(argv: list[str]) -> int:
     p.add_argument("run_dir")
     p.add_argument("--total-steps", type=int, default=None, help="a new budget in env steps per seed")
     a = p.parse_args(argv)
+    from rlfunc import checkpoint
+
+    snap = checkpoint.latest_snapshot(a.run_dir)
+    algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
+    if algo in ("bc", "dppo", "td3-diffusion"):
+        raise ConfigError(
+            f"run_dir={a.run_dir!r} is a {algo} run; resuming the diffusion algorithms is not supported yet "
+            f"(start a new run from it with `rlfunc train dppo --init-from {a.run_dir}`)"
+        )
     return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
 
 

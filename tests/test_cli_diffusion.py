@@ -32,6 +32,12 @@ def test_eval_of_a_diffusion_run(bc_dir, capsys):
     assert out["algo"] == "bc" and out["episodes"] == 5 and 0.0 <= out["success_rate"] <= 1.0
 
 
+def test_resume_of_a_diffusion_run_says_it_is_unsupported(bc_dir, capsys):
+    assert main(["resume", str(bc_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bc run" in err[0] and "--init-from" in err[0]
+
+
 @pytest.mark.parametrize("likelihood", ["chain", "output-noise"])
 def test_train_dppo_from_bc(bc_dir, tmp_path, likelihood, capsys):
     d = tmp_path / "dppo"
