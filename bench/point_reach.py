@@ -86,7 +86,7 @@ def main() -> None:
             rows.append({"method": "gaussian ppo", "seed": seed, "budget": f"{a.dppo_steps} env steps",
                          "wall_s": time.perf_counter() - t, **ppo_mode_statistics(ppo_dir, a.episodes, seed)})
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n| method | seed | budget | success | goal a | goal b | neither | wall s |\n|---|---|---|---|---|---|---|---|")
+    print("\n| method | seed | budget | success | goal a | goal b | neither | wall s |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['seed']} | {r['budget']} | {r['success_rate']:.3f} | {r['share_goal_a']:.3f} | "
               f"{r['share_goal_b']:.3f} | {r['share_neither']:.3f} | {r['wall_s']:.0f} |")
