@@ -6,3 +6,10 @@ import gymnasium as gym
 # 30 is envs.point_reach.MAX_STEPS (a test checks they agree).
 if "PointReach-v0" not in gym.registry:
     gym.register(id="PointReach-v0", entry_point="envs.point_reach:PointReachGymEnv", max_episode_steps=30)
+
+# envs.push.env imports mujoco (and sets MUJOCO_GL for headless rendering) only when an env is made;
+# 100 is envs.push.env.MAX_STEPS (a test checks they agree).
+if "Push-v0" not in gym.registry:
+    gym.register(id="Push-v0", entry_point="envs.push.env:PushEnv", max_episode_steps=100)
+if "PushState-v0" not in gym.registry:
+    gym.register(id="PushState-v0", entry_point="envs.push.env:PushStateEnv", max_episode_steps=100)

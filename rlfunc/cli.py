@@ -24,7 +24,11 @@ import time
 import typing
 from pathlib import Path
 
+from rlfunc.algos.bc import BCConfig
+from rlfunc.algos.diffusion_actor import ActorSpec
+from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import PPOConfig
+from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
@@ -68,19 +72,6 @@ def _train(argv: list[str]) -> int:
     return _report(train(config, run_dir))
 
 
-def _unchecked(cls):
-    """``cls`` (and its nested config dataclasses) with validation deferred, since tyro would box a
-    ValueError; :func:`_checked` rebuilds the real, validated config."""
-    hints = typing.get_type_hints(cls)
-    ns: dict = {"__post_init__": lambda self: None, "__annotations__": {}}
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            loose = _unchecked(hints[f.name])
-            ns["__annotations__"][f.name] = loose
-            ns[f.name] = dataclasses.field(default_factory=lambda loose=loose, t=hints[f.name]: _convert(loose, t()))
-    return dataclasses.dataclass(frozen=True)(type(f"_Unchecked{cls.__name__}", (cls,), ns))
-
-
 def _convert(cls, obj):
     """Rebuild dataclass ``obj`` as ``cls`` field by field (nested config dataclasses included)."""
     hints = typing.get_type_hints(cls)
@@ -91,13 +82,49 @@ def _convert(cls, obj):
     return cls(**values)
 
 
+@dataclasses.dataclass(frozen=True)
+class _LooseActorSpec(ActorSpec):
+    """Architecture and diffusion settings of the diffusion actor."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+# Unvalidated subclasses of the diffusion configs for tyro (which would box a ValueError); defined
+# here, in source, so that tyro finds the parents' field comments for --help.
+@dataclasses.dataclass(frozen=True)
+class _LooseBC(BCConfig):
+    actor: _LooseActorSpec = dataclasses.field(default_factory=_LooseActorSpec)  # the actor to train
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _LooseDPPO(DPPOConfig):
+    actor: _LooseActorSpec = dataclasses.field(default_factory=_LooseActorSpec)  # ignored with --init-from (the snapshot's spec is used)
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _LooseTD3(TD3DiffusionConfig):
+    actor: _LooseActorSpec = dataclasses.field(  # ignored with --init-from (the snapshot's spec is used)
+        default_factory=lambda: _convert(_LooseActorSpec, TD3DiffusionConfig().actor)
+    )
+
+    def __post_init__(self) -> None:
+        pass
+
+
+_LOOSE = {BCConfig: _LooseBC, DPPOConfig: _LooseDPPO, TD3DiffusionConfig: _LooseTD3}
+
+
 def _train_diffusion(algo: str, argv: list[str]) -> int:
     import tyro
 
     from rlfunc import train_diffusion as td
-    from rlfunc.algos.bc import BCConfig
-    from rlfunc.algos.dppo import DPPOConfig
-    from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 
     cls, fn, what = {
         "bc": (BCConfig, td.train_bc, "diffusion behaviour cloning on the env's scripted-expert demonstrations"),
@@ -107,7 +134,7 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(argv)
-    loose = _unchecked(cls)
+    loose = _LOOSE[cls]
     parsed = tyro.cli(
         loose, args=rest, default=_convert(loose, cls()),
         prog=f"rlfunc train {algo}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{algo}-sSEED-TIME).",
@@ -116,6 +143,10 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
     run_dir = known.run_dir or os.path.join("runs", f"{config.env}-{algo}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = fn(config, run_dir)
     print(f"run dir: {result.run_dir}", file=sys.stderr)
+    if result.interrupted:
+        print(f"interrupted ({result.interrupted}): snapshot saved; evaluate it with `rlfunc eval {result.run_dir}` "
+              f"or continue from it with `rlfunc train dppo --init-from {result.run_dir}`", file=sys.stderr)
+        return 128 + int(getattr(signal, result.interrupted))
     print(json.dumps(result.evaluation))
     return 0
 
@@ -147,11 +178,15 @@ def _eval(argv: list[str]) -> int:
     from rlfunc import checkpoint
 
     snap = checkpoint.latest_snapshot(a.run_dir)
+    if snap is None and (Path(a.run_dir) / "meta.json").is_file():
+        snap = Path(a.run_dir)  # a snapshot directory
     if snap is not None and checkpoint.load_meta(snap).get("algo") in ("bc", "dppo", "td3-diffusion"):
         from rlfunc.train_diffusion import evaluate_run
 
-        print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed or 0, device=a.device)))
+        print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
         return 0
+    if a.seed is not None and not 0 <= a.seed < 2**31:
+        raise ConfigError(f"seed={a.seed}: expected an integer in [0, 2**31)")
     print(json.dumps(evaluate(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
     return 0
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -23,7 +25,9 @@ from tensordict import TensorDict
 
 from rlfunc import checkpoint, func
 from rlfunc.algos.bc import BCConfig, make_bc
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_env, evaluate_chunks, make_env, schedule_for
+from rlfunc.algos.diffusion_actor import (
+    ActorSpec, DiffusionActor, check_env, evaluate_chunks, make_denoiser, make_env, schedule_for,
+)
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.amp import precision
@@ -41,7 +45,29 @@ EVAL_SEED_OFFSET = 1_000_003
 class DiffusionResult(NamedTuple):
     state: TensorDict
     run_dir: Path
-    evaluation: dict
+    evaluation: dict | None  # None when a signal stopped the run
+    interrupted: str | None = None  # the signal's name ("SIGINT", "SIGTERM") when one stopped the run
+
+
+class _StopOnSignal:
+    """Within the block, SIGINT/SIGTERM only set ``signal`` (the loop then stops and saves);
+    handlers are installed only in the main thread and restored on exit."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def _setup(config, run_dir) -> tuple[torch.device, Path]:
@@ -105,10 +131,19 @@ def load_actor(path: str | Path, device: torch.device) -> tuple[ActorSpec, Tenso
         raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a bc, dppo or td3-diffusion snapshot")
     spec = actor_spec_from_meta(meta, snap)
     loaded, _ = checkpoint.load_snapshot(snap, device=device)
-    learner = loaded["learner"]
-    check_schedule(learner["schedule"], schedule_for(spec, device))
-    params = learner["ema"] if meta["algo"] == "bc" else learner["params", "actor"]
-    return spec, func.as_leaves(params.clone()), learner["obs_stats"], meta
+    key = ("learner", "ema") if meta["algo"] == "bc" else ("learner", "params", "actor")
+    for k in (key, ("learner", "schedule"), ("learner", "obs_stats")):
+        if k not in loaded.keys(include_nested=True):
+            raise CheckpointError(f"{snap}: a {meta['algo']} snapshot must hold {'/'.join(k)}; this one does not")
+    check_schedule(loaded["learner", "schedule"], schedule_for(spec, device))
+    params = loaded[key]
+    want = func.params_from_module(make_denoiser(spec, OBS_DIM, ACT_DIM))
+    got_shapes = {k: tuple(v.shape) for k, v in params.flatten_keys(".").items()}
+    want_shapes = {k: tuple(v.shape) for k, v in want.flatten_keys(".").items()}
+    if got_shapes != want_shapes:
+        diff = sorted(set(got_shapes.items()) ^ set(want_shapes.items()))[:3]
+        raise CheckpointError(f"{snap}: the actor weights do not match its actor_spec (first differences: {diff})")
+    return spec, func.as_leaves(params.clone()), loaded["learner", "obs_stats"], meta
 
 
 def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Path, eta: float = 0.0) -> dict:
@@ -119,9 +154,12 @@ def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Pat
     return summary
 
 
-def evaluate_run(run_dir: str | Path, episodes: int = 500, *, seed: int = 0, device: str = "auto", eta: float = 0.0) -> dict:
-    """Evaluate the latest diffusion actor of ``run_dir`` (EMA weights for bc): ``episodes`` envs,
-    one episode each, DDIM with ``eta`` (0: deterministic given the initial noise).
+def evaluate_run(
+    run_dir: str | Path, episodes: int = 500, *, seed: int | None = None, device: str = "auto", eta: float | None = None
+) -> dict:
+    """Evaluate the latest diffusion actor of ``run_dir`` (or a snapshot dir; EMA weights for bc):
+    ``episodes`` envs, one episode each, DDIM with ``eta`` (0: deterministic given the initial noise).
+    ``seed`` and ``eta`` default to the run's (its ``seed`` and ``eval_eta``), as in its eval.json.
 
     Returns:
         {"algo", "episodes", "episode_return", "success_rate", "share_goal_a", "share_goal_b",
@@ -135,6 +173,10 @@ def evaluate_run(run_dir: str | Path, episodes: int = 500, *, seed: int = 0, dev
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     dev = resolve_device(device)
     spec, params, obs_stats, meta = load_actor(run_dir, dev)
+    seed = int(meta["config"].get("seed", 0)) if seed is None else seed
+    eta = float(meta["config"].get("eval_eta", 0.0)) if eta is None else eta
+    if not 0 <= seed < 2**31:
+        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
     actor = DiffusionActor(spec, OBS_DIM, ACT_DIM, dev)
     env_id = meta["config"].get("env", "PointReach-v0")
     env = make_env(env_id, episodes, spec.act_steps, dev, seed + EVAL_SEED_OFFSET)
@@ -150,7 +192,9 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
-    """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc`)."""
+    """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc`).
+
+    SIGINT/SIGTERM stop the run after the current update with a snapshot (no final evaluation)."""
     from envs.point_reach import collect_demonstrations
 
     device, run_dir = _setup(config, run_dir)
@@ -163,52 +207,58 @@ def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, te
     optimizer = torch.optim.AdamW(func.leaves(state["params"]), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
     prec = precision(device, config.precision)
     logger = _start(config, run_dir, tensorboard)
+    save = lambda: _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, int(state["iteration"]))  # noqa: E731
     start, acc = time.perf_counter(), None
-    try:
-        with _progress(config.num_updates, "bc", progress) as bar:
-            for i in range(1, config.num_updates + 1):
-                state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
-                acc = metrics if acc is None else acc + metrics
-                if i % config.log_every == 0 or i == config.num_updates:
-                    n = i % config.log_every or config.log_every
-                    record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(acc / n).to_dict()}
-                    logger.log(record)
-                    bar.set_postfix(loss=f"{record['loss_denoise']:.4f}")
-                    acc = None
-                if config.checkpoint_every and i % config.checkpoint_every == 0:
-                    _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, i)
-                bar.update(1)
-    finally:
-        logger.close()
-    _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, config.num_updates)
+    with _StopOnSignal() as stop:
+        try:
+            with _progress(config.num_updates, "bc", progress) as bar:
+                for i in range(1, config.num_updates + 1):
+                    state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
+                    acc = metrics if acc is None else acc + metrics
+                    if i % config.log_every == 0 or i == config.num_updates or stop.signal:
+                        n = i % config.log_every or config.log_every
+                        record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(acc / n).to_dict()}
+                        logger.log(record)
+                        bar.set_postfix(loss=f"{record['loss_denoise']:.4f}")
+                        acc = None
+                    if config.checkpoint_every and i % config.checkpoint_every == 0:
+                        save()
+                    bar.update(1)
+                    if stop.signal:
+                        break
+        finally:
+            logger.close()
+        save()
+    if stop.signal:
+        return DiffusionResult(state, run_dir, None, stop.signal)
     summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir)
     return DiffusionResult(state, run_dir, summary)
 
 
 def _init_actor(config, device):
-    """(spec, params, obs_stats) from ``config.init_from``, or (config.actor, None, None)."""
+    """(config with the actor spec actually used, params, obs_stats): the spec, EMA weights and
+    statistics of ``config.init_from``, or (config, None, None)."""
     if config.init_from is None:
-        return config.actor, None, None
+        return config, None, None
     spec, params, obs_stats, _ = load_actor(config.init_from, device)
-    return spec, params, obs_stats
+    return dataclasses.replace(config, actor=spec), params, obs_stats
 
 
 def _episode_metrics(batch: TensorDict) -> dict:
     from envs.point_reach import rollout_mode_statistics
 
-    done = batch["next", "done"]
-    ended = int(done.sum())
-    out = {"episodes": ended}
-    if ended:
-        # episode return: chunk rewards accumulated along each episode
-        out.update(rollout_mode_statistics(batch))
-    return out
+    ended = int(batch["next", "done"].sum())
+    return {"episodes": ended, **(rollout_mode_statistics(batch) if ended else {})}
 
 
 def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
-    """DPPO fine-tuning (see :mod:`rlfunc.algos.dppo`), usually from a bc run (``init_from``)."""
+    """DPPO fine-tuning (see :mod:`rlfunc.algos.dppo`), usually from a bc run (``init_from``).
+
+    config.json records the actor spec actually used (that of ``init_from`` when given).
+    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation)."""
     device, run_dir = _setup(config, run_dir)
-    spec, actor_params, obs_stats = _init_actor(config, device)
+    config, actor_params, obs_stats = _init_actor(config, device)
+    spec = config.actor
     algo = make_dppo(config, spec, OBS_DIM, ACT_DIM, device)
     state = algo.init(actor_params, obs_stats)
     optimizer = make_optimizer(state, config)
@@ -216,39 +266,45 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     logger = _start(config, run_dir, tensorboard)
+    save = lambda: _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))  # noqa: E731
     n_iter = config.num_iterations(spec.act_steps)
     start = time.perf_counter()
-    try:
-        with _progress(n_iter, "dppo", progress) as bar:
-            for i in range(1, n_iter + 1):
-                batch = algo.rollout(state, env, gen)
-                state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
-                record = {
-                    "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
-                    **_episode_metrics(batch), **metrics.to_dict(),
-                }
-                logger.log(record)
-                bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
-                if config.checkpoint_every and i % config.checkpoint_every == 0:
-                    _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))
-                bar.update(1)
-    finally:
-        logger.close()
-    _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))
-    _plot(run_dir)
+    with _StopOnSignal() as stop:
+        try:
+            with _progress(n_iter, "dppo", progress) as bar:
+                for i in range(1, n_iter + 1):
+                    batch = algo.rollout(state, env, gen)
+                    state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
+                    record = {
+                        "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
+                        **_episode_metrics(batch), **metrics.to_dict(),
+                    }
+                    logger.log(record)
+                    bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
+                    if config.checkpoint_every and i % config.checkpoint_every == 0:
+                        save()
+                    bar.update(1)
+                    if stop.signal:
+                        break
+        finally:
+            logger.close()
+        save()
+        _plot(run_dir)
+    if stop.signal:
+        return DiffusionResult(state, run_dir, None, stop.signal)
     summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, eta=config.eval_eta)
     return DiffusionResult(state, run_dir, summary)
 
 
 def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
     """TD3 with a diffusion actor (see :mod:`rlfunc.algos.td3_diffusion`); a device-resident
-    TorchRL replay buffer holds the transitions."""
+    TorchRL replay buffer holds the transitions. config.json records the actor spec actually used.
+    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation)."""
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
     device, run_dir = _setup(config, run_dir)
-    spec, actor_params, obs_stats = _init_actor(config, device)
-    if spec.horizon != spec.act_steps:
-        raise ConfigError(f"init_from actor has horizon={spec.horizon} != act_steps={spec.act_steps}; td3-diffusion needs them equal")
+    config, actor_params, obs_stats = _init_actor(config, device)  # re-validated: horizon == act_steps
+    spec = config.actor
     algo = make_td3_diffusion(config, spec, OBS_DIM, ACT_DIM, device)
     state = algo.init(actor_params, obs_stats)
     critic_opt = torch.optim.Adam(func.leaves(state["params", "critic"]), lr=config.critic_lr, foreach=True)
@@ -258,30 +314,37 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     gen = torch.Generator(device=device).manual_seed(config.seed)
     buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
     logger = _start(config, run_dir, tensorboard)
+    optimizers = {"critic": critic_opt, "actor": actor_opt}
+    save = lambda: _save(run_dir, "td3-diffusion", config, spec, state, optimizers, int(state["env_steps"]))  # noqa: E731
     n_iter = config.num_iterations()
     start = time.perf_counter()
-    try:
-        with _progress(n_iter, "td3-diffusion", progress) as bar:
-            for i in range(1, n_iter + 1):
-                batch = algo.rollout(state, env, gen)
-                buffer.extend(algo.transitions(state, batch))
-                state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
-                record = {"iteration": i, "step": int(state["env_steps"]), "time": 0.0, **_episode_metrics(batch)}
-                if int(state["env_steps"]) >= config.warmup_steps:
-                    state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
-                    record.update(metrics.to_dict())
-                else:
-                    state["iteration"] = state["iteration"] + 1
-                record["time"] = time.perf_counter() - start
-                logger.log(record)
-                bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
-                if config.checkpoint_every and i % config.checkpoint_every == 0:
-                    _save(run_dir, "td3-diffusion", config, spec, state, {"critic": critic_opt, "actor": actor_opt}, int(state["env_steps"]))
-                bar.update(1)
-    finally:
-        logger.close()
-    _save(run_dir, "td3-diffusion", config, spec, state, {"critic": critic_opt, "actor": actor_opt}, int(state["env_steps"]))
-    _plot(run_dir)
+    with _StopOnSignal() as stop:
+        try:
+            with _progress(n_iter, "td3-diffusion", progress) as bar:
+                for i in range(1, n_iter + 1):
+                    batch = algo.rollout(state, env, gen)
+                    buffer.extend(algo.transitions(state, batch))
+                    state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
+                    record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch)}
+                    if int(state["env_steps"]) >= config.warmup_steps:
+                        state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
+                        record.update(metrics.to_dict())
+                    else:
+                        state["iteration"] = state["iteration"] + 1
+                    record["time"] = time.perf_counter() - start
+                    logger.log(record)
+                    bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
+                    if config.checkpoint_every and i % config.checkpoint_every == 0:
+                        save()
+                    bar.update(1)
+                    if stop.signal:
+                        break
+        finally:
+            logger.close()
+        save()
+        _plot(run_dir)
+    if stop.signal:
+        return DiffusionResult(state, run_dir, None, stop.signal)
     summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir)
     return DiffusionResult(state, run_dir, summary)
 

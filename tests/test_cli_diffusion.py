@@ -6,7 +6,7 @@ import pytest
 
 from rlfunc.cli import main
 
-ACTOR = ["--actor.hidden", "32", "32", "--actor.ddim-steps", "3", "--actor.num-train-steps", "5"]
+ACTOR = ["--actor.hidden", "32", "32", "--actor.ddim-steps", "3", "--actor.num-train-steps", "6"]
 BC = ["--num-demos", "8", "--num-updates", "20", "--batch-size", "32", "--log-every", "10", "--eval-episodes", "8",
       "--device", "cpu", *ACTOR]
 

@@ -54,6 +54,25 @@ def test_every_snapshot_holds_the_schedule(bc_run):
         assert meta["actor_spec"]["num_train_steps"] == 20
 
 
+def test_edited_actor_spec_is_refused(bc_run, tmp_path):
+    state, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(bc_run.run_dir))
+    edited = {**meta, "actor_spec": {**meta["actor_spec"], "hidden": [128]}}
+    checkpoint.save_snapshot(tmp_path / "hidden", state, edited)
+    with pytest.raises(CheckpointError, match="do not match its actor_spec"):
+        load_actor(tmp_path / "hidden", CPU)
+    checkpoint.save_snapshot(tmp_path / "algo", state, {**meta, "algo": "dppo"})
+    with pytest.raises(CheckpointError, match="params/actor"):
+        load_actor(tmp_path / "algo", CPU)
+
+
+def test_linear_schedule_is_scaled_to_short_chains():
+    from rlfunc.algos.diffusion_actor import schedule_for
+
+    for T in (20, 100, 1000):
+        abar = schedule_for(ActorSpec(schedule="linear", num_train_steps=T, ddim_steps=T), CPU)["alphas_cumprod"]
+        assert float(abar[-1]) < 1e-3 and float(abar[0]) > 0.9  # ends near pure noise, starts near data
+
+
 def test_schedule_mismatch_is_refused(bc_run, tmp_path):
     state, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(bc_run.run_dir))
     state["learner", "schedule", "alphas_cumprod"][3] += 1e-3
@@ -84,11 +103,12 @@ def _dppo(bc_run, **kw):
     return config, algo, state, env, params
 
 
-@pytest.mark.parametrize("likelihood", ["chain", "output-noise"])
-def test_dppo_first_update_starts_at_ratio_one(bc_run, likelihood):
+@pytest.mark.parametrize("likelihood, prec", [("chain", "off"), ("output-noise", "off"), ("chain", "bf16"), ("output-noise", "bf16")])
+def test_dppo_first_update_starts_at_ratio_one(bc_run, likelihood, prec):
     """One epoch over the batch as one minibatch: the ratio of the stored samples is exactly 1
-    (the stored log-likelihoods are those of the collecting parameters), then the actor moves."""
-    config, algo, state, env, bc_params = _dppo(bc_run, likelihood=likelihood)
+    (the stored log-likelihoods are those of the collecting parameters, computed in the update's
+    precision: under bf16 they were once float32 and the ratio started at 0.8-1.2), then the actor moves."""
+    config, algo, state, env, bc_params = _dppo(bc_run, likelihood=likelihood, precision=prec)
     gen = torch.Generator().manual_seed(0)
     batch = algo.rollout(state, env, gen)
     assert batch.batch_size == torch.Size([32, 8])
@@ -97,7 +117,7 @@ def test_dppo_first_update_starts_at_ratio_one(bc_run, likelihood):
         assert batch["chain"].shape == (32, 8, 11, 4, 2)
         torch.testing.assert_close(batch["chain"][:, :, -1], batch["action"])
     opt = make_optimizer(state, config)
-    new, metrics = algo.iteration(state, batch, gen, opt, precision(CPU, "off"))
+    new, metrics = algo.iteration(state, batch, gen, opt, precision(CPU, config.precision))
     assert float(metrics["approx_kl"]) == pytest.approx(0.0, abs=1e-6)
     assert float(metrics["clip_fraction"]) == 0.0
     assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=1e-4)
@@ -144,7 +164,7 @@ def test_dppo_run_from_bc(bc_run, tmp_path):
 
 
 def test_td3_diffusion_run(tmp_path):
-    actor = ActorSpec(hidden=(64, 64), horizon=1, act_steps=1, num_train_steps=10, ddim_steps=3)
+    actor = ActorSpec(hidden=(64, 64), horizon=1, act_steps=1, num_train_steps=9, ddim_steps=3)
     config = TD3DiffusionConfig(actor=actor, total_steps=3 * 32 * 30, num_envs=32, num_steps=30, warmup_steps=1000,
                                 updates_per_iteration=8, batch_size=64, critic_hidden=(64, 64), eval_episodes=32,
                                 device="cpu")
@@ -158,6 +178,52 @@ def test_td3_diffusion_run(tmp_path):
     online, target = func.leaves(state["params", "critic"]), func.leaves(state["target", "critic"])
     assert any(not torch.equal(a, b) for a, b in zip(online, target))
     assert state["params", "critic", "0", "weight"].shape[0] == 2  # twin critics, stacked
+
+
+def test_runs_from_bc_record_and_use_the_bc_actor(bc_run, tmp_path):
+    """td3-diffusion --init-from a bc run (horizon 4 = act_steps 4): config.json records the bc
+    actor, and the step budget counts its 4 actions per chunk (it once used the default's 1)."""
+    config = TD3DiffusionConfig(init_from=str(bc_run.run_dir), total_steps=2 * 16 * 8 * 4, num_envs=16, num_steps=8,
+                                warmup_steps=0, updates_per_iteration=2, batch_size=32, eval_episodes=8, device="cpu")
+    result = train_td3_diffusion(config, tmp_path / "td3", progress=False, tensorboard=False)
+    records = [json.loads(l) for l in (tmp_path / "td3" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [512, 1024]
+    recorded = json.loads((tmp_path / "td3" / "config.json").read_text())["actor"]
+    assert recorded["horizon"] == 4 and recorded["hidden"] == [128, 128, 128] and recorded["ddim_steps"] == 10
+    assert result.evaluation["num_episodes"] == 8
+
+
+def test_signal_stops_a_run_with_a_snapshot(tmp_path, monkeypatch):
+    """SIGINT in the middle of a bc run: it stops after that update, saves a snapshot that
+    evaluates, and reports the signal (the CLI exits with 130)."""
+    import os
+    import signal
+
+    import rlfunc.train_diffusion as td
+
+    real = td.make_bc
+
+    def make_bc(*args, **kwargs):
+        algo = real(*args, **kwargs)
+        calls = {"n": 0}
+
+        def iteration(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 7:
+                os.kill(os.getpid(), signal.SIGINT)
+            return algo.iteration(*a, **k)
+
+        return algo._replace(iteration=iteration)
+
+    monkeypatch.setattr(td, "make_bc", make_bc)
+    config = BCConfig(actor=ActorSpec(hidden=(32, 32), ddim_steps=5), num_demos=10, num_updates=1000, batch_size=32,
+                      log_every=100, eval_episodes=8, device="cpu")
+    result = td.train_bc(config, tmp_path / "bc", progress=False, tensorboard=False)
+    assert result.interrupted == "SIGINT" and result.evaluation is None
+    assert int(result.state["iteration"]) == 7
+    assert checkpoint.latest_snapshot(tmp_path / "bc").name == "step_000000000007"
+    assert evaluate_run(tmp_path / "bc", 4, device="cpu")["episodes"] == 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
 def test_td3_diffusion_config_errors():
@@ -203,6 +269,15 @@ def test_bc_config_errors():
         ActorSpec(horizon=2, act_steps=3)
     with pytest.raises(ConfigError, match="ddim_steps"):
         ActorSpec(num_train_steps=5, ddim_steps=6)
+    with pytest.raises(ConfigError, match="divisor"):  # 'leading' spacing would start at t=10 of 20
+        ActorSpec(num_train_steps=20, ddim_steps=11)
+    for bad in (dict(eta=float("nan")), dict(output_noise_std=float("inf")), dict(clip_rate=float("nan"))):
+        with pytest.raises(ConfigError, match="finite"):
+            DPPOConfig(**bad)
+    with pytest.raises(ConfigError, match="weight_decay"):
+        BCConfig(weight_decay=-1.0)
+    with pytest.raises(ConfigError, match="torch_threads"):
+        TD3DiffusionConfig(torch_threads=-3)
 
 
 def test_ema_is_a_lerp():

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc import func
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.amp import Precision, accumulate_gradients, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -48,6 +48,9 @@ class BCConfig:
     eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
 
     def __post_init__(self) -> None:
+        require_finite(self)
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay}: expected >= 0")
         for name in ("num_demos", "num_updates", "batch_size", "log_every", "eval_episodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")

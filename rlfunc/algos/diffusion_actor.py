@@ -9,7 +9,8 @@ must be bounded by [-1, 1] (PointReach-v0's are).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -21,6 +22,14 @@ from rlfunc.diffusion.ddim import sample
 from rlfunc.diffusion.schedule import make_schedule
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.normalize import normalize
+
+
+def require_finite(config) -> None:
+    """ConfigError naming the first float field of dataclass ``config`` that is NaN or infinite."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value}: expected a finite number")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class ActorSpec:
     prediction: Literal["epsilon", "sample"] = "epsilon"  # what the denoiser predicts
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if self.denoiser not in ("mlp", "unet"):
             raise ConfigError(f"denoiser={self.denoiser!r}: expected 'mlp' or 'unet'")
         if not 1 <= self.act_steps <= self.horizon:
@@ -47,6 +57,13 @@ class ActorSpec:
             raise ConfigError(
                 f"ddim_steps={self.ddim_steps}: expected 1 <= ddim_steps <= num_train_steps={self.num_train_steps}"
             )
+        if self.num_train_steps % self.ddim_steps:
+            raise ConfigError(
+                f"ddim_steps={self.ddim_steps}: expected a divisor of num_train_steps={self.num_train_steps} "
+                "(DDIM's 'leading' spacing would otherwise start below the noisiest training step)"
+            )
+        if any(h < 1 for h in (*self.hidden, *self.down_dims)) or self.kernel_size < 1 or self.horizon < 1:
+            raise ConfigError("hidden, down_dims, kernel_size and horizon must be positive")
         if self.schedule not in ("cosine", "linear"):
             raise ConfigError(f"schedule={self.schedule!r}: expected 'cosine' or 'linear'")
         if self.prediction not in ("epsilon", "sample"):
@@ -65,7 +82,14 @@ def make_denoiser(spec: ActorSpec, obs_dim: int, act_dim: int) -> nn.Module:
 
 
 def schedule_for(spec: ActorSpec, device: torch.device) -> TensorDict:
-    """The noise schedule (betas, alphas, alphas_cumprod [T] float32) on ``device``."""
+    """The noise schedule (betas, alphas, alphas_cumprod [T] float32) on ``device``.
+
+    The linear schedule's betas (1e-4 .. 0.02 for T = 1000, Ho et al. 2020) are scaled by 1000 / T,
+    so that a short chain still ends near pure noise (Nichol & Dhariwal 2021, ``get_named_beta_schedule``).
+    """
+    if spec.schedule == "linear":
+        scale = 1000.0 / spec.num_train_steps
+        return make_schedule("linear", spec.num_train_steps, beta_start=1e-4 * scale, beta_end=min(0.02 * scale, 0.999), device=device)
     return make_schedule(spec.schedule, spec.num_train_steps, device=device)
 
 

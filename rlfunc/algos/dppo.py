@@ -27,7 +27,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc import func
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.amp import Precision, accumulate_gradients, step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
@@ -49,7 +49,7 @@ class DPPOConfig:
     likelihood: Literal["chain", "output-noise"] = "chain"  # what gives the PPO ratio (module doc)
     total_steps: int = 300_000  # env steps
     num_envs: int = 128  # parallel envs
-    num_steps: int = 8  # chunk steps per env per rollout
+    num_steps: int = 8  # chunk steps per env per rollout, from a reset (8 x 4 actions cover a 30-step episode)
     num_epochs: int = 5  # passes over each batch
     minibatch_size: int = 256  # chunk samples per gradient step; must divide num_envs * num_steps
     micro_batch_size: int | None = None  # gradient accumulation inside a minibatch (None: off)
@@ -63,7 +63,7 @@ class DPPOConfig:
     sample_std_floor: float = 0.1  # min std of a denoising step while collecting (chain)
     logprob_std_floor: float = 0.1  # min std of a denoising step in the likelihood (chain)
     output_noise_std: float = 0.1  # exploration std on the executed actions (output-noise)
-    clip_min: float = 0.01  # clip range of the first fine-tuned denoising step
+    clip_min: float = 0.01  # clip range of the chain's first denoising step (the schedule spans all K steps)
     clip_max: float = 0.05  # clip range of the last denoising step (and of output-noise)
     clip_rate: float = 3.0  # exponential rate of the clip schedule over denoising steps
     denoising_discount: float = 0.99  # gamma_denoise: advantage weight per denoising step back
@@ -82,6 +82,9 @@ class DPPOConfig:
     eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
 
     def __post_init__(self) -> None:
+        require_finite(self)
+        if self.value_coef < 0 or any(h < 1 for h in self.critic_hidden):
+            raise ConfigError(f"value_coef={self.value_coef}, critic_hidden={self.critic_hidden}: expected >= 0 and positive widths")
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
@@ -214,8 +217,11 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
         z = (mb["action"] - loc) / sigma
         return (-0.5 * z.square() - math.log(sigma) - _HALF_LOG_2PI).flatten(1).sum(1, keepdim=True)
 
-    def prepare(state: TensorDict, batch: TensorDict) -> TensorDict:
-        """Conditions, values, GAE and the stored samples' log-likelihoods; [N, T] -> flat [N*T]."""
+    def prepare(state: TensorDict, batch: TensorDict, prec: Precision) -> TensorDict:
+        """Conditions, values, GAE and the stored samples' log-likelihoods; [N, T] -> flat [N*T].
+
+        The stored log-likelihoods are computed under the same autocast as the update's, so the
+        ratio of unchanged parameters is exactly 1 in every precision."""
         obs_stats = state["obs_stats"]
         with torch.no_grad():
             cond = actor.cond(obs_stats, batch["observation"])
@@ -235,14 +241,14 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
                 if key in batch.keys():
                     flat[key] = batch[key]
             flat = flat.flatten(0, 1)
-            flat["sample_log_prob"] = torch.cat(
-                [log_prob(state["params", "actor"], state, mb) for mb in flat.split(max(config.minibatch_size, 1024))]
-            )
+            with prec.autocast():
+                old_log_prob = [log_prob(state["params", "actor"], state, mb) for mb in flat.split(max(config.minibatch_size, 1024))]
+            flat["sample_log_prob"] = torch.cat(old_log_prob).float()
         return flat
 
     def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, optimizer, prec: Precision):
         """One DPPO update on a rollout ``batch`` [N, T]; returns (new state, metrics)."""
-        flat = prepare(state, batch)
+        flat = prepare(state, batch, prec)
         params = state["params"]
         leaves = func.leaves(params)
         B = flat.batch_size[0]
@@ -256,7 +262,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
                     lp = log_prob(params["actor"], state, micro)
                     value = func.apply(critic, params["critic"], micro["cond"])
                     return dppo_loss(
-                        lp, micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
+                        lp.float(), micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
                         clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
                         denoising_discount=config.denoising_discount,
                         total_steps=K if config.likelihood == "chain" else 1,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from rlfunc import func
 from rlfunc.algos.bc import ema_update_
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.amp import Precision, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -68,6 +68,9 @@ class TD3DiffusionConfig:
     eval_episodes: int = 500  # episodes of the final evaluation
 
     def __post_init__(self) -> None:
+        require_finite(self)
+        if self.torch_threads < 0 or self.checkpoint_every < 0 or any(h < 1 for h in self.critic_hidden):
+            raise ConfigError("torch_threads and checkpoint_every must be >= 0 and critic_hidden widths positive")
         if not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
         if not 0.0 < self.tau <= 1.0:
@@ -167,8 +170,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
         loss, metrics = critic_loss(q.float(), y)
         optimizer.zero_grad(set_to_none=True)
         (prec.scaler.scale(loss) if prec.scaler is not None else loss).backward()
-        norm, _ = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, prec)
+        norm, ok = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, prec)
         metrics["critic_grad_norm"] = norm
+        metrics["skipped_critic"] = torch.tensor(float(not ok))
         return metrics
 
     def actor_update(state, mb, generator, optimizer, prec):
@@ -183,8 +187,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
         loss, metrics = diffusion_ql_actor_loss(q.float(), bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
         optimizer.zero_grad(set_to_none=True)
         (prec.scaler.scale(loss) if prec.scaler is not None else loss).backward()
-        norm, _ = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, prec)
+        norm, ok = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, prec)
         metrics["actor_grad_norm"] = norm
+        metrics["skipped_actor"] = torch.tensor(float(not ok))
         return metrics
 
     def iteration(state: TensorDict, buffer, generator: torch.Generator, optimizers, prec: Precision):
