@@ -24,10 +24,12 @@ The instruction is one of ``INSTRUCTIONS``, uniformly.
 
 Action (float32 [3], Box [-MAX_EE_SPEED, MAX_EE_SPEED] m/s; clipped, NaN counts as 0): the paddle's
 Cartesian velocity (vx, vy, vz) in the world frame, held for ``CONTROL_PERIOD`` = 0.1 s (10 Hz,
-``N_SUBSTEPS`` physics steps). Soft height clamp: vz is limited so that the commanded paddle height
-stays in ``EE_Z_RANGE`` over the period, ``vz <- clip(vz, (z_lo - z) / T, (z_hi - z) / T)``; the
-paddle therefore stays at pushing height and cannot be driven into the table or lifted away. The
-command becomes joint velocities by damped least squares on the site Jacobian (``mj_jacSite``),
+``N_SUBSTEPS`` physics steps). Soft workspace clamp (:func:`workspace_velocity`): the velocity is
+changed so that the commanded point ``ee + T v`` stays in the workspace, a cylindrical sector about
+the base's axis (radius in ``EE_RADIUS_RANGE``, azimuth within +-``EE_MAX_AZIMUTH``) with the height
+in ``EE_Z_RANGE``; in particular ``vz <- clip(vz, (z_lo - z) / T, (z_hi - z) / T)``, so the paddle
+stays near pushing height and cannot be driven into the table or lifted away, nor the arm stretched
+into its singular reach boundary. The command becomes joint velocities by damped least squares on the site Jacobian (``mj_jacSite``),
 ``dq = J^T (J J^T + IK_DAMPING^2 I)^-1 xdot``, where J stacks the 3 rows of the positional Jacobian
 and the x, y rows of the rotational one, and ``xdot = (v, w_xy)`` with ``w = TILT_GAIN * (z_ee x e_z)``
 holding the paddle's axis vertical (the spin about the vertical axis is free: the paddle is round).
@@ -54,7 +56,10 @@ Reward per step (metres, plus a bonus):
 
 Rendering needs a headless OpenGL: importing this module sets ``MUJOCO_GL`` (when unset) to "egl" if
 an EGL device display can be initialised, else to "osmesa" if libOSMesa is installed (``GL_BACKEND``
-says which); a renderer that cannot be created raises :class:`rlfunc.errors.EnvError`.
+says which). If mujoco was imported earlier with ``MUJOCO_GL`` unset (torchrl.envs imports it) and
+there is no display, the renderers are built with an EGL (else OSMesa) context all the same
+(:func:`gl_backend` says which is used). A renderer that cannot be created raises
+:class:`rlfunc.errors.EnvError` naming what to install.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import importlib
 import os
 import string
 import sys
@@ -98,6 +104,16 @@ def _egl_display_works() -> bool:
     return False
 
 
+def _pick_gl_backend(egl_works: bool, osmesa_found: bool, has_display: bool) -> str:
+    """The MUJOCO_GL value to set: "egl", else "osmesa", else "" (mujoco's default, GLFW) with a
+    display, else "disable" (import works, rendering raises EnvError)."""
+    if egl_works:
+        return "egl"
+    if osmesa_found:
+        return "osmesa"
+    return "" if has_display else "disable"
+
+
 def _choose_gl_backend() -> str:
     """Set ``MUJOCO_GL`` before mujoco is imported, when the user has not: "egl", else "osmesa".
 
@@ -108,12 +124,9 @@ def _choose_gl_backend() -> str:
     chosen = os.environ.get("MUJOCO_GL", "")
     if chosen or "mujoco" in sys.modules:
         return chosen
-    if _egl_display_works():
-        chosen = "egl"
-    elif ctypes.util.find_library("OSMesa"):
-        chosen = "osmesa"
-    elif not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
-        chosen = "disable"
+    egl = _egl_display_works()
+    osmesa = not egl and ctypes.util.find_library("OSMesa") is not None
+    chosen = _pick_gl_backend(egl, osmesa, bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")))
     if chosen:
         os.environ["MUJOCO_GL"] = chosen
         if chosen in ("egl", "osmesa"):
@@ -121,19 +134,30 @@ def _choose_gl_backend() -> str:
     return chosen
 
 
+_MUJOCO_IMPORTED_BEFORE = "mujoco" in sys.modules  # then MUJOCO_GL could not be chosen here
 GL_BACKEND = _choose_gl_backend()
 
 import gymnasium as gym  # noqa: E402  (after MUJOCO_GL is set)
-import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlfunc.errors import EnvError  # noqa: E402
+
+try:
+    import mujoco  # noqa: E402
+except Exception as e:  # a MUJOCO_GL backend whose library is missing fails inside PyOpenGL (AttributeError, ImportError ...)
+    raise EnvError(
+        f"mujoco cannot be imported with MUJOCO_GL={os.environ.get('MUJOCO_GL', '') or 'unset'} "
+        f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); install that backend "
+        "(egl: apt-get install libegl1 libgl1-mesa-dri; osmesa: apt-get install libosmesa6) or unset MUJOCO_GL"
+    ) from e
 
 XML_PATH = Path(__file__).with_name("push.xml")
 CONTROL_PERIOD = 0.1  # s per env step (10 Hz)
 N_SUBSTEPS = 50  # physics steps per env step (CONTROL_PERIOD / timestep 0.002 s)
 MAX_EE_SPEED = 0.25  # m/s, bound of every action component
-EE_Z_RANGE = (0.03, 0.15)  # m, soft clamp of the commanded paddle-centre height (table top z = 0)
+EE_Z_RANGE = (0.03, 0.15)  # m, workspace: paddle-centre height (table top z = 0)
+EE_RADIUS_RANGE = (0.15, 0.60)  # m, workspace: paddle-centre distance from the base's (vertical) axis
+EE_MAX_AZIMUTH = 1.0  # rad, workspace: |atan2(y, x)| of the paddle centre
 IK_DAMPING = 0.05  # lambda of the damped least squares (m/s-scale units)
 TILT_GAIN = 5.0  # 1/s, angular velocity per radian of paddle-axis tilt
 MAX_JOINT_SPEED = 3.0  # rad/s, the actuators' control range
@@ -141,7 +165,7 @@ TARGET_LEASH = 0.15  # rad, max distance of a joint's integrated position target
 HOME_QPOS = np.array([0.0, -0.8480416, 2.4240411, -1.5759995, 0.0, 0.0])  # rad: paddle at HOME_EE, axis vertical
 HOME_EE = np.array([0.25, 0.0, 0.08])  # m
 HOME_NOISE = 0.03  # rad, uniform noise added to HOME_QPOS at reset
-BLOCK_REGION = ((0.36, 0.50), (-0.14, 0.14))  # m, (x range, y range) of block centre and target
+BLOCK_REGION = ((0.36, 0.48), (-0.14, 0.14))  # m, (x range, y range) of block centre and target
 TARGET_DISTANCE = (0.10, 0.22)  # m, range of the initial block-target distance
 BLOCK_HALF = 0.025  # m, half the block's side
 BLOCK_HEIGHT = 0.04  # m
@@ -172,6 +196,30 @@ STATE_LAYOUT = {  # slices of the PushState-v0 observation
     "block_yaw_sin_cos": slice(19, 21),
 }
 
+
+def workspace_velocity(ee: np.ndarray, velocity: np.ndarray) -> np.ndarray:
+    """The soft workspace clamp: ``velocity`` changed so the commanded point stays in the workspace.
+
+    The commanded point ``p = ee + CONTROL_PERIOD * velocity`` is moved into the workspace by clamping
+    its cylindrical coordinates about the base's axis independently: radius ``|p_xy|`` to
+    ``EE_RADIUS_RANGE``, azimuth ``atan2(p_y, p_x)`` to +-``EE_MAX_AZIMUTH``, height ``p_z`` to
+    ``EE_Z_RANGE``; the result is ``(p' - ee) / CONTROL_PERIOD`` clipped to +-MAX_EE_SPEED per axis.
+    Inside the workspace nothing changes; at its boundary the component pushing out is removed.
+
+    Args:
+        ee: [3] float, the paddle centre, m.
+        velocity: [3] float, the commanded paddle velocity, m/s.
+
+    Returns:
+        [3] float64, m/s.
+    """
+    p = np.asarray(ee, dtype=np.float64) + CONTROL_PERIOD * np.asarray(velocity, dtype=np.float64)
+    r = np.clip(np.hypot(p[0], p[1]), *EE_RADIUS_RANGE)
+    azimuth = np.clip(np.arctan2(p[1], p[0]), -EE_MAX_AZIMUTH, EE_MAX_AZIMUTH)
+    clamped = np.array([r * np.cos(azimuth), r * np.sin(azimuth), np.clip(p[2], *EE_Z_RANGE)])
+    return np.clip((clamped - ee) / CONTROL_PERIOD, -MAX_EE_SPEED, MAX_EE_SPEED)
+
+
 _LIVE_RENDERERS: weakref.WeakSet = weakref.WeakSet()  # envs holding renderers, closed at exit
 _EXIT_HOOK = []  # [True] once _close_live_renderers is registered with atexit
 
@@ -181,16 +229,66 @@ def _close_live_renderers() -> None:
         env._close_renderers()
 
 
+_LATE_CONTEXT: list = []  # [GLContext class or None], decided on the first renderer
+
+
+def _late_context_class():
+    """The EGL (or OSMesa) GLContext class for mujoco imported before this module with its default
+    GLFW backend and no display (e.g. by torchrl.envs), or None when that does not apply or neither
+    works. PyOpenGL must not be bound to another platform yet."""
+    if not _LATE_CONTEXT:
+        context = None
+        headless = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+        platform = os.environ.get("PYOPENGL_PLATFORM", "")
+        if _MUJOCO_IMPORTED_BEFORE and not os.environ.get("MUJOCO_GL") and headless and ("OpenGL" not in sys.modules or platform):
+            egl = _egl_display_works()
+            backend = "egl" if egl else "osmesa" if ctypes.util.find_library("OSMesa") else ""
+            if backend and platform in ("", backend):
+                os.environ["PYOPENGL_PLATFORM"] = backend
+                try:
+                    context = importlib.import_module(f"mujoco.{backend}").GLContext
+                except Exception:  # the backend's Python side fails to load: keep mujoco's default
+                    context = None
+        _LATE_CONTEXT.append(context)
+    return _LATE_CONTEXT[0]
+
+
+def gl_backend() -> str:
+    """The OpenGL backend Push-v0's renderers use: "egl", "osmesa", "glfw", or "disable"."""
+    late = _late_context_class() if _MUJOCO_IMPORTED_BEFORE else None
+    if late is not None:
+        return late.__module__.rsplit(".", 1)[-1]
+    chosen = os.environ.get("MUJOCO_GL", "") or "glfw"
+    return "disable" if chosen in ("disable", "disabled", "off", "false", "0") else chosen
+
+
 def _make_renderer(model: mujoco.MjModel, size: int) -> mujoco.Renderer:
-    """A mujoco.Renderer of ``size`` x ``size`` px, or EnvError with what to install."""
+    """A mujoco.Renderer of ``size`` x ``size`` px, or EnvError with what to install.
+
+    When mujoco was imported before this module with MUJOCO_GL unset and there is no display, the
+    renderer is built with an EGL (else OSMesa) context instead of GLFW's (mujoco's module-level
+    choice is swapped for the construction only)."""
+    late = _late_context_class() if _MUJOCO_IMPORTED_BEFORE else None
     try:
-        return mujoco.Renderer(model, size, size)
+        if late is None:
+            return mujoco.Renderer(model, size, size)
+        default, mujoco.gl_context.GLContext = mujoco.gl_context.GLContext, late
+        try:
+            return mujoco.Renderer(model, size, size)
+        finally:
+            mujoco.gl_context.GLContext = default
     except Exception as e:  # GL context creation raises many types (ImportError, RuntimeError, GLError ...)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        gl = os.environ.get("MUJOCO_GL", "") or "unset"
+        early = (
+            "mujoco was imported before envs.push.env, so set MUJOCO_GL=egl (or osmesa) in the environment, or "
+            if _MUJOCO_IMPORTED_BEFORE and gl == "unset"
+            else ""
+        )
         raise EnvError(
-            f"Push-v0 cannot render (MUJOCO_GL={os.environ.get('MUJOCO_GL', '') or 'unset'}: {detail}); "
-            "install headless OpenGL, EGL (apt-get install libegl1 libgl1-mesa-dri) or OSMesa (apt-get install "
-            "libosmesa6, with MUJOCO_GL=osmesa), or use PushState-v0, which never renders"
+            f"Push-v0 cannot render (MUJOCO_GL={gl}: {detail}); {early}install headless OpenGL, EGL "
+            "(apt-get install libegl1 libgl1-mesa-dri) or OSMesa (apt-get install libosmesa6, with "
+            "MUJOCO_GL=osmesa), or use PushState-v0, which never renders"
         ) from e
 
 
@@ -213,13 +311,14 @@ class PushEnv(gym.Env):
         self.model = mujoco.MjModel.from_xml_path(str(XML_PATH))
         self.data = mujoco.MjData(self.model)
         m = self.model
+        joint = lambda name: mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, name)  # noqa: E731
+        arm = np.array([joint(f"j{i}") for i in range(1, 7)])
+        block = np.array([joint(name) for name in ("block_x", "block_y", "block_yaw")])
         self._site = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_SITE, "ee")
-        self._block_body = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_BODY, "block")
-        self._arm_dofs = np.array([m.jnt_dofadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, f"j{i}")] for i in range(1, 7)])
-        self._arm_qpos = np.array([m.jnt_qposadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, f"j{i}")] for i in range(1, 7)])
-        self._block_qpos = np.array([m.jnt_qposadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, n)] for n in ("block_x", "block_y", "block_yaw")])
-        self._block_origin = m.body_pos[self._block_body].copy()
-        self._joint_range = m.jnt_range[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, "j1") : mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, "j6") + 1].copy()
+        self._arm_dofs, self._arm_qpos = m.jnt_dofadr[arm], m.jnt_qposadr[arm]
+        self._block_qpos = m.jnt_qposadr[block]
+        self._block_origin = m.body_pos[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_BODY, "block")].copy()
+        self._joint_range = m.jnt_range[arm].copy()  # [6, 2] rad
         if abs(m.opt.timestep * N_SUBSTEPS - CONTROL_PERIOD) > 1e-9:
             raise EnvError(f"push.xml timestep {m.opt.timestep}: expected {CONTROL_PERIOD / N_SUBSTEPS}")
         self._jacp = np.zeros((3, m.nv))
@@ -297,9 +396,7 @@ class PushEnv(gym.Env):
         m, d = self.model, self.data
         v = np.nan_to_num(np.asarray(action, dtype=np.float64).reshape(3), nan=0.0)
         v = np.clip(v, -MAX_EE_SPEED, MAX_EE_SPEED)
-        ee = d.site_xpos[self._site]
-        v[2] = np.clip(v[2], (EE_Z_RANGE[0] - ee[2]) / CONTROL_PERIOD, (EE_Z_RANGE[1] - ee[2]) / CONTROL_PERIOD)
-        d.ctrl[:] = self.joint_velocity_command(v)
+        d.ctrl[:] = self.joint_velocity_command(workspace_velocity(d.site_xpos[self._site], v))
         q = d.qpos[self._arm_qpos]
         d.act[:] = np.clip(d.act, q - TARGET_LEASH, q + TARGET_LEASH)
         mujoco.mj_step(m, d, nstep=N_SUBSTEPS)

@@ -17,6 +17,7 @@ distinct routes, a bimodal behaviour for multimodal policies.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,8 @@ def collect_demonstrations(
         seed: the base seed.
         video_path: if given and imageio is installed, the first ``video_episodes`` episodes are
             written there as one MP4 (or GIF, by the suffix) of the side camera at 10 fps, through
-            ``render_mode="rgb_array"``; without imageio (or its ffmpeg plugin) it is skipped and the
-            result's "video" is None.
+            ``render_mode="rgb_array"``; without imageio (or, for .mp4, imageio-ffmpeg) it is skipped
+            with a warning and the result's "video" is None. Needs a working OpenGL (else EnvError).
         video_episodes: how many episodes go into the video.
 
     Returns:
@@ -195,12 +196,15 @@ def collect_demonstrations(
 
 
 def _video_writer(path: str | Path):
-    """An imageio writer at 10 fps, or None (with nothing written) if imageio or its plugin is missing."""
+    """An imageio writer at 10 fps, or None (with a warning, nothing written) if imageio or its plugin is missing."""
     try:
         import imageio.v2 as imageio
     except ImportError:
+        warnings.warn(f"video {path} skipped: imageio is not installed (pip install imageio)", stacklevel=3)
         return None
     try:
         return imageio.get_writer(str(path), fps=10)
-    except Exception:  # imageio raises ValueError / ImportError / RuntimeError when the format's plugin is missing
+    except Exception as e:  # imageio raises ValueError / ImportError / RuntimeError when the format's plugin is missing
+        hint = " (pip install imageio-ffmpeg, or write a .gif)" if str(path).endswith(".mp4") else ""
+        warnings.warn(f"video {path} skipped: imageio cannot write it: {type(e).__name__}{hint}", stacklevel=3)
         return None

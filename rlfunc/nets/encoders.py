@@ -34,6 +34,7 @@ import importlib
 import importlib.util
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ __all__ = [
     "multi_head_attention",
     "preprocess_images",
     "sincos_2d",
+    "transformer_layer",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -301,8 +303,14 @@ class BasicBlockGN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shortcut = x if self.downsample is None else self.downsample(x)
-        h = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(h)) + shortcut)
+        h = F.relu(self.bn1(self.conv1(x)), inplace=True)  # in place, as torchvision: one activation fewer kept
+        return F.relu(self.bn2(self.conv2(h)) + shortcut, inplace=True)
+
+
+def _inside_torch_func() -> bool:
+    """True inside a torch.func transform (vmap, grad, ...)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _checkpointed(module: nn.Module, x: Tensor) -> Tensor:
@@ -333,14 +341,16 @@ class ResNetGN(nn.Module):
 
     ``forward(x, *, checkpoint=False)``: with ``checkpoint`` and grad enabled, each segment (the stem
     and every block) is recomputed in the backward pass instead of keeping its activations
-    (``torch.utils.checkpoint``, non-reentrant); outputs and gradients are unchanged.
+    (``torch.utils.checkpoint``, non-reentrant); outputs and gradients are unchanged. Inside a
+    ``torch.func`` transform (vmap, grad), which cannot run saved-tensor hooks, it warns and runs
+    without checkpointing; the loop path of ``rlfunc.func.vmap`` keeps it.
 
     Raises:
         ConfigError: (constructor) widths/blocks not positive ints of equal length, or ``group_size``
             not dividing every width.
 
     Reference: He et al. (2016), Sec. 4.1 and Table 1 (18-layer); Wu & He (2018) (GroupNorm);
-    Chi et al. (2023), Sec. 3.3 (BatchNorm replaced by GroupNorm in a ResNet-18).
+    Chi et al. (2023), visual encoder (a ResNet-18 with BatchNorm replaced by GroupNorm).
     """
 
     def __init__(self, widths: Sequence[int] = (64, 128, 256, 512), blocks: Sequence[int] = (2, 2, 2, 2),
@@ -355,7 +365,7 @@ class ResNetGN(nn.Module):
         self.stem = nn.Sequential()
         self.stem.add_module("conv1", nn.Conv2d(in_channels, widths[0], 7, 2, 3, bias=False))
         self.stem.add_module("bn1", _group_norm(widths[0], group_size))
-        self.stem.add_module("relu", nn.ReLU())
+        self.stem.add_module("relu", nn.ReLU(inplace=True))
         self.stem.add_module("maxpool", nn.MaxPool2d(3, 2, 1))
         c_in = widths[0]
         for i, (c_out, n) in enumerate(zip(widths, blocks)):
@@ -373,6 +383,11 @@ class ResNetGN(nn.Module):
 
     def forward(self, x: Tensor, *, checkpoint: bool = False) -> Tensor:
         recompute = checkpoint and torch.is_grad_enabled()
+        if recompute and _inside_torch_func():
+            warnings.warn(
+                "ResNetGN: activation checkpointing is skipped inside torch.func transforms (vmap/grad), which do "
+                "not support saved-tensor hooks; rlfunc.func.vmap(..., use_loop=True) keeps it", stacklevel=2)
+            recompute = False
         for segment in self.segments():
             x = _checkpointed(segment, x) if recompute else segment(x)
         return x
@@ -783,8 +798,9 @@ class MultimodalEncoder(nn.Module):
     Parameters for ``rlfunc.func``: ``params_from_module(encoder)``; it has no buffers, so
     ``rlfunc.func.vmap`` over ``stack_params`` works on both paths (tested equal). Under autocast the
     trunks' convolutions run in the reduced dtype; attention, the pools, normalisation and the fusion
-    stay float32. With ``freeze_vision`` the leaves under ``vision.trunk`` / ``vision.trunks`` get no
-    gradient (``.grad`` stays None; use ``allow_unused=True`` with ``torch.autograd.grad``).
+    stay float32. With ``freeze_vision`` the leaves under :attr:`frozen_keys` get no gradient (``.grad``
+    stays None; use ``allow_unused=True`` with ``torch.autograd.grad``, or optimise
+    ``params.exclude(*encoder.frozen_keys)``).
 
     Args (constructor):
         config: every option, see :class:`EncoderConfig`.
@@ -813,7 +829,8 @@ class MultimodalEncoder(nn.Module):
         elif c.text == "minilm":
             self.sentence_embedder = sentence_embedder if sentence_embedder is not None else SentenceEmbedder(dim=c.sentence_dim)
             if self.sentence_embedder.dim != c.sentence_dim:
-                raise ConfigError(f"MultimodalEncoder: sentence_embedder.dim={self.sentence_embedder.dim} != config.sentence_dim={c.sentence_dim}")
+                raise ConfigError(f"MultimodalEncoder: sentence_embedder.dim={self.sentence_embedder.dim} "
+                                  f"!= config.sentence_dim={c.sentence_dim}")
             self.text = nn.Sequential(nn.LayerNorm(c.sentence_dim), nn.Linear(c.sentence_dim, d))
         self.cls = nn.Parameter(torch.randn(d) * 0.02)
         self.slot_embed = nn.Parameter(torch.randn(self.num_tokens, d) * 0.02)
@@ -830,6 +847,14 @@ class MultimodalEncoder(nn.Module):
         c = self.config
         proprio = c.num_proprio_tokens if c.proprio_dim else 0
         return 1 + len(c.cameras) * c.num_vision_tokens + proprio + self.num_text_tokens
+
+    @property
+    def frozen_keys(self) -> list[tuple[str, ...]]:
+        """Nested keys of the parameter TensorDict that get no gradient: the trunk(s) with
+        ``freeze_vision``, else none. ``params.exclude(*encoder.frozen_keys)`` is what to optimise."""
+        if self.vision is None or not self.config.freeze_vision:
+            return []
+        return [("vision", "trunk")] if self.config.shared_trunk else [("vision", "trunks")]
 
     def init_proprio_stats(self, device: torch.device | str | None = None) -> TensorDict:
         """Empty running statistics of the proprioception, float32 [proprio_dim], on ``device``."""
@@ -862,8 +887,8 @@ class MultimodalEncoder(nn.Module):
         keys = set(observation.keys())
         device = self.cls.device
         batch: dict[str, torch.Size] = {}
-        parts: list[Tensor] = []
-        masks: list[Tensor] = []
+        parts: list[Tensor] = []  # [N, T_m, E] per modality
+        masks: list[Tensor | None] = []  # [N, T_m] bool per modality, None: no padding
 
         def get(key: str) -> Any:
             if key not in keys:
@@ -878,10 +903,12 @@ class MultimodalEncoder(nn.Module):
             for cam in c.cameras:
                 x, batch[cam] = preprocess_images(get(cam), name=f"observation[{cam!r}]")
                 if tuple(x.shape[-2:]) != c.image_size:
-                    raise ShapeError(f"MultimodalEncoder: observation[{cam!r}] is {list(x.shape[-2:])} pixels, expected image_size {list(c.image_size)}")
+                    raise ShapeError(f"MultimodalEncoder: observation[{cam!r}] is {list(x.shape[-2:])} pixels, "
+                                     f"expected image_size {list(c.image_size)}")
                 images.append(x)
             _same_batch(batch)
             parts.append(self.vision(images))
+            masks.append(None)
         if self.proprio is not None:
             proprio = get("proprio")
             if not isinstance(proprio, Tensor) or proprio.ndim < 1:
@@ -889,6 +916,7 @@ class MultimodalEncoder(nn.Module):
             batch["proprio"] = proprio.shape[:-1]
             _same_batch(batch)
             parts.append(self.proprio(proprio.reshape(-1, proprio.shape[-1]), proprio_stats, clip=c.proprio_clip))
+            masks.append(None)
         if c.text == "learned":
             if "instruction_tokens" in keys:
                 tokens, pad = get("instruction_tokens"), get("instruction_padding_mask")
@@ -900,9 +928,12 @@ class MultimodalEncoder(nn.Module):
             _same_batch(batch)
             flat_pad = pad.reshape(-1, pad.shape[-1]) if isinstance(pad, Tensor) and pad.ndim >= 1 else pad
             parts.append(self.text(tokens.reshape(-1, tokens.shape[-1]), flat_pad))
-            masks.append(flat_pad.all(dim=-1, keepdim=True).expand(-1, c.num_text_tokens))
+            masks.append(flat_pad.all(dim=-1, keepdim=True).expand(-1, c.num_text_tokens))  # empty instruction
         elif c.text == "minilm":
-            emb = get("instruction_embedding") if "instruction_embedding" in keys else self.sentence_embedder(get("instruction"), device=device)
+            if "instruction_embedding" in keys:
+                emb = get("instruction_embedding")
+            else:
+                emb = self.sentence_embedder(get("instruction"), device=device)
             if not isinstance(emb, Tensor) or emb.ndim < 1 or emb.shape[-1] != c.sentence_dim:
                 got = list(emb.shape) if isinstance(emb, Tensor) else type(emb).__name__
                 raise ShapeError(f"MultimodalEncoder: instruction embedding must be float [*B, {c.sentence_dim}], got {got}")
@@ -910,13 +941,11 @@ class MultimodalEncoder(nn.Module):
             _same_batch(batch)
             with _no_autocast(device):
                 parts.append(self.text(emb.reshape(-1, c.sentence_dim).float()).unsqueeze(1))
+            masks.append(None)
         batch_shape = next(iter(batch.values()))
-        n = batch_shape.numel()
         tokens = torch.cat([p.float() for p in parts], dim=1)
-        widths = [p.shape[1] for p in parts]
-        padding = torch.zeros(n, sum(widths), dtype=torch.bool, device=device)
-        if c.text == "learned":  # the text tokens are the last ones
-            padding = torch.cat((padding[:, : -c.num_text_tokens], masks[0]), dim=1)
+        padding = torch.cat([torch.zeros(p.shape[:2], dtype=torch.bool, device=device) if m is None else m
+                             for p, m in zip(parts, masks)], dim=1)
         return tokens, padding, batch_shape
 
 
