@@ -4,7 +4,8 @@
     rlfunc train bc [--num-demos N] [--actor.denoiser mlp|unet] [...]            diffusion BC on PointReach-v0 demos
     rlfunc train dppo [--init-from BC_RUN_DIR] [--likelihood chain|output-noise] [...]
     rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]
-    rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the episodic return
+    rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), or success
+                                            rate and goal shares (bc, dppo, td3-diffusion)
     rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
 
 Every config field is a flag of `train ALGO` (`rlfunc train ALGO --help`); ppo's defaults come from
@@ -145,7 +146,7 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
     print(f"run dir: {result.run_dir}", file=sys.stderr)
     if result.interrupted:
         print(f"interrupted ({result.interrupted}): snapshot saved; evaluate it with `rlfunc eval {result.run_dir}` "
-              f"or continue from it with `rlfunc train dppo --init-from {result.run_dir}`", file=sys.stderr)
+              f"or start a new run from it with `--init-from {result.run_dir}`", file=sys.stderr)
         return 128 + int(getattr(signal, result.interrupted))
     print(json.dumps(result.evaluation))
     return 0
@@ -171,9 +172,10 @@ def _eval(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="rlfunc eval", description="Evaluate a run's latest snapshot.")
     p.add_argument("run_dir")
-    p.add_argument("--episodes", type=int, default=10)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--episodes", type=int, default=None,
+                   help="episodes to run (default: 10 for ppo, the run's eval_episodes for diffusion runs)")
+    p.add_argument("--seed", type=int, default=None, help="evaluation seed (default: derived from the run's seed)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
     a = p.parse_args(argv)
     from rlfunc import checkpoint
 
@@ -185,6 +187,7 @@ def _eval(argv: list[str]) -> int:
 
         print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
         return 0
+    a.episodes = 10 if a.episodes is None else a.episodes
     if a.seed is not None and not 0 <= a.seed < 2**31:
         raise ConfigError(f"seed={a.seed}: expected an integer in [0, 2**31)")
     print(json.dumps(evaluate(a.run_dir, a.episodes, seed=a.seed, device=a.device)))

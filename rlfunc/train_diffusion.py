@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,7 +64,11 @@ class _StopOnSignal:
         return self
 
     def _handle(self, signum, _frame) -> None:
+        if self.signal is not None:  # a second signal: stop now, without the snapshot
+            raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
+        print(f"rlfunc: {self.signal}: stopping after this iteration with a snapshot (again to quit at once)",
+              file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
@@ -135,7 +140,10 @@ def load_actor(path: str | Path, device: torch.device) -> tuple[ActorSpec, Tenso
     for k in (key, ("learner", "schedule"), ("learner", "obs_stats")):
         if k not in loaded.keys(include_nested=True):
             raise CheckpointError(f"{snap}: a {meta['algo']} snapshot must hold {'/'.join(k)}; this one does not")
-    check_schedule(loaded["learner", "schedule"], schedule_for(spec, device))
+    try:
+        check_schedule(loaded["learner", "schedule"], schedule_for(spec, device))
+    except CheckpointError as e:
+        raise CheckpointError(f"{snap}: {e}") from None
     params = loaded[key]
     want = func.params_from_module(make_denoiser(spec, OBS_DIM, ACT_DIM))
     got_shapes = {k: tuple(v.shape) for k, v in params.flatten_keys(".").items()}
@@ -155,11 +163,12 @@ def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Pat
 
 
 def evaluate_run(
-    run_dir: str | Path, episodes: int = 500, *, seed: int | None = None, device: str = "auto", eta: float | None = None
+    run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto", eta: float | None = None
 ) -> dict:
     """Evaluate the latest diffusion actor of ``run_dir`` (or a snapshot dir; EMA weights for bc):
     ``episodes`` envs, one episode each, DDIM with ``eta`` (0: deterministic given the initial noise).
-    ``seed`` and ``eta`` default to the run's (its ``seed`` and ``eval_eta``), as in its eval.json.
+    ``episodes``, ``seed`` and ``eta`` default to the run's (``eval_episodes``, ``seed``, ``eval_eta``),
+    so the default call repeats the run's eval.json.
 
     Returns:
         {"algo", "episodes", "episode_return", "success_rate", "share_goal_a", "share_goal_b",
@@ -169,16 +178,21 @@ def evaluate_run(
         CheckpointError: no diffusion snapshot, or its schedule does not match its actor spec.
         ConfigError: ``episodes < 1``.
     """
-    if episodes < 1:
-        raise ConfigError(f"episodes={episodes}: expected >= 1")
     dev = resolve_device(device)
     spec, params, obs_stats, meta = load_actor(run_dir, dev)
-    seed = int(meta["config"].get("seed", 0)) if seed is None else seed
-    eta = float(meta["config"].get("eval_eta", 0.0)) if eta is None else eta
+    config = meta.get("config")
+    try:
+        episodes = int(config.get("eval_episodes", 500)) if episodes is None else episodes
+        seed = int(config.get("seed", 0)) if seed is None else seed
+        eta = float(config.get("eval_eta", 0.0)) if eta is None else eta
+    except (AttributeError, TypeError, ValueError):
+        raise CheckpointError(f"{run_dir}: meta.json holds no valid config (eval_episodes, seed, eval_eta)") from None
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: expected >= 1")
     if not 0 <= seed < 2**31:
         raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
     actor = DiffusionActor(spec, OBS_DIM, ACT_DIM, dev)
-    env_id = meta["config"].get("env", "PointReach-v0")
+    env_id = config.get("env", "PointReach-v0")
     env = make_env(env_id, episodes, spec.act_steps, dev, seed + EVAL_SEED_OFFSET)
     gen = torch.Generator(device=dev).manual_seed(seed + EVAL_SEED_OFFSET)
     summary = evaluate_chunks(actor, params, obs_stats, schedule_for(spec, dev), env, gen, eta=eta)

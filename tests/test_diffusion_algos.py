@@ -286,3 +286,26 @@ def test_ema_is_a_lerp():
     ema = TensorDict({"w": torch.zeros(3)}, [])
     ema_update_(ema, TensorDict({"w": torch.ones(3)}, []), 0.9)
     torch.testing.assert_close(ema["w"], torch.full((3,), 0.1))
+
+
+def test_second_signal_quits_at_once(capsys):
+    import os
+    import signal
+
+    from rlfunc.train_diffusion import _StopOnSignal
+
+    with pytest.raises(KeyboardInterrupt):
+        with _StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.signal == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+    assert "stopping after this iteration" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_eval_of_a_snapshot_with_an_edited_config_is_one_error(bc_run, tmp_path):
+    state, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(bc_run.run_dir))
+    checkpoint.save_snapshot(tmp_path / "cfg", state, {**meta, "config": {"seed": "abc"}})
+    with pytest.raises(CheckpointError, match="no valid config"):
+        evaluate_run(tmp_path / "cfg", device="cpu")
+    assert evaluate_run(bc_run.run_dir, device="cpu")["episodes"] == 400  # the run's eval_episodes

@@ -44,7 +44,7 @@ class DPPOConfig:
     """Every DPPO hyperparameter, with its default. Steps count env steps (not chunks)."""
 
     env: str = "PointReach-v0"  # torch-batched env
-    init_from: str | None = None  # bc run dir (or snapshot): its EMA weights, obs stats, schedule and actor spec
+    init_from: str | None = None  # bc (or dppo/td3-diffusion) run dir or snapshot: its actor weights (EMA for bc), obs stats, schedule and actor spec
     actor: ActorSpec = field(default_factory=ActorSpec)  # used only without init_from
     likelihood: Literal["chain", "output-noise"] = "chain"  # what gives the PPO ratio (module doc)
     total_steps: int = 300_000  # env steps

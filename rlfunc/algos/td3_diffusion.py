@@ -37,7 +37,7 @@ class TD3DiffusionConfig:
     """Every TD3-diffusion hyperparameter, with its default. Steps count env steps."""
 
     env: str = "PointReach-v0"  # torch-batched env
-    init_from: str | None = None  # bc run dir (or snapshot) to start the actor from
+    init_from: str | None = None  # bc (or dppo/td3-diffusion) run dir or snapshot to start the actor from; needs horizon == act_steps
     actor: ActorSpec = field(default_factory=lambda: ActorSpec(horizon=1, act_steps=1, num_train_steps=10, ddim_steps=5))
     total_steps: int = 60_000  # env steps
     num_envs: int = 64  # parallel envs
