@@ -378,7 +378,7 @@ class PointReachEnv(EnvBase):
     Args:
         num_envs: N >= 1.
         act_steps: env sub-steps per action, >= 1.
-        device: "cpu", "cuda", ... (None: cpu); fixed for the env's life.
+        device: a torch device or its name (None: cpu); fixed for the env's life.
         seed: seed of the generator; None draws a non-deterministic one.
 
     Raises:

@@ -205,6 +205,33 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
+def _loop(num_iterations: int, desc: str, step, *, logger: MetricsLogger, save, checkpoint_every: int, progress: bool) -> str | None:
+    """Run ``step(i, stopping)`` for i = 1..num_iterations: log the record it returns (None: nothing
+    to log), save every ``checkpoint_every`` iterations and at the end, stop early on SIGINT/SIGTERM.
+
+    Returns:
+        the name of the signal that stopped the loop, or None.
+    """
+    with _StopOnSignal() as stop:
+        try:
+            with _progress(num_iterations, desc, progress) as bar:
+                for i in range(1, num_iterations + 1):
+                    record = step(i, stop.signal is not None)
+                    if record is not None:
+                        logger.log(record)
+                        shown = {k: record[k] for k in ("success_rate", "loss_denoise") if k in record}
+                        bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items()})
+                    if checkpoint_every and i % checkpoint_every == 0:
+                        save()
+                    bar.update(1)
+                    if stop.signal:
+                        break
+        finally:
+            logger.close()
+        save()
+    return stop.signal
+
+
 def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
     """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc`).
 
@@ -223,28 +250,22 @@ def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, te
     logger = _start(config, run_dir, tensorboard)
     save = lambda: _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, int(state["iteration"]))  # noqa: E731
     start, acc = time.perf_counter(), None
-    with _StopOnSignal() as stop:
-        try:
-            with _progress(config.num_updates, "bc", progress) as bar:
-                for i in range(1, config.num_updates + 1):
-                    state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
-                    acc = metrics if acc is None else acc + metrics
-                    if i % config.log_every == 0 or i == config.num_updates or stop.signal:
-                        n = i % config.log_every or config.log_every
-                        record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(acc / n).to_dict()}
-                        logger.log(record)
-                        bar.set_postfix(loss=f"{record['loss_denoise']:.4f}")
-                        acc = None
-                    if config.checkpoint_every and i % config.checkpoint_every == 0:
-                        save()
-                    bar.update(1)
-                    if stop.signal:
-                        break
-        finally:
-            logger.close()
-        save()
-    if stop.signal:
-        return DiffusionResult(state, run_dir, None, stop.signal)
+
+    def step(i: int, stopping: bool) -> dict | None:
+        nonlocal state, acc
+        state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
+        acc = metrics if acc is None else acc + metrics
+        if not (i % config.log_every == 0 or i == config.num_updates or stopping):
+            return None
+        n = i % config.log_every or config.log_every
+        record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(acc / n).to_dict()}
+        acc = None
+        return record
+
+    stopped = _loop(config.num_updates, "bc", step, logger=logger, save=save,
+                    checkpoint_every=config.checkpoint_every, progress=progress)
+    if stopped:
+        return DiffusionResult(state, run_dir, None, stopped)
     summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir)
     return DiffusionResult(state, run_dir, summary)
 
@@ -281,31 +302,22 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     gen = torch.Generator(device=device).manual_seed(config.seed)
     logger = _start(config, run_dir, tensorboard)
     save = lambda: _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))  # noqa: E731
-    n_iter = config.num_iterations(spec.act_steps)
     start = time.perf_counter()
-    with _StopOnSignal() as stop:
-        try:
-            with _progress(n_iter, "dppo", progress) as bar:
-                for i in range(1, n_iter + 1):
-                    batch = algo.rollout(state, env, gen)
-                    state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
-                    record = {
-                        "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
-                        **_episode_metrics(batch), **metrics.to_dict(),
-                    }
-                    logger.log(record)
-                    bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
-                    if config.checkpoint_every and i % config.checkpoint_every == 0:
-                        save()
-                    bar.update(1)
-                    if stop.signal:
-                        break
-        finally:
-            logger.close()
-        save()
-        _plot(run_dir)
-    if stop.signal:
-        return DiffusionResult(state, run_dir, None, stop.signal)
+
+    def step(i: int, stopping: bool) -> dict:
+        nonlocal state
+        batch = algo.rollout(state, env, gen)
+        state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
+        return {
+            "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
+            **_episode_metrics(batch), **metrics.to_dict(),
+        }
+
+    stopped = _loop(config.num_iterations(spec.act_steps), "dppo", step, logger=logger, save=save,
+                    checkpoint_every=config.checkpoint_every, progress=progress)
+    _plot(run_dir)
+    if stopped:
+        return DiffusionResult(state, run_dir, None, stopped)
     summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, eta=config.eval_eta)
     return DiffusionResult(state, run_dir, summary)
 
@@ -330,35 +342,26 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     logger = _start(config, run_dir, tensorboard)
     optimizers = {"critic": critic_opt, "actor": actor_opt}
     save = lambda: _save(run_dir, "td3-diffusion", config, spec, state, optimizers, int(state["env_steps"]))  # noqa: E731
-    n_iter = config.num_iterations()
     start = time.perf_counter()
-    with _StopOnSignal() as stop:
-        try:
-            with _progress(n_iter, "td3-diffusion", progress) as bar:
-                for i in range(1, n_iter + 1):
-                    batch = algo.rollout(state, env, gen)
-                    buffer.extend(algo.transitions(state, batch))
-                    state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
-                    record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch)}
-                    if int(state["env_steps"]) >= config.warmup_steps:
-                        state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
-                        record.update(metrics.to_dict())
-                    else:
-                        state["iteration"] = state["iteration"] + 1
-                    record["time"] = time.perf_counter() - start
-                    logger.log(record)
-                    bar.set_postfix(success=f"{record.get('success_rate', float('nan')):.2f}")
-                    if config.checkpoint_every and i % config.checkpoint_every == 0:
-                        save()
-                    bar.update(1)
-                    if stop.signal:
-                        break
-        finally:
-            logger.close()
-        save()
-        _plot(run_dir)
-    if stop.signal:
-        return DiffusionResult(state, run_dir, None, stop.signal)
+
+    def step(i: int, stopping: bool) -> dict:
+        nonlocal state
+        batch = algo.rollout(state, env, gen)
+        buffer.extend(algo.transitions(state, batch))
+        state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
+        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch)}
+        if int(state["env_steps"]) >= config.warmup_steps:
+            state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
+            record.update(metrics.to_dict())
+        else:
+            state["iteration"] = state["iteration"] + 1
+        return {**record, "time": time.perf_counter() - start}
+
+    stopped = _loop(config.num_iterations(), "td3-diffusion", step, logger=logger, save=save,
+                    checkpoint_every=config.checkpoint_every, progress=progress)
+    _plot(run_dir)
+    if stopped:
+        return DiffusionResult(state, run_dir, None, stopped)
     summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir)
     return DiffusionResult(state, run_dir, summary)
 
