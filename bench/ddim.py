@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from bench.memory import peak_allocated, saved_tensor_hooks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # python bench/ddim.py
     sys.path.insert(0, ROOT)
@@ -107,38 +109,14 @@ def timings(ctx, device: torch.device, repeats: int) -> dict[str, float]:
 def memory(ctx, device: torch.device, checkpoint: bool) -> tuple[int, int]:
     """(peak tensor bytes allocated during forward + backward above those allocated before,
     bytes of the distinct storages autograd saves for backward during the forward)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
+    hooks, storages = saved_tensor_hooks()
 
     def run() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
             x0 = run_sample(ctx, STEPS[0], checkpoint)
         torch.autograd.grad(x0.square().mean(), func.leaves(ctx[1]))
 
-    if device.type != "cpu":
-        accel = getattr(torch, device.type)  # torch.cuda / torch.npu share this API
-        synchronize(device)
-        accel.reset_peak_memory_stats(device)
-        before = accel.memory_allocated(device)
-        run()
-        synchronize(device)
-        return accel.max_memory_allocated(device) - before, sum(storages.values())
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak, sum(storages.values())
+    return peak_allocated(run, device), sum(storages.values())
 
 
 def _status_bytes(field: str) -> int:

@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from bench.memory import peak_allocated, saved_tensor_hooks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # python bench/encoders.py
     sys.path.insert(0, ROOT)
@@ -84,36 +86,8 @@ def timings(ctxs: dict[bool, tuple], device: torch.device, repeats: int) -> dict
 
 def memory(ctx, device: torch.device) -> tuple[int, int]:
     """(peak bytes allocated during forward + backward above those allocated before, bytes saved for backward)."""
-    weights = {p.untyped_storage().data_ptr() for p in func.leaves(ctx[1])}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    hooks = (pack, lambda t: t)
-    if device.type != "cpu":
-        accel = getattr(torch, device.type)  # torch.cuda / torch.npu share this API
-        synchronize(device)
-        accel.reset_peak_memory_stats(device)
-        before = accel.memory_allocated(device)
-        step(ctx, hooks)
-        synchronize(device)
-        return accel.max_memory_allocated(device) - before, sum(storages.values())
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(ctx, hooks)
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak, sum(storages.values())
+    hooks, storages = saved_tensor_hooks(exclude=func.leaves(ctx[1]))
+    return peak_allocated(lambda: step(ctx, hooks), device), sum(storages.values())
 
 
 def main() -> None:
