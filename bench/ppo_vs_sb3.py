@@ -6,6 +6,7 @@ return, and the training wall-clock until the evaluation return first reaches --
 
     python -m bench.ppo_vs_sb3 --env Pendulum-v1 --seeds 0 1 2 --threshold -200
     python -m bench.ppo_vs_sb3 --env HalfCheetah-v5 --seeds 0 1 2 --sb3-seeds 0 --eval-every 100000 --threshold 6941
+    python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-steps 200000 --sb3-steps 200000 --eval-every 50000 --threshold -40
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ ZOO = {
         kwargs=dict(batch_size=64, n_steps=512, gamma=0.98, learning_rate=2.0633e-05, ent_coef=0.000401762,
                     clip_range=0.1, n_epochs=20, gae_lambda=0.92, max_grad_norm=0.8, vf_coef=0.58096),
         policy_kwargs=dict(log_std_init=-2, ortho_init=False, activation_fn="relu", net_arch=dict(pi=[256, 256], vf=[256, 256])),
+    ),
+    # RL-Zoo has no Pusher entry: SB3's PPO defaults with VecNormalize (our PPO normalises too).
+    "Pusher-v5": dict(
+        n_envs=1, n_timesteps=1_000_000, normalize=True,
+        kwargs=dict(n_steps=2048, batch_size=64, n_epochs=10, gamma=0.99, gae_lambda=0.95, learning_rate=3e-4,
+                    clip_range=0.2, ent_coef=0.0),
     ),
 }
 
