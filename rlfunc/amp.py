@@ -97,14 +97,17 @@ def accumulate_gradients(
         with prec.autocast() if prec is not None else contextlib.nullcontext():
             loss, metrics = loss_fn(micro)
         scaled = loss.float() * weight
-        if prec is not None and prec.scaler is not None:
-            prec.scaler.scale(scaled).backward()
-        else:
-            scaled.backward()
+        backward(scaled, prec)
         metrics = metrics.detach() * weight
         total_loss = scaled.detach() if total_loss is None else total_loss + scaled.detach()
         total_metrics = metrics if total_metrics is None else total_metrics + metrics
     return total_loss, total_metrics
+
+
+def backward(loss: Tensor, prec: Precision | None = None) -> None:
+    """``loss.backward()``, with the loss scaled first when ``prec`` has a GradScaler (fp16)."""
+    scaler = prec.scaler if prec is not None else None
+    (scaler.scale(loss) if scaler is not None else loss).backward()
 
 
 def step(

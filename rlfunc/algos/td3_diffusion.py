@@ -24,7 +24,7 @@ from torch import Tensor
 from rlfunc import func
 from rlfunc.algos.bc import ema_update_
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
-from rlfunc.amp import Precision, step
+from rlfunc.amp import Precision, backward, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, td3_target
@@ -169,7 +169,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
             q = q_all(params["critic"], mb["cond"], mb["action"])
         loss, metrics = critic_loss(q.float(), y)
         optimizer.zero_grad(set_to_none=True)
-        (prec.scaler.scale(loss) if prec.scaler is not None else loss).backward()
+        backward(loss, prec)
         norm, ok = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, prec)
         metrics["critic_grad_norm"] = norm
         metrics["skipped_critic"] = torch.tensor(float(not ok))
@@ -186,7 +186,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
                                 state["schedule", "alphas_cumprod"], prediction=spec.prediction)
         loss, metrics = diffusion_ql_actor_loss(q.float(), bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
         optimizer.zero_grad(set_to_none=True)
-        (prec.scaler.scale(loss) if prec.scaler is not None else loss).backward()
+        backward(loss, prec)
         norm, ok = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, prec)
         metrics["actor_grad_norm"] = norm
         metrics["skipped_actor"] = torch.tensor(float(not ok))
@@ -200,7 +200,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
         updates = int(state["updates"])
         for _ in range(config.updates_per_iteration):
             idx = torch.randint(len(buffer), (config.batch_size,), generator=generator, device=device)
-            mb = buffer[idx.cpu()].to(device)
+            mb = buffer[idx]  # the storage lives on the device: no host round trip
             m = critic_update(state, mb, generator, critic_opt, prec)
             metric_sum = m if metric_sum is None else metric_sum + m
             updates += 1
