@@ -414,6 +414,31 @@ class PointReachEnv(EnvBase):
         """The current :func:`reset_state`-style state, batch [N]: the live object, for inspection (do not modify)."""
         return self._state
 
+    def set_state(self, state: TensorDictBase) -> TensorDict:
+        """Replace the state of every env (e.g. copies of one start, for grouped rollouts).
+
+        Args:
+            state: a :func:`reset_state`-style TensorDict, batch [N], with the same keys, shapes and
+                dtypes as :attr:`state`; it is copied (the caller's TensorDict is not kept).
+
+        Returns:
+            the output of a reset in that state ("observation", flags, "success", "goal_index").
+
+        Raises:
+            ShapeError: ``state`` has other keys or batch size, or another shape or dtype in a key.
+        """
+        if set(state.keys()) != set(self._state.keys()) or state.batch_size != self._state.batch_size:
+            raise ShapeError(
+                f"state: keys {sorted(state.keys())} and batch {tuple(state.batch_size)}, expected keys "
+                f"{sorted(self._state.keys())} and batch {tuple(self._state.batch_size)}"
+            )
+        for key, value in self._state.items():
+            if state[key].shape != value.shape or state[key].dtype != value.dtype:
+                raise ShapeError(f"state[{key!r}]: shape {tuple(state[key].shape)} dtype {state[key].dtype}, "
+                                 f"expected {tuple(value.shape)} {value.dtype}")
+        self._state = state.to(self.device).clone()
+        return self._output(self._state)
+
     def _set_seed(self, seed: int | None) -> None:
         if seed is None:
             self._generator.seed()

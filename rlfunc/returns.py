@@ -1,6 +1,7 @@
-"""Discounted sums over time: generalized advantage estimates, discounted returns, running returns.
+"""Discounted sums over time (generalized advantage estimates, discounted returns, running returns)
+and group-relative advantages (GRPO, at the end of the module).
 
-Every function here is a first-order linear recurrence along one time dimension,
+Every discounted sum here is a first-order linear recurrence along one time dimension,
 ``y_t = x_t + a_t * y_{t+1}`` (or its forward twin), evaluated exactly by a parallel scan:
 ceil(log2 T) vectorised steps, no Python loop over time steps, no division and no 64-bit float tensors
 (NPUs lack them), so nothing overflows in float32 for any T (a product of discounts can only
@@ -27,6 +28,7 @@ __all__ = [
     "forward_discounted_sum",
     "discounted_returns",
     "generalized_advantage_estimate",
+    "group_relative_advantage",
 ]
 
 
@@ -426,3 +428,90 @@ def generalized_advantage_estimate(
     value_target = advantage + v
     out = state_value.dtype
     return advantage.to(out), value_target.to(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Group-relative advantages (GRPO family)
+# --------------------------------------------------------------------------------------------
+
+_GROUP_STD = ("group", "batch", "none")
+
+
+def group_relative_advantage(
+    reward: Tensor,
+    *,
+    group_dim: int = -1,
+    std: str = "group",
+    eps: float = 1e-4,
+    unbiased: bool = True,
+) -> Tensor:
+    """Group-relative advantage of G outcomes that started from the same state (GRPO).
+
+        A_i = (R_i - mean_g(R)) / (std(R) + eps)
+
+    where the mean is over the G members of the group of i and std is chosen by ``std``:
+
+    - ``"group"``: the std of the group of i (GRPO; Shao et al. 2024, "DeepSeekMath", sec. 4.1.2,
+      outcome supervision: r~_i = (r_i - mean(r)) / std(r));
+    - ``"batch"``: one std over every reward of the batch (all groups), the group-mean / batch-std
+      mix of Liu et al. 2025, "Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning";
+    - ``"none"``: no division, A_i = R_i - mean_g(R) (Dr. GRPO; Liu et al. 2025, "Understanding
+      R1-Zero-Like Training: A Critical Perspective", sec. 3.2, which drops the std because it
+      weights groups by their difficulty).
+
+    Edge cases, exact and finite (never NaN):
+
+    - a group whose rewards are all equal gets exactly 0 for every member (no signal), whatever
+      ``std`` (the float mean of equal numbers need not equal them, so this is enforced);
+    - a group of one (G = 1) gets 0: its member equals its own mean, and its std (undefined for the
+      unbiased estimate) is taken as 0;
+    - with ``eps = 0`` a zero std only occurs for all-equal groups (or an all-equal batch), which
+      are 0 by the rule above.
+
+    Args:
+        reward: [*B, G] float (any float dtype), the scalar outcome of each group member, e.g. the
+            undiscounted episode return; G along ``group_dim``, every other dim indexes groups.
+            A flat batch of ``n * G`` members laid out group by group is ``reward.view(n, G)``.
+        group_dim: the dim holding the members of a group.
+        std: ``"group"`` | ``"batch"`` | ``"none"``, as above.
+        eps: >= 0, added to the std (reward units); only used when ``std != "none"``.
+        unbiased: the std with Bessel's correction (divides by G - 1, or by the batch size - 1), as
+            ``torch.std``'s default and DeepSeekMath's reference code; False divides by G.
+
+    Returns:
+        [*B, G], same dtype and device as ``reward``; float16/bfloat16 are computed in float32.
+        Differentiable in ``reward`` (not usually needed).
+
+    Raises:
+        ShapeError: ``reward`` is not floating point or has no dims, or ``group_dim`` is not one of its dims.
+        ConfigError: ``std`` is not one of the three names, or ``eps`` is negative or not finite.
+    """
+    if not isinstance(reward, Tensor) or reward.ndim == 0:
+        raise ShapeError("reward: expected a tensor of shape [*B, G] with a group dim, got "
+                         f"{type(reward).__name__ if not isinstance(reward, Tensor) else 'a 0-dim tensor'}")
+    if not -reward.ndim <= group_dim < reward.ndim:
+        raise ShapeError(f"group_dim={group_dim} is outside the dims of reward with shape {tuple(reward.shape)}")
+    dim = group_dim % reward.ndim
+    dtype = _compute_dtype(reward)
+    if std not in _GROUP_STD:
+        raise ConfigError(f"std={std!r}: expected one of {', '.join(map(repr, _GROUP_STD))}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= float(eps) < float("inf"):
+        raise ConfigError(f"eps={eps!r}: expected a finite number >= 0")
+    r = reward.to(dtype)
+    G = r.shape[dim]
+    if r.numel() == 0:
+        return reward.clone()
+    mean = r.mean(dim, keepdim=True)
+    all_equal = r.amax(dim, keepdim=True) == r.amin(dim, keepdim=True)
+    centered = torch.where(all_equal, torch.zeros_like(r), r - mean)
+    if std == "none":
+        return centered.to(reward.dtype)
+    correction = 1 if unbiased else 0
+    if std == "group":
+        scale = r.std(dim, keepdim=True, correction=correction) if G > correction else torch.zeros_like(mean)
+    else:
+        n = r.numel()
+        scale = r.std(correction=correction) if n > correction else r.new_zeros(())
+    denom = scale + float(eps)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))  # 0 only where centered is 0
+    return (centered / denom).to(reward.dtype)

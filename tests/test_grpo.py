@@ -1,0 +1,407 @@
+"""GRPO / GSPO: group-relative advantages, the two losses, grouped rollouts and a short training run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlfunc.errors import ConfigError, EnvError, ShapeError
+from rlfunc.losses.grpo import grpo_loss, k3_kl, masked_aggregate
+from rlfunc.losses.gspo import gspo_loss
+from rlfunc.returns import group_relative_advantage
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+
+
+def test_advantage_issue_vector():
+    # mean 0.25, unbiased std 0.5: (1 - 0.25) / 0.5 = 1.5, (0 - 0.25) / 0.5 = -0.5
+    a = group_relative_advantage(torch.tensor([1.0, 0.0, 0.0, 0.0]), eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    # the default eps (1e-4) only shrinks it slightly
+    a = group_relative_advantage(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(a, torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
+
+
+def test_advantage_population_std_and_group_dim():
+    r = torch.tensor([[1.0, 3.0], [0.0, 5.0], [0.0, 7.0], [0.0, 9.0]])  # groups along dim 0
+    a = group_relative_advantage(r, group_dim=0, unbiased=False, eps=0.0)
+    # column 0: mean .25, population std sqrt(3)/4 -> .75 / .4330 = sqrt(3)
+    torch.testing.assert_close(a[:, 0], torch.tensor([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]))
+    # column 1: 3, 5, 7, 9: mean 6, population std sqrt(5)
+    torch.testing.assert_close(a[:, 1], torch.tensor([-3.0, -1.0, 1.0, 3.0]) / math.sqrt(5))
+
+
+def test_advantage_all_equal_group_is_exactly_zero():
+    # the float mean of three 0.1s is not 0.1; the result must still be exactly 0, for every std mode
+    r = torch.tensor([[0.1, 0.1, 0.1], [1.0, 2.0, 3.0]])
+    for std in ("group", "batch", "none"):
+        for eps in (0.0, 1e-4):
+            a = group_relative_advantage(r, std=std, eps=eps)
+            assert torch.equal(a[0], torch.zeros(3)), (std, eps)
+            assert a[1].isfinite().all() and a[1, 0] < 0 < a[1, 2]
+
+
+def test_advantage_group_of_one_is_zero():
+    r = torch.tensor([[3.0], [-2.0]])
+    for std in ("group", "batch", "none"):
+        for unbiased in (True, False):
+            a = group_relative_advantage(r, std=std, eps=0.0, unbiased=unbiased)
+            assert torch.equal(a, torch.zeros(2, 1)), (std, unbiased)
+    # a single reward in the whole batch as well
+    assert torch.equal(group_relative_advantage(torch.tensor([5.0]), std="batch", eps=0.0), torch.zeros(1))
+
+
+def test_advantage_batch_std():
+    r = torch.tensor([[1.0, 0.0], [5.0, 5.0]])
+    std = math.sqrt(((1 - 2.75) ** 2 + 2.75**2 + 2 * 2.25**2) / 3)  # unbiased std of all four
+    a = group_relative_advantage(r, std="batch", eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([[0.5 / std, -0.5 / std], [0.0, 0.0]]))
+
+
+def test_advantage_no_std_dr_grpo():
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [10.0, 20.0, 30.0, 40.0]])
+    a = group_relative_advantage(r, std="none")
+    torch.testing.assert_close(a, torch.tensor([[0.75, -0.25, -0.25, -0.25], [-15.0, -5.0, 5.0, 15.0]]))
+
+
+def test_advantage_keeps_dtype_and_refuses_bad_input():
+    assert group_relative_advantage(torch.tensor([1.0, 2.0], dtype=torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="std="):
+        group_relative_advantage(torch.ones(2, 3), std="global")
+    with pytest.raises(ConfigError, match="eps="):
+        group_relative_advantage(torch.ones(2, 3), eps=-1.0)
+    with pytest.raises(ShapeError, match="floating"):
+        group_relative_advantage(torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ShapeError, match="group_dim"):
+        group_relative_advantage(torch.ones(2, 3), group_dim=2)
+    with pytest.raises(ShapeError, match="reward"):
+        group_relative_advantage(torch.tensor(1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO loss, hand-computed
+#
+# Two sequences, T = 3. Sequence 0: 3 valid steps, ratios 1.5, 0.5, 1.0, advantage 2.
+# Sequence 1: 1 valid step, ratio 0.5, advantage -1; its two padding steps hold NaN.
+# Per-step objective min(r A, clip(r, 0.8, 1.2) A):
+#   seq 0: min(3.0, 2.4) = 2.4 (clipped above), min(1.0, 1.6) = 1.0, 2.0
+#   seq 1: min(-0.5, -0.8) = -0.8 (clipped below)
+
+
+def _case():
+    log_ratio = torch.tensor([[math.log(1.5), math.log(0.5), 0.0], [math.log(0.5), 0.0, 0.0]])
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, float("nan"), float("nan")]])
+    sample_log_prob = log_prob - log_ratio
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    advantage = torch.tensor([2.0, -1.0]).view(2, 1, 1)
+    # reference log-probs: d = ref - logp = ln 2, 0, -ln 2 | ln 2
+    d = torch.tensor([[math.log(2.0), 0.0, -math.log(2.0)], [math.log(2.0), 0.0, 0.0]])
+    ref = log_prob + d
+    col = lambda x: x.unsqueeze(-1)  # noqa: E731
+    return col(log_prob), col(sample_log_prob), advantage, col(mask), col(ref)
+
+
+@pytest.mark.parametrize(
+    "aggregation, expected",
+    [("token", (2.4 + 1.0 + 2.0 - 0.8) / 4), ("sequence", ((2.4 + 1.0 + 2.0) / 3 - 0.8) / 2), ("constant", 4.6 / 6)],
+)
+def test_grpo_loss_hand_values(aggregation, expected):
+    log_prob, old, adv, mask, _ = _case()
+    loss, m = grpo_loss(log_prob, old, adv, mask, clip_epsilon=0.2, aggregation=aggregation)
+    torch.testing.assert_close(loss, torch.tensor(-expected))
+    torch.testing.assert_close(m["clip_fraction"], torch.tensor(0.75))
+    torch.testing.assert_close(m["ratio_mean"], torch.tensor((1.5 + 0.5 + 1.0 + 0.5) / 4))
+    # approx KL (k3 of old vs new): (r - 1) - log r
+    k = lambda r: (r - 1) - math.log(r)  # noqa: E731
+    torch.testing.assert_close(m["approx_kl"], torch.tensor((k(1.5) + 2 * k(0.5)) / 4))
+    assert m["kl_ref"] == 0 and m["loss_kl"] == 0
+
+
+def test_grpo_loss_clip_higher():
+    log_prob, old, adv, mask, _ = _case()
+    # eps_high = 0.6: ratio 1.5 lies inside [0.8, 1.6], so the first step gives 3.0 instead of 2.4
+    loss, m = grpo_loss(log_prob, old, adv, mask, clip_epsilon=0.2, clip_epsilon_high=0.6)
+    torch.testing.assert_close(loss, torch.tensor(-(3.0 + 1.0 + 2.0 - 0.8) / 4))
+    torch.testing.assert_close(m["clip_fraction"], torch.tensor(0.5))
+
+
+def test_grpo_loss_k3_kl_to_reference():
+    log_prob, old, adv, mask, ref = _case()
+    k3 = lambda d: math.exp(d) - d - 1  # noqa: E731
+    kl = [k3(math.log(2)), 0.0, k3(-math.log(2)), k3(math.log(2))]
+    assert abs(kl[0] - (2 - math.log(2) - 1)) < 1e-12 and abs(kl[2] - (0.5 + math.log(2) - 1)) < 1e-12
+    loss, m = grpo_loss(log_prob, old, adv, mask, ref_log_prob=ref, kl_coef=0.1, aggregation="token")
+    torch.testing.assert_close(m["kl_ref"], torch.tensor(sum(kl) / 4))
+    torch.testing.assert_close(loss, torch.tensor(-(4.6 / 4) + 0.1 * sum(kl) / 4))
+    loss, m = grpo_loss(log_prob, old, adv, mask, ref_log_prob=ref, kl_coef=0.1, aggregation="sequence")
+    torch.testing.assert_close(m["loss_kl"], torch.tensor(0.1 * (sum(kl[:3]) / 3 + kl[3]) / 2))
+    torch.testing.assert_close(k3_kl(torch.tensor(0.3), torch.tensor(0.3)), torch.tensor(0.0))
+
+
+def test_grpo_loss_padding_is_ignored_and_gets_no_gradient():
+    log_prob, old, adv, mask, ref = _case()
+    lp = log_prob.clone().requires_grad_(True)
+    loss, _ = grpo_loss(lp, old, adv, mask, ref_log_prob=ref, kl_coef=0.1)
+    loss.backward()
+    assert loss.isfinite() and lp.grad.isfinite().all()
+    assert torch.equal(lp.grad[1, 1:], torch.zeros(2, 1))
+    # clipped steps get no surrogate gradient: (0, 0) above the clip with A > 0, (1, 0) below with A < 0
+    lp2 = log_prob.clone().requires_grad_(True)
+    grpo_loss(lp2, old, adv, mask, aggregation="token")[0].backward()
+    assert lp2.grad[0, 0, 0] == 0 and lp2.grad[1, 0, 0] == 0
+    # unclipped step (0, 1): d(-r A / 4) / d logp = -r A / 4 = -0.5 * 2 / 4
+    torch.testing.assert_close(lp2.grad[0, 1, 0], torch.tensor(-0.25))
+
+
+def test_masked_aggregate_without_valid_steps_is_zero():
+    x = torch.full((2, 3, 1), float("nan"))
+    mask = torch.zeros(2, 3, 1, dtype=torch.bool)
+    for agg in ("token", "sequence", "constant"):
+        assert masked_aggregate(x, mask, agg) == 0
+
+
+def test_grpo_loss_refuses_bad_input():
+    log_prob, old, adv, mask, ref = _case()
+    with pytest.raises(ShapeError, match="sample_log_prob"):
+        grpo_loss(log_prob, old[:, :2], adv, mask)
+    with pytest.raises(ShapeError, match="advantage"):
+        grpo_loss(log_prob, old, adv.view(2), mask)
+    with pytest.raises(ShapeError, match="log_prob"):
+        grpo_loss(log_prob.squeeze(-1), old.squeeze(-1), adv, mask)
+    with pytest.raises(ConfigError, match="ref_log_prob"):
+        grpo_loss(log_prob, old, adv, mask, kl_coef=0.1)
+    with pytest.raises(ConfigError, match="clip_epsilon"):
+        grpo_loss(log_prob, old, adv, mask, clip_epsilon=0.0)
+    with pytest.raises(ConfigError, match="aggregation"):
+        grpo_loss(log_prob, old, adv, mask, aggregation="sum")
+    with pytest.raises(ConfigError, match="kl_coef"):
+        grpo_loss(log_prob, old, adv, mask, ref_log_prob=ref, kl_coef=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GSPO loss, hand-computed
+#
+# Sequence ratios of the same case: s_0 = (1.5 * 0.5 * 1.0)^(1/3) = 0.75^(1/3) = 0.908560 (3 valid
+# steps), s_1 = 0.5 (1 valid step; the padding is ignored).
+
+
+def test_gspo_sequence_ratio_by_hand():
+    log_prob, old, adv, mask, _ = _case()
+    s0, s1 = 0.75 ** (1 / 3), 0.5
+    # clip 0.2: s_0 inside, A > 0 -> s_0 A; s_1 below, A < 0 -> min(-0.5, -0.8) = -0.8
+    loss, m = gspo_loss(log_prob, old, adv, mask, clip_epsilon=0.2, clip_epsilon_high=0.2)
+    torch.testing.assert_close(loss, torch.tensor(-(2 * s0 - 0.8) / 2))
+    torch.testing.assert_close(m["ratio_mean"], torch.tensor((s0 + s1) / 2))
+    torch.testing.assert_close(m["clip_fraction"], torch.tensor(0.5))
+    # paper's clip (3e-4, 4e-4): both outside; s_0 < 1 - 3e-4 with A > 0 keeps the unclipped s_0 A
+    loss, m = gspo_loss(log_prob, old, adv, mask)
+    torch.testing.assert_close(loss, torch.tensor(-(2 * s0 - (1 - 3e-4)) / 2))
+    torch.testing.assert_close(m["clip_fraction"], torch.tensor(1.0))
+
+
+def test_gspo_ratio_vector_near_one_and_upper_clip():
+    # one group of three sequences of lengths 4, 2, 1; mean log-ratios 2e-4, 1e-3, -1e-3
+    T = 4
+    lr = torch.zeros(3, T)
+    lr[0] = torch.tensor([1e-4, 3e-4, 2e-4, 2e-4])
+    lr[1, :2] = torch.tensor([0.0, 2e-3])
+    lr[2, 0] = -1e-3
+    lengths = torch.tensor([4, 2, 1])
+    mask = (torch.arange(T) < lengths.unsqueeze(1)).unsqueeze(-1)
+    log_prob = torch.zeros(3, T, 1)
+    old = log_prob - lr.unsqueeze(-1)
+    s = torch.tensor([math.exp(2e-4), math.exp(1e-3), math.exp(-1e-3)])
+    adv = torch.tensor([1.0, 1.0, -1.0]).view(3, 1, 1)
+    loss, m = gspo_loss(log_prob, old, adv, mask)  # clip [1 - 3e-4, 1 + 4e-4]
+    # s_0 inside -> s_0; s_1 above with A > 0 -> 1 + 4e-4; s_2 below with A < 0 -> -(1 - 3e-4)
+    expected = -(s[0] + (1 + 4e-4) - (1 - 3e-4)) / 3
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float32))
+    torch.testing.assert_close(m["ratio_mean"], s.mean())
+    torch.testing.assert_close(m["clip_fraction"], torch.tensor(2 / 3))
+
+
+def test_gspo_gradient_by_hand():
+    log_prob, old, adv, mask, _ = _case()
+    lp = log_prob.clone().requires_grad_(True)
+    gspo_loss(lp, old, adv, mask, clip_epsilon=0.2, clip_epsilon_high=0.2)[0].backward()
+    # unclipped sequence 0: d(-s_0 A_0 / 2) / d logp_t = -A_0 s_0 / (2 |y_0|) at each of its steps
+    s0 = 0.75 ** (1 / 3)
+    torch.testing.assert_close(lp.grad[0, :, 0], torch.full((3,), -2 * s0 / 6))
+    assert torch.equal(lp.grad[1], torch.zeros(3, 1))  # clipped, and padding
+
+
+def test_gspo_token_variant_equals_gspo_for_sequence_advantages():
+    torch.manual_seed(0)
+    log_prob = torch.randn(3, 4, 5, 1)
+    old = log_prob + 0.05 * torch.randn(3, 4, 5, 1)
+    mask = torch.rand(3, 4, 5, 1) > 0.3
+    adv = torch.randn(3, 4, 1, 1)
+    ref = log_prob + 0.1 * torch.randn(3, 4, 5, 1)
+    grads = []
+    for variant in ("sequence", "token"):
+        lp = log_prob.clone().requires_grad_(True)
+        loss, _ = gspo_loss(lp, old, adv, mask, clip_epsilon=0.03, clip_epsilon_high=0.04, variant=variant,
+                            ref_log_prob=ref, kl_coef=0.05)
+        loss.backward()
+        grads.append((loss.detach(), lp.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+    with pytest.raises(ShapeError, match="advantage"):
+        gspo_loss(log_prob, old, adv.expand(3, 4, 5, 1), mask)  # per-step advantages need variant="token"
+    with pytest.raises(ConfigError, match="variant"):
+        gspo_loss(log_prob, old, adv, mask, variant="chunk")
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients against a float64 loop
+
+
+def _reference_loss(lp, old, adv, mask, ref, eps_low, eps_high, beta, loss_name, aggregation):
+    """Plain loops in torch.double, written for clarity."""
+    B, T = lp.shape[0], lp.shape[1]
+    if loss_name == "grpo":
+        terms, per_seq = [], []
+        for i in range(B):
+            seq = []
+            for t in range(T):
+                if mask[i, t]:
+                    r = torch.exp(lp[i, t] - old[i, t])
+                    a = adv[i]
+                    obj = torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+                    d = ref[i, t] - lp[i, t]
+                    seq.append(obj - beta * (torch.exp(d) - d - 1))
+            terms += seq
+            if seq:
+                per_seq.append(sum(seq) / len(seq))
+        if aggregation == "token":
+            return -sum(terms) / len(terms)
+        return -sum(per_seq) / len(per_seq)
+    total, kls = 0.0, []
+    n = 0
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i, t]]
+        if not idx:
+            continue
+        s = torch.exp(sum(lp[i, t] - old[i, t] for t in idx) / len(idx))
+        total = total + torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[i])
+        kls.append(sum(torch.exp(ref[i, t] - lp[i, t]) - (ref[i, t] - lp[i, t]) - 1 for t in idx) / len(idx))
+        n += 1
+    return -total / n + beta * sum(kls) / n
+
+
+@pytest.mark.parametrize("loss_name, aggregation", [("grpo", "token"), ("grpo", "sequence"), ("gspo", "sequence")])
+def test_gradients_match_float64_loop(loss_name, aggregation):
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 7
+    lp = torch.randn(B, T, generator=g)
+    old = lp + 0.15 * torch.randn(B, T, generator=g)
+    ref = lp + 0.2 * torch.randn(B, T, generator=g)
+    lengths = torch.tensor([7, 1, 4, 0, 6, 3])
+    mask = torch.arange(T) < lengths.unsqueeze(1)
+    adv = torch.randn(B, generator=g)
+    eps_low, eps_high = (0.1, 0.15) if loss_name == "grpo" else (0.02, 0.03)
+    beta = 0.2
+
+    lp32 = lp.clone().unsqueeze(-1).requires_grad_(True)
+    fn = grpo_loss if loss_name == "grpo" else gspo_loss
+    kw = {"aggregation": aggregation} if loss_name == "grpo" else {}
+    loss, _ = fn(lp32, old.unsqueeze(-1), adv.view(B, 1, 1), mask.unsqueeze(-1), clip_epsilon=eps_low,
+                 clip_epsilon_high=eps_high, ref_log_prob=ref.unsqueeze(-1), kl_coef=beta, **kw)
+    loss.backward()
+
+    lp64 = lp.to(torch.double).requires_grad_(True)
+    ref_loss = _reference_loss(lp64, old.double(), adv.double(), mask, ref.double(), eps_low, eps_high, beta,
+                               loss_name, aggregation)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp32.grad.squeeze(-1).double(), lp64.grad, rtol=1e-4, atol=1e-6)
+    assert lp64.grad.abs().sum() > 0  # not vacuous
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped rollouts
+
+
+def _random_policy(act_dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def policy(observation):
+        a = torch.randn(observation.shape[0], act_dim, generator=g)
+        return a, -0.5 * a.square().sum(-1, keepdim=True)
+
+    return policy
+
+
+def _assert_grouped_starts(obs):
+    """obs [n_groups, G, T, D]: identical starts within a group, different across groups, then divergence."""
+    first = obs[:, :, 0]
+    assert torch.equal(first, first[:, :1].expand_as(first))
+    assert not torch.equal(first[0, 0], first[1, 0])
+    assert not torch.equal(obs[:, 0, 2], obs[:, 1, 2])  # the sampled actions made them diverge
+
+
+def test_grouped_rollout_gym_same_seed_per_group():
+    from rlfunc import collect
+    from rlfunc.grouped import grouped_rollout_gym, sequence_return
+
+    venv = collect.make_vec_env("Pendulum-v1", 6)
+    try:
+        batch = grouped_rollout_gym(venv, _random_policy(1, 0), [11, 12], 3, 20, device=torch.device("cpu"))
+    finally:
+        venv.close()
+    assert batch.batch_size == (2, 3, 20)
+    _assert_grouped_starts(batch["observation"])
+    assert batch["mask"].all()  # Pendulum episodes last 200 steps: all 20 are valid
+    ret = sequence_return(batch)
+    torch.testing.assert_close(ret, batch["next", "reward"].sum((-2, -1)))
+    # the same seeds give the same starts in a new env
+    venv = collect.make_vec_env("Pendulum-v1", 2)
+    try:
+        again = grouped_rollout_gym(venv, _random_policy(1, 1), [11, 12], 1, 1, device=torch.device("cpu"))
+    finally:
+        venv.close()
+    torch.testing.assert_close(again["observation"][:, 0, 0], batch["observation"][:, 0, 0])
+
+
+def test_grouped_rollout_gym_masks_after_first_episode():
+    from rlfunc import collect
+    from rlfunc.grouped import first_episode_mask, grouped_rollout_gym
+
+    done = torch.tensor([[0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]).bool().unsqueeze(-1)
+    expected = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).bool().unsqueeze(-1)
+    assert torch.equal(first_episode_mask(done), expected)
+    # PointReach's gym env: episodes end at success or after 30 steps; run 40 steps
+    venv = collect.make_vec_env("PointReach-v0", 4)
+    try:
+        with pytest.raises(EnvError, match="one seed per group"):
+            grouped_rollout_gym(venv, _random_policy(2, 0), [1], 2, 40, device=torch.device("cpu"))
+        batch = grouped_rollout_gym(venv, _random_policy(2, 0), [1, 2], 2, 40, device=torch.device("cpu"))
+    finally:
+        venv.close()
+    valid = batch["mask"].sum((-2, -1))
+    assert (valid <= 30).all() and (valid >= 1).all()
+    assert torch.equal(batch["mask"], first_episode_mask(batch["next", "done"]))
+
+
+def test_grouped_rollout_torchrl_point_reach():
+    from envs.point_reach import PointReachEnv
+    from rlfunc.grouped import grouped_reset, grouped_rollout_torchrl, sequence_return
+
+    env = PointReachEnv(12, seed=5)
+    td = grouped_rollout_torchrl(env, _random_policy(2, 0), 4, 30)
+    assert td.batch_size[:2] == (3, 4) and td.batch_size[2] <= 30
+    _assert_grouped_starts(td["observation"])
+    assert torch.equal(td["mask"][..., 0, :], torch.ones(3, 4, 1, dtype=torch.bool))
+    assert sequence_return(td).shape == (3, 4)
+    # the whole hidden state (goals, start) is shared, not only the observation
+    start = grouped_reset(env, 4)
+    goals = env.state["goals"].view(3, 4, 2, 2)
+    assert torch.equal(goals, goals[:, :1].expand_as(goals))
+    assert torch.equal(start["observation"].view(3, 4, 6), start["observation"].view(3, 4, 6)[:, :1].expand(3, 4, 6))
+    with pytest.raises(EnvError, match="multiple of group_size"):
+        grouped_reset(env, 5)
+    with pytest.raises(ShapeError, match="state"):
+        env.set_state(env.state[:3])
