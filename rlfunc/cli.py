@@ -7,6 +7,7 @@
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), or success
                                             rate and goal shares (bc, dppo, td3-diffusion)
     rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
+    rlfunc versions list|show|diff|rollback RUN_DIR ...   a ppo run's versions (rlfunc versions --help)
 
 Every config field is a flag of `train ALGO` (`rlfunc train ALGO --help`); ppo's defaults come from
 the env's preset. Errors print as one line on stderr with exit code 2; a run stopped by SIGINT/SIGTERM
@@ -213,7 +214,13 @@ def _resume(argv: list[str]) -> int:
     return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
 
 
-COMMANDS = {"train": _train, "eval": _eval, "resume": _resume}
+def _versions(argv: list[str]) -> int:
+    from rlfunc import cli_versions
+
+    return cli_versions.main(argv)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "resume": _resume, "versions": _versions}
 
 
 def main(argv: list[str] | None = None) -> int:

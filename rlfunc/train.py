@@ -4,6 +4,17 @@
 checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), learning_curve.png and eval.json.
 Resume is exact on CPU: the learner state, optimizer state, RNG states, rollout carry and the
 gymnasium envs' own state (RNG, time limit, physics) all go into each snapshot.
+
+With ``version_every`` > 0 the same state also goes, every that many iterations, into the run's
+version store (RNG, rlfunc.versions): content-addressed, with the iteration's metrics and each
+parameter leaf's relative change. ``resume`` continues from the newer of the latest snapshot and the
+current branch's head version, so after ``rlfunc versions rollback RUN_DIR V`` it continues from V.
+
+``freeze_threshold`` > 0 skips the updates of parameter leaves that barely move: every
+``freeze_window`` iterations each leaf's relative change ||p - p_ref|| / ||p_ref|| over the window
+(max over seeds) is measured, and a leaf below the threshold is frozen (no gradient, no Adam step) for
+the next window, then trains a window again before it is measured anew. The tracker (reference
+params, frozen-until iteration per leaf) is part of the saved state, so resume stays exact.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, collect, func
+from rlfunc import checkpoint, collect, func, versions
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
@@ -66,7 +77,7 @@ def _member_seeds(config: PPOConfig) -> list[int]:
     return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
 
 
-def _like(state: TensorDict, carry: TensorDict) -> TensorDict:
+def _like(state: TensorDict, carry: TensorDict, freeze: TensorDict | None = None) -> TensorDict:
     """The structure a snapshot of this run must have (keys, shapes, dtypes) for load validation;
     the optimizer holds Adam state for each leaf of ``state["params"]``, in ``func.leaves`` order."""
     params = func.leaves(state["params"])
@@ -77,7 +88,44 @@ def _like(state: TensorDict, carry: TensorDict) -> TensorDict:
         },
         batch_size=[],
     )
-    return TensorDict({"learner": state, "optim": opt, "carry": carry}, batch_size=[])
+    like = TensorDict({"learner": state, "optim": opt, "carry": carry}, batch_size=[])
+    if freeze is not None:
+        like["freeze"] = freeze
+    return like
+
+
+def init_freeze(params: TensorDict) -> TensorDict:
+    """The freeze tracker: "reference" (a copy of ``params``, the start of the measuring window) and
+    "frozen_until" ([num_leaves] int64, the iteration up to which each ``func.leaves`` leaf is frozen)."""
+    return TensorDict(
+        {
+            "reference": params.detach().clone(),
+            "frozen_until": torch.zeros(len(func.leaves(params)), dtype=torch.int64, device=params.device),
+        },
+        batch_size=[],
+    )
+
+
+def update_freeze(freeze: TensorDict, params: TensorDict, iteration: int, config: PPOConfig) -> TensorDict:
+    """At the end of a window (``iteration`` done, a multiple of ``freeze_window``): freeze, until
+    ``iteration + freeze_window``, each leaf that trained the whole window and whose relative change
+    max_s ||p_s - ref_s|| / ||ref_s|| stayed below ``freeze_threshold``; never all leaves at once.
+    Returns the new tracker (reference = current params)."""
+    window = config.freeze_window
+    until = freeze["frozen_until"].clone()
+    leaves, refs = func.leaves(params), func.leaves(freeze["reference"])
+    changes = []
+    for p, ref in zip(leaves, refs):
+        num = torch.linalg.vector_norm((p.detach() - ref).flatten(1), dim=1)
+        den = torch.linalg.vector_norm(ref.flatten(1), dim=1)
+        rel = torch.where(den > 0, num / den.clamp_min(1e-30), torch.where(num > 0, torch.inf, 0.0))
+        changes.append(float(rel.max()))
+    candidates = [i for i, c in enumerate(changes) if int(until[i]) <= iteration - window and c < config.freeze_threshold]
+    if len(candidates) == len(leaves):  # a step needs one leaf with a gradient: keep the one that moved most
+        candidates.remove(max(candidates, key=lambda i: changes[i]))
+    for i in candidates:
+        until[i] = iteration + window
+    return TensorDict({"reference": params.detach().clone(), "frozen_until": until}, batch_size=[])
 
 
 def _episode_stats(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,21 +140,75 @@ def _episode_stats(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan"))), count
 
 
-def _save(run_dir, state, optimizer, carry, venv, config, spec) -> Path:
-    snapshot = TensorDict(
-        {"learner": state, "optim": optimizer_state(optimizer), "carry": carry}, batch_size=[]
-    )
-    meta = {
+def _saved_state(state, optimizer, carry, freeze) -> TensorDict:
+    saved = TensorDict({"learner": state, "optim": optimizer_state(optimizer), "carry": carry}, batch_size=[])
+    if freeze is not None:
+        saved["freeze"] = freeze
+    return saved
+
+
+def _meta(state, venv, config, spec, branch) -> dict:
+    return {
         "algo": "ppo",
         "config": dataclasses.asdict(config),
         "env_spec": spec._asdict(),
         "env_state": collect.env_state(venv),
         "iteration": int(state["iteration"]),
         "env_steps": int(state["env_steps"]),
+        "branch": branch,
     }
+
+
+def _save(run_dir, state, optimizer, carry, venv, config, spec, freeze=None, branch=versions.MAIN) -> Path:
     return checkpoint.save_run_snapshot(
-        run_dir, snapshot, meta, step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None
+        run_dir, _saved_state(state, optimizer, carry, freeze), _meta(state, venv, config, spec, branch),
+        step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None,
     )
+
+
+def _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch, record) -> dict:
+    """A version of the run (rlfunc.versions): the snapshot's state and meta, plus the env's id,
+    registration and wrapper chain, every env's seed, and ``record`` (the iteration's metrics)."""
+    meta = _meta(state, venv, config, spec, branch)
+    try:
+        registration = json.loads(gym.spec(config.env).to_json())
+    except (gym.error.Error, TypeError, ValueError):  # kwargs JSON cannot hold
+        registration = str(gym.spec(config.env))
+    meta["env"] = {
+        "id": config.env,
+        "registration": registration,
+        "wrappers": str(venv.envs[0]) if hasattr(venv, "envs") else None,
+        "vectorization": config.vectorization,
+    }
+    meta["seeds"] = {"agents": config.seeds, "envs": _member_seeds(config)}
+    metrics = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in record.items()}
+    return versions.save_version(
+        run_dir, _saved_state(state, optimizer, carry, freeze), meta,
+        iteration=int(state["iteration"]), step=int(state["env_steps"]), metrics=metrics,
+        keep_last=config.version_keep_last or None, keep_every=config.version_keep_every,
+    )
+
+
+def resume_source(run_dir: str | Path) -> tuple[str, Path | str] | None:
+    """What ``resume`` continues from: ("snapshot", path) or ("version", id), or None if neither.
+
+    The current branch's head version (after a rollback to V with no new version yet: V), unless the
+    latest snapshot is on the current branch and at least as far along (a snapshot without a
+    "branch" is on "main").
+
+    Raises:
+        CheckpointError: a version manifest fails its check.
+    """
+    snap = checkpoint.latest_snapshot(run_dir)
+    head = versions.head(run_dir)
+    if head is None:
+        return None if snap is None else ("snapshot", snap)
+    if snap is not None:
+        meta = checkpoint.load_meta(snap)
+        same_branch = meta.get("branch", versions.MAIN) == versions.current_branch(run_dir)
+        if same_branch and meta.get("env_steps", -1) >= head["step"]:
+            return "snapshot", snap
+    return "version", head["id"]
 
 
 def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> PPOConfig:
@@ -131,7 +233,7 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         raise ConfigError(f"run_dir={str(run_dir)!r} exists and is not a directory")
     if resume or not run_dir.exists() or not any(run_dir.iterdir()):
         return
-    if checkpoint.latest_snapshot(run_dir) is not None:
+    if checkpoint.latest_snapshot(run_dir) is not None or versions.has_versions(run_dir):
         raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; use `rlfunc resume {run_dir}` or a new --run-dir")
     raise ConfigError(
         f"run_dir={str(run_dir)!r} is not empty (a run stopped before its first snapshot, or other files); "
@@ -184,36 +286,49 @@ def train(
     """
     run_dir = Path(run_dir)
     _check_run_dir(run_dir, resume)
-    snapshot_path = None
+    source = None
     if resume:
-        snapshot_path = checkpoint.latest_snapshot(run_dir)
-        if snapshot_path is None:
-            raise CheckpointError(f"{run_dir}: no snapshot to resume from")
+        source = resume_source(run_dir)
+        if source is None:
+            raise CheckpointError(f"{run_dir}: no snapshot or version to resume from")
         extra = {} if total_steps is None else {"total_steps": total_steps}
-        config = config_from_meta(checkpoint.load_meta(snapshot_path), snapshot_path, **extra)
+        if source[0] == "snapshot":
+            config = config_from_meta(checkpoint.load_meta(source[1]), source[1], **extra)
+        else:
+            manifest = versions.read_manifest(run_dir, source[1])
+            config = config_from_meta(manifest["meta"], f"{run_dir} version {source[1]}", **extra)
     device = resolve_device(config.device)
 
     venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     try:
-        return _train(config, run_dir, device, venv, snapshot_path, max_iterations, progress, tensorboard)
+        return _train(config, run_dir, device, venv, source, max_iterations, progress, tensorboard)
     finally:
         venv.close()
 
 
-def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progress, tensorboard) -> TrainResult:
+def _train(config, run_dir, device, venv, source, max_iterations, progress, tensorboard) -> TrainResult:
     spec = env_spec(venv)
     algo: PPO = make_ppo(config, spec, device)
     state = algo.init()
     optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
     carry = collect.reset(venv, _member_seeds(config))
-    if snapshot_path is not None:
-        loaded, meta = checkpoint.load_snapshot(snapshot_path, device=device, like=_like(state, carry))
+    freeze = init_freeze(state["params"]) if config.freeze_threshold > 0 else None
+    branch = versions.current_branch(run_dir)
+    if source is not None:
+        like = _like(state, carry, freeze)
+        if source[0] == "snapshot":
+            loaded, meta = checkpoint.load_snapshot(source[1], device=device, like=like)
+        else:
+            loaded, manifest = versions.load_version(run_dir, source[1], device=device, like=like)
+            meta = manifest["meta"]
         with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
             state.update_(loaded["learner"])
         load_optimizer_state(optimizer, loaded["optim"])
         carry = loaded["carry"].to("cpu")
+        if freeze is not None:
+            freeze = loaded["freeze"]
         if meta.get("env_state") is not None:
             collect.set_env_state(venv, meta["env_state"])
         else:  # an env whose state can't be captured (async vector envs, ...): fresh episodes
@@ -248,6 +363,7 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
     S, N, T = config.num_seeds, config.num_envs, config.num_steps
     t_start = time.perf_counter() - time_offset
     interrupted = None
+    leaves = func.leaves(state["params"])
     try:
         for it in range(start_iteration, end):
             t0 = time.perf_counter()
@@ -256,8 +372,21 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
             batch, carry = collect.rollout(venv, algo.policy(state, gens), carry, T, device=device)
             batch = batch.reshape(S, N, T)
             t1 = time.perf_counter()
-            state, metrics = algo.iteration(state, batch, gens, optimizer)
+            frozen = [] if freeze is None else [i for i, u in enumerate(freeze["frozen_until"].tolist()) if u > it]
+            for i in frozen:
+                leaves[i].requires_grad_(False)
+            try:
+                state, metrics = algo.iteration(state, batch, gens, optimizer)
+            finally:
+                for i in frozen:
+                    leaves[i].requires_grad_(True)
             t2 = time.perf_counter()
+            if freeze is not None:
+                frozen_numel = sum(leaves[i].numel() for i in frozen)
+                metrics["frozen_leaves"] = torch.full((S,), len(frozen))
+                metrics["frozen_fraction"] = torch.full((S,), frozen_numel / sum(p.numel() for p in leaves))
+                if (it + 1) % config.freeze_window == 0:
+                    freeze = update_freeze(freeze, state["params"], it + 1, config)
             ep_return, ep_count = _episode_stats(batch)
             record = {
                 "iteration": it + 1,
@@ -276,8 +405,10 @@ def _train(config, run_dir, device, venv, snapshot_path, max_iterations, progres
                 bar.update(1)
                 bar.set_postfix(ret=f"{ep_return.nanmean().item():.1f}", sps=f"{record['steps_per_s']:.0f}")
             last = it + 1 == end
+            if config.version_every and (stop["signal"] or last or (it + 1) % config.version_every == 0):
+                _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch, record)
             if stop["signal"] or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
-                _save(run_dir, state, optimizer, carry, venv, config, spec)
+                _save(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch)
             if stop["signal"]:
                 interrupted = stop["signal"]
                 break
@@ -316,7 +447,8 @@ def evaluate(
         spec = env_spec(venv)
         like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
         carry = collect.empty_carry(trained.num_seeds * trained.num_envs, spec.obs_dim)
-        loaded, _ = checkpoint.load_snapshot(path, device=dev, like=_like(like, carry))
+        freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
+        loaded, _ = checkpoint.load_snapshot(path, device=dev, like=_like(like, carry, freeze))
         algo = make_ppo(config, spec, dev)
         state = algo.init()
         with torch.no_grad():

@@ -68,6 +68,11 @@ class PPOConfig:
     vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 1  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
+    freeze_threshold: float = 0.0  # skip updates of a param leaf whose relative change over a window is below this (0: off)
+    freeze_window: int = 10  # iterations per measuring window, and per frozen spell, of freeze_threshold
     eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,11 @@ class PPOConfig:
                 raise ConfigError(f"{name}={value}: expected a value in [0, 1]")
         if self.torch_threads < 0 or self.keep_checkpoints < 0 or self.checkpoint_every < 0:
             raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
+        for name in ("version_every", "version_keep_last", "version_keep_every", "freeze_threshold"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
+        if self.freeze_window < 1:
+            raise ConfigError(f"freeze_window={self.freeze_window}: expected a positive integer")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "num_seeds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
@@ -302,7 +312,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         flat, new_stats, finite = prepare(state, batch)
         data_ok = finite.all(0)  # [S]
         params = state["params"]
-        leaves = func.leaves(params)
+        leaves = [p for p in func.leaves(params) if p.requires_grad]  # frozen leaves (train.py) are left out
         B = flat.batch_size[1]
         num_mb = B // config.minibatch_size
         rows = torch.arange(S, device=device).unsqueeze(1)

@@ -1,0 +1,571 @@
+"""Versioned training state: a content-addressed blob store with one JSON manifest per version.
+
+Layout::
+
+    RUN_DIR/versions/
+        blobs/<sha256>.safetensors   one tensor each; the name is sha256(dtype | shape | raw bytes), so a
+                                     tensor that did not change between versions is stored once
+        manifests/v000012.json       one version: id, parent, branch, iteration, step, created time,
+                                     tensor key -> blob hash/shape/dtype, the caller's meta (config, env
+                                     id/spec/wrappers, seeds, env RNG states ...), a metrics summary, the
+                                     per-layer relative change against the parent, and its own sha256
+        branches/<name>.json         a branch made by ``rollback``: its base version; "main" is implicit
+        pinned/<id>                  an empty file: retention never deletes that version
+        HEAD                         the branch new versions go to (absent: "main")
+
+There is no index file: listings, branch heads and the next id are derived from the manifests, so
+there is nothing to get out of step with them.
+
+Crash safety (SIGKILL at any instant). Every file is written as a hidden ``.tmp-<pid>-<hex>`` sibling,
+fsynced, and ``os.replace``d into its name; then the directory is fsynced. Blobs go first, the
+manifest last, so a manifest only ever names complete blobs, and a version exists exactly when its
+manifest does. A crash leaves at most ``.tmp-*`` files (deleted when a writer next opens the store, if
+their process is gone) and blobs no manifest names (garbage-collected). Retention deletes a manifest
+before its blobs, so no manifest ever names a deleted blob. Reading verifies the manifest's sha256 and
+every blob's content hash. One writer per run directory (the trainer); readers (the CLI) may run
+alongside it.
+
+Nothing unpickles: blobs are read with ``safetensors.torch.load`` and manifests with ``json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from tensordict import TensorDict, TensorDictBase
+
+from rlfunc.checkpoint import (
+    _check_meta,
+    _cpu_tensors,
+    _dtype_name,
+    _first_difference,
+    _flatten,
+    _fsync_dir,
+    _one_line,
+    _write_synced,
+)
+from rlfunc.device import resolve_device
+from rlfunc.errors import CheckpointError, ConfigError
+
+VERSIONS_DIR = "versions"
+FORMAT = "rlfunc.version"
+FORMAT_VERSION = 1
+MAIN = "main"
+PARAMS_PREFIX = "learner.params."  # keys whose per-layer change is tracked (the trainer's layout)
+
+_ID = re.compile(r"v(\d{6,})")
+_BLOB = re.compile(r"[0-9a-f]{64}")
+_BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_TENSOR_KEY = "tensor"
+
+
+# ------------------------------------------------------------------------------------------ hashing
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """sha256 (hex) of ``dtype | shape | raw bytes`` of a CPU tensor: its blob name."""
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{_dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def relative_change(old: torch.Tensor, new: torch.Tensor) -> float:
+    """``||new - old|| / ||old||`` (Frobenius norms over all elements, seeds included), in float32.
+
+    0.0 when both norms are 0; ``inf`` when ``old`` is all zeros and ``new`` is not (e.g. a bias
+    initialised to zero).
+    """
+    a, b = old.detach().float(), new.detach().float()
+    num, den = float(torch.linalg.vector_norm(b - a)), float(torch.linalg.vector_norm(a))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def save_version(
+    run_dir: str | os.PathLike,
+    state: TensorDictBase,
+    meta: Mapping,
+    *,
+    iteration: int,
+    step: int,
+    metrics: Mapping | None = None,
+    keep_last: int | None = None,
+    keep_every: int = 0,
+) -> dict:
+    """Write ``state`` as a new version on the current branch (parent: that branch's head).
+
+    Args:
+        run_dir: the run directory; ``RUN_DIR/versions`` is created if needed.
+        state: TensorDict of the whole training state (as ``checkpoint.save_snapshot`` takes it).
+            Tensors under ``learner.params`` get a per-layer relative change against the parent.
+        meta: JSON-serialisable dict (config, env spec and state, seeds ...), stored in the manifest.
+        iteration: training iterations done, int >= 0. step: environment steps done, int >= 0.
+        metrics: JSON-serialisable summary of the iteration (losses, returns ...), or None.
+        keep_last, keep_every: retention, applied after the write (see ``apply_retention``); None
+            keeps every version.
+
+    Returns:
+        The manifest written (a dict; its "id" is the new version id).
+
+    Raises:
+        CheckpointError: a state key or meta value cannot be stored, or the filesystem failed.
+        ConfigError: ``iteration``/``step``/``keep_last``/``keep_every`` out of range.
+    """
+    for name, value in (("iteration", iteration), ("step", step), ("keep_every", keep_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}={value!r}: expected an int >= 0")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last={keep_last!r}: expected an int >= 1, or None to keep every version")
+    meta = _check_meta(meta)
+    metrics = _check_meta(metrics or {})
+    tensors = _cpu_tensors(_flatten(state, "state"))
+    root = _root(run_dir)
+    for sub in ("blobs", "manifests"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    _clean_temps(root)
+
+    table, written, written_bytes = {}, 0, 0
+    for name, t in sorted(tensors.items()):
+        digest = tensor_hash(t)
+        table[name] = {"blob": digest, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+        path = _blob_path(root, digest)
+        if not path.exists():
+            written_bytes += _atomic_write(path, st_save({_TENSOR_KEY: t}), sync_dir=False)
+            written += 1
+    if written:
+        _fsync_dir(root / "blobs")
+
+    branch = current_branch(run_dir)
+    manifests = _manifests(root)
+    parent = _head(root, branch, manifests)
+    layer_change = {}
+    if parent is not None:
+        old = manifests[parent]["tensors"]
+        for name, spec in table.items():
+            if name.startswith(PARAMS_PREFIX) and name in old and old[name]["shape"] == spec["shape"]:
+                if old[name]["blob"] == spec["blob"]:
+                    layer_change[name] = 0.0
+                else:
+                    previous = _read_blob(root, old[name]["blob"], parent)
+                    layer_change[name] = relative_change(previous, tensors[name])
+    number = max((_id_number(v) for v in manifests), default=0) + 1
+    vid = f"v{number:06d}"
+    record = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "id": vid,
+        "parent": parent,
+        "branch": branch,
+        "iteration": iteration,
+        "step": step,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+        "meta": meta,
+        "metrics": metrics,
+        "layer_change": layer_change,
+        "tensors": table,
+        "written": {"blobs": written, "bytes": written_bytes},
+    }
+    record["manifest_sha256"] = _record_hash(record)
+    _atomic_write(root / "manifests" / f"{vid}.json", (json.dumps(record, indent=1) + "\n").encode())
+    if keep_last is not None or keep_every:
+        apply_retention(run_dir, keep_last=keep_last, keep_every=keep_every)
+    return record
+
+
+def rollback(run_dir: str | os.PathLike, version: str, *, branch: str | None = None) -> str:
+    """Start a new branch at ``version`` and make it current: training resumed afterwards continues
+    from ``version``; its versions carry the new branch name (the first one has parent ``version``).
+    Nothing is deleted; ``version`` is pinned so that retention keeps it, and RUN_DIR/metrics.jsonl
+    (which the resume cuts back to ``version``'s iteration) is copied first to
+    ``versions/branches/<branch>.previous-metrics.jsonl``.
+
+    Args:
+        version: an existing version id ("v000012"). branch: the new branch's name (letters, digits,
+            "_.-"); default "from-<version>" (with "-2", "-3" ... if taken).
+
+    Returns:
+        The new branch's name.
+
+    Raises:
+        CheckpointError: no version store or no such version (the message lists the ids there are).
+        ConfigError: ``branch`` is malformed or already exists.
+    """
+    root = _existing_root(run_dir)
+    manifest = read_manifest(run_dir, version)
+    branches = _branch_records(root)
+    if branch is None:
+        base, branch, n = f"from-{version}", f"from-{version}", 1
+        while branch in branches or branch == MAIN:
+            n += 1
+            branch = f"{base}-{n}"
+    elif not _BRANCH.fullmatch(branch) or branch == MAIN or branch in branches:
+        raise ConfigError(
+            f"branch={branch!r}: expected a new name of letters, digits and '_.-' (taken: {', '.join([MAIN, *branches])})"
+        )
+    (root / "branches").mkdir(exist_ok=True)
+    record = {
+        "name": branch,
+        "base": manifest["id"],
+        "from_branch": current_branch(run_dir),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    pin(run_dir, manifest["id"])
+    metrics = Path(run_dir) / "metrics.jsonl"  # the resume truncates it to the version's iteration
+    if metrics.is_file():
+        _atomic_write(root / "branches" / f"{branch}.previous-metrics.jsonl", metrics.read_bytes())
+    _atomic_write(root / "branches" / f"{branch}.json", (json.dumps(record, indent=1) + "\n").encode())
+    _atomic_write(root / "HEAD", (branch + "\n").encode())
+    return branch
+
+
+def pin(run_dir: str | os.PathLike, version: str) -> None:
+    """Protect ``version`` from retention. Raises CheckpointError for an unknown version."""
+    root = _existing_root(run_dir)
+    read_manifest(run_dir, version)
+    (root / "pinned").mkdir(exist_ok=True)
+    _atomic_write(root / "pinned" / version, b"")
+
+
+def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_every: int = 0) -> list[str]:
+    """Delete versions outside the retention policy, then their unreferenced blobs.
+
+    Kept: per branch, the ``keep_last`` newest versions (None: all); every version whose iteration is
+    a multiple of ``keep_every`` (0: none by this rule); pinned versions; the base of every branch and
+    every version a version of another branch descends from (branch points). Each manifest is
+    unlinked before any blob, so a crash leaves only unreferenced blobs, removed by the next call.
+
+    Returns:
+        The ids deleted, oldest first.
+    """
+    root = _existing_root(run_dir)
+    manifests = _manifests(root)
+    keep = _protected(root, manifests)
+    by_branch: dict[str, list[str]] = {}
+    for vid, m in manifests.items():
+        by_branch.setdefault(m["branch"], []).append(vid)
+        if keep_every and m["iteration"] % keep_every == 0:
+            keep.add(vid)
+    for ids in by_branch.values():
+        keep.update(sorted(ids, key=_id_number)[-keep_last:] if keep_last is not None else ids)
+    doomed = sorted(set(manifests) - keep, key=_id_number)
+    for vid in doomed:
+        (root / "manifests" / f"{vid}.json").unlink(missing_ok=True)
+    if doomed:
+        _fsync_dir(root / "manifests")
+    collect_garbage(run_dir)
+    return doomed
+
+
+def collect_garbage(run_dir: str | os.PathLike) -> tuple[int, int]:
+    """Delete blobs that no manifest names. Returns (blobs deleted, bytes freed). Writer only."""
+    root = _existing_root(run_dir)
+    referenced = {spec["blob"] for m in _manifests(root).values() for spec in m["tensors"].values()}
+    deleted = freed = 0
+    for entry in os.scandir(root / "blobs"):
+        digest = entry.name.removesuffix(".safetensors")
+        if entry.name.endswith(".safetensors") and _BLOB.fullmatch(digest) and digest not in referenced:
+            size = entry.stat().st_size
+            os.unlink(entry.path)
+            deleted, freed = deleted + 1, freed + size
+    if deleted:
+        _fsync_dir(root / "blobs")
+    return deleted, freed
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def list_versions(run_dir: str | os.PathLike) -> list[dict]:
+    """Every version's manifest, oldest first (each verified against its own sha256).
+
+    Raises:
+        CheckpointError: no run directory or version store, or a manifest that fails its check.
+    """
+    root = _existing_root(run_dir)
+    return [m for _, m in sorted(_manifests(root).items(), key=lambda kv: _id_number(kv[0]))]
+
+
+def read_manifest(run_dir: str | os.PathLike, version: str) -> dict:
+    """The verified manifest of ``version``. Raises CheckpointError naming the known ids if absent."""
+    root = _existing_root(run_dir)
+    if not isinstance(version, str) or not _ID.fullmatch(version):
+        raise CheckpointError(f"version={version!r}: expected an id like 'v000012' ({_known(root)})")
+    path = root / "manifests" / f"{version}.json"
+    if not path.is_file():
+        raise CheckpointError(f"version {version!r} is not in {root} ({_known(root)})")
+    return _read_manifest(path)
+
+
+def load_version(
+    run_dir: str | os.PathLike,
+    version: str,
+    *,
+    device: str | torch.device | None = None,
+    like: TensorDictBase | None = None,
+) -> tuple[TensorDict, dict]:
+    """Read and verify ``version``: every blob's content hash, shape and dtype against the manifest,
+    and, given ``like``, the keys/shapes/dtypes against ``like`` (as ``checkpoint.load_snapshot``).
+
+    Returns:
+        ``(state, manifest)``: the nested TensorDict (batch_size [], on ``device``; None: CPU) and the
+        manifest dict (``manifest["meta"]`` is the ``meta`` given to ``save_version``).
+
+    Raises:
+        CheckpointError: unknown version, a missing or corrupt blob (named, with the tensor key), or
+            a structure that differs from ``like``.
+    """
+    root = _existing_root(run_dir)
+    manifest = read_manifest(run_dir, version)
+    tensors = {}
+    for name, spec in manifest["tensors"].items():
+        t = _read_blob(root, spec["blob"], version, key=name)
+        if [list(t.shape), _dtype_name(t.dtype)] != [spec["shape"], spec["dtype"]]:
+            raise CheckpointError(f"{_blob_path(root, spec['blob'])}: key {name!r} of {version} has the wrong shape/dtype")
+        tensors[name] = t
+    if like is not None:
+        found = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items()}
+        expected = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in _flatten(like, "like").items()}
+        problem = _first_difference(found, expected, "version", "like")
+        if problem:
+            raise CheckpointError(f"{version} of {run_dir}: does not match the run: {problem}")
+    target = torch.device("cpu") if device is None else resolve_device(device)
+    state = TensorDict({}, batch_size=[], device=target)
+    for name in sorted(tensors):
+        state.set(tuple(name.split(".")), tensors[name].to(target))
+    return state, manifest
+
+
+def diff_versions(run_dir: str | os.PathLike, a: str, b: str) -> dict:
+    """Per-layer relative parameter change ``||b - a|| / ||a||`` and hyperparameter changes, a -> b.
+
+    Returns:
+        {"from": a, "to": b, "steps": step_b - step_a, "layers": {key: change} for every tensor under
+        ``learner.params`` in both (``inf`` where ``a`` is all zeros and ``b`` is not),
+        "hyperparameters": {name: [value_a, value_b]} for config fields that differ}.
+
+    Raises:
+        CheckpointError: as ``load_version``.
+    """
+    sa, ma = load_version(run_dir, a)
+    sb, mb = load_version(run_dir, b)
+    fa, fb = _flatten(sa, "a"), _flatten(sb, "b")
+    layers = {
+        name: relative_change(fa[name], fb[name])
+        for name in sorted(fa)
+        if name.startswith(PARAMS_PREFIX) and name in fb and fa[name].shape == fb[name].shape
+    }
+    ca, cb = ma["meta"].get("config", {}), mb["meta"].get("config", {})
+    hyper = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
+    return {"from": a, "to": b, "steps": mb["step"] - ma["step"], "layers": layers, "hyperparameters": hyper}
+
+
+def current_branch(run_dir: str | os.PathLike) -> str:
+    """The branch new versions go to: the name in ``versions/HEAD``, else "main"."""
+    try:
+        name = (_root(run_dir) / "HEAD").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return MAIN
+    return name if _BRANCH.fullmatch(name) else MAIN
+
+
+def branch_heads(run_dir: str | os.PathLike) -> dict[str, str | None]:
+    """{branch: id of its newest version, or its base when it has none yet}, "main" first."""
+    root = _existing_root(run_dir)
+    manifests = _manifests(root)
+    names = [MAIN, *sorted(_branch_records(root))]
+    return {name: _head(root, name, manifests) for name in names}
+
+
+def head(run_dir: str | os.PathLike) -> dict | None:
+    """The manifest training resumes from on the current branch (None: no store or no version yet)."""
+    root = _root(run_dir)
+    if not (root / "manifests").is_dir():
+        return None
+    manifests = _manifests(root)
+    vid = _head(root, current_branch(run_dir), manifests)
+    return None if vid is None else manifests[vid]
+
+
+def has_versions(run_dir: str | os.PathLike) -> bool:
+    return (_root(run_dir) / "manifests").is_dir()
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _root(run_dir) -> Path:
+    return Path(run_dir) / VERSIONS_DIR
+
+
+def _existing_root(run_dir) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run_dir={str(run_dir)!r}: no such directory")
+    root = run_dir / VERSIONS_DIR
+    if not (root / "manifests").is_dir():
+        raise CheckpointError(f"{run_dir}: holds no versions (train with --version-every N > 0)")
+    return root
+
+
+def _id_number(vid: str) -> int:
+    return int(vid[1:])
+
+
+def _blob_path(root: Path, digest: str) -> Path:
+    return root / "blobs" / f"{digest}.safetensors"
+
+
+def _record_hash(record: dict) -> str:
+    body = {k: v for k, v in record.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes, *, sync_dir: bool = True) -> int:
+    """Write ``data`` to ``path`` via an fsynced hidden temp file and ``os.replace``."""
+    tmp = path.parent / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if sync_dir:
+            _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: could not write ({_one_line(e)})") from e
+    return len(data)
+
+
+def _clean_temps(root: Path) -> None:
+    """Delete ``.tmp-<pid>-*`` files whose writing process is gone (left by a crash)."""
+    for sub in ("blobs", "manifests", "branches", "pinned", "."):
+        folder = root / sub
+        if not folder.is_dir():
+            continue
+        for entry in os.scandir(folder):
+            m = re.fullmatch(r"\.tmp-(\d+)-[0-9a-f]+", entry.name)
+            if m and not _alive(int(m.group(1))):
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process writes temps only inside _atomic_write, which finishes them
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({_one_line(e)})") from e
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f'{path}: not an rlfunc version manifest (no "format": "{FORMAT}")')
+    if record.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {record.get('format_version')!r} is unknown; upgrade rlfunc")
+    if record.get("manifest_sha256") != _record_hash(record):
+        raise CheckpointError(f"{path}: sha256 mismatch; the manifest is corrupt or was edited")
+    return record
+
+
+def _manifests(root: Path) -> dict[str, dict]:
+    out = {}
+    for entry in os.scandir(root / "manifests"):
+        m = re.fullmatch(r"(v\d{6,})\.json", entry.name)
+        if m:
+            out[m.group(1)] = _read_manifest(Path(entry.path))
+    return out
+
+
+def _read_blob(root: Path, digest: str, version: str, *, key: str | None = None) -> torch.Tensor:
+    path = _blob_path(root, digest)
+    what = f"blob {digest[:16]}... ({path}) of {version}" + (f", key {key!r}" if key else "")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{what}: missing") from e
+    except OSError as e:
+        raise CheckpointError(f"{what}: unreadable ({_one_line(e)})") from e
+    try:
+        tensor = st_load(data)[_TENSOR_KEY]
+    except Exception as e:  # SafetensorError, KeyError ...: one line
+        raise CheckpointError(f"{what}: not a readable safetensors blob ({_one_line(e)})") from e
+    if tensor_hash(tensor) != digest:
+        raise CheckpointError(f"{what}: content hash mismatch; the blob is corrupt")
+    return tensor
+
+
+def _branch_records(root: Path) -> dict[str, dict]:
+    folder = root / "branches"
+    out = {}
+    if folder.is_dir():
+        for entry in os.scandir(folder):
+            name = entry.name.removesuffix(".json")
+            if entry.name.endswith(".json") and _BRANCH.fullmatch(name):
+                try:
+                    out[name] = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise CheckpointError(f"{entry.path}: unreadable branch record ({_one_line(e)})") from e
+    return out
+
+
+def _head(root: Path, branch: str, manifests: dict[str, dict]) -> str | None:
+    on_branch = [v for v, m in manifests.items() if m["branch"] == branch]
+    if on_branch:
+        return max(on_branch, key=_id_number)
+    if branch == MAIN:
+        return None
+    record = _branch_records(root).get(branch)
+    return None if record is None else record.get("base")
+
+
+def _protected(root: Path, manifests: dict[str, dict]) -> set[str]:
+    keep = set()
+    pinned = root / "pinned"
+    if pinned.is_dir():
+        keep.update(e.name for e in os.scandir(pinned) if _ID.fullmatch(e.name))
+    keep.update(r.get("base") for r in _branch_records(root).values())
+    for m in manifests.values():
+        parent = manifests.get(m["parent"]) if m["parent"] else None
+        if parent is not None and parent["branch"] != m["branch"]:
+            keep.add(parent["id"])
+    keep.discard(None)
+    return keep
+
+
+def _known(root: Path) -> str:
+    try:
+        ids = sorted((e.name[:-5] for e in os.scandir(root / "manifests") if _ID.fullmatch(e.name[:-5])), key=_id_number)
+    except OSError:
+        ids = []
+    if not ids:
+        return "the run has no versions"
+    shown = ids if len(ids) <= 6 else [*ids[:3], "...", *ids[-3:]]
+    return f"versions there: {', '.join(shown)}"
