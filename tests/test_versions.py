@@ -1,0 +1,344 @@
+"""Version store: content addressing, list/show/diff/rollback, exact resume from a version, retention + GC,
+SIGKILL safety, corruption, CLI errors, and the freeze mode's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlfunc import cli, func, versions
+from rlfunc.algos.ppo import preset
+from rlfunc.errors import CheckpointError
+from rlfunc.train import init_freeze, train, update_freeze
+
+TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, device="cpu", checkpoint_every=0)
+
+
+def _state(w, b, extra=None) -> TensorDict:
+    td = TensorDict(
+        {"learner": {"params": {"w": torch.tensor(w, dtype=torch.float32), "b": torch.tensor(b, dtype=torch.float32)}},
+         "const": torch.arange(6, dtype=torch.int64).reshape(2, 3)},
+        batch_size=[],
+    )
+    if extra is not None:
+        td["extra"] = extra
+    return td
+
+
+def _leaves(td):
+    return {k: v.detach().clone() for k, v in td.items(include_nested=True, leaves_only=True)}
+
+
+def _blobs(run_dir) -> dict[str, int]:
+    folder = Path(run_dir) / "versions" / "blobs"
+    return {p.name: p.stat().st_size for p in folder.iterdir() if not p.name.startswith(".")}
+
+
+# ------------------------------------------------------------------------------ content addressing
+
+
+def test_unchanged_tensors_are_written_once(tmp_path):
+    v1 = versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {"config": {"lr": 1.0}}, iteration=1, step=10)
+    assert v1["written"]["blobs"] == 3 and len(_blobs(tmp_path)) == 3
+    # only w changes: one new blob, and its bytes are the whole growth of the store
+    before = sum(_blobs(tmp_path).values())
+    v2 = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {"config": {"lr": 1.0}}, iteration=2, step=20)
+    assert v2["written"]["blobs"] == 1 and len(_blobs(tmp_path)) == 4
+    assert sum(_blobs(tmp_path).values()) - before == v2["written"]["bytes"] > 0
+    assert v2["tensors"]["const"]["blob"] == v1["tensors"]["const"]["blob"]
+    # an identical state adds no blob; two keys with equal content share one blob
+    v3 = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {}, iteration=3, step=30)
+    assert v3["written"] == {"blobs": 0, "bytes": 0}
+    v4 = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0], extra=torch.tensor([3.0, 5.0])), {}, iteration=4, step=40)
+    assert v4["written"]["blobs"] == 0 and v4["tensors"]["extra"]["blob"] == v4["tensors"]["learner.params.w"]["blob"]
+    # the hash covers dtype and shape: same bytes, other dtype/shape -> other blob
+    assert versions.tensor_hash(torch.zeros(2, dtype=torch.int32)) != versions.tensor_hash(torch.zeros(2, dtype=torch.float32))
+    assert versions.tensor_hash(torch.zeros(2, 3)) != versions.tensor_hash(torch.zeros(3, 2))
+    state, manifest = versions.load_version(tmp_path, "v000004")
+    assert torch.equal(state["learner", "params", "w"], torch.tensor([3.0, 5.0])) and manifest["parent"] == "v000003"
+
+
+# ------------------------------------------------------------------------------ list / show / diff
+
+
+def test_list_show_diff_on_a_hand_built_run(tmp_path, capsys):
+    versions.save_version(tmp_path, _state([3.0, 4.0], [0.0, 0.0]), {"config": {"lr": 1e-3, "gamma": 0.9}},
+                          iteration=1, step=256, metrics={"episode_return": -1200.5})
+    versions.save_version(tmp_path, _state([3.0, 5.0], [1.0, 0.0]), {"config": {"lr": 5e-4, "gamma": 0.9}},
+                          iteration=2, step=512, metrics={"episode_return": -900.25})
+    # by hand: ||[3,5]-[3,4]|| / ||[3,4]|| = 1/5; b was all zeros and moved -> inf
+    m2 = versions.read_manifest(tmp_path, "v000002")
+    assert m2["layer_change"] == {"learner.params.b": float("inf"), "learner.params.w": pytest.approx(0.2)}
+    d = versions.diff_versions(tmp_path, "v000001", "v000002")
+    assert d["layers"]["learner.params.w"] == pytest.approx(0.2) and d["steps"] == 256
+    assert d["hyperparameters"] == {"lr": [1e-3, 5e-4]}
+    # reversed: ||[3,4]-[3,5]|| / ||[3,5]|| = 1/sqrt(34); ||[0,0]-[1,0]|| / 1 = 1
+    back = versions.diff_versions(tmp_path, "v000002", "v000001")["layers"]
+    assert back["learner.params.w"] == pytest.approx(34 ** -0.5) and back["learner.params.b"] == pytest.approx(1.0)
+
+    assert cli.main(["versions", "list", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:6] == ["v000001", "main", "-", "1", "256", "-1200"]
+    assert lines[2].startswith("*>v000002") and lines[2].split()[1:6] == ["main", "v000001", "2", "512", "-900.2"]
+    assert cli.main(["versions", "list", str(tmp_path), "--json"]) == 0
+    rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in rows] == ["v000001", "v000002"] and rows[1]["head_of"] == ["main"]
+    assert cli.main(["versions", "show", str(tmp_path), "v000002"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["parent"] == "v000001" and shown["meta"]["config"]["lr"] == 5e-4 and shown["metrics"]["episode_return"] == -900.25
+    assert shown["tensors"]["learner.params.w"].startswith("float32[2] ")
+    assert cli.main(["versions", "diff", str(tmp_path), "v000001", "v000002"]) == 0
+    out = capsys.readouterr().out
+    assert "learner.params.b  inf\nlearner.params.w  0.2\n" in out
+    assert "lr: 0.001 -> 0.0005" in out and "gamma" not in out
+    assert cli.main(["versions", "diff", str(tmp_path), "v000001", "v000002", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"]["learner.params.w"] == pytest.approx(0.2)
+
+
+# ------------------------------------------------------------------------------ rollback + exact resume
+
+
+def test_rollback_branches_and_resume_continues_exactly_from_the_version(tmp_path):
+    config = preset("Pendulum-v1", total_steps=4 * 128, **TINY)
+    run = tmp_path / "run"
+    full = train(config, run, progress=False, tensorboard=False)  # the uninterrupted run through v000002
+    assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
+    assert cli.main(["versions", "rollback", str(run), "v000002", "--branch", "retry"]) == 0
+    assert versions.current_branch(run) == "retry" and versions.branch_heads(run)["retry"] == "v000002"
+    resumed = train(config, run, resume=True, progress=False, tensorboard=False)
+    assert int(resumed.state["iteration"]) == 4
+    a, b = _leaves(full.state), _leaves(resumed.state)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    listed = versions.list_versions(run)
+    assert [(m["id"], m["branch"], m["parent"]) for m in listed[4:]] == [
+        ("v000005", "retry", "v000002"), ("v000006", "retry", "v000005")]
+    # nothing deleted: the abandoned versions are there and equal to the new ones, blob for blob
+    assert [m["branch"] for m in listed[:4]] == ["main"] * 4
+    assert listed[2]["tensors"] == listed[4]["tensors"] and listed[3]["tensors"] == listed[5]["tensors"]
+    assert (run / "versions" / "branches" / "retry.previous-metrics.jsonl").read_text().count("\n") == 4
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert versions.branch_heads(run) == {"main": "v000004", "retry": "v000006"}
+
+
+def test_resume_takes_a_version_newer_than_the_latest_snapshot(tmp_path):
+    # killed after iteration 3's version but before its snapshot (the last one is at iteration 2)
+    import shutil
+
+    from rlfunc.train import resume_source
+
+    config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, checkpoint_every=2))
+    run = tmp_path / "run"
+    part = train(config, run, max_iterations=3, progress=False, tensorboard=False)
+    shutil.rmtree(run / "checkpoints" / "step_000000000384")  # the snapshot the kill prevented
+    (run / "checkpoints" / "latest").write_text("step_000000000256\n")
+    assert resume_source(run) == ("version", "v000003")
+    loaded = train(config, run, resume=True, max_iterations=0, progress=False, tensorboard=False)
+    for key, value in _leaves(part.state).items():
+        assert torch.equal(value, loaded.state.get(key)), key
+
+
+# ------------------------------------------------------------------------------ retention + GC
+
+
+def test_retention_keeps_the_policy_set_and_gc_deletes_only_unreferenced_blobs(tmp_path):
+    shared = torch.full((3,), 7.0)
+    for i in range(1, 11):  # main: iterations 1..10, each with its own w and the shared tensor
+        versions.save_version(tmp_path, _state([float(i), 0.0], [0.0], extra=shared), {}, iteration=i, step=i)
+    versions.pin(tmp_path, "v000002")
+    versions.rollback(tmp_path, "v000005", branch="alt")
+    for i in (6, 7):
+        versions.save_version(tmp_path, _state([float(i), 1.0], [0.0], extra=shared), {}, iteration=i, step=i)
+    blobs_before = set(_blobs(tmp_path))
+    deleted = versions.apply_retention(tmp_path, keep_last=2, keep_every=4)
+    kept = [m["id"] for m in versions.list_versions(tmp_path)]
+    # main: last 2 (v9, v10), multiples of 4 (v4, v8), pinned v2, branch base v5 (also pinned by rollback);
+    # alt: last 2 (v11, v12)
+    assert kept == ["v000002", "v000004", "v000005", "v000008", "v000009", "v000010", "v000011", "v000012"]
+    assert deleted == ["v000001", "v000003", "v000006", "v000007"]
+    referenced = {s["blob"] for m in versions.list_versions(tmp_path) for s in m["tensors"].values()}
+    left = {name.removesuffix(".safetensors") for name in _blobs(tmp_path)}
+    assert left == referenced
+    gone = {name.removesuffix(".safetensors") for name in blobs_before} - left
+    # exactly the w tensors of v1, v3, v6, v7 (main) went; the shared blob stayed
+    assert gone == {versions.tensor_hash(torch.tensor([float(i), 0.0])) for i in (1, 3, 6, 7)}
+    for vid in kept:
+        versions.load_version(tmp_path, vid)
+    assert versions.collect_garbage(tmp_path) == (0, 0)
+    # an orphan blob (a crash between blobs and manifest) is collected; nothing referenced is
+    orphan = tmp_path / "versions" / "blobs" / ("0" * 64 + ".safetensors")
+    orphan.write_bytes(b"x" * 10)
+    assert versions.collect_garbage(tmp_path) == (1, 10) and not orphan.exists()
+
+
+# ------------------------------------------------------------------------------ crash safety
+
+def _writer(run: Path, start: int) -> None:
+    """Child process: write versions in a loop (large enough that most time is spent writing)."""
+    g = torch.Generator().manual_seed(start)
+    for i in range(start, start + 10_000):
+        state = TensorDict({"learner": {"params": {"w": torch.randn(128, 128, generator=g), "b": torch.randn(128, generator=g)}},
+                            "big": torch.randn(2, 128, 128, generator=g), "const": torch.ones(64)}, [])
+        versions.save_version(run, state, {"i": i}, iteration=i, step=i, keep_last=3, keep_every=7)
+
+
+def _fork(target, *args) -> int:
+    """Run ``target(*args)`` in a forked child (no re-import of torch); returns its pid."""
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            torch.set_num_threads(1)
+            target(*args)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _kill_when(pid: int, manifests: Path, count: int, extra_s: float) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(manifests.glob("v*.json"))) < count:
+        time.sleep(0.01)
+    time.sleep(extra_s)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _check_store(run) -> list[dict]:
+    listed = versions.list_versions(run)  # every manifest parses and matches its sha256
+    for m in listed:
+        versions.load_version(run, m["id"])  # every blob present and hash-verified
+    ids = {m["id"] for m in listed}
+    newest = {}
+    for m in listed:
+        assert m["parent"] is None or int(m["parent"][1:]) < int(m["id"][1:])
+        newest[m["branch"]] = m["id"]
+    assert all(m["parent"] in ids for m in listed if m["id"] in newest.values() and m["parent"])  # heads' parents kept
+    return listed
+
+
+def test_sigkill_at_random_moments_leaves_only_complete_versions(tmp_path):
+    rng = random.Random(0)
+    run = tmp_path / "run"
+    start = 1
+    for _ in range(4):
+        pid = _fork(_writer, run, start)
+        _kill_when(pid, run / "versions" / "manifests", 1, rng.uniform(0.0, 0.3))
+        listed = _check_store(run)
+        start = listed[-1]["iteration"] + 1
+    # the next writer cleans the dead writers' temp files; its retention collects their orphan blobs
+    state = TensorDict({"learner": {"params": {"w": torch.zeros(2)}}}, [])
+    versions.save_version(run, state, {}, iteration=start, step=start, keep_last=3, keep_every=7)
+    root = run / "versions"
+    assert not list(root.rglob(".tmp-*"))
+    referenced = {s["blob"] for m in _check_store(run) for s in m["tensors"].values()}
+    assert {p.name.removesuffix(".safetensors") for p in (root / "blobs").iterdir()} == referenced
+
+
+def test_sigkill_during_training_then_resume(tmp_path):
+    run = tmp_path / "run"
+    config = preset("Pendulum-v1", **dict(TINY, num_epochs=1, checkpoint_every=3, total_steps=100_000))
+    pid = _fork(lambda: train(config, run, progress=False, tensorboard=False))
+    _kill_when(pid, run / "versions" / "manifests", 4, random.Random(1).uniform(0.0, 0.1))
+    listed = _check_store(run)
+    assert len(listed) >= 4
+    resumed = train(config, run, resume=True, max_iterations=1, progress=False, tensorboard=False)
+    assert int(resumed.state["iteration"]) == listed[-1]["iteration"] + 1
+    assert versions.list_versions(run)[-1]["parent"] == listed[-1]["id"]
+
+
+# ------------------------------------------------------------------------------ corruption, CLI errors
+
+
+def test_corrupt_blob_or_manifest_is_named(tmp_path):
+    m = versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
+    digest = m["tensors"]["learner.params.w"]["blob"]
+    path = tmp_path / "versions" / "blobs" / f"{digest}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in the tensor bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"blob {digest[:16]}.*key 'learner.params.w'.*hash mismatch"):
+        versions.load_version(tmp_path, "v000001")
+    path.unlink()
+    with pytest.raises(CheckpointError, match=rf"blob {digest[:16]}.*missing"):
+        versions.load_version(tmp_path, "v000001")
+    manifest = tmp_path / "versions" / "manifests" / "v000001.json"
+    manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
+    with pytest.raises(CheckpointError, match="v000001.json: sha256 mismatch"):
+        versions.list_versions(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["list", "{missing}"], "no such directory"),
+        (["list", "{empty}"], "holds no versions"),
+        (["show", "{run}", "v000009"], "version 'v000009' is not in"),
+        (["show", "{run}", "latest"], "expected an id like 'v000012'"),
+        (["diff", "{run}", "v000001", "v000042"], "version 'v000042' is not in"),
+        (["rollback", "{run}", "v000007"], "version 'v000007' is not in"),
+        (["rollback", "{run}", "v000001", "--branch", "main"], "branch='main'"),
+        (["frobnicate", "{run}"], "versions command 'frobnicate'"),
+    ],
+)
+def test_cli_bad_inputs_give_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
+    run, empty = tmp_path / "run", tmp_path / "empty"
+    empty.mkdir()
+    versions.save_version(run, _state([1.0], [0.0]), {}, iteration=1, step=1)
+    argv = [a.format(missing=tmp_path / "nope", empty=empty, run=run) for a in argv]
+    assert cli.main(["versions", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("rlfunc: error: ") and message in err, err
+
+
+# ------------------------------------------------------------------------------ freeze mode
+
+
+def test_update_freeze_by_hand():
+    config = preset("Pendulum-v1", freeze_threshold=0.1, freeze_window=5)
+    params = TensorDict({"a": torch.tensor([[3.0, 4.0]]), "b": torch.tensor([[1.0, 0.0]]), "c": torch.tensor([[0.0]])}, [1])
+    freeze = init_freeze(params)
+    moved = params.clone()
+    moved["a"] = torch.tensor([[3.0, 4.4]])  # 0.4 / 5 = 0.08 < 0.1 -> frozen
+    moved["b"] = torch.tensor([[1.0, 0.5]])  # 0.5 / 1 = 0.5 -> trains
+    new = update_freeze(freeze, moved, 5, config)  # c did not move at all -> frozen
+    order = [k for k in ("a", "b", "c")]  # func.leaves order is the key order
+    assert [tuple(k) if isinstance(k, tuple) else k for k in params.keys()] == order
+    assert new["frozen_until"].tolist() == [10, 0, 10]
+    assert torch.equal(new["reference", "a"], moved["a"])
+    # at 10 a and c thaw but are not re-measured (they did not train the window); b is measured again
+    again = update_freeze(new, moved, 10, config)
+    assert again["frozen_until"].tolist() == [10, 15, 10]  # b did not move in 5..10 -> frozen
+    # never all leaves: with everything below threshold, the leaf that moved most keeps training
+    everything = update_freeze(freeze, moved, 5, preset("Pendulum-v1", freeze_threshold=10.0, freeze_window=5))
+    assert everything["frozen_until"].tolist() == [10, 0, 10]
+
+
+def test_freeze_mode_skips_updates_of_frozen_leaves_and_resumes_exactly(tmp_path):
+    config = preset("Pendulum-v1", total_steps=4 * 128, freeze_threshold=10.0, freeze_window=2, **TINY)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    listed = versions.list_versions(tmp_path / "full")
+    records = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    # 13 leaves; the 6 weights freeze; the biases and log_std started at 0, so their change is inf
+    assert [r["frozen_leaves"] for r in records] == [0, 0, 6, 6]
+    changes = listed[3]["layer_change"]  # iteration 4 vs 3: frozen leaves did not move, blob for blob
+    assert {k for k, v in changes.items() if v == 0.0} == {k for k in changes if k.endswith("weight")}
+    assert listed[3]["written"]["blobs"] < listed[1]["written"]["blobs"]
+    tracker, _ = versions.load_version(tmp_path / "full", "v000002")
+    params = func.leaves(full.state["params"])
+    frozen = [p.numel() for p, u in zip(params, tracker["freeze", "frozen_until"].tolist()) if u == 4]
+    assert len(frozen) == 6 and records[2]["frozen_fraction"] == pytest.approx(sum(frozen) / sum(p.numel() for p in params))
+    part = train(config, tmp_path / "part", max_iterations=3, progress=False, tensorboard=False)
+    assert int(part.state["iteration"]) == 3
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    for key, value in _leaves(full.state).items():
+        assert torch.equal(value, resumed.state.get(key)), key
