@@ -2,8 +2,13 @@
 
 Each writes RUN_DIR/config.json, metrics.jsonl (one line per logged iteration), checkpoints/
 (safetensors snapshots whose learner state includes the noise schedule, verified against the actor
-spec on every load) and eval.json (one episode per env with deterministic DDIM, eta = 0, and
-PointReach's mode statistics).
+spec on every load; meta.json also records the env's observation layout) and eval.json (one episode
+per env with deterministic DDIM, eta = 0: return, success rate, and PointReach's mode statistics).
+
+Envs: PointReach-v0 (torch-batched) and any gymnasium id with bounded Box actions, through
+:class:`rlfunc.chunk_env.GymChunkEnv`; bc needs a scripted expert (PointReach-v0, PushState-v0,
+Push-v0). Dict observations (Push-v0: two cameras, proprio, an instruction) go through a
+:class:`rlfunc.nets.encoders.MultimodalEncoder` trained by bc and kept frozen by dppo / td3-diffusion.
 
 ``init_from`` (dppo, td3-diffusion) takes a bc run dir or snapshot and starts from its EMA weights,
 observation statistics and actor spec. These runs are not resumable yet (``rlfunc resume`` is
@@ -27,19 +32,18 @@ from tensordict import TensorDict
 from rlfunc import checkpoint, func
 from rlfunc.algos.bc import BCConfig, make_bc
 from rlfunc.algos.diffusion_actor import (
-    ActorSpec, DiffusionActor, check_env, evaluate_chunks, make_denoiser, make_env, schedule_for,
+    POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.amp import precision
 from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
 from rlfunc.optim import optimizer_state
 from rlfunc.train import _check_run_dir
 
-OBS_DIM, ACT_DIM = 6, 2  # PointReach-v0
 EVAL_SEED_OFFSET = 1_000_003
 
 
@@ -92,7 +96,7 @@ def _start(config, run_dir: Path, tensorboard: bool) -> MetricsLogger:
     return MetricsLogger(run_dir, tensorboard=tensorboard)
 
 
-def _save(run_dir: Path, algo: str, config, spec: ActorSpec, state: TensorDict, optimizers, step: int) -> Path:
+def _save(run_dir: Path, algo: str, config, spec: ActorSpec, info: EnvInfo, state: TensorDict, optimizers, step: int) -> Path:
     snapshot = TensorDict({"learner": state}, batch_size=[])
     for name, opt in optimizers.items():
         snapshot[f"optim_{name}"] = optimizer_state(opt)
@@ -100,8 +104,9 @@ def _save(run_dir: Path, algo: str, config, spec: ActorSpec, state: TensorDict, 
         "algo": algo,
         "config": dataclasses.asdict(config),
         "actor_spec": dataclasses.asdict(spec),
-        "obs_dim": OBS_DIM,
-        "act_dim": ACT_DIM,
+        "obs_dim": info.obs_dim,
+        "act_dim": info.act_dim,
+        "env_info": info.to_meta(),
         "iteration": int(state["iteration"]),
     }
     return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=step, keep_last=3)
@@ -118,11 +123,31 @@ def actor_spec_from_meta(meta: dict, path) -> ActorSpec:
         raise CheckpointError(f"{path}: no valid actor_spec in meta.json ({e})") from None
 
 
-def load_actor(path: str | Path, device: torch.device) -> tuple[ActorSpec, TensorDict, TensorDict, dict]:
+def env_info_from_meta(meta: dict, path) -> EnvInfo:
+    """The env's :class:`EnvInfo` saved in a diffusion snapshot (PointReach-v0's for older snapshots)."""
+    if "env_info" not in meta:
+        return POINT_REACH_INFO
+    try:
+        return EnvInfo.from_meta(dict(meta["env_info"]))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: no valid env_info in meta.json ({e})") from None
+
+
+class LoadedActor(NamedTuple):
+    spec: ActorSpec
+    params: TensorDict  # the denoiser's (EMA for bc)
+    obs_stats: TensorDict
+    meta: dict
+    info: EnvInfo
+    encoder: TensorDict | None  # the multimodal encoder's (EMA for bc), None for a Box observation
+
+
+def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     """Load a diffusion actor from a run dir (latest snapshot) or a snapshot dir.
 
-    Returns (spec, actor params, obs_stats, meta): the EMA weights for a bc snapshot, the trained
-    actor for dppo / td3-diffusion. The stored schedule must equal the one the spec defines.
+    Returns (spec, actor params, obs_stats, meta, env info, encoder params): the EMA weights for a bc
+    snapshot, the trained actor for dppo / td3-diffusion. The stored schedule must equal the one the
+    spec defines, and the weights' shapes the ones the spec and env info define.
 
     Raises:
         CheckpointError: no snapshot, not a diffusion snapshot, or a schedule that does not match.
@@ -135,29 +160,38 @@ def load_actor(path: str | Path, device: torch.device) -> tuple[ActorSpec, Tenso
     if meta.get("algo") not in ("bc", "dppo", "td3-diffusion"):
         raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a bc, dppo or td3-diffusion snapshot")
     spec = actor_spec_from_meta(meta, snap)
+    info = env_info_from_meta(meta, snap)
     loaded, _ = checkpoint.load_snapshot(snap, device=device)
     key = ("learner", "ema") if meta["algo"] == "bc" else ("learner", "params", "actor")
-    for k in (key, ("learner", "schedule"), ("learner", "obs_stats")):
+    enc_key = ("learner", "encoder_ema") if meta["algo"] == "bc" else ("learner", "encoder")
+    needed = (key, ("learner", "schedule"), ("learner", "obs_stats")) + ((enc_key,) if info.is_dict else ())
+    for k in needed:
         if k not in loaded.keys(include_nested=True):
             raise CheckpointError(f"{snap}: a {meta['algo']} snapshot must hold {'/'.join(k)}; this one does not")
     try:
         check_schedule(loaded["learner", "schedule"], schedule_for(spec, device))
     except CheckpointError as e:
         raise CheckpointError(f"{snap}: {e}") from None
-    params = loaded[key]
-    want = func.params_from_module(make_denoiser(spec, OBS_DIM, ACT_DIM))
+    actor = DiffusionActor(spec, info, info.act_dim, torch.device("cpu"))
+    _check_shapes(loaded[key], func.params_from_module(actor.net), snap, "actor")
+    encoder = None
+    if info.is_dict:
+        _check_shapes(loaded[enc_key], func.params_from_module(actor.encoder), snap, "encoder")
+        encoder = func.as_leaves(loaded[enc_key].clone())
+    return LoadedActor(spec, func.as_leaves(loaded[key].clone()), loaded["learner", "obs_stats"], meta, info, encoder)
+
+
+def _check_shapes(params: TensorDict, want: TensorDict, snap, what: str) -> None:
     got_shapes = {k: tuple(v.shape) for k, v in params.flatten_keys(".").items()}
     want_shapes = {k: tuple(v.shape) for k, v in want.flatten_keys(".").items()}
     if got_shapes != want_shapes:
         diff = sorted(set(got_shapes.items()) ^ set(want_shapes.items()))[:3]
-        raise CheckpointError(f"{snap}: the actor weights do not match its actor_spec (first differences: {diff})")
-    return spec, func.as_leaves(params.clone()), loaded["learner", "obs_stats"], meta
+        raise CheckpointError(f"{snap}: the {what} weights do not match its actor_spec (first differences: {diff})")
 
 
-def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Path, eta: float = 0.0) -> dict:
-    env = make_env(config.env, config.eval_episodes, actor.spec.act_steps, device, config.seed + EVAL_SEED_OFFSET)
-    gen = torch.Generator(device=device).manual_seed(config.seed + EVAL_SEED_OFFSET)
-    summary = evaluate_chunks(actor, params, state["obs_stats"], state["schedule"], env, gen, eta=eta)
+def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Path, eta: float = 0.0, encoder=None) -> dict:
+    summary = evaluate_episodes(actor, params, state["obs_stats"], state["schedule"], config.env, config.eval_episodes,
+                                seed=config.seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder)
     (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
     return summary
 
@@ -179,7 +213,7 @@ def evaluate_run(
         ConfigError: ``episodes < 1``.
     """
     dev = resolve_device(device)
-    spec, params, obs_stats, meta = load_actor(run_dir, dev)
+    spec, params, obs_stats, meta, info, encoder = load_actor(run_dir, dev)
     config = meta.get("config")
     try:
         episodes = int(config.get("eval_episodes", 500)) if episodes is None else episodes
@@ -191,11 +225,10 @@ def evaluate_run(
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     if not 0 <= seed < 2**31:
         raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
-    actor = DiffusionActor(spec, OBS_DIM, ACT_DIM, dev)
+    actor = DiffusionActor(spec, info, info.act_dim, dev)
     env_id = config.get("env", "PointReach-v0")
-    env = make_env(env_id, episodes, spec.act_steps, dev, seed + EVAL_SEED_OFFSET)
-    gen = torch.Generator(device=dev).manual_seed(seed + EVAL_SEED_OFFSET)
-    summary = evaluate_chunks(actor, params, obs_stats, schedule_for(spec, dev), env, gen, eta=eta)
+    summary = evaluate_episodes(actor, params, obs_stats, schedule_for(spec, dev), env_id, episodes,
+                                seed=seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder)
     return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
 
 
@@ -233,22 +266,28 @@ def _loop(num_iterations: int, desc: str, step, *, logger: MetricsLogger, save, 
 
 
 def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
-    """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc`).
+    """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc` and
+    :func:`rlfunc.demos.expert_demonstrations`); the expert's success rate goes into demos.json.
 
     SIGINT/SIGTERM stop the run after the current update with a snapshot (no final evaluation)."""
-    from envs.point_reach import collect_demonstrations
+    from rlfunc.demos import EXPERT_ENVS, expert_demonstrations
 
     device, run_dir = _setup(config, run_dir)
+    if config.env not in EXPERT_ENVS:
+        raise EnvError(f"env={config.env!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
+    info = env_info(config.env)
+    algo = make_bc(config, info, info.act_dim, device)  # checks the encoder settings before the demos are collected
+    dataset, demos = expert_demonstrations(
+        config.env, config.num_demos, config.actor.horizon, seed=config.seed, noise_std=config.demo_noise_std, device=device
+    )
+    dataset = dataset.select(*info.obs_keys, "action")
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    dataset = collect_demonstrations(
-        config.num_demos, config.actor.horizon, generator=gen, device=device, noise_std=config.demo_noise_std
-    ).select("observation", "action")
-    algo = make_bc(config, OBS_DIM, ACT_DIM, device)
     state = algo.init(dataset)
-    optimizer = torch.optim.AdamW(func.leaves(state["params"]), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
+    optimizer = torch.optim.AdamW(algo.trainable(state), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
     prec = precision(device, config.precision)
     logger = _start(config, run_dir, tensorboard)
-    save = lambda: _save(run_dir, "bc", config, config.actor, state, {"actor": optimizer}, int(state["iteration"]))  # noqa: E731
+    (run_dir / "demos.json").write_text(json.dumps(demos) + "\n")
+    save = lambda: _save(run_dir, "bc", config, config.actor, info, state, {"actor": optimizer}, int(state["iteration"]))  # noqa: E731
     start, acc = time.perf_counter(), None
 
     def step(i: int, stopping: bool) -> dict | None:
@@ -266,24 +305,45 @@ def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, te
                     checkpoint_every=config.checkpoint_every, progress=progress)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
-    summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir)
+    summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir, encoder=state.get("encoder_ema", None))
     return DiffusionResult(state, run_dir, summary)
 
 
 def _init_actor(config, device):
-    """(config with the actor spec actually used, params, obs_stats): the spec, EMA weights and
-    statistics of ``config.init_from``, or (config, None, None)."""
+    """(config with the actor spec actually used, env info, params, obs_stats, encoder params): the
+    spec, EMA weights and statistics of ``config.init_from``, or (config, env info, None, None, None).
+
+    Raises:
+        CheckpointError: the snapshot's env observation layout differs from ``config.env``'s."""
+    info = env_info(config.env)
     if config.init_from is None:
-        return config, None, None
-    spec, params, obs_stats, _ = load_actor(config.init_from, device)
-    return dataclasses.replace(config, actor=spec), params, obs_stats
+        return config, info, None, None, None
+    loaded = load_actor(config.init_from, device)
+    if loaded.info != info:
+        raise CheckpointError(
+            f"init_from={config.init_from!r}: its actor reads {loaded.meta.get('config', {}).get('env', '?')!r} "
+            f"observations (obs_dim {loaded.info.obs_dim}, act_dim {loaded.info.act_dim}, keys {list(loaded.info.obs_keys)}), "
+            f"not those of env={config.env!r} (obs_dim {info.obs_dim}, act_dim {info.act_dim}, keys {list(info.obs_keys)})"
+        )
+    return dataclasses.replace(config, actor=loaded.spec), info, loaded.params, loaded.obs_stats, loaded.encoder
 
 
 def _episode_metrics(batch: TensorDict) -> dict:
+    """Episodes that ended in ``batch`` [N, T]: their count, success rate and mean return (and
+    PointReach's mode statistics)."""
     from envs.point_reach import rollout_mode_statistics
 
-    ended = int(batch["next", "done"].sum())
-    return {"episodes": ended, **(rollout_mode_statistics(batch) if ended else {})}
+    done = batch["next", "done"]
+    ended = int(done.sum())
+    if not ended:
+        return {"episodes": 0}
+    if "goal_index" in batch["next"].keys():
+        return {"episodes": ended, **rollout_mode_statistics(batch)}
+    return {
+        "episodes": ended,
+        "success_rate": float(batch["next", "success"][done].float().mean()),
+        "episode_return": float(batch["next", "episode_return"][done].mean()),
+    }
 
 
 def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
@@ -292,16 +352,16 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     config.json records the actor spec actually used (that of ``init_from`` when given).
     SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation)."""
     device, run_dir = _setup(config, run_dir)
-    config, actor_params, obs_stats = _init_actor(config, device)
+    config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
     spec = config.actor
-    algo = make_dppo(config, spec, OBS_DIM, ACT_DIM, device)
-    state = algo.init(actor_params, obs_stats)
+    algo = make_dppo(config, spec, info, info.act_dim, device)
+    state = algo.init(actor_params, obs_stats, encoder)
     optimizer = make_optimizer(state, config)
     prec = precision(device, config.precision)
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     logger = _start(config, run_dir, tensorboard)
-    save = lambda: _save(run_dir, "dppo", config, spec, state, {"all": optimizer}, int(state["env_steps"]))  # noqa: E731
+    save = lambda: _save(run_dir, "dppo", config, spec, info, state, {"all": optimizer}, int(state["env_steps"]))  # noqa: E731
     start = time.perf_counter()
 
     def step(i: int, stopping: bool) -> dict:
@@ -318,7 +378,9 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     _plot(run_dir)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
-    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, eta=config.eval_eta)
+    env.close()
+    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, eta=config.eval_eta,
+                        encoder=state.get("encoder", None))
     return DiffusionResult(state, run_dir, summary)
 
 
@@ -329,10 +391,10 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
     device, run_dir = _setup(config, run_dir)
-    config, actor_params, obs_stats = _init_actor(config, device)  # re-validated: horizon == act_steps
+    config, info, actor_params, obs_stats, encoder = _init_actor(config, device)  # re-validated: horizon == act_steps
     spec = config.actor
-    algo = make_td3_diffusion(config, spec, OBS_DIM, ACT_DIM, device)
-    state = algo.init(actor_params, obs_stats)
+    algo = make_td3_diffusion(config, spec, info, info.act_dim, device)
+    state = algo.init(actor_params, obs_stats, encoder)
     critic_opt = torch.optim.Adam(func.leaves(state["params", "critic"]), lr=config.critic_lr, foreach=True)
     actor_opt = torch.optim.Adam(func.leaves(state["params", "actor"]), lr=config.actor_lr, foreach=True)
     prec = precision(device, config.precision)
@@ -341,7 +403,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
     logger = _start(config, run_dir, tensorboard)
     optimizers = {"critic": critic_opt, "actor": actor_opt}
-    save = lambda: _save(run_dir, "td3-diffusion", config, spec, state, optimizers, int(state["env_steps"]))  # noqa: E731
+    save = lambda: _save(run_dir, "td3-diffusion", config, spec, info, state, optimizers, int(state["env_steps"]))  # noqa: E731
     start = time.perf_counter()
 
     def step(i: int, stopping: bool) -> dict:
@@ -362,7 +424,8 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
     _plot(run_dir)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
-    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir)
+    env.close()
+    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, encoder=state.get("encoder", None))
     return DiffusionResult(state, run_dir, summary)
 
 

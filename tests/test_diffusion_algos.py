@@ -95,7 +95,7 @@ def test_evaluate_run_matches_the_final_evaluation(bc_run):
 
 
 def _dppo(bc_run, **kw):
-    spec, params, obs_stats, _ = load_actor(bc_run.run_dir, CPU)
+    spec, params, obs_stats, *_ = load_actor(bc_run.run_dir, CPU)
     config = DPPOConfig(**{"num_envs": 32, "num_steps": 8, "minibatch_size": 256, "num_epochs": 1, "device": "cpu", **kw})
     algo = make_dppo(config, spec, 6, 2, CPU)
     state = algo.init(params, obs_stats)
@@ -159,7 +159,7 @@ def test_dppo_run_from_bc(bc_run, tmp_path):
     assert [r["step"] for r in records] == [2048, 4096]
     assert {"success_rate", "share_goal_a", "share_goal_b", "loss_objective", "approx_kl"} <= records[0].keys()
     assert 0.0 <= result.evaluation["success_rate"] <= 1.0
-    spec, _, _, meta = load_actor(tmp_path / "dppo", CPU)  # the dppo snapshot carries a verified schedule
+    spec, _, _, meta, *_ = load_actor(tmp_path / "dppo", CPU)  # the dppo snapshot carries a verified schedule
     assert meta["algo"] == "dppo" and spec == load_actor(bc_run.run_dir, CPU)[0]
 
 
@@ -233,9 +233,18 @@ def test_td3_diffusion_config_errors():
         TD3DiffusionConfig(tau=0.0)
 
 
-def test_diffusion_algorithms_need_a_torch_env():
-    with pytest.raises(EnvError, match="PointReach-v0"):
-        make_env("Pendulum-v1", 2, 1, CPU, 0)
+def test_diffusion_envs_torch_batched_or_gymnasium_chunked():
+    """PointReach-v0 is torch-batched; a gymnasium id with bounded Box actions runs chunked on the
+    host; an unknown id is one clear error."""
+    from envs.point_reach import PointReachEnv
+    from rlfunc.chunk_env import GymChunkEnv
+
+    assert isinstance(make_env("PointReach-v0", 2, 4, CPU, 0), PointReachEnv)
+    env = make_env("Pendulum-v1", 2, 1, CPU, 0)
+    assert isinstance(env, GymChunkEnv) and env.action_spec.shape == (2, 1)
+    env.close()
+    with pytest.raises(EnvError, match="not a registered gymnasium id"):
+        make_env("NoSuchEnv-v9", 2, 1, CPU, 0)
 
 
 def test_q_gradient_reaches_every_unet_parameter_through_the_chain():

@@ -105,6 +105,7 @@ def collect_demonstrations(
     *,
     video_path: str | Path | None = None,
     video_episodes: int = 1,
+    noise_std: float = 0.0,
 ) -> dict[str, Any]:
     """Scripted-expert episodes, each with a route chosen by :func:`choose_route`.
 
@@ -118,6 +119,10 @@ def collect_demonstrations(
             ``render_mode="rgb_array"``; without imageio (or, for .mp4, imageio-ffmpeg) it is skipped
             with a warning and the result's "video" is None. Needs a working OpenGL (else EnvError).
         video_episodes: how many episodes go into the video.
+        noise_std: std of Gaussian noise, in m/s, added to the executed action (then clipped to the
+            action bounds); the recorded action is the expert's clean one at the visited state, so
+            the data covers small deviations and says how to recover (DART, Laskey et al. 2017).
+            The noise comes from ``numpy.random.default_rng([seed, 1])`` (0: the noise-free run).
 
     Returns:
         dict: "episodes", a list of E dicts, each with "observations" (the T + 1 observations as the
@@ -132,10 +137,13 @@ def collect_demonstrations(
         EnvError: ``env_id`` is not a Push env.
     """
     import envs  # noqa: F401  (registers the Push envs)
-    from envs.push.env import PushEnv
+    from envs.push.env import MAX_EE_SPEED, PushEnv
 
     if isinstance(num_episodes, bool) or not isinstance(num_episodes, int) or num_episodes < 1:
         raise ConfigError(f"num_episodes={num_episodes!r}: expected an int >= 1")
+    if not noise_std >= 0:
+        raise ConfigError(f"noise_std={noise_std!r}: expected >= 0")
+    noise_rng = np.random.default_rng([seed, 1])
     writer = _video_writer(video_path) if video_path is not None else None
     env = gym.make(env_id, render_mode="rgb_array" if writer is not None else None)
     if not isinstance(env.unwrapped, PushEnv):
@@ -155,7 +163,10 @@ def collect_demonstrations(
                 writer.append_data(env.render())
             while True:
                 action = expert_action(u, route)
-                obs, reward, term, trunc, info = env.step(action)
+                executed = action
+                if noise_std > 0:
+                    executed = np.clip(action + noise_std * noise_rng.standard_normal(3), -MAX_EE_SPEED, MAX_EE_SPEED)
+                obs, reward, term, trunc, info = env.step(executed.astype(np.float32))
                 observations.append(obs)
                 actions.append(action)
                 rewards.append(reward)

@@ -21,14 +21,14 @@ from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_fini
 from rlfunc.amp import Precision, accumulate_gradients, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
-from rlfunc.normalize import init_running_stats, update_running_stats
+from rlfunc.normalize import update_running_stats
 
 
 @dataclass(frozen=True)
 class BCConfig:
     """Every diffusion-BC hyperparameter, with its default."""
 
-    env: str = "PointReach-v0"  # torch-batched env with a scripted expert
+    env: str = "PointReach-v0"  # an env with a scripted expert: PointReach-v0, PushState-v0, Push-v0 (images)
     actor: ActorSpec = field(default_factory=ActorSpec)  # architecture and diffusion settings
     num_demos: int = 1000  # expert episodes in the dataset
     demo_noise_std: float = 0.1  # std of the expert's action noise, in action units
@@ -70,6 +70,7 @@ class BC(NamedTuple):
     init: Callable[[TensorDict], TensorDict]
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
     actor: DiffusionActor
+    trainable: Callable[[TensorDict], list]
 
 
 def ema_update_(ema: TensorDict, params: TensorDict, decay: float) -> None:
@@ -78,21 +79,27 @@ def ema_update_(ema: TensorDict, params: TensorDict, decay: float) -> None:
         torch._foreach_lerp_(func.leaves(ema), [p.detach() for p in func.leaves(params)], 1.0 - decay)
 
 
-def make_bc(config: BCConfig, obs_dim: int, act_dim: int, device: torch.device) -> BC:
-    """Build diffusion BC's pure pieces.
+def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC:
+    """Build diffusion BC's pure pieces; ``obs_dim`` is the env's :class:`EnvInfo` (or a Box
+    observation's size).
 
     The learner state is one TensorDict: "params" and "ema" (denoiser), "obs_stats" (of the
-    dataset, fixed), "schedule" (betas, alphas, alphas_cumprod [T]), "rng" (generator state),
-    "iteration" (0-dim int64).
+    dataset's observations, or of its proprio for a Dict observation; fixed), "schedule" (betas,
+    alphas, alphas_cumprod [T]), "rng" (generator state), "iteration" (0-dim int64), and for a Dict
+    observation "encoder" and "encoder_ema" (the multimodal encoder, trained end to end with the
+    denoiser through the denoising loss).
     """
     actor = DiffusionActor(config.actor, obs_dim, act_dim, device)
     T = config.actor.num_train_steps
+    obs_keys = actor.info.obs_keys
 
     def init(dataset: TensorDict) -> TensorDict:
         params = actor.init_params(config.seed)
-        stats = update_running_stats(init_running_stats((obs_dim,), device=device), dataset["observation"])
+        stats = actor.init_stats()
+        if actor.info.stats_key is not None:
+            stats = update_running_stats(stats, dataset[actor.info.stats_key].float())
         gen = torch.Generator(device=device).manual_seed(config.seed)
-        return TensorDict(
+        state = TensorDict(
             {
                 "params": params,
                 "ema": params.detach().clone(),
@@ -104,6 +111,17 @@ def make_bc(config: BCConfig, obs_dim: int, act_dim: int, device: torch.device) 
             batch_size=[],
             device=device,
         )
+        if actor.encoder is not None:
+            encoder = actor.init_encoder_params(config.seed + 1)
+            state["encoder"], state["encoder_ema"] = encoder, encoder.detach().clone()
+        return state
+
+    def trainable(state: TensorDict) -> list:
+        """The leaves the optimizer updates: the denoiser's, and the encoder's but its frozen trunk."""
+        leaves = func.leaves(state["params"])
+        if actor.encoder is not None:
+            leaves += func.leaves(actor.trainable_encoder(state["encoder"]))
+        return leaves
 
     def iteration(state: TensorDict, dataset: TensorDict, generator: torch.Generator, optimizer, prec: Precision):
         """One gradient step on a random batch of ``dataset`` ([M] with "observation", "action")."""
@@ -112,22 +130,25 @@ def make_bc(config: BCConfig, obs_dim: int, act_dim: int, device: torch.device) 
         t = sample_timesteps((config.batch_size,), T, generator=generator, device=device)
         noise = torch.randn(batch["action"].shape, generator=generator, device=device)
         batch = TensorDict(
-            {"cond": actor.cond(state["obs_stats"], batch["observation"]), "x0": batch["action"], "t": t, "noise": noise},
+            {**{k: batch[k] for k in obs_keys}, "x0": batch["action"], "t": t, "noise": noise},
             batch_size=[config.batch_size],
         )
-        params = state["params"]
+        params, encoder = state["params"], state.get("encoder", None)
 
         def loss_fn(mb: TensorDict):
+            cond = actor.condition(encoder, state["obs_stats"], mb)
             loss = denoising_loss(
-                actor.apply, params, mb["x0"], mb["cond"], mb["t"], mb["noise"],
+                actor.apply, params, mb["x0"], cond, mb["t"], mb["noise"],
                 state["schedule", "alphas_cumprod"], prediction=config.actor.prediction,
             )
             return loss, TensorDict({"loss_denoise": loss.detach()}, batch_size=[])
 
         optimizer.zero_grad(set_to_none=True)
         loss, metrics = accumulate_gradients(loss_fn, batch, config.micro_batch_size, prec=prec)
-        norm, ok = step(optimizer, func.leaves(params), config.max_grad_norm, prec)
+        norm, ok = step(optimizer, trainable(state), config.max_grad_norm, prec)
         ema_update_(state["ema"], params, config.ema_decay)
+        if encoder is not None:
+            ema_update_(state["encoder_ema"], encoder, config.ema_decay)
         out = state.clone(recurse=False)
         out["iteration"] = state["iteration"] + 1
         out["rng"] = generator.get_state()
@@ -135,4 +156,4 @@ def make_bc(config: BCConfig, obs_dim: int, act_dim: int, device: torch.device) 
         metrics["skipped"] = torch.tensor(float(not ok))
         return out, metrics
 
-    return BC(init, iteration, actor)
+    return BC(init, iteration, actor, trainable)

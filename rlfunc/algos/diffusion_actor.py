@@ -1,27 +1,32 @@
-"""The diffusion actor shared by bc, dppo and td3-diffusion: denoiser skeleton, action scaling,
-chunked sampling and evaluation on a torch-batched env.
+"""The diffusion actor shared by bc, dppo and td3-diffusion: the observation encoder, the denoiser
+skeleton, chunked sampling, the envs it runs on and evaluation.
 
 A diffusion actor maps an observation to an action chunk [horizon, act_dim] in [-1, 1] by running
 K DDIM steps (Song et al. 2021) of a denoiser eps_theta(x_k, k, s) from Gaussian noise; the first
-``act_steps`` actions of the chunk are executed open loop (Chi et al. 2023). The env's actions
-must be bounded by [-1, 1] (PointReach-v0's are).
+``act_steps`` actions of the chunk are executed open loop (Chi et al. 2023). The condition s is the
+normalised observation vector (a Box observation), or for a Dict observation (cameras, proprio,
+instruction) the CLS feature of a :class:`rlfunc.nets.encoders.MultimodalEncoder`.
+
+Envs: PointReach-v0 runs torch-batched on the device; any other gymnasium id with a bounded Box
+action space runs through :class:`rlfunc.chunk_env.GymChunkEnv`, which scales [-1, 1] to its bounds.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
 from rlfunc import func
 from rlfunc.diffusion.ddim import sample
 from rlfunc.diffusion.schedule import make_schedule
 from rlfunc.errors import ConfigError, EnvError
-from rlfunc.normalize import normalize
+from rlfunc.normalize import init_running_stats, normalize
 
 
 def require_finite(config) -> None:
@@ -46,9 +51,17 @@ class ActorSpec:
     num_train_steps: int = 20  # T, DDPM training steps
     ddim_steps: int = 10  # K, DDIM steps at sampling (<= T)
     prediction: Literal["epsilon", "sample"] = "epsilon"  # what the denoiser predicts
+    encoder_d_model: int = 128  # Dict observations only: width of the multimodal encoder's tokens and feature
+    encoder_widths: tuple[int, ...] = (32, 64, 128, 256)  # Dict observations: ResNet stage channels (ResNet-18: 64 128 256 512)
+    encoder_blocks: tuple[int, ...] = (1, 1, 1, 1)  # Dict observations: BasicBlocks per stage (ResNet-18: 2 2 2 2)
+    freeze_vision: bool = False  # Dict observations: no gradient to the ResNet trunk
+    checkpoint_vision: bool = False  # Dict observations: recompute the trunk's activations in backward
 
     def __post_init__(self) -> None:
         require_finite(self)
+        for name in ("hidden", "down_dims", "encoder_widths", "encoder_blocks"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.denoiser not in ("mlp", "unet"):
             raise ConfigError(f"denoiser={self.denoiser!r}: expected 'mlp' or 'unet'")
         if not 1 <= self.act_steps <= self.horizon:
@@ -64,6 +77,10 @@ class ActorSpec:
             )
         if any(h < 1 for h in (*self.hidden, *self.down_dims)) or self.kernel_size < 1 or self.horizon < 1:
             raise ConfigError("hidden, down_dims, kernel_size and horizon must be positive")
+        if self.encoder_d_model < 4 or self.encoder_d_model % 4 or any(w < 1 for w in (*self.encoder_widths, *self.encoder_blocks)):
+            raise ConfigError(f"encoder_d_model={self.encoder_d_model}: expected a positive multiple of 4, and positive encoder widths/blocks")
+        if len(self.encoder_widths) != len(self.encoder_blocks):
+            raise ConfigError(f"encoder_widths={self.encoder_widths}, encoder_blocks={self.encoder_blocks}: expected the same length")
         if self.schedule not in ("cosine", "linear"):
             raise ConfigError(f"schedule={self.schedule!r}: expected 'cosine' or 'linear'")
         if self.prediction not in ("epsilon", "sample"):
@@ -96,38 +113,181 @@ def schedule_for(spec: ActorSpec, device: torch.device) -> TensorDict:
 TORCH_ENVS = ("PointReach-v0",)
 
 
+class EnvInfo(NamedTuple):
+    """What the actor needs to know of an env: ``obs_dim`` (D of a Box observation, 0 for a Dict),
+    ``act_dim``, ``stats_key`` (the observation key normalised with running statistics: "observation"
+    or "proprio", None when a Dict has no proprio), ``stats_dim``, ``obs_keys`` (keys the condition
+    reads), and for a Dict observation the fields an :class:`EncoderConfig` takes from the env
+    (``cameras``, ``image_size``, ``proprio_dim``, ``instructions``, ``text``)."""
+
+    obs_dim: int
+    act_dim: int
+    stats_key: str | None
+    stats_dim: int
+    obs_keys: tuple[str, ...]
+    cameras: tuple[str, ...] = ()
+    image_size: tuple[int, int] = (0, 0)
+    proprio_dim: int = 0
+    instructions: tuple[str, ...] = ()
+    text: str = "none"
+
+    @property
+    def is_dict(self) -> bool:
+        return self.obs_dim == 0
+
+    def to_meta(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._asdict().items()}
+
+    @classmethod
+    def from_meta(cls, raw: dict) -> "EnvInfo":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+POINT_REACH_INFO = EnvInfo(obs_dim=6, act_dim=2, stats_key="observation", stats_dim=6, obs_keys=("observation",))
+
+
 def check_env(env_id: str) -> None:
-    """EnvError unless ``env_id`` has a torch-batched implementation the diffusion algorithms run on."""
+    """EnvError unless ``env_id`` is PointReach-v0 or a registered gymnasium id."""
     if env_id not in TORCH_ENVS:
-        raise EnvError(
-            f"env={env_id!r}: the diffusion algorithms run on torch-batched envs; expected one of {', '.join(TORCH_ENVS)}"
-        )
+        from rlfunc.chunk_env import check_chunk_env_id
+
+        check_chunk_env_id(env_id)
+
+
+def env_info(env_id: str) -> EnvInfo:
+    """:class:`EnvInfo` of ``env_id`` (one gymnasium env is made and closed to read its spaces).
+
+    Raises:
+        EnvError: an unknown id, an unbounded or non-Box action space, an observation the actor cannot read.
+    """
+    check_env(env_id)
+    if env_id == "PointReach-v0":
+        return POINT_REACH_INFO
+    import gymnasium as gym
+
+    from rlfunc.chunk_env import ObservationCodec, action_bounds, env_instructions
+
+    env = gym.make(env_id)
+    try:
+        low, _ = action_bounds(env.action_space, env_id)
+        codec = ObservationCodec(env.observation_space, env_id, env_instructions(env_id))
+    finally:
+        env.close()
+    if not codec.is_dict:
+        (dim,) = codec.boxes["observation"].shape if len(codec.boxes["observation"].shape) == 1 else (None,)
+        if dim is None:
+            raise EnvError(f"env={env_id!r}: a Box observation must be 1-D for the diffusion actor (Dict for images)")
+        return EnvInfo(dim, low.shape[0], "observation", dim, ("observation",))
+    cameras = tuple(k for k, b in codec.boxes.items() if b.dtype == np.uint8 and len(b.shape) == 3 and b.shape[-1] == 3)
+    proprio = codec.boxes.get("proprio")
+    sizes = {tuple(codec.boxes[k].shape[:2]) for k in cameras}
+    if len(sizes) > 1:
+        raise EnvError(f"env={env_id!r}: cameras {cameras} differ in size {sorted(sizes)}: expected one size")
+    unused = [k for k, b in codec.boxes.items() if k not in cameras and k != "proprio"]
+    if unused:
+        raise EnvError(f"env={env_id!r}: observation entries {unused}: expected RGB uint8 cameras, 'proprio' or text")
+    text = "learned" if "instruction" in codec.texts else "none"
+    return EnvInfo(
+        0, low.shape[0], "proprio" if proprio is not None else None, proprio.shape[0] if proprio is not None else 1,
+        tuple(codec.keys), cameras, next(iter(sizes)) if sizes else (0, 0),
+        proprio.shape[0] if proprio is not None else 0, env_instructions(env_id) if text != "none" else (), text,
+    )
+
+
+def encoder_config(spec: ActorSpec, info: EnvInfo):
+    """The :class:`EncoderConfig` of a Dict-observation actor (None for a Box observation)."""
+    if not info.is_dict:
+        return None
+    from rlfunc.nets.encoders import EncoderConfig
+
+    return EncoderConfig(
+        d_model=spec.encoder_d_model, num_heads=4, cameras=info.cameras, image_size=info.image_size,
+        widths=spec.encoder_widths, blocks=spec.encoder_blocks, group_size=min(16, *spec.encoder_widths),
+        freeze_vision=spec.freeze_vision, checkpoint_vision=spec.checkpoint_vision, proprio_dim=info.proprio_dim,
+        proprio_hidden=spec.encoder_d_model, text=info.text, instructions=info.instructions,
+    )
+
+
+def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: TensorDict | None, seed: int) -> TensorDict:
+    """``state`` plus "encoder" (a copy of ``encoder_params``, else a fresh init from ``seed``) when
+    the actor reads a Dict observation; ``state`` unchanged otherwise."""
+    if actor.encoder is not None:
+        params = encoder_params if encoder_params is not None else actor.init_encoder_params(seed)
+        state["encoder"] = func.as_leaves(params.detach().clone())
+    return state
 
 
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
-    """The torch-batched TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks.
+    """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: PointReach-v0
+    torch-batched on ``device``, any other gymnasium id as a :class:`rlfunc.chunk_env.GymChunkEnv`.
 
     Raises:
-        EnvError: ``env_id`` has no torch-batched implementation (the diffusion algorithms run on
-            PointReach-v0 for now; gymnasium envs are stepped one action at a time by ``ppo``).
+        EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
     """
     check_env(env_id)
-    from envs.point_reach import PointReachEnv
+    if env_id == "PointReach-v0":
+        from envs.point_reach import PointReachEnv
 
-    return PointReachEnv(num_envs, act_steps=act_steps, device=device, seed=seed)
+        return PointReachEnv(num_envs, act_steps=act_steps, device=device, seed=seed)
+    from rlfunc.chunk_env import GymChunkEnv
+
+    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed)
 
 
 class DiffusionActor:
-    """A denoiser skeleton with its spec: ``apply`` for the sampler and chunk sampling helpers."""
+    """A denoiser skeleton (and, for Dict observations, an encoder skeleton) with its spec: ``apply``
+    for the sampler, ``condition`` for the observation -> condition map, chunk sampling helpers.
 
-    def __init__(self, spec: ActorSpec, obs_dim: int, act_dim: int, device: torch.device) -> None:
-        self.spec, self.obs_dim, self.act_dim, self.device = spec, obs_dim, act_dim, device
-        self.net = make_denoiser(spec, obs_dim, act_dim).to(device)
+    Args:
+        spec: architecture and diffusion settings.
+        info: the env's :class:`EnvInfo` (or, for backward compatibility, the int ``obs_dim``).
+        act_dim: A.
+        device: where the skeletons live.
+    """
+
+    def __init__(self, spec: ActorSpec, info: "EnvInfo | int", act_dim: int, device: torch.device) -> None:
+        if isinstance(info, int):
+            info = EnvInfo(info, act_dim, "observation", info, ("observation",))
+        self.spec, self.info, self.act_dim, self.device = spec, info, act_dim, device
+        self.encoder_config = encoder_config(spec, info)
+        self.encoder = None
+        if self.encoder_config is not None:
+            from rlfunc.nets.encoders import MultimodalEncoder
+
+            self.encoder = MultimodalEncoder(self.encoder_config).to(device)
+        self.obs_dim = self.encoder_config.d_model if self.encoder is not None else info.obs_dim  # condition width
+        self.net = make_denoiser(spec, self.obs_dim, act_dim).to(device)
 
     def init_params(self, seed: int) -> TensorDict:
         from rlfunc.nets.mlp import seeded_init
 
         return func.params_from_module(seeded_init(lambda: make_denoiser(self.spec, self.obs_dim, self.act_dim), seed).to(self.device))
+
+    def init_encoder_params(self, seed: int) -> TensorDict | None:
+        """The encoder's parameters (None for a Box observation)."""
+        if self.encoder is None:
+            return None
+        from rlfunc.nets.encoders import MultimodalEncoder
+        from rlfunc.nets.mlp import seeded_init
+
+        return func.params_from_module(seeded_init(lambda: MultimodalEncoder(self.encoder_config), seed).to(self.device))
+
+    def trainable_encoder(self, encoder_params: TensorDict) -> TensorDict:
+        """The encoder leaves an optimizer updates (the frozen trunk excluded)."""
+        return encoder_params.exclude(*self.encoder.frozen_keys) if self.encoder.frozen_keys else encoder_params
+
+    def init_stats(self) -> TensorDict:
+        """Empty running statistics of ``info.stats_key``, float32 [stats_dim]."""
+        return init_running_stats((self.info.stats_dim,), device=self.device)
+
+    def condition(self, encoder_params: TensorDict | None, obs_stats: TensorDict, td: TensorDictBase) -> Tensor:
+        """Observation keys of ``td`` [*B] -> the denoiser's (and critic's) condition [*B, C] float32:
+        the normalised observation (clipped to +-10 std), or the encoder's CLS feature."""
+        if self.encoder is None:
+            return self.cond(obs_stats, td["observation"])
+        obs = {k: td[k] for k in self.info.obs_keys}
+        stats = obs_stats if self.info.stats_key == "proprio" else None
+        return func.apply(self.encoder, encoder_params, obs, stats).float()
 
     def apply(self, params: TensorDict, x: Tensor, t: Tensor, cond: Tensor) -> Tensor:
         return func.apply(self.net, params, x, t, cond)
@@ -154,6 +314,14 @@ class DiffusionActor:
         )
 
 
+def episode_chunks(env, act_steps: int) -> int:
+    """Chunk steps that cover one whole episode of ``env`` (its time limit / ``act_steps``, rounded up)."""
+    from envs.point_reach import MAX_STEPS
+
+    limit = getattr(env, "max_episode_steps", None) or MAX_STEPS
+    return -(-limit // act_steps)
+
+
 @torch.no_grad()
 def evaluate_chunks(
     actor: DiffusionActor,
@@ -165,21 +333,22 @@ def evaluate_chunks(
     *,
     eta: float = 0.0,
     max_chunks: int | None = None,
+    encoder_params: TensorDict | None = None,
 ) -> dict[str, float]:
-    """One episode per env of ``env`` (a torch-batched EnvBase taking [N, act_steps, A] chunks) with
-    the actor sampling by DDIM (``eta = 0``: deterministic given the initial noise).
+    """One episode per env of ``env`` (a TorchRL env taking [N, act_steps, A] chunks, from
+    :func:`make_env`) with the actor sampling by DDIM (``eta = 0``: deterministic given the initial noise).
 
     Returns:
-        mean return of the first episode of each env, and for PointReach-v0 its mode statistics
-        (success_rate, share_goal_a, share_goal_b, share_neither).
+        "episode_return" (mean over envs of their first episode's return), "success_rate" (share of
+        first episodes that ended in success: ("next", "success") at their end), "num_episodes"; for
+        PointReach-v0 also its mode statistics (share_goal_a, share_goal_b, share_neither).
     """
-    from envs.point_reach import MAX_STEPS, mode_statistics
+    from envs.point_reach import mode_statistics
 
-    spec = actor.spec
-    chunks = max_chunks or -(-MAX_STEPS // spec.act_steps)
+    chunks = max_chunks or episode_chunks(env, actor.spec.act_steps)
 
     def policy(td: TensorDict) -> TensorDict:
-        cond = actor.cond(obs_stats, td["observation"])
+        cond = actor.condition(encoder_params, obs_stats, td)
         x = actor.act(params, schedule, cond, actor.noise(cond.shape[0], generator), eta=eta)
         td["action"] = actor.env_action(x)
         return td
@@ -189,5 +358,48 @@ def evaluate_chunks(
     first = done & (done.long().cumsum(-1) == 1)
     ret = (td["next", "reward"].squeeze(-1) * (done.long().cumsum(-1) - done.long() == 0)).sum(-1)
     out = {"episode_return": float(ret.mean())}
-    out.update(mode_statistics(td["next", "goal_index"].squeeze(-1)[first], first[first]))
+    if "goal_index" in td["next"].keys():
+        out.update(mode_statistics(td["next", "goal_index"].squeeze(-1)[first], first[first]))
+    else:
+        ended = int(first.sum())
+        out["num_episodes"] = float(ended)
+        out["success_rate"] = float(td["next", "success"].squeeze(-1)[first].float().mean()) if ended else float("nan")
     return out
+
+
+def evaluate_episodes(
+    actor: DiffusionActor,
+    params: TensorDict,
+    obs_stats: TensorDict,
+    schedule: TensorDict,
+    env_id: str,
+    episodes: int,
+    *,
+    seed: int,
+    eta: float = 0.0,
+    encoder_params: TensorDict | None = None,
+    max_envs: int | None = None,
+) -> dict[str, float]:
+    """:func:`evaluate_chunks` over ``episodes`` episodes of ``env_id``, run in rounds of at most
+    ``max_envs`` parallel envs (default: all at once for PointReach-v0, 50 for gymnasium envs,
+    which step on the host and may hold a renderer each); round r seeds its env and noise with
+    ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers."""
+    if max_envs is None:
+        max_envs = episodes if env_id in TORCH_ENVS else 50
+    totals: dict[str, float] = {}
+    done = 0
+    for r in range(-(-episodes // max_envs)):
+        n = min(max_envs, episodes - done)
+        env = make_env(env_id, n, actor.spec.act_steps, actor.device, seed + r)
+        try:
+            gen = torch.Generator(device=actor.device).manual_seed(seed + r)
+            out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params)
+        finally:
+            env.close()
+        for k, v in out.items():
+            if k != "num_episodes":
+                totals[k] = totals.get(k, 0.0) + v * n
+        done += n
+    summary = {k: v / episodes for k, v in totals.items()}
+    summary["num_episodes"] = float(episodes)
+    return summary

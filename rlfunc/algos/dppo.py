@@ -11,7 +11,8 @@ Two likelihoods drive the PPO ratio:
   per-step likelihood of the sampler (useful on Ascend, where the fused DDIM kernels give no chain).
   The update backpropagates through the whole deterministic chain (optionally checkpointed per step).
 
-A critic V_phi(s) on the environment observation gives GAE advantages over chunk steps (one env step
+A critic V_phi(s) on the actor's condition (the normalised observation, or the features of the bc
+run's multimodal encoder, which stays frozen here) gives GAE advantages over chunk steps (one env step
 of the learner executes ``act_steps`` actions open loop; rewards within a chunk are summed).
 """
 
@@ -27,13 +28,12 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc import func
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.amp import Precision, accumulate_gradients, step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.normalize import init_running_stats
 from rlfunc.returns import generalized_advantage_estimate
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -43,7 +43,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 class DPPOConfig:
     """Every DPPO hyperparameter, with its default. Steps count env steps (not chunks)."""
 
-    env: str = "PointReach-v0"  # torch-batched env
+    env: str = "PointReach-v0"  # PointReach-v0 (torch-batched) or any gymnasium id with bounded Box actions
     init_from: str | None = None  # bc (or dppo/td3-diffusion) run dir or snapshot: its actor weights (EMA for bc), obs stats, schedule and actor spec
     actor: ActorSpec = field(default_factory=ActorSpec)  # used only without init_from
     likelihood: Literal["chain", "output-noise"] = "chain"  # what gives the PPO ratio (module doc)
@@ -133,14 +133,16 @@ class DPPO(NamedTuple):
     critic: MLP
 
 
-def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, device: torch.device) -> DPPO:
-    """Build DPPO's pure pieces for an actor described by ``spec`` (that of the BC snapshot).
+def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> DPPO:
+    """Build DPPO's pure pieces for an actor described by ``spec`` (that of the BC snapshot) on an
+    env described by ``obs_dim`` (its :class:`EnvInfo`, or a Box observation's size).
 
     The learner state is one TensorDict: "params" {"actor", "critic"}, "base" (frozen pretrained
     actor, used by the denoising steps that are not fine-tuned), "obs_stats" (fixed), "schedule",
-    "rng", "iteration", "env_steps".
+    "rng", "iteration", "env_steps", and for a Dict observation "encoder" (frozen).
     """
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
+    obs_dim = actor.obs_dim  # the condition's width
     critic = MLP(obs_dim, 1, config.critic_hidden, "tanh").to(device)
     K = spec.ddim_steps
     K_ft = K if config.finetune_steps is None else config.finetune_steps
@@ -150,17 +152,18 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
     clips = clip_schedule(K, config.clip_min, config.clip_max, config.clip_rate, device=device)[first_step:]
     sample_kw = dict(prediction=spec.prediction)
 
-    def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None) -> TensorDict:
+    def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
+             encoder_params: TensorDict | None = None) -> TensorDict:
         if actor_params is None:
             actor_params = actor.init_params(config.seed)
         actor_params = func.as_leaves(actor_params.detach().clone())
         critic_params = func.params_from_module(seeded_init(lambda: MLP(obs_dim, 1, config.critic_hidden, "tanh"), config.seed + 1).to(device))
         gen = torch.Generator(device=device).manual_seed(config.seed)
-        return TensorDict(
+        return with_encoder(TensorDict(
             {
                 "params": {"actor": actor_params, "critic": critic_params},
                 "base": actor_params.detach().clone(),
-                "obs_stats": obs_stats if obs_stats is not None else init_running_stats((obs_dim,), device=device),
+                "obs_stats": obs_stats if obs_stats is not None else actor.init_stats(),
                 "schedule": schedule_for(spec, device),
                 "rng": gen.get_state(),
                 "iteration": torch.zeros((), dtype=torch.int64, device=device),
@@ -168,7 +171,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
             },
             batch_size=[],
             device=device,
-        )
+        ), actor, encoder_params, config.seed)
 
     def policy(state: TensorDict, generator: torch.Generator):
         """The collector's policy: td["observation"] -> td["action"] [N, act_steps, A] plus what the
@@ -177,7 +180,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
 
         @torch.no_grad()
         def act(td: TensorDict) -> TensorDict:
-            cond = actor.cond(state["obs_stats"], td["observation"])
+            cond = actor.condition(state.get("encoder", None), state["obs_stats"], td)
             noise = actor.noise(cond.shape[0], generator)
             if config.likelihood == "chain":
                 _, chain = sample(
@@ -224,8 +227,9 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim: int, act_dim: int, d
         ratio of unchanged parameters is exactly 1 in every precision."""
         obs_stats = state["obs_stats"]
         with torch.no_grad():
-            cond = actor.cond(obs_stats, batch["observation"])
-            next_cond = actor.cond(obs_stats, batch["next", "observation"])
+            encoder = state.get("encoder", None)
+            cond = actor.condition(encoder, obs_stats, batch)
+            next_cond = actor.condition(encoder, obs_stats, batch["next"])
             critic_params = state["params", "critic"]
             value = func.apply(critic, critic_params, cond)
             next_value = func.apply(critic, critic_params, next_cond)

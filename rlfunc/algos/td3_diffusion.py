@@ -23,13 +23,12 @@ from torch import Tensor
 
 from rlfunc import func
 from rlfunc.algos.bc import ema_update_
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.amp import Precision, backward, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, td3_target
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.normalize import init_running_stats
 
 
 @dataclass(frozen=True)
@@ -104,27 +103,32 @@ class TD3Diffusion(NamedTuple):
     actor: DiffusionActor
 
 
-def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int, act_dim: int, device: torch.device) -> TD3Diffusion:
-    """Build TD3-diffusion's pure pieces. Learner state: "params" {"actor", "critic" [E, ...]},
-    "target" {"actor", "critic"}, "obs_stats", "schedule", "rng", "iteration", "env_steps", "updates"."""
+def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> TD3Diffusion:
+    """Build TD3-diffusion's pure pieces. ``obs_dim``: the env's :class:`EnvInfo` (or a Box
+    observation's size). Learner state: "params" {"actor", "critic" [E, ...]}, "target" {"actor",
+    "critic"}, "obs_stats", "schedule", "rng", "iteration", "env_steps", "updates", and for a Dict
+    observation "encoder" (the bc run's multimodal encoder, frozen: the critics and the denoiser read
+    its features)."""
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
+    obs_dim = actor.obs_dim  # the condition's width
     chunk_dim = spec.act_steps * act_dim
     make_critic = lambda: MLP(obs_dim + chunk_dim, 1, config.critic_hidden, "relu")  # noqa: E731
     critic = make_critic().to(device)
     E = config.num_critics
     q_all = func.vmap(lambda p, s, a: func.apply(critic, p, torch.cat([s, a], -1)), in_dims=(0, None, None), device=device)
 
-    def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None) -> TensorDict:
+    def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
+             encoder_params: TensorDict | None = None) -> TensorDict:
         actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.seed)).detach().clone())
         critics = func.init_stacked(
             lambda s: func.params_from_module(seeded_init(make_critic, s).to(device)), [config.seed + 1 + e for e in range(E)]
         )
         gen = torch.Generator(device=device).manual_seed(config.seed)
-        return TensorDict(
+        return with_encoder(TensorDict(
             {
                 "params": {"actor": actor_params, "critic": critics},
                 "target": {"actor": actor_params.detach().clone(), "critic": critics.detach().clone()},
-                "obs_stats": obs_stats if obs_stats is not None else init_running_stats((obs_dim,), device=device),
+                "obs_stats": obs_stats if obs_stats is not None else actor.init_stats(),
                 "schedule": schedule_for(spec, device),
                 "rng": gen.get_state(),
                 "iteration": torch.zeros((), dtype=torch.int64, device=device),
@@ -133,7 +137,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
             },
             batch_size=[],
             device=device,
-        )
+        ), actor, encoder_params, config.seed)
 
     def deterministic_chunk(params: TensorDict, state: TensorDict, cond: Tensor, generator: torch.Generator, **kw) -> Tensor:
         """x_0 [B, H, A] of DDIM with eta = 0 from fresh initial noise."""
@@ -144,11 +148,11 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
 
         @torch.no_grad()
         def act(td: TensorDict) -> TensorDict:
-            n = td["observation"].shape[0]
+            n = td.batch_size[0]
             if warm:
                 x = torch.rand((n, spec.horizon, act_dim), generator=generator, device=device) * 2 - 1
             else:
-                cond = actor.cond(state["obs_stats"], td["observation"])
+                cond = actor.condition(state.get("encoder", None), state["obs_stats"], td)
                 x = deterministic_chunk(state["params", "actor"], state, cond, generator)
                 x = x + config.exploration_noise * torch.randn(x.shape, generator=generator, device=device)
             td["action"] = actor.env_action(x.clamp(-1.0, 1.0))
@@ -221,9 +225,11 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
 
     def transitions(state: TensorDict, batch: TensorDict) -> TensorDict:
         """A rollout [N, T] -> flat transitions [N*T] with "cond", "next_cond" (normalised
-        observations), "action" [A*act_steps] in [-1, 1], "chunk" [H, A], "reward", "terminated"."""
-        cond = actor.cond(state["obs_stats"], batch["observation"])
-        next_cond = actor.cond(state["obs_stats"], batch["next", "observation"])
+        observations, or the frozen encoder's features), "action" [A*act_steps] in [-1, 1], "chunk" [H, A], "reward", "terminated"."""
+        with torch.no_grad():
+            encoder = state.get("encoder", None)
+            cond = actor.condition(encoder, state["obs_stats"], batch)
+            next_cond = actor.condition(encoder, state["obs_stats"], batch["next"])
         chunk = batch["action"].reshape(*batch.batch_size, spec.horizon, act_dim)
         return TensorDict(
             {
@@ -234,3 +240,4 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim: int
         ).flatten(0, 1)
 
     return TD3Diffusion(init, rollout, iteration, transitions, actor)
+

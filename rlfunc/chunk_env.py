@@ -1,0 +1,244 @@
+"""Gymnasium envs as a TorchRL env that executes action chunks: what the diffusion actors run on.
+
+A diffusion actor emits a chunk of ``act_steps`` actions in [-1, 1] per decision (Chi et al. 2023,
+"Diffusion Policy", open-loop execution of the first actions of the predicted horizon).
+:class:`GymChunkEnv` holds N gymnasium envs (``gymnasium.make(env_id)``, the registered time limit
+included) and, per TorchRL step, executes each env's chunk open loop until the chunk ends or the
+episode does (the rest of the chunk is dropped), summing the rewards.
+
+Observations become tensors at this boundary, once per step for the whole batch (one host-to-device
+copy per key, images kept uint8):
+
+- a ``Box`` observation space -> "observation" float32 ``[N, D]``;
+- a ``Dict`` space -> one key per ``Box`` entry with its dtype (e.g. "top", "side" uint8
+  ``[N, 128, 128, 3]``, "proprio" float32 ``[N, 16]``), and each ``Text`` entry NAME tokenised on the
+  host by a cached :class:`rlfunc.nets.encoders.TextTokenizer` into "NAME_tokens" int64
+  ``[N, max_len]`` and "NAME_padding_mask" bool ``[N, max_len]``.
+
+Also in every step's output: "success" bool ``[N, 1]`` (``info["is_success"]``, False when the env
+reports none) and "episode_return" float32 ``[N, 1]`` (the return of the current episode so far,
+rewards unscaled). ``reset`` honours a partial "_reset" mask, so ``env.rollout(T, policy,
+break_when_any_done=False)`` resets only the envs that ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
+
+from rlfunc.errors import EnvError
+
+# host-side numpy observations -> tensors; double-precision observations become float32 here
+_NUMPY_TO_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
+                   np.dtype(np.float64): torch.float32, np.dtype(np.int64): torch.int64}  # ok-float64: host input dtype only
+
+
+def action_bounds(space: gym.Space, env_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) float32 ``[A]`` of a bounded 1-D ``Box`` action space; EnvError otherwise."""
+    if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1 or not space.is_bounded("both"):
+        raise EnvError(f"env={env_id!r}: action space {space}: expected a bounded 1-D Box (a diffusion actor emits [-1, 1])")
+    return space.low.astype(np.float32), space.high.astype(np.float32)
+
+
+def scale_action(action: np.ndarray | Tensor, low, high):
+    """[-1, 1] -> [low, high] (affine, per dimension): ``low + (a + 1) (high - low) / 2``."""
+    return low + (action + 1.0) * (high - low) / 2.0
+
+
+def unscale_action(action: np.ndarray | Tensor, low, high):
+    """[low, high] -> [-1, 1], the inverse of :func:`scale_action`."""
+    return 2.0 * (action - low) / (high - low) - 1.0
+
+
+class ObservationCodec:
+    """Gymnasium observations -> a TensorDict of the keys in the module docstring (batched on the host,
+    copied once per key). ``instructions``: the corpus fixing the tokeniser's vocabulary (Text entries).
+
+    Raises:
+        EnvError: an observation space other than a Box or a Dict of Box and Text entries.
+    """
+
+    def __init__(self, space: gym.Space, env_id: str, instructions: Sequence[str] = (), max_len: int = 16) -> None:
+        self.space, self.env_id = space, env_id
+        self.tokenizer = None
+        if isinstance(space, gym.spaces.Box):
+            self.boxes = {"observation": space}
+            self.texts: tuple[str, ...] = ()
+        elif isinstance(space, gym.spaces.Dict):
+            self.boxes = {k: s for k, s in space.spaces.items() if isinstance(s, gym.spaces.Box)}
+            self.texts = tuple(k for k, s in space.spaces.items() if isinstance(s, gym.spaces.Text))
+            other = [k for k in space.spaces if k not in self.boxes and k not in self.texts]
+            if other:
+                raise EnvError(f"env={env_id!r}: observation entries {other}: expected Box or Text entries")
+            if self.texts:
+                from rlfunc.nets.encoders import TextTokenizer
+
+                self.tokenizer = TextTokenizer.from_instructions(instructions, max_len)
+        else:
+            raise EnvError(f"env={env_id!r}: observation space {type(space).__name__}: expected a Box or a Dict")
+        for k, s in self.boxes.items():
+            if np.dtype(s.dtype) not in _NUMPY_TO_TORCH:
+                raise EnvError(f"env={env_id!r}: observation {k!r} has dtype {s.dtype}: expected uint8, float32/64 or int64")
+
+    @property
+    def is_dict(self) -> bool:
+        return isinstance(self.space, gym.spaces.Dict)
+
+    def spec(self, n: int, device: torch.device) -> dict:
+        """TorchRL specs of the keys, batch ``[n]``."""
+        out = {}
+        for k, s in self.boxes.items():
+            dtype = _NUMPY_TO_TORCH[np.dtype(s.dtype)]
+            if dtype == torch.uint8:
+                out[k] = Bounded(low=0, high=255, shape=(n, *s.shape), dtype=dtype, device=device)
+            else:
+                out[k] = Unbounded(shape=(n, *s.shape), dtype=dtype, device=device)
+        for k in self.texts:
+            m = self.tokenizer.max_len
+            out[f"{k}_tokens"] = Bounded(low=0, high=self.tokenizer.vocab_size - 1, shape=(n, m), dtype=torch.int64, device=device)
+            out[f"{k}_padding_mask"] = Categorical(2, shape=(n, m), dtype=torch.bool, device=device)
+        return out
+
+    def encode(self, observations: Sequence, device: torch.device) -> dict[str, Tensor]:
+        """A list of N gymnasium observations -> {key: tensor [N, ...]} on ``device``."""
+        out = {}
+        for k, s in self.boxes.items():
+            rows = observations if not self.is_dict else [o[k] for o in observations]
+            out[k] = torch.from_numpy(np.stack(rows)).to(device, _NUMPY_TO_TORCH[np.dtype(s.dtype)])
+        for k in self.texts:
+            tokens, pad = self.tokenizer([o[k] for o in observations])
+            out[f"{k}_tokens"], out[f"{k}_padding_mask"] = tokens.to(device), pad.to(device)
+        return out
+
+    @property
+    def keys(self) -> list[str]:
+        return [*self.boxes, *(f"{k}_{s}" for k in self.texts for s in ("tokens", "padding_mask"))]
+
+
+def env_instructions(env_id: str) -> tuple[str, ...]:
+    """The instruction corpus an env declares (``INSTRUCTIONS`` of its module), else ()."""
+    import importlib
+
+    import envs  # noqa: F401  (registers rlfunc's envs)
+
+    entry = gym.spec(env_id).entry_point
+    if isinstance(entry, str):
+        return tuple(getattr(importlib.import_module(entry.split(":")[0]), "INSTRUCTIONS", ()))
+    return ()
+
+
+class GymChunkEnv(EnvBase):
+    """N gymnasium envs stepped one action chunk at a time (see the module docstring).
+
+    Args:
+        env_id: a registered gymnasium id (rlfunc's envs are registered on import) with a bounded
+            1-D Box action space.
+        num_envs: N >= 1.
+        act_steps: actions per chunk; the action is ``[N, act_steps, A]`` in [-1, 1] (``[N, A]`` when
+            ``act_steps == 1``), scaled affinely to the action space's bounds.
+        device: where the output tensors live (the envs step on the host).
+        seed: env i's first reset uses a seed drawn from ``numpy.random.default_rng(seed)``; each later
+            reset of an env draws the next one.
+
+    Raises:
+        EnvError: an unknown id, an unbounded action space, an observation space it cannot encode,
+            ``num_envs`` or ``act_steps`` < 1.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, *, act_steps: int = 1, device: torch.device | str | None = None,
+                 seed: int | None = None) -> None:
+        for name, value in (("num_envs", num_envs), ("act_steps", act_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EnvError(f"{name}={value!r}: expected an int >= 1")
+        import envs  # noqa: F401
+
+        if env_id not in gym.registry:
+            raise EnvError(f"env={env_id!r}: not a registered gymnasium id")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        super().__init__(device=device, batch_size=torch.Size([num_envs]))
+        self.env_id, self.num_envs, self.act_steps = env_id, num_envs, act_steps
+        self.envs = [gym.make(env_id) for _ in range(num_envs)]
+        space = self.envs[0].observation_space
+        self.low, self.high = action_bounds(self.envs[0].action_space, env_id)
+        self.codec = ObservationCodec(space, env_id, env_instructions(env_id))
+        self.max_episode_steps = self.envs[0].spec.max_episode_steps if self.envs[0].spec else None
+        n, a = num_envs, self.low.shape[0]
+        self.act_dim = a
+        flag = Categorical(2, shape=(n, 1), dtype=torch.bool, device=device)
+        self.observation_spec = Composite(
+            **self.codec.spec(n, device),
+            success=flag.clone(),
+            episode_return=Unbounded(shape=(n, 1), dtype=torch.float32, device=device),
+            shape=(n,), device=device,
+        )
+        act_shape = (n, a) if act_steps == 1 else (n, act_steps, a)
+        self.action_spec = Bounded(low=-1.0, high=1.0, shape=act_shape, dtype=torch.float32, device=device)
+        self.reward_spec = Unbounded(shape=(n, 1), dtype=torch.float32, device=device)
+        self.done_spec = Composite(done=flag.clone(), terminated=flag.clone(), truncated=flag.clone(), shape=(n,), device=device)
+        self._obs: list = [None] * n
+        self._return = np.zeros(n, np.float32)
+        self._success = np.zeros(n, bool)
+        self.set_seed(seed)
+
+    def _set_seed(self, seed: int | None) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def _output(self, terminated=None, truncated=None, reward=None) -> TensorDict:
+        n, dev = self.num_envs, self.device
+        out = self.codec.encode(self._obs, dev)
+        flags = lambda x: torch.from_numpy(np.asarray(x, bool).reshape(n, 1)).to(dev)  # noqa: E731
+        out["success"] = flags(self._success)
+        out["episode_return"] = torch.from_numpy(self._return.reshape(n, 1).copy()).to(dev)
+        term = np.zeros(n, bool) if terminated is None else terminated
+        trunc = np.zeros(n, bool) if truncated is None else truncated
+        out.update(terminated=flags(term), truncated=flags(trunc), done=flags(term | trunc))
+        if reward is not None:
+            out["reward"] = torch.from_numpy(reward.reshape(n, 1)).to(dev)
+        return TensorDict(out, batch_size=self.batch_size, device=dev)
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
+        mask = None if tensordict is None else tensordict.get("_reset", None)
+        which = range(self.num_envs) if mask is None else np.flatnonzero(mask.reshape(-1).cpu().numpy())
+        for i in which:
+            self._obs[i], info = self.envs[i].reset(seed=int(self._rng.integers(2**31)))
+            self._return[i] = 0.0
+            self._success[i] = bool(info.get("is_success", False))
+        return self._output()
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        n = self.num_envs
+        action = tensordict["action"].detach().to("cpu", torch.float32).numpy().reshape(n, self.act_steps, -1)
+        action = scale_action(np.clip(action, -1.0, 1.0), self.low, self.high)
+        reward = np.zeros(n, np.float32)
+        terminated, truncated = np.zeros(n, bool), np.zeros(n, bool)
+        for i, env in enumerate(self.envs):
+            for k in range(self.act_steps):
+                self._obs[i], r, terminated[i], truncated[i], info = env.step(action[i, k])
+                reward[i] += r
+                if terminated[i] or truncated[i]:
+                    break
+            self._success[i] = bool(info.get("is_success", False))
+        self._return += reward
+        return self._output(terminated, truncated, reward)
+
+    def close(self, *, raise_if_closed: bool = True) -> None:  # noqa: D102
+        for env in getattr(self, "envs", []):
+            env.close()
+        super().close(raise_if_closed=raise_if_closed)
+
+
+def check_chunk_env_id(env_id: str) -> None:
+    """EnvError unless ``env_id`` is registered with gymnasium (after rlfunc's envs register)."""
+    import envs  # noqa: F401
+
+    if not isinstance(env_id, str) or env_id not in gym.registry:
+        close = [k for k in gym.registry if isinstance(env_id, str) and env_id.lower()[:4] in k.lower()][:5]
+        hint = f" (similar: {', '.join(close)})" if close else ""
+        raise EnvError(f"env={env_id!r}: not a registered gymnasium id{hint}")

@@ -1,0 +1,79 @@
+"""Expert demonstrations as a diffusion-BC dataset: observations with the action chunk that follows.
+
+Each step t of an episode of length L becomes one sample: the observation o_t (the keys the actor's
+env gives, see :mod:`rlfunc.chunk_env`) and the chunk a_t .. a_{t+H-1} of the expert's actions in
+[-1, 1] (scaled from the action space's bounds), the last action repeated past the episode's end
+(Chi et al. 2023, "Diffusion Policy", edge padding of the action sequence).
+
+Experts: PointReach-v0 (:func:`envs.point_reach.collect_demonstrations`, torch-batched) and the Push
+envs (:func:`envs.push.expert.collect_demonstrations`, two routes round the block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from rlfunc.errors import EnvError
+
+EXPERT_ENVS = ("PointReach-v0", "PushState-v0", "Push-v0")
+
+
+def chunk_indices(length: int, horizon: int) -> np.ndarray:
+    """int64 ``[length, horizon]``: row t = t, t+1, ..., t+H-1, clipped to ``length - 1``."""
+    return np.minimum(np.arange(length)[:, None] + np.arange(horizon)[None, :], length - 1)
+
+
+def expert_demonstrations(
+    env_id: str, num_episodes: int, horizon: int, *, seed: int, noise_std: float, device: torch.device
+) -> tuple[TensorDict, dict]:
+    """The scripted expert's episodes of ``env_id`` as a BC dataset.
+
+    Args:
+        env_id: one of :data:`EXPERT_ENVS`.
+        num_episodes: E >= 1 expert episodes.
+        horizon: H >= 1, the chunk length stored with every step.
+        seed: seed of the episodes (resets, route coins, noise).
+        noise_std: std of the noise on the executed actions, in [-1, 1] action units (PointReach:
+            recorded as executed; Push: DART-style, the clean expert action is recorded).
+        device: where the dataset lives (images stay uint8).
+
+    Returns:
+        (dataset, summary): TensorDict [M] (M = total steps) with the env's observation keys,
+        "action" float32 [M, H, A] in [-1, 1] and "episode" int64 [M]; summary {"success_rate",
+        "num_episodes", "num_samples"} of the expert's episodes.
+
+    Raises:
+        EnvError: ``env_id`` has no scripted expert.
+    """
+    if env_id == "PointReach-v0":
+        from envs.point_reach import collect_demonstrations
+
+        gen = torch.Generator(device=device).manual_seed(seed)
+        data = collect_demonstrations(num_episodes, horizon, generator=gen, device=device, noise_std=noise_std)
+        return data.select("observation", "action", "episode"), {"num_episodes": num_episodes, "num_samples": data.batch_size[0]}
+    if env_id not in EXPERT_ENVS:
+        raise EnvError(f"env={env_id!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
+    import gymnasium as gym
+
+    from envs.push.expert import collect_demonstrations as push_demonstrations
+    from rlfunc.chunk_env import ObservationCodec, action_bounds, env_instructions, unscale_action
+
+    env = gym.make(env_id)
+    codec = ObservationCodec(env.observation_space, env_id, env_instructions(env_id))
+    low, high = action_bounds(env.action_space, env_id)
+    env.close()
+    result = push_demonstrations(env_id, num_episodes, seed, noise_std=noise_std * float(high[0] - low[0]) / 2.0)
+    parts = []
+    for i, ep in enumerate(result["episodes"]):
+        length = len(ep["actions"])
+        obs = ep["observations"][:length]
+        fields = codec.encode(list(obs), device)
+        actions = unscale_action(ep["actions"], low, high)[chunk_indices(length, horizon)]
+        fields["action"] = torch.from_numpy(np.ascontiguousarray(actions, np.float32)).to(device)
+        fields["episode"] = torch.full((length,), i, dtype=torch.int64, device=device)
+        parts.append(TensorDict(fields, batch_size=[length], device=device))
+    data = torch.cat(parts)
+    summary = {"num_episodes": num_episodes, "num_samples": data.batch_size[0], "success_rate": result["success_rate"]}
+    return data, summary

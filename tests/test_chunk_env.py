@@ -1,0 +1,184 @@
+"""GymChunkEnv (gymnasium envs stepped one action chunk at a time), the chunked demonstration dataset,
+and the diffusion algorithms on Push-v0 / PushState-v0 end to end (images, proprio and text)."""
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from torchrl.envs.utils import check_env_specs
+
+import envs  # noqa: F401
+from envs.push import env as pe
+from rlfunc import func
+from rlfunc.algos.bc import BCConfig
+from rlfunc.algos.diffusion_actor import ActorSpec, env_info
+from rlfunc.algos.dppo import DPPOConfig
+from rlfunc.chunk_env import GymChunkEnv, scale_action, unscale_action
+from rlfunc.demos import chunk_indices, expert_demonstrations
+from rlfunc.errors import CheckpointError, EnvError
+from rlfunc.train_diffusion import evaluate_run, load_actor, train_bc, train_dppo
+
+CPU = torch.device("cpu")
+
+
+def _rendering_available() -> bool:
+    try:
+        env = pe.PushEnv()
+        env.reset(seed=0)
+        env.close()
+        return True
+    except EnvError:
+        return False
+
+
+needs_rendering = pytest.mark.skipif(not _rendering_available(), reason="no working OpenGL")
+
+
+def test_scale_roundtrip_and_bounds():
+    low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
+    a = np.array([[-1.0, -1.0], [0.0, 0.5], [1.0, 1.0]], np.float32)
+    s = scale_action(a, low, high)
+    np.testing.assert_allclose(s, [[-2.0, 0.0], [0.0, 0.75], [2.0, 1.0]])
+    np.testing.assert_allclose(unscale_action(s, low, high), a, atol=1e-6)
+
+
+def test_chunk_indices_repeat_the_last_step():
+    np.testing.assert_array_equal(chunk_indices(3, 4), [[0, 1, 2, 2], [1, 2, 2, 2], [2, 2, 2, 2]])
+
+
+def test_pendulum_chunk_equals_stepping_the_gym_env_by_hand():
+    """A 3-action chunk: the same observation and summed reward as three gymnasium steps with the
+    scaled actions (Pendulum's bounds are +-2), from the same reset seed."""
+    check_env_specs(GymChunkEnv("Pendulum-v1", 2, act_steps=3, seed=7))
+    env = GymChunkEnv("Pendulum-v1", 2, act_steps=3, seed=7)
+    td = env.reset()
+    rng = np.random.default_rng(7)
+    seeds = [rng.integers(2**31) for _ in range(2)]  # the reset seeds GymChunkEnv drew
+    action = torch.tensor([[[0.5], [-1.0], [0.25]], [[1.0], [1.0], [-0.5]]])
+    out = env.step(td.set("action", action))["next"]
+    for i in range(2):
+        ref = gym.make("Pendulum-v1")
+        obs, _ = ref.reset(seed=int(seeds[i]))
+        np.testing.assert_allclose(td["observation"][i].numpy(), obs, rtol=1e-6)
+        total = 0.0
+        for k in range(3):
+            obs, r, *_ = ref.step(2.0 * action[i, k].numpy())
+            total += r
+        np.testing.assert_allclose(out["observation"][i].numpy(), obs, rtol=1e-5)
+        assert out["reward"][i, 0].item() == pytest.approx(total, rel=1e-5)
+        assert out["episode_return"][i, 0].item() == pytest.approx(total, rel=1e-5)
+    env.close()
+
+
+def test_a_chunk_stops_at_the_episode_end_and_only_ended_envs_reset():
+    """Pendulum's time limit is 200 steps: with 3-action chunks the 67th chunk ends the episode
+    after 2 of its actions (truncated, not terminated); a partial reset leaves the other env alone."""
+    env = GymChunkEnv("Pendulum-v1", 1, act_steps=3, seed=0)
+    td = env.rollout(67, break_when_any_done=False)
+    trunc = td["next", "truncated"].squeeze(-1)[0]
+    assert trunc.nonzero().flatten().tolist() == [66]
+    assert not td["next", "terminated"].any()
+    env.close()
+    env = GymChunkEnv("Pendulum-v1", 2, act_steps=1, seed=0)
+    td = env.reset()
+    before = td["observation"].clone()
+    mask = torch.tensor([[True], [False]])
+    after = env.reset(td.set("_reset", mask))
+    assert not torch.equal(after["observation"][0], before[0])
+    assert torch.equal(after["observation"][1], before[1])
+    env.close()
+
+
+@needs_rendering
+def test_push_pixels_chunk_env_keeps_images_uint8_and_tokenises_instructions():
+    env = GymChunkEnv("Push-v0", 2, act_steps=2, seed=0)
+    check_env_specs(env)
+    td = env.rollout(2, break_when_any_done=False)
+    assert td["top"].dtype == torch.uint8 and td["top"].shape == (2, 2, 128, 128, 3)
+    assert td["proprio"].dtype == torch.float32 and td["proprio"].shape == (2, 2, 16)
+    tok = env.codec.tokenizer
+    words = [tok.vocab[i] for i in td["instruction_tokens"][0, 0].tolist() if i]
+    assert " ".join(words) == " ".join(tok.split(env.envs[0].unwrapped.instruction))
+    assert td["instruction_padding_mask"][0, 0].tolist() == [i == 0 for i in td["instruction_tokens"][0, 0].tolist()]
+    assert tok.cache_hits > 0  # one tokenisation per distinct instruction
+    env.close()
+
+
+def test_bad_env_ids_and_action_spaces_are_one_line_errors():
+    with pytest.raises(EnvError, match="not a registered gymnasium id"):
+        GymChunkEnv("NoSuch-v0", 1)
+    with pytest.raises(EnvError, match="bounded 1-D Box"):
+        GymChunkEnv("CartPole-v1", 1)
+    with pytest.raises(EnvError, match="num_envs"):
+        GymChunkEnv("Pendulum-v1", 0)
+
+
+def test_push_state_demonstrations_are_the_experts_scaled_chunks():
+    """Chunks hold the expert's actions scaled to [-1, 1] (bounds +-0.25 m/s), edge-padded."""
+    data, summary = expert_demonstrations("PushState-v0", 2, 3, seed=0, noise_std=0.0, device=CPU)
+    from envs.push.expert import collect_demonstrations
+
+    ref = collect_demonstrations("PushState-v0", 2, 0)
+    first = ref["episodes"][0]
+    n = len(first["actions"])
+    assert summary["success_rate"] == ref["success_rate"] and data.batch_size[0] == int(ref["length"].sum())
+    np.testing.assert_allclose(data["action"][:n, 0].numpy(), first["actions"] / 0.25, atol=1e-6)
+    np.testing.assert_allclose(data["action"][n - 1].numpy(), np.repeat(first["actions"][-1:] / 0.25, 3, 0), atol=1e-6)
+    np.testing.assert_allclose(data["observation"][:n].numpy(), first["observations"][:n])
+    assert data["action"].abs().max() <= 1.0 + 1e-6
+
+
+def test_push_state_bc_then_dppo_from_the_cli_functions(tmp_path):
+    """A few bc updates and one dppo iteration on PushState-v0 run, change the parameters, and the
+    dppo run refuses a bc run of another env."""
+    bc = BCConfig(env="PushState-v0", num_demos=2, num_updates=3, batch_size=16, eval_episodes=2, log_every=1,
+                  actor=ActorSpec(hidden=(32, 32), horizon=4, act_steps=4, num_train_steps=4, ddim_steps=2), device="cpu")
+    r = train_bc(bc, tmp_path / "bc", progress=False, tensorboard=False)
+    assert json.loads((tmp_path / "bc" / "demos.json").read_text())["num_episodes"] == 2
+    assert r.evaluation["num_episodes"] == 2.0 and 0.0 <= r.evaluation["success_rate"] <= 1.0
+    loaded = load_actor(tmp_path / "bc", CPU)
+    assert loaded.info == env_info("PushState-v0") and loaded.encoder is None
+    d = DPPOConfig(env="PushState-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 4, num_envs=2, num_steps=2,
+                   minibatch_size=4, num_epochs=1, eval_episodes=2, target_kl=None, device="cpu")
+    out = train_dppo(d, tmp_path / "dppo", progress=False, tensorboard=False)
+    moved = [(a - b).abs().max().item() for a, b in zip(func.leaves(out.state["params", "actor"]), func.leaves(loaded.params))]
+    assert max(moved) > 0
+    with pytest.raises(CheckpointError, match="observations"):
+        train_dppo(DPPOConfig(env="PointReach-v0", init_from=str(tmp_path / "bc"), device="cpu"), tmp_path / "x",
+                   progress=False, tensorboard=False)
+
+
+TINY_VISION = dict(encoder_d_model=16, encoder_widths=(8, 8), encoder_blocks=(1, 1))
+
+
+@needs_rendering
+def test_push_pixels_bc_and_dppo_with_images_proprio_and_text(tmp_path):
+    """Push-v0 end to end with both cameras, proprio and the instruction: bc trains the encoder and
+    the denoiser (every encoder part moves), dppo starts from it (encoder frozen) and moves the actor
+    and the critic; eval reads the run back."""
+    spec = ActorSpec(hidden=(32, 32), horizon=2, act_steps=2, num_train_steps=4, ddim_steps=2, **TINY_VISION)
+    bc = BCConfig(env="Push-v0", num_demos=1, num_updates=2, batch_size=8, eval_episodes=1, log_every=1, actor=spec,
+                  lr=1e-2, device="cpu")
+    r = train_bc(bc, tmp_path / "bc", progress=False, tensorboard=False)
+    state = r.state
+    assert set(state["encoder"].keys()) >= {"vision", "proprio", "text", "fusion", "cls"}
+    fresh = load_actor(tmp_path / "bc", CPU)
+    assert sorted(fresh.info.cameras) == ["side", "top"] and fresh.info.text == "learned"
+    from rlfunc.algos.diffusion_actor import DiffusionActor
+
+    init = DiffusionActor(spec, fresh.info, 3, CPU).init_encoder_params(bc.seed + 1)
+    for part in ("vision", "proprio", "text", "fusion"):
+        changed = [not torch.equal(a, b) for a, b in zip(func.leaves(state["encoder", part]), func.leaves(init[part]))]
+        assert any(changed), part
+    d = DPPOConfig(env="Push-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 2, num_envs=2, num_steps=2,
+                   minibatch_size=4, num_epochs=1, eval_episodes=1, target_kl=None, device="cpu")
+    out = train_dppo(d, tmp_path / "dppo", progress=False, tensorboard=False)
+    for part in ("actor", "critic"):
+        start = fresh.params if part == "actor" else None
+        if start is not None:
+            assert any(not torch.equal(a, b) for a, b in zip(func.leaves(out.state["params", part]), func.leaves(start)))
+    assert all(torch.equal(a, b) for a, b in zip(func.leaves(out.state["encoder"]), func.leaves(fresh.encoder)))
+    ev = evaluate_run(tmp_path / "dppo", 1, device="cpu")
+    assert ev["algo"] == "dppo" and ev["num_episodes"] == 1.0
