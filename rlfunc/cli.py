@@ -4,6 +4,7 @@
     rlfunc train bc [--num-demos N] [--actor.denoiser mlp|unet] [...]            diffusion BC on PointReach-v0 demos
     rlfunc train dppo [--init-from BC_RUN_DIR] [--likelihood chain|output-noise] [...]
     rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]
+    rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), or success
                                             rate and goal shares (bc, dppo, td3-diffusion)
     rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
@@ -34,7 +35,7 @@ from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
-ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion")
+ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,10 @@ def _train(argv: list[str]) -> int:
     if not argv or argv[0] not in ALGORITHMS:
         got = repr(argv[0]) if argv else "nothing"
         raise ConfigError(f"algorithm: expected one of {', '.join(ALGORITHMS)} after `rlfunc train`, got {got}")
+    if argv[0] in ("grpo", "gspo"):
+        from rlfunc import cli_grpo
+
+        return cli_grpo.train(argv[0], argv[1:])
     if argv[0] != "ppo":
         return _train_diffusion(argv[0], argv[1:])
     pre = argparse.ArgumentParser(add_help=False)
@@ -188,6 +193,11 @@ def _eval(argv: list[str]) -> int:
 
         print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
         return 0
+    if snap is not None and checkpoint.load_meta(snap).get("algo") in ("grpo", "gspo"):
+        from rlfunc.train_grpo import evaluate_run as evaluate_grpo
+
+        print(json.dumps(evaluate_grpo(snap, a.episodes, seed=a.seed, device=a.device)))
+        return 0
     a.episodes = 10 if a.episodes is None else a.episodes
     if a.seed is not None and not 0 <= a.seed < 2**31:
         raise ConfigError(f"seed={a.seed}: expected an integer in [0, 2**31)")
@@ -206,6 +216,8 @@ def _resume(argv: list[str]) -> int:
 
     snap = checkpoint.latest_snapshot(a.run_dir)
     algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
+    if algo in ("grpo", "gspo"):
+        raise ConfigError(f"run_dir={a.run_dir!r} is a {algo} run; resuming grpo/gspo runs is not supported yet")
     if algo in ("bc", "dppo", "td3-diffusion"):
         raise ConfigError(
             f"run_dir={a.run_dir!r} is a {algo} run; resuming the diffusion algorithms is not supported yet "

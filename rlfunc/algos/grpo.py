@@ -1,0 +1,312 @@
+"""GRPO and GSPO for continuous control: critic-free PPO-style updates on groups of episodes.
+
+Every iteration draws ``num_groups`` start states and runs ``group_size`` episodes from each
+(:mod:`rlfunc.grouped`); an episode's undiscounted return is its sequence reward, turned into a
+group-relative advantage (:func:`rlfunc.returns.group_relative_advantage`) shared by all its steps.
+The Gaussian actor, its rollout policy, the observation normaliser and the parameter layout are
+PPO's (:mod:`rlfunc.algos.ppo`) without the critic. An optional KL term pulls the policy toward a
+frozen reference: the initial actor ("ref_params").
+
+Every learner tensor carries a leading seed dim S, as in PPO; Adam is elementwise, so seeds train
+independently (their grouped rollouts are drawn from one env of S * num_groups * group_size envs).
+
+Reference: Shao et al. (2024), "DeepSeekMath", sec. 4.1 (GRPO); Zheng et al. (2025), "Group
+Sequence Policy Optimization" (GSPO); see :mod:`rlfunc.losses.grpo` and :mod:`rlfunc.losses.gspo`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc import func
+from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
+from rlfunc.distributions import gaussian_log_prob
+from rlfunc.errors import ConfigError
+from rlfunc.grouped import sequence_return
+from rlfunc.losses.grpo import grpo_loss
+from rlfunc.losses.gspo import gspo_loss
+from rlfunc.nets.actor_critic import GaussianActorCritic
+from rlfunc.normalize import normalize, update_running_stats
+from rlfunc.optim import clip_grads_, masked_step, member_grad_norms
+from rlfunc.returns import group_relative_advantage
+
+TORCH_ENVS = ("PointReach-v0",)  # env ids with a torch-batched TorchRL env (backend "auto" uses it)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Every GRPO / GSPO hyperparameter, with its default. Steps are env steps per seed."""
+
+    env: str = "PointReach-v0"  # gymnasium env id (Box observations and actions)
+    loss: Literal["grpo", "gspo"] = "grpo"  # per-step ratio (GRPO) or one ratio per episode (GSPO)
+    backend: Literal["auto", "gym", "torch"] = "auto"  # auto: torch-batched env for PointReach-v0, else gymnasium
+    total_steps: int = 200_000  # env steps per seed, counted as num_groups * group_size * max_episode_steps per iteration
+    num_groups: int = 16  # start states per iteration
+    group_size: int = 8  # episodes from each start state (G)
+    max_episode_steps: int = 30  # steps per episode at most (use the env's time limit: PointReach 30, Pendulum 200)
+    num_epochs: int = 10  # passes over each batch
+    minibatch_size: int = 32  # episodes per gradient step; must divide num_groups * group_size
+    lr: float = 3e-4  # Adam learning rate
+    anneal_lr: bool = True  # linear decay of lr to 0 over the run
+    adam_eps: float = 1e-5  # Adam epsilon
+    clip_epsilon: float = 0.2  # grpo: lower clip 1 - eps of the per-step ratio
+    clip_epsilon_high: float | None = None  # grpo: upper clip 1 + eps_high (None: clip_epsilon; DAPO's clip-higher)
+    gspo_clip_epsilon: float = 0.03  # gspo: lower clip of the sequence ratio; 100x the paper's 3e-4 (LLM tokens), which barely moves a Gaussian control policy (bench/RESULTS.md)
+    gspo_clip_epsilon_high: float = 0.04  # gspo: upper clip of the sequence ratio; 100x the paper's 4e-4
+    gspo_variant: Literal["sequence", "token"] = "sequence"  # gspo: GSPO or GSPO-token
+    aggregation: Literal["token", "sequence", "constant"] = "token"  # grpo: mean over steps / over episodes / constant
+    advantage_std: Literal["group", "batch", "none"] = "group"  # divide by the group's std, the batch's, or not (Dr. GRPO)
+    advantage_eps: float = 1e-4  # added to the std (return units)
+    unbiased_std: bool = True  # Bessel's correction in the std
+    kl_coef: float = 0.0  # weight of the k3 KL to the frozen initial policy (0: off)
+    max_grad_norm: float = 0.5  # global grad-norm clip, per seed
+    normalize_observations: bool = True  # running mean/std, clipped to +-obs_clip
+    obs_clip: float = 10.0  # in standard deviations
+    hidden: tuple[int, ...] = (64, 64)  # MLP widths of the actor
+    activation: str = "tanh"  # tanh | relu | elu | silu
+    init_log_std: float = 0.0  # initial log standard deviation of the actions
+    seed: int = 0  # first seed; seed i of --num-seeds is seed + i
+    num_seeds: int = 1  # independent agents trained together (stacked params)
+    device: str = "auto"  # auto | cpu | npu | ... (rlfunc.device)
+    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
+    vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
+    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "num_groups", "group_size", "max_episode_steps", "num_epochs",
+                     "minibatch_size", "num_seeds", "eval_episodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        if self.loss not in ("grpo", "gspo"):
+            raise ConfigError(f"loss={self.loss!r}: expected 'grpo' or 'gspo'")
+        if self.backend not in ("auto", "gym", "torch"):
+            raise ConfigError(f"backend={self.backend!r}: expected 'auto', 'gym' or 'torch'")
+        if self.backend == "torch" and self.env not in TORCH_ENVS:
+            raise ConfigError(f"backend='torch': env={self.env!r} has no torch-batched env (those that do: {', '.join(TORCH_ENVS)})")
+        if self.episodes_per_iteration % self.minibatch_size:
+            raise ConfigError(
+                f"minibatch_size={self.minibatch_size} does not divide num_groups*group_size={self.episodes_per_iteration}"
+            )
+        for name in ("lr", "clip_epsilon", "gspo_clip_epsilon", "gspo_clip_epsilon_high", "max_grad_norm", "obs_clip", "adam_eps"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value}: expected a finite value > 0")
+        for name in ("clip_epsilon", "gspo_clip_epsilon"):
+            if not getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a value in (0, 1)")
+        if self.clip_epsilon_high is not None and not (self.clip_epsilon_high > 0 and math.isfinite(self.clip_epsilon_high)):
+            raise ConfigError(f"clip_epsilon_high={self.clip_epsilon_high}: expected a finite value > 0 or None")
+        if not (0 <= self.kl_coef < math.inf) or not (0 <= self.advantage_eps < math.inf):
+            raise ConfigError(f"kl_coef={self.kl_coef}, advantage_eps={self.advantage_eps}: expected finite values >= 0")
+        if self.gspo_variant not in ("sequence", "token"):
+            raise ConfigError(f"gspo_variant={self.gspo_variant!r}: expected 'sequence' or 'token'")
+        if self.aggregation not in ("token", "sequence", "constant"):
+            raise ConfigError(f"aggregation={self.aggregation!r}: expected 'token', 'sequence' or 'constant'")
+        if self.advantage_std not in ("group", "batch", "none"):
+            raise ConfigError(f"advantage_std={self.advantage_std!r}: expected 'group', 'batch' or 'none'")
+        if self.torch_threads < 0 or self.keep_checkpoints < 0 or self.checkpoint_every < 0:
+            raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
+        if not 0 <= self.seed < 2**31 - self.num_seeds:
+            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
+        if self.vmap not in ("auto", "vmap", "loop"):
+            raise ConfigError(f"vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
+        # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses
+        self.actor_config()
+
+    @property
+    def episodes_per_iteration(self) -> int:
+        return self.num_groups * self.group_size
+
+    @property
+    def steps_per_iteration(self) -> int:
+        return self.episodes_per_iteration * self.max_episode_steps
+
+    @property
+    def num_iterations(self) -> int:
+        return max(1, math.ceil(self.total_steps / self.steps_per_iteration))
+
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.num_seeds)]
+
+    @property
+    def use_torch_env(self) -> bool:
+        return self.backend == "torch" or (self.backend == "auto" and self.env in TORCH_ENVS)
+
+    def actor_config(self) -> PPOConfig:
+        """The PPOConfig whose actor, initialisation and rollout policy GRPO shares."""
+        return PPOConfig(
+            env=self.env, num_envs=1, num_steps=1, minibatch_size=1, hidden=self.hidden, activation=self.activation,
+            init_log_std=self.init_log_std, normalize_observations=self.normalize_observations, obs_clip=self.obs_clip,
+            seed=self.seed, num_seeds=self.num_seeds, device=self.device, vmap=self.vmap,
+        )
+
+
+PRESETS: dict[tuple[str, str], dict] = {
+    # Pendulum episodes last 200 steps; a start state's difficulty dominates the return, which the
+    # group baseline removes.
+    ("Pendulum-v1", "grpo"): dict(max_episode_steps=200, num_groups=8, group_size=8, minibatch_size=16, lr=1e-3),
+    ("Pendulum-v1", "gspo"): dict(max_episode_steps=200, num_groups=8, group_size=8, minibatch_size=16, lr=1e-3),
+}
+
+
+def preset(env: str, loss: str = "grpo", **overrides) -> GRPOConfig:
+    """The preset for (``env``, ``loss``) (defaults for pairs without one) with ``overrides`` applied."""
+    return GRPOConfig(**{**PRESETS.get((env, loss), {}), "env": env, "loss": loss, **overrides})
+
+
+class GRPO(NamedTuple):
+    """The algorithm: ``init() -> state``, ``iteration(state, batch, generators, optimizer) -> (state, metrics)``,
+    and the rollout policy ``policy(state, generators, deterministic)`` (PPO's Gaussian actor)."""
+
+    init: Callable[[], TensorDict]
+    iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    policy: Callable[..., Callable[[Tensor], tuple[Tensor, Tensor]]]
+    net: GaussianActorCritic
+
+
+def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
+    """Build GRPO's (or GSPO's) pure pieces for ``config`` on envs described by ``spec``.
+
+    The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
+    "params" (actor, log_std), "ref_params" (a frozen copy of the initial params: the KL reference),
+    "obs_stats", "rng" (uint8 generator states [S, L]), "iteration" and "env_steps" (0-dim int64).
+
+    ``iteration`` takes a grouped batch [S, num_groups, group_size, T] with "observation" (raw),
+    "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.grouped`), gathered
+    with ``policy(state, generators)``.
+    """
+    S = config.num_seeds
+    ppo = make_ppo(config.actor_config(), spec, device)
+    net = ppo.net
+    use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
+    vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
+
+    def init() -> TensorDict:
+        base = ppo.init()  # PPO's seeded actor init, normaliser and generators; the critic is dropped
+        params = func.as_leaves(base["params"].exclude("critic"))
+        with torch.no_grad():
+            ref = params.clone().apply(lambda t: t.detach().requires_grad_(False))
+        return TensorDict(
+            {
+                "params": params,
+                "ref_params": ref,
+                "obs_stats": base["obs_stats"],
+                "rng": base["rng"],
+                "iteration": base["iteration"],
+                "env_steps": base["env_steps"],
+            },
+            batch_size=[],
+            device=device,
+        )
+
+    def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
+        if not config.normalize_observations:
+            return obs
+        return normalize(stats, obs, clip=config.obs_clip)
+
+    def member_log_prob(params: TensorDict, obs: Tensor, action: Tensor) -> Tensor:
+        loc = func.apply(net.actor, params["actor"], obs)
+        return gaussian_log_prob(action, loc, params["log_std"])
+
+    def member_loss(params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+        log_prob = member_log_prob(params, mb["observation"], mb["action"])
+        ref = mb["ref_log_prob"] if config.kl_coef > 0 else None
+        if config.loss == "grpo":
+            return grpo_loss(
+                log_prob, mb["sample_log_prob"], mb["advantage"], mb["mask"],
+                clip_epsilon=config.clip_epsilon, clip_epsilon_high=config.clip_epsilon_high,
+                ref_log_prob=ref, kl_coef=config.kl_coef, aggregation=config.aggregation,
+            )
+        return gspo_loss(
+            log_prob, mb["sample_log_prob"], mb["advantage"], mb["mask"],
+            clip_epsilon=config.gspo_clip_epsilon, clip_epsilon_high=config.gspo_clip_epsilon_high,
+            ref_log_prob=ref, kl_coef=config.kl_coef, variant=config.gspo_variant,
+        )
+
+    def advantages(episode_return: Tensor) -> Tensor:
+        """[S, n, G] -> [S, n, G]; the "batch" std is per seed."""
+        return torch.stack([
+            group_relative_advantage(
+                episode_return[s], std=config.advantage_std, eps=config.advantage_eps, unbiased=config.unbiased_std
+            )
+            for s in range(S)
+        ])
+
+    def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, Tensor, Tensor]:
+        """Normalise observations, episode returns and advantages; batch [S, n, G, T] -> sequences [S, n*G, T]."""
+        obs = vmap(norm_obs)(state["obs_stats"], batch["observation"])
+        mask = batch["mask"]
+        episode_return = sequence_return(batch)  # [S, n, G]
+        advantage = advantages(episode_return)
+        seq = TensorDict(
+            {
+                "observation": obs, "action": batch["action"], "sample_log_prob": batch["sample_log_prob"],
+                "mask": mask, "advantage": advantage[..., None, None],  # [S, n, G, 1, 1]: one per episode
+            },
+            batch_size=batch.batch_size[:3],
+        ).flatten(1, 2)
+        if config.kl_coef > 0:
+            with torch.no_grad():
+                seq["ref_log_prob"] = vmap(member_log_prob)(state["ref_params"], seq["observation"], seq["action"])
+        return seq, episode_return, advantage
+
+    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator], optimizer) -> tuple[TensorDict, TensorDict]:
+        """One update on a grouped ``batch`` [S, n, G, T], stepping ``optimizer`` over ``state["params"]``'
+        leaves. Returns the new state and per-seed metrics [S]."""
+        seq, episode_return, advantage = prepare(state, batch)
+        params = state["params"]
+        leaves = func.leaves(params)
+        B = seq.batch_size[1]
+        num_mb = B // config.minibatch_size
+        rows = torch.arange(S, device=device).unsqueeze(1)
+        metric_sum, updates = None, 0
+        skipped = torch.zeros(S, dtype=torch.int64, device=device)
+        for _ in range(config.num_epochs):
+            perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
+            shuffled = seq[rows, perm]
+            for k in range(num_mb):
+                mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
+                loss, metrics = vmap(member_loss)(params, mb)
+                optimizer.zero_grad(set_to_none=True)
+                loss.sum().backward()
+                grads = [p.grad for p in leaves]
+                norms = member_grad_norms(grads, stacked=True)
+                ok = loss.isfinite() & norms.isfinite()
+                if not bool(ok.all()):
+                    skipped += (~ok).long()
+                    for g in grads:
+                        g.nan_to_num_(0.0, 0.0, 0.0)
+                clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
+                masked_step(optimizer, leaves, ok)
+                metrics["grad_norm"] = norms
+                metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                updates += 1
+        out = state.clone(recurse=False)
+        if config.normalize_observations:
+            flat_mask = batch["mask"].flatten(1, 3).squeeze(-1)
+            out["obs_stats"] = vmap(update_running_stats)(state["obs_stats"], batch["observation"].flatten(1, 3), flat_mask)
+        n, G, T = batch.batch_size[1:]
+        out["iteration"] = state["iteration"] + 1
+        out["env_steps"] = state["env_steps"] + n * G * T
+        out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)
+        metrics = metric_sum / updates
+        metrics["skipped_updates"] = skipped
+        metrics["updates"] = torch.full((S,), updates, device=device)
+        metrics["episode_return"] = episode_return.flatten(1).mean(1)
+        metrics["group_return_std"] = episode_return.std(-1, correction=0).flatten(1).mean(1)
+        metrics["zero_advantage_groups"] = (advantage == 0).all(-1).float().flatten(1).mean(1)
+        metrics["valid_steps"] = batch["mask"].flatten(1).sum(1).float()
+        return out, metrics
+
+    return GRPO(init, iteration, ppo.policy, net)
