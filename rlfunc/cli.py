@@ -1,8 +1,9 @@
 """The ``rlfunc`` command.
 
     rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]
-    rlfunc train bc [--num-demos N] [--actor.denoiser mlp|unet] [...]            diffusion BC on PointReach-v0 demos
-    rlfunc train dppo [--init-from BC_RUN_DIR] [--likelihood chain|output-noise] [...]
+    rlfunc train bc [--env PointReach-v0|PushState-v0|Push-v0] [--demos N] [--actor.denoiser mlp|unet] [...]
+                                            diffusion BC on the env's scripted-expert demos
+    rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]
     rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]
     rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), or success
@@ -128,6 +129,10 @@ class _LooseTD3(TD3DiffusionConfig):
 _LOOSE = {BCConfig: _LooseBC, DPPOConfig: _LooseDPPO, TD3DiffusionConfig: _LooseTD3}
 
 
+# Short forms of two diffusion flags: `rlfunc train bc --demos N`, `rlfunc train dppo --init RUN_DIR`.
+_ALIASES = {"--demos": "--num-demos", "--init": "--init-from"}
+
+
 def _train_diffusion(algo: str, argv: list[str]) -> int:
     import tyro
 
@@ -141,6 +146,7 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(argv)
+    rest = [_ALIASES.get(a, a) for a in rest]
     loose = _LOOSE[cls]
     parsed = tyro.cli(
         loose, args=rest, default=_convert(loose, cls()),
