@@ -29,6 +29,8 @@ from rlfunc.nets.mlp import seeded_init
 from rlfunc.optim import clip_grads_, masked_step, member_grad_norms
 from rlfunc.normalize import init_running_stats, normalize, scale_reward, update_running_stats
 from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
+from rlfunc.sde import EPSILON as SDE_EPSILON
+from rlfunc.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,11 @@ class PPOConfig:
     reward_clip: float = 10.0  # after scaling
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of actor and critic
     activation: str = "tanh"  # tanh | relu | elu | silu
-    init_log_std: float = 0.0  # initial log standard deviation of the actions
+    init_log_std: float = 0.0  # initial log std of the actions (gaussian) or of the exploration matrix (gsde)
+    exploration: Literal["gaussian", "gsde"] = "gaussian"  # action noise: state-independent Gaussian, or gSDE (rlfunc.sde)
+    sde_sample_freq: int = -1  # gsde: env steps between exploration-matrix draws (<= 0: once per rollout)
+    full_std: bool = True  # gsde: one sigma per exploration-matrix entry [L, A] (False: per feature [L, 1])
+    sde_learn_features: bool = False  # gsde: let the noise scale's gradient reach the actor's features
     target_kl: float | None = None  # a seed stops its epochs of an iteration once its approx KL exceeds it
     vectorization: Literal["sync", "async"] = "sync"  # gymnasium vector env mode
     seed: int = 0  # first seed; seed i of --num-seeds is seed + i
@@ -110,6 +116,10 @@ class PPOConfig:
             raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
         if self.activation not in ("tanh", "relu", "elu", "silu"):
             raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
+        if self.exploration not in ("gaussian", "gsde"):
+            raise ConfigError(f"exploration={self.exploration!r}: expected 'gaussian' or 'gsde'")
+        if not math.isfinite(self.init_log_std):
+            raise ConfigError(f"init_log_std={self.init_log_std}: expected a finite number")
 
     @property
     def batch_size(self) -> int:
@@ -174,14 +184,18 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     """Build PPO's pure pieces for ``config`` on envs described by ``spec``.
 
     The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
-    "params" (actor, critic, log_std), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
+    "params" (actor, critic, log_std: [S, act_dim], or [S, L, act_dim or 1] with gSDE), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
     "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64).
     """
     S, N = config.num_seeds, config.num_envs
     make_net = lambda: GaussianActorCritic(  # noqa: E731
-        spec.obs_dim, spec.act_dim, config.hidden, config.activation, config.init_log_std
+        spec.obs_dim, spec.act_dim, config.hidden, config.activation, config.init_log_std,
+        config.exploration, config.full_std,
     )
     net = make_net().to(device)
+    gsde = config.exploration == "gsde"
+    head = str(len(net.actor) - 1)  # the actor's output layer; body: the layers before it (features z)
+    body = torch.nn.Sequential(*list(net.actor)[:-1])
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
 
@@ -216,29 +230,58 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 
         The actor runs through ``func.sequential_forward`` (weights resolved once as views; all
         seeds in one batched matmul per layer). The normaliser is (mean, 1/sqrt(var + eps))
-        computed once, as ``rlfunc.normalize.normalize`` does. The log-probability uses the drawn
-        noise directly: log N(a; mu, sigma) with (a - mu) / sigma = noise. The normaliser and sigma
-        are read when the policy is built: build one per rollout (the trainer does).
+        computed once, as ``rlfunc.normalize.normalize`` does. Gaussian exploration: the
+        log-probability uses the drawn noise directly, log N(a; mu, sigma) with (a - mu) / sigma =
+        noise. gSDE: each seed draws one exploration matrix per env at the first call and every
+        ``sde_sample_freq`` calls after (rlfunc.sde.resample_due), from its own generator, so the
+        matrices follow from the generator states the learner state holds (exact resume); the
+        log-probability is log N(a; mu, (z^2) @ sigma^2 + 1e-6) as in ``sde_log_prob``. The
+        normaliser and sigma are read when the policy is built: build one per rollout (the
+        trainer does), which also starts each rollout with fresh matrices, as stable-baselines3.
         """
         half_log_2pi = 0.5 * math.log(2.0 * math.pi)
         params = state["params"]
         stats = state["obs_stats"]
         mean, inv_std = stats["mean"].unsqueeze(1), torch.rsqrt(stats["var"] + 1e-8).unsqueeze(1)  # [S, 1, obs]
-        log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
-        std, log_norm = log_std.exp(), -(log_std + half_log_2pi).sum(-1, keepdim=True)
+        actor = body if gsde else net.actor
         if S == 1:  # weights resolved once, as views that see the optimizer's in-place steps
-            single = func.sequential_forward(net.actor, params["actor"][0], stacked=False)
+            single = func.sequential_forward(actor, params["actor"][0], stacked=False)
             forward = lambda x: single(x[0]).unsqueeze(0)  # noqa: E731
         else:  # all members in one batched matmul per layer
-            forward = func.sequential_forward(net.actor, params["actor"], stacked=True)
+            forward = func.sequential_forward(actor, params["actor"], stacked=True)
+        if gsde:
+            head_weight = params["actor", head, "weight"].detach().transpose(-1, -2)  # [S, L, A]
+            head_bias = params["actor", head, "bias"].detach().unsqueeze(1)  # [S, 1, A]
+            sde_log_std = params["log_std"].detach()  # [S, L, A or 1]
+            variance_scale = sde_log_std.mul(2.0).exp()  # sigma^2
+            rollout = {"step": 0, "theta": None}
+        else:
+            log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
+            std, log_norm = log_std.exp(), -(log_std + half_log_2pi).sum(-1, keepdim=True)
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor]:
             x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass 64-bit floats
             if config.normalize_observations:
                 x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
-            loc = forward(x)
+            if gsde:
+                latent = forward(x)  # [S, N', L]
+                loc = torch.baddbmm(head_bias, latent, head_weight)
+            else:
+                loc = forward(x)
             if deterministic:
                 return loc.reshape(-1, spec.act_dim), loc.new_zeros(loc.shape[0] * loc.shape[1], 1)
+            if gsde:
+                if resample_due(rollout["step"], config.sde_sample_freq):
+                    rollout["theta"] = torch.stack(
+                        [draw_exploration_matrix(sde_log_std[s], spec.act_dim, g, (loc.shape[1],)) for s, g in enumerate(generators)]
+                    )  # [S, N', L, A]
+                rollout["step"] += 1
+                noise = torch.matmul(latent.unsqueeze(-2), rollout["theta"]).squeeze(-2)  # z @ theta, [S, N', A]
+                variance = torch.bmm(latent.square(), variance_scale).add_(SDE_EPSILON).expand_as(noise)
+                log_prob = (noise.square() / variance + variance.log()).sum(-1, keepdim=True).mul_(-0.5)
+                log_prob.sub_(spec.act_dim * half_log_2pi)
+                action = loc + noise
+                return action.reshape(-1, spec.act_dim), log_prob.reshape(-1, 1)
             if S == 1:
                 noise = torch.randn(loc.shape, generator=generators[0], device=loc.device)
             else:
@@ -250,9 +293,15 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         return act
 
     def member_loss(params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
-        loc, log_std, value = func.apply(net, params, mb["observation"])
-        log_prob = gaussian_log_prob(mb["action"], loc, log_std)
-        entropy = gaussian_entropy(log_std, loc.shape[:-1])
+        if gsde:
+            loc, log_std, value, latent = func.apply(net, params, mb["observation"], return_latent=True)
+            latent = latent if config.sde_learn_features else latent.detach()
+            log_prob = sde_log_prob(mb["action"], loc, latent, log_std)
+            entropy = sde_entropy(latent, log_std, spec.act_dim)
+        else:
+            loc, log_std, value = func.apply(net, params, mb["observation"])
+            log_prob = gaussian_log_prob(mb["action"], loc, log_std)
+            entropy = gaussian_entropy(log_std, loc.shape[:-1])
         return ppo_loss(
             log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
             entropy=entropy, old_state_value=mb["state_value"],
