@@ -193,14 +193,15 @@ class GymChunkEnv(EnvBase):
     def _output(self, terminated=None, truncated=None, reward=None) -> TensorDict:
         n, dev = self.num_envs, self.device
         out = self.codec.encode(self._obs, dev)
-        flags = lambda x: torch.from_numpy(np.asarray(x, bool).reshape(n, 1)).to(dev)  # noqa: E731
+        # copies: the host arrays are updated in place by later steps and resets (from_numpy shares memory)
+        flags = lambda x: torch.from_numpy(np.array(x, bool).reshape(n, 1)).to(dev)  # noqa: E731
         out["success"] = flags(self._success)
         out["episode_return"] = torch.from_numpy(self._return.reshape(n, 1).copy()).to(dev)
         term = np.zeros(n, bool) if terminated is None else terminated
         trunc = np.zeros(n, bool) if truncated is None else truncated
         out.update(terminated=flags(term), truncated=flags(trunc), done=flags(term | trunc))
         if reward is not None:
-            out["reward"] = torch.from_numpy(reward.reshape(n, 1)).to(dev)
+            out["reward"] = torch.from_numpy(reward.reshape(n, 1).copy()).to(dev)
         return TensorDict(out, batch_size=self.batch_size, device=dev)
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:

@@ -182,3 +182,29 @@ def test_push_pixels_bc_and_dppo_with_images_proprio_and_text(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(func.leaves(out.state["encoder"]), func.leaves(fresh.encoder)))
     ev = evaluate_run(tmp_path / "dppo", 1, device="cpu")
     assert ev["algo"] == "dppo" and ev["num_episodes"] == 1.0
+
+
+def test_success_and_return_at_the_end_survive_the_reset_that_follows():
+    """Regression: the output's success flags shared memory with the host array that the reset of the
+    ended env overwrote, so ("next", "success") read False at every terminal step of a rollout."""
+    from envs.push.expert import choose_route, expert_action
+
+    env = GymChunkEnv("PushState-v0", 1, act_steps=1, seed=0)
+    u = env.envs[0].unwrapped
+    routes = {}
+
+    def policy(td):
+        key = (round(float(u.block_position[0]), 6), round(float(u.target_position[0]), 6))
+        route = routes.setdefault(key, choose_route(u, np.random.default_rng(0)))
+        td["action"] = torch.from_numpy(expert_action(u, route) / 0.25)[None]
+        return td
+
+    td = env.rollout(100, policy, break_when_any_done=False)
+    term = td["next", "terminated"].squeeze(-1)[0]
+    assert term.any()
+    end = int(term.nonzero()[0])
+    assert td["next", "success"][0, end].item()
+    ret = td["next", "reward"][0, : end + 1].sum().item()
+    assert td["next", "episode_return"][0, end].item() == pytest.approx(ret, rel=1e-5)
+    assert td["episode_return"][0, end + 1].item() == 0.0  # the next episode starts at 0
+    env.close()
