@@ -3,10 +3,12 @@
 Layout::
 
     RUN_DIR/versions/
-        blobs/<sha256>.safetensors   one tensor each; the name is sha256(dtype | shape | raw bytes), so a
-                                     tensor that did not change between versions is stored once
+        packs/<sha256>.safetensors   the tensors a version added, each under its blob hash
+                                     sha256(dtype | shape | raw bytes): a tensor that did not change
+                                     between versions is stored once, in the pack of the version that
+                                     first had it; the file name is the sha256 of the file
         manifests/v000012.json       one version: id, parent, branch, iteration, step, created time,
-                                     tensor key -> blob hash/shape/dtype, the caller's meta (config, env
+                                     tensor key -> blob hash/pack/shape/dtype, the caller's meta (config, env
                                      id/spec/wrappers, seeds, env RNG states ...), a metrics summary, the
                                      per-layer relative change against the parent, and its own sha256
         branches/<name>.json         a branch made by ``rollback``: its base version; "main" is implicit
@@ -16,16 +18,21 @@ Layout::
 There is no index file: listings, branch heads and the next id are derived from the manifests, so
 there is nothing to get out of step with them.
 
+One pack per version rather than one file per tensor: each file costs an fsync, and with the ~60
+small tensors of a Pendulum PPO state that made a version 10x slower to write than a single-file
+snapshot (bench/versions.py). A pack stays until no kept version names a blob in it, so an old pack
+can outlive its version for the few tensors later versions still share.
+
 Crash safety (SIGKILL at any instant). Every file is written as a hidden ``.tmp-<pid>-<hex>`` sibling,
-fsynced, and ``os.replace``d into its name; then the directory is fsynced. Blobs go first, the
-manifest last, so a manifest only ever names complete blobs, and a version exists exactly when its
+fsynced, and ``os.replace``d into its name; then the directory is fsynced. The pack goes first, the
+manifest last, so a manifest only ever names complete packs, and a version exists exactly when its
 manifest does. A crash leaves at most ``.tmp-*`` files (deleted when a writer next opens the store, if
-their process is gone) and blobs no manifest names (garbage-collected). Retention deletes a manifest
-before its blobs, so no manifest ever names a deleted blob. Reading verifies the manifest's sha256 and
+their process is gone) and packs no manifest names (garbage-collected). Retention deletes manifests
+before packs, so no manifest ever names a deleted pack. Reading verifies the manifest's sha256 and
 every blob's content hash. One writer per run directory (the trainer); readers (the CLI) may run
 alongside it.
 
-Nothing unpickles: blobs are read with ``safetensors.torch.load`` and manifests with ``json``.
+Nothing unpickles: packs are read with ``safetensors.safe_open`` and manifests with ``json``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
+from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tensordict import TensorDict, TensorDictBase
 
@@ -67,7 +74,6 @@ PARAMS_PREFIX = "learner.params."  # keys whose per-layer change is tracked (the
 _ID = re.compile(r"v(\d{6,})")
 _BLOB = re.compile(r"[0-9a-f]{64}")
 _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_TENSOR_KEY = "tensor"
 
 
 # ------------------------------------------------------------------------------------------ hashing
@@ -137,34 +143,38 @@ def save_version(
     metrics = _check_meta(metrics or {})
     tensors = _cpu_tensors(_flatten(state, "state"))
     root = _root(run_dir)
-    for sub in ("blobs", "manifests"):
+    for sub in ("packs", "manifests"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     _clean_temps(root)
+    manifests = _manifests(root, cached=True)
+    stored = {spec["blob"]: spec["pack"] for m in manifests.values() for spec in m["tensors"].values()}
+    present = {pack for pack in set(stored.values()) if _pack_path(root, pack).is_file()}
+    stored = {blob: pack for blob, pack in stored.items() if pack in present}
 
-    table, written, written_bytes = {}, 0, 0
+    table, new = {}, {}
     for name, t in sorted(tensors.items()):
         digest = tensor_hash(t)
-        table[name] = {"blob": digest, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-        path = _blob_path(root, digest)
-        if not path.exists():
-            written_bytes += _atomic_write(path, st_save({_TENSOR_KEY: t}), sync_dir=False)
-            written += 1
-    if written:
-        _fsync_dir(root / "blobs")
+        table[name] = {"blob": digest, "pack": stored.get(digest), "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+        if digest not in stored:
+            new[digest] = t
+    written_bytes = 0
+    if new:
+        data = st_save(new)
+        pack = hashlib.sha256(data).hexdigest()
+        written_bytes = _atomic_write(_pack_path(root, pack), data)
+        for spec in table.values():
+            if spec["pack"] is None:
+                spec["pack"] = pack
 
     branch = current_branch(run_dir)
-    manifests = _manifests(root)
     parent = _head(root, branch, manifests)
     layer_change = {}
     if parent is not None:
         old = manifests[parent]["tensors"]
-        for name, spec in table.items():
-            if name.startswith(PARAMS_PREFIX) and name in old and old[name]["shape"] == spec["shape"]:
-                if old[name]["blob"] == spec["blob"]:
-                    layer_change[name] = 0.0
-                else:
-                    previous = _read_blob(root, old[name]["blob"], parent)
-                    layer_change[name] = relative_change(previous, tensors[name])
+        tracked = [n for n, spec in table.items() if n.startswith(PARAMS_PREFIX) and n in old and old[n]["shape"] == spec["shape"]]
+        previous = _read_blobs(root, {n: old[n] for n in tracked if old[n]["blob"] != table[n]["blob"]}, parent)
+        for name in tracked:
+            layer_change[name] = relative_change(previous[name], tensors[name]) if name in previous else 0.0
     number = max((_id_number(v) for v in manifests), default=0) + 1
     vid = f"v{number:06d}"
     record = {
@@ -180,7 +190,7 @@ def save_version(
         "metrics": metrics,
         "layer_change": layer_change,
         "tensors": table,
-        "written": {"blobs": written, "bytes": written_bytes},
+        "written": {"blobs": len(new), "bytes": written_bytes},
     }
     record["manifest_sha256"] = _record_hash(record)
     _atomic_write(root / "manifests" / f"{vid}.json", (json.dumps(record, indent=1) + "\n").encode())
@@ -244,18 +254,18 @@ def pin(run_dir: str | os.PathLike, version: str) -> None:
 
 
 def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_every: int = 0) -> list[str]:
-    """Delete versions outside the retention policy, then their unreferenced blobs.
+    """Delete versions outside the retention policy, then the packs no kept version uses.
 
     Kept: per branch, the ``keep_last`` newest versions (None: all); every version whose iteration is
     a multiple of ``keep_every`` (0: none by this rule); pinned versions; the base of every branch and
     every version a version of another branch descends from (branch points). Each manifest is
-    unlinked before any blob, so a crash leaves only unreferenced blobs, removed by the next call.
+    unlinked before any pack, so a crash leaves only unreferenced packs, removed by the next call.
 
     Returns:
         The ids deleted, oldest first.
     """
     root = _existing_root(run_dir)
-    manifests = _manifests(root)
+    manifests = _manifests(root, cached=True)
     keep = _protected(root, manifests)
     by_branch: dict[str, list[str]] = {}
     for vid, m in manifests.items():
@@ -274,18 +284,21 @@ def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_e
 
 
 def collect_garbage(run_dir: str | os.PathLike) -> tuple[int, int]:
-    """Delete blobs that no manifest names. Returns (blobs deleted, bytes freed). Writer only."""
+    """Delete packs that no manifest names. Returns (packs deleted, bytes freed). Writer only."""
     root = _existing_root(run_dir)
-    referenced = {spec["blob"] for m in _manifests(root).values() for spec in m["tensors"].values()}
+    referenced = {spec["pack"] for m in _manifests(root, cached=True).values() for spec in m["tensors"].values()}
     deleted = freed = 0
-    for entry in os.scandir(root / "blobs"):
+    folder = root / "packs"
+    if not folder.is_dir():
+        return 0, 0
+    for entry in os.scandir(folder):
         digest = entry.name.removesuffix(".safetensors")
         if entry.name.endswith(".safetensors") and _BLOB.fullmatch(digest) and digest not in referenced:
             size = entry.stat().st_size
             os.unlink(entry.path)
             deleted, freed = deleted + 1, freed + size
     if deleted:
-        _fsync_dir(root / "blobs")
+        _fsync_dir(folder)
     return deleted, freed
 
 
@@ -333,12 +346,7 @@ def load_version(
     """
     root = _existing_root(run_dir)
     manifest = read_manifest(run_dir, version)
-    tensors = {}
-    for name, spec in manifest["tensors"].items():
-        t = _read_blob(root, spec["blob"], version, key=name)
-        if [list(t.shape), _dtype_name(t.dtype)] != [spec["shape"], spec["dtype"]]:
-            raise CheckpointError(f"{_blob_path(root, spec['blob'])}: key {name!r} of {version} has the wrong shape/dtype")
-        tensors[name] = t
+    tensors = _read_blobs(root, manifest["tensors"], version)
     if like is not None:
         found = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items()}
         expected = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in _flatten(like, "like").items()}
@@ -428,8 +436,8 @@ def _id_number(vid: str) -> int:
     return int(vid[1:])
 
 
-def _blob_path(root: Path, digest: str) -> Path:
-    return root / "blobs" / f"{digest}.safetensors"
+def _pack_path(root: Path, digest: str) -> Path:
+    return root / "packs" / f"{digest}.safetensors"
 
 
 def _record_hash(record: dict) -> str:
@@ -456,7 +464,7 @@ def _atomic_write(path: Path, data: bytes, *, sync_dir: bool = True) -> int:
 
 def _clean_temps(root: Path) -> None:
     """Delete ``.tmp-<pid>-*`` files whose writing process is gone (left by a crash)."""
-    for sub in ("blobs", "manifests", "branches", "pinned", "."):
+    for sub in ("packs", "manifests", "branches", "pinned", "."):
         folder = root / sub
         if not folder.is_dir():
             continue
@@ -481,8 +489,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _read_manifest(path: Path) -> dict:
+# Parsed, verified manifests by (path, inode, mtime, size). A manifest file is never modified in
+# place (written once via os.replace, later only unlinked), so an entry is valid while that key holds;
+# without it every save re-parsed and re-hashed every kept manifest (~2 ms each, bench/versions.py).
+_MANIFEST_CACHE: dict[tuple, dict] = {}
+_MANIFEST_CACHE_SIZE = 4096
+
+
+def _read_manifest(path: Path, *, cached: bool = False) -> dict:
+    """Parse and verify a manifest; ``cached`` (the writer's own reads) reuses an earlier parse of
+    the same file, readers always verify afresh."""
     try:
+        st = path.stat()
+        key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        if cached and key in _MANIFEST_CACHE:
+            return _MANIFEST_CACHE[key]
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable manifest ({_one_line(e)})") from e
@@ -492,34 +513,54 @@ def _read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{path}: format_version {record.get('format_version')!r} is unknown; upgrade rlfunc")
     if record.get("manifest_sha256") != _record_hash(record):
         raise CheckpointError(f"{path}: sha256 mismatch; the manifest is corrupt or was edited")
+    if len(_MANIFEST_CACHE) >= _MANIFEST_CACHE_SIZE:
+        _MANIFEST_CACHE.clear()
+    _MANIFEST_CACHE[key] = record
     return record
 
 
-def _manifests(root: Path) -> dict[str, dict]:
+def _manifests(root: Path, *, cached: bool = False) -> dict[str, dict]:
     out = {}
     for entry in os.scandir(root / "manifests"):
         m = re.fullmatch(r"(v\d{6,})\.json", entry.name)
         if m:
-            out[m.group(1)] = _read_manifest(Path(entry.path))
+            out[m.group(1)] = _read_manifest(Path(entry.path), cached=cached)
     return out
 
 
-def _read_blob(root: Path, digest: str, version: str, *, key: str | None = None) -> torch.Tensor:
-    path = _blob_path(root, digest)
-    what = f"blob {digest[:16]}... ({path}) of {version}" + (f", key {key!r}" if key else "")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{what}: missing") from e
-    except OSError as e:
-        raise CheckpointError(f"{what}: unreadable ({_one_line(e)})") from e
-    try:
-        tensor = st_load(data)[_TENSOR_KEY]
-    except Exception as e:  # SafetensorError, KeyError ...: one line
-        raise CheckpointError(f"{what}: not a readable safetensors blob ({_one_line(e)})") from e
-    if tensor_hash(tensor) != digest:
-        raise CheckpointError(f"{what}: content hash mismatch; the blob is corrupt")
-    return tensor
+def _read_blobs(root: Path, table: Mapping[str, dict], version: str) -> dict[str, torch.Tensor]:
+    """The tensors ``table`` names ({key: {"blob", "pack", "shape", "dtype"}}), each checked against its
+    content hash, shape and dtype; CheckpointError naming the blob, its pack and the key otherwise."""
+    by_pack: dict[str, list[str]] = {}
+    for name, spec in table.items():
+        by_pack.setdefault(spec["pack"], []).append(name)
+    out = {}
+    for pack, names in by_pack.items():
+        path = _pack_path(root, pack)
+        first = table[names[0]]["blob"]
+        if not path.is_file():
+            raise CheckpointError(f"blob {first[:16]}... of {version}, key {names[0]!r}: pack {path} is missing")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for name in names:
+                    spec = table[name]
+                    what = f"blob {spec['blob'][:16]}... (pack {path}) of {version}, key {name!r}"
+                    if spec["blob"] not in present:
+                        raise CheckpointError(f"{what}: not in its pack")
+                    t = f.get_tensor(spec["blob"])
+                    if tensor_hash(t) != spec["blob"]:
+                        raise CheckpointError(f"{what}: content hash mismatch; the pack is corrupt")
+                    if [list(t.shape), _dtype_name(t.dtype)] != [spec["shape"], spec["dtype"]]:
+                        raise CheckpointError(f"{what}: shape/dtype differ from the manifest")
+                    out[name] = t
+        except CheckpointError:
+            raise
+        except Exception as e:  # SafetensorError, OSError ...: one line
+            raise CheckpointError(
+                f"blob {first[:16]}... of {version}, key {names[0]!r}: pack {path} is unreadable ({_one_line(e)})"
+            ) from e
+    return out
 
 
 def _branch_records(root: Path) -> dict[str, dict]:

@@ -37,9 +37,20 @@ def _leaves(td):
     return {k: v.detach().clone() for k, v in td.items(include_nested=True, leaves_only=True)}
 
 
-def _blobs(run_dir) -> dict[str, int]:
-    folder = Path(run_dir) / "versions" / "blobs"
-    return {p.name: p.stat().st_size for p in folder.iterdir() if not p.name.startswith(".")}
+def _packs(run_dir) -> dict[str, int]:
+    folder = Path(run_dir) / "versions" / "packs"
+    return {p.name.removesuffix(".safetensors"): p.stat().st_size for p in folder.iterdir() if not p.name.startswith(".")}
+
+
+def _blobs(run_dir) -> list[str]:
+    """Every blob stored, over all packs (a blob stored twice would appear twice)."""
+    from safetensors import safe_open
+
+    out = []
+    for pack in _packs(run_dir):
+        with safe_open(str(Path(run_dir) / "versions" / "packs" / f"{pack}.safetensors"), "pt") as f:
+            out.extend(f.keys())
+    return out
 
 
 # ------------------------------------------------------------------------------ content addressing
@@ -47,16 +58,17 @@ def _blobs(run_dir) -> dict[str, int]:
 
 def test_unchanged_tensors_are_written_once(tmp_path):
     v1 = versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {"config": {"lr": 1.0}}, iteration=1, step=10)
-    assert v1["written"]["blobs"] == 3 and len(_blobs(tmp_path)) == 3
-    # only w changes: one new blob, and its bytes are the whole growth of the store
-    before = sum(_blobs(tmp_path).values())
+    assert v1["written"]["blobs"] == 3 and len(_blobs(tmp_path)) == 3 and len(_packs(tmp_path)) == 1
+    # only w changes: one new blob in one new pack, whose bytes are the whole growth of the store
+    before = sum(_packs(tmp_path).values())
     v2 = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {"config": {"lr": 1.0}}, iteration=2, step=20)
-    assert v2["written"]["blobs"] == 1 and len(_blobs(tmp_path)) == 4
-    assert sum(_blobs(tmp_path).values()) - before == v2["written"]["bytes"] > 0
-    assert v2["tensors"]["const"]["blob"] == v1["tensors"]["const"]["blob"]
+    assert v2["written"]["blobs"] == 1 and len(_blobs(tmp_path)) == 4 and len(set(_blobs(tmp_path))) == 4
+    assert sum(_packs(tmp_path).values()) - before == v2["written"]["bytes"] > 0
+    assert v2["tensors"]["learner.params.w"]["pack"] != v1["tensors"]["learner.params.w"]["pack"]
+    assert v2["tensors"]["const"] == v1["tensors"]["const"]  # same blob, read from v1's pack
     # an identical state adds no blob; two keys with equal content share one blob
     v3 = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {}, iteration=3, step=30)
-    assert v3["written"] == {"blobs": 0, "bytes": 0}
+    assert v3["written"] == {"blobs": 0, "bytes": 0} and len(_packs(tmp_path)) == 2
     v4 = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0], extra=torch.tensor([3.0, 5.0])), {}, iteration=4, step=40)
     assert v4["written"]["blobs"] == 0 and v4["tensors"]["extra"]["blob"] == v4["tensors"]["learner.params.w"]["blob"]
     # the hash covers dtype and shape: same bytes, other dtype/shape -> other blob
@@ -160,23 +172,26 @@ def test_retention_keeps_the_policy_set_and_gc_deletes_only_unreferenced_blobs(t
     for i in (6, 7):
         versions.save_version(tmp_path, _state([float(i), 1.0], [0.0], extra=shared), {}, iteration=i, step=i)
     blobs_before = set(_blobs(tmp_path))
+    assert len(_packs(tmp_path)) == 12
     deleted = versions.apply_retention(tmp_path, keep_last=2, keep_every=4)
     kept = [m["id"] for m in versions.list_versions(tmp_path)]
     # main: last 2 (v9, v10), multiples of 4 (v4, v8), pinned v2, branch base v5 (also pinned by rollback);
     # alt: last 2 (v11, v12)
     assert kept == ["v000002", "v000004", "v000005", "v000008", "v000009", "v000010", "v000011", "v000012"]
     assert deleted == ["v000001", "v000003", "v000006", "v000007"]
-    referenced = {s["blob"] for m in versions.list_versions(tmp_path) for s in m["tensors"].values()}
-    left = {name.removesuffix(".safetensors") for name in _blobs(tmp_path)}
-    assert left == referenced
-    gone = {name.removesuffix(".safetensors") for name in blobs_before} - left
-    # exactly the w tensors of v1, v3, v6, v7 (main) went; the shared blob stayed
-    assert gone == {versions.tensor_hash(torch.tensor([float(i), 0.0])) for i in (1, 3, 6, 7)}
+    listed = versions.list_versions(tmp_path)
+    assert set(_packs(tmp_path)) == {s["pack"] for m in listed for s in m["tensors"].values()}
+    left = set(_blobs(tmp_path))
+    assert left - {s["blob"] for m in listed for s in m["tensors"].values()} == {versions.tensor_hash(torch.tensor([1.0, 0.0]))}
+    # exactly the w tensors of v3, v6, v7 (main) went with their packs; v1's pack stays, as it holds
+    # the shared tensor and the zero bias every kept version uses (its w goes along, unreferenced)
+    assert blobs_before - left == {versions.tensor_hash(torch.tensor([float(i), 0.0])) for i in (3, 6, 7)}
+    assert len(_packs(tmp_path)) == 12 - 3
     for vid in kept:
         versions.load_version(tmp_path, vid)
     assert versions.collect_garbage(tmp_path) == (0, 0)
-    # an orphan blob (a crash between blobs and manifest) is collected; nothing referenced is
-    orphan = tmp_path / "versions" / "blobs" / ("0" * 64 + ".safetensors")
+    # an orphan pack (a crash between pack and manifest) is collected; nothing referenced is
+    orphan = tmp_path / "versions" / "packs" / ("0" * 64 + ".safetensors")
     orphan.write_bytes(b"x" * 10)
     assert versions.collect_garbage(tmp_path) == (1, 10) and not orphan.exists()
 
@@ -240,8 +255,8 @@ def test_sigkill_at_random_moments_leaves_only_complete_versions(tmp_path):
     versions.save_version(run, state, {}, iteration=start, step=start, keep_last=3, keep_every=7)
     root = run / "versions"
     assert not list(root.rglob(".tmp-*"))
-    referenced = {s["blob"] for m in _check_store(run) for s in m["tensors"].values()}
-    assert {p.name.removesuffix(".safetensors") for p in (root / "blobs").iterdir()} == referenced
+    referenced = {s["pack"] for m in _check_store(run) for s in m["tensors"].values()}
+    assert set(_packs(run)) == referenced
 
 
 def test_sigkill_during_training_then_resume(tmp_path):
@@ -260,17 +275,22 @@ def test_sigkill_during_training_then_resume(tmp_path):
 
 
 def test_corrupt_blob_or_manifest_is_named(tmp_path):
-    m = versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
-    digest = m["tensors"]["learner.params.w"]["blob"]
-    path = tmp_path / "versions" / "blobs" / f"{digest}.safetensors"
+    versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
+    m = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {}, iteration=2, step=2)  # its pack: w alone
+    digest, pack = m["tensors"]["learner.params.w"]["blob"], m["tensors"]["learner.params.w"]["pack"]
+    path = tmp_path / "versions" / "packs" / f"{pack}.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x40  # a flipped bit in the tensor bytes
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"blob {digest[:16]}.*key 'learner.params.w'.*hash mismatch"):
-        versions.load_version(tmp_path, "v000001")
+        versions.load_version(tmp_path, "v000002")
+    versions.load_version(tmp_path, "v000001")  # the other version does not use that pack
+    path.write_bytes(b"\x10" + bytes(data[1:]))  # a broken header
+    with pytest.raises(CheckpointError, match=rf"blob {digest[:16]}.*pack .* is unreadable"):
+        versions.load_version(tmp_path, "v000002")
     path.unlink()
     with pytest.raises(CheckpointError, match=rf"blob {digest[:16]}.*missing"):
-        versions.load_version(tmp_path, "v000001")
+        versions.load_version(tmp_path, "v000002")
     manifest = tmp_path / "versions" / "manifests" / "v000001.json"
     manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
     with pytest.raises(CheckpointError, match="v000001.json: sha256 mismatch"):
