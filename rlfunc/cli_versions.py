@@ -1,10 +1,14 @@
-"""``rlfunc versions list|show|diff|rollback``: the run's version store (rlfunc.versions) on the terminal.
+"""``rlfunc versions list|show|diff|rollback|pin``: the run's version store (rlfunc.versions) on the terminal.
 
     rlfunc versions list RUN_DIR [--json]          one line per version; * marks branch heads
     rlfunc versions show RUN_DIR V                 the manifest as JSON (tensors summarised)
     rlfunc versions diff RUN_DIR V1 V2 [--json]    per-layer ||V2 - V1|| / ||V1|| and hyperparameter changes
     rlfunc versions rollback RUN_DIR V [--branch NAME]
                                                    new branch at V; `rlfunc resume RUN_DIR` continues from V
+    rlfunc versions pin RUN_DIR V                  retention never deletes V
+
+Retention (train flags): per branch the newest --version-keep-last versions, every version whose
+iteration is a multiple of --version-keep-every, pinned versions and branch points are kept.
 
 Errors (no run dir, no versions, unknown id, corrupt manifest or blob) raise rlfunc's errors, which the
 ``rlfunc`` command prints as one line with exit code 2.
@@ -23,13 +27,14 @@ USAGE = __doc__
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    handlers = {"list": _list, "show": _show, "diff": _diff, "rollback": _rollback, "pin": _pin}
+    if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0
+    if not argv or argv[0] not in handlers:
+        got = repr(argv[0]) if argv else "nothing"
+        raise ConfigError(f"versions command: expected one of {', '.join(handlers)}, got {got} (rlfunc versions --help)")
     command, rest = argv[0], argv[1:]
-    handlers = {"list": _list, "show": _show, "diff": _diff, "rollback": _rollback}
-    if command not in handlers:
-        raise ConfigError(f"versions command {command!r}: expected one of {', '.join(handlers)}")
     return handlers[command](rest)
 
 
@@ -105,6 +110,15 @@ def _rollback(argv: list[str]) -> int:
     a = p.parse_args(argv)
     branch = versions.rollback(a.run_dir, a.version, branch=a.branch)
     print(f"branch {branch} starts at {a.version}; continue training with `rlfunc resume {a.run_dir}`")
+    return 0
+
+
+def _pin(argv: list[str]) -> int:
+    p = _parser("pin", "Keep a version whatever the retention policy says.")
+    p.add_argument("version")
+    a = p.parse_args(argv)
+    versions.pin(a.run_dir, a.version)
+    print(f"{a.version} pinned")
     return 0
 
 

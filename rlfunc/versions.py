@@ -67,7 +67,7 @@ from rlfunc.errors import CheckpointError, ConfigError
 
 VERSIONS_DIR = "versions"
 FORMAT = "rlfunc.version"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: one file per blob (never released)
 MAIN = "main"
 PARAMS_PREFIX = "learner.params."  # keys whose per-layer change is tracked (the trainer's layout)
 

@@ -307,7 +307,9 @@ def test_corrupt_blob_or_manifest_is_named(tmp_path):
         (["diff", "{run}", "v000001", "v000042"], "version 'v000042' is not in"),
         (["rollback", "{run}", "v000007"], "version 'v000007' is not in"),
         (["rollback", "{run}", "v000001", "--branch", "main"], "branch='main'"),
-        (["frobnicate", "{run}"], "versions command 'frobnicate'"),
+        (["frobnicate", "{run}"], "got 'frobnicate'"),
+        ([], "versions command: expected one of list, show, diff, rollback, pin, got nothing"),
+        (["pin", "{run}", "v000003"], "version 'v000003' is not in"),
     ],
 )
 def test_cli_bad_inputs_give_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
