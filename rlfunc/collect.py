@@ -306,19 +306,48 @@ def episode_returns(venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[
     Raises:
         EnvError: an episode has not ended after ``max_steps`` steps.
     """
+    return episode_outcomes(venv, policy, seeds, device=device, max_steps=max_steps)[0]
+
+
+def _final_success(info: dict, ended: np.ndarray) -> np.ndarray | None:
+    """``info["is_success"]`` of the envs that ended this step (SAME_STEP autoreset keeps the final
+    step's info under "final_info"), or None when the env reports no success."""
+    final = info.get("final_info", info) if ended.any() else info
+    if "is_success" not in final:
+        return None
+    return np.asarray(final["is_success"], bool)
+
+
+def episode_outcomes(
+    venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[int], *, device: torch.device, max_steps: int = 100_000
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`episode_returns` and whether each first episode ended in success.
+
+    Returns:
+        (returns [N] float32, success [N] bool or None when the env puts no "is_success" in its info).
+
+    Raises:
+        EnvError: an episode has not ended after ``max_steps`` steps.
+    """
     carry = reset(venv, seeds)
     obs = carry["observation"]
     space = venv.single_action_space
     n = venv.num_envs
     total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
     finished = np.zeros(venv.num_envs, bool)
+    success, reported = np.zeros(n, bool), False
     for _ in range(max_steps):
         with torch.no_grad():
             act, _ = policy(obs.to(device))
-        next_obs, rew, term, trunc, _ = venv.step(_env_action(act.cpu().numpy(), space))
+        next_obs, rew, term, trunc, info = venv.step(_env_action(act.cpu().numpy(), space))
         total += np.where(finished, 0.0, rew)
+        ended = (term | trunc) & ~finished
+        flags = _final_success(info, ended)
+        if flags is not None:
+            reported = True
+            success |= ended & flags
         finished |= term | trunc
         if finished.all():
-            return torch.as_tensor(total, dtype=torch.float32)
+            return torch.as_tensor(total, dtype=torch.float32), torch.as_tensor(success) if reported else None
         obs = _flat_obs(next_obs, n)
-    raise EnvError(f"episode_returns: episodes did not end within max_steps={max_steps}")
+    raise EnvError(f"episode_outcomes: episodes did not end within max_steps={max_steps}")

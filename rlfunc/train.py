@@ -430,7 +430,8 @@ def evaluate(
 
     Returns:
         {"env", "episodes", "mean", "std", "per_seed_mean", "env_steps"}: mean and std over all
-        episodes of all seeds (env reward units), the mean per seed, and the snapshot's env steps.
+        episodes of all seeds (env reward units), the mean per seed, and the snapshot's env steps;
+        "success_rate" too when the env reports ``info["is_success"]``.
 
     Raises:
         CheckpointError: no readable snapshot in ``run_dir``. ConfigError: ``episodes < 1``.
@@ -457,11 +458,11 @@ def evaluate(
             state["obs_stats"].update_(loaded["learner", "obs_stats"])
         base = (config.seed if seed is None else seed) + EVAL_SEED_OFFSET
         seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(base + i, episodes)]
-        returns = collect.episode_returns(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)
+        returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)
     finally:
         venv.close()
     per_seed = returns.view(config.num_seeds, episodes)
-    return {
+    out = {
         "env": config.env,
         "episodes": episodes,
         "mean": float(per_seed.mean()),
@@ -469,3 +470,6 @@ def evaluate(
         "per_seed_mean": per_seed.mean(1).tolist(),
         "env_steps": int(loaded["learner", "env_steps"]),
     }
+    if success is not None:  # envs that report info["is_success"] (Push-v0, PushState-v0, ...)
+        out["success_rate"] = float(success.float().mean())
+    return out

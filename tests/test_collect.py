@@ -1,5 +1,6 @@
 """Collection: our rollout loop vs a TorchRL Collector, episode ends, env state round-trips."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -156,3 +157,40 @@ def test_env_that_cannot_be_built_is_an_env_error():
     gym.register("BrokenTest-v0", entry_point=broken)
     with pytest.raises(EnvError, match="could not be built: ImportError"):
         collect.make_vec_env("BrokenTest-v0", 1)
+
+
+class _Target(gym.Env):
+    """One-dim toy: the episode ends after ``3 + index`` steps; it succeeds when the last action is > 0.
+    Rewards are 1 per step. For :func:`collect.episode_outcomes`."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self, index: int) -> None:
+        self.length, self.t = 3 + index, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {"is_success": False}
+
+    def step(self, action):
+        self.t += 1
+        end = self.t >= self.length
+        return np.zeros(1, np.float32), 1.0, end, False, {"is_success": bool(end and action[0] > 0)}
+
+
+def test_episode_outcomes_reads_success_from_the_final_info_of_same_step_autoreset():
+    """Env 0 ends at step 3 with action +1 (success), env 1 at step 4 with action -1 (failure): the
+    success flags come from the final step's info (SAME_STEP autoreset replaces info with the reset's),
+    and the second episode of env 0 does not count."""
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+    venv = SyncVectorEnv([lambda: _Target(0), lambda: _Target(1)], autoreset_mode=AutoresetMode.SAME_STEP)
+    sign = torch.tensor([[1.0], [-1.0]])
+    returns, success = collect.episode_outcomes(venv, lambda obs: (sign, None), [0, 1], device=torch.device("cpu"))
+    assert returns.tolist() == [3.0, 4.0]
+    assert success.tolist() == [True, False]
+    pend = collect.make_vec_env("Pendulum-v1", 1)
+    _, none = collect.episode_outcomes(pend, lambda obs: (torch.zeros(1, 1), None), [0], device=torch.device("cpu"))
+    assert none is None  # Pendulum reports no success
