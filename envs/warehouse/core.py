@@ -234,6 +234,12 @@ def step_state(
     return new_state, reward, counts, flags
 
 
+def _bit_table(device: torch.device) -> Tensor:
+    """[32, 5] float32: row c holds the 5 bits of c (lowest first)."""
+    code = torch.arange(2**N_CHANNELS, device=device).unsqueeze(-1)
+    return ((code >> torch.arange(N_CHANNELS, device=device)) & 1).to(torch.float32)
+
+
 def _padded_static(layout: Layout, radius: int) -> Tensor:
     """[4, H + 2r, W + 2r] float32: obstacle (1 outside the grid too), 0, pick stations, drop stations."""
     h, w = layout.shape
@@ -258,25 +264,23 @@ def observation(layout: Layout, state: TensorDict, radius: int) -> Tensor:
     """
     n, a = state["goal"].shape
     h, w = layout.shape
-    k = 2 * radius + 1
+    k, hp, wp = 2 * radius + 1, h + 2 * radius, w + 2 * radius
     device = state.device
     position, goal_cell = state["position"], layout.stations[state["goal"]]
-    static = _padded_static(layout, radius)
-    agents = torch.zeros(n, h + 2 * radius, w + 2 * radius, device=device)
-    env = torch.arange(n, device=device).unsqueeze(-1)
-    agents[env, position[..., 0] + radius, position[..., 1] + radius] = 1.0
-    offset = torch.arange(k, device=device)
-    rows = (position[..., 0].unsqueeze(-1) + offset)[..., :, None]  # [N, A, k, 1] padded coordinates
-    cols = (position[..., 1].unsqueeze(-1) + offset)[..., None, :]  # [N, A, 1, k]
-    window_static = static[:, rows, cols].permute(1, 2, 3, 4, 0)  # [N, A, k, k, 4]
-    window_agents = agents[env[..., None, None], rows, cols]  # [N, A, k, k]
-    window_agents[..., radius, radius] = 0.0  # the agent itself
+    # each padded cell as bits: 1 obstacle, 2 another agent, 4 pick station, 8 drop station, 16 own goal
+    bits = torch.tensor([1, 0, 4, 8], dtype=torch.int64, device=device)
+    static = (_padded_static(layout, radius).to(torch.int64) * bits.view(4, 1, 1)).sum(0).reshape(1, hp * wp)
+    cell = (position[..., 0] + radius) * wp + position[..., 1] + radius  # [N, A] flat padded cell
+    code = static.expand(n, -1).scatter_add(1, cell, torch.full_like(cell, 2))
+    offset = torch.arange(k, device=device) - radius
+    index = cell.unsqueeze(-1) + (offset.view(k, 1) * wp + offset.view(1, k)).reshape(-1)  # [N, A, k*k] row-major
+    window = code.gather(1, index.reshape(n, -1)).reshape(n, a, k * k)
+    center = (k * k) // 2
+    window[..., center] -= 2  # the agent itself
     rel = goal_cell - position + radius  # goal in window coordinates
-    goal_row = (offset.view(k, 1) == rel[..., 0, None, None])
-    goal_col = (offset.view(1, k) == rel[..., 1, None, None])
-    window_goal = (goal_row & goal_col).to(torch.float32)
-    window = torch.cat([window_static[..., :1], window_agents.unsqueeze(-1), window_static[..., 2:],
-                        window_goal.unsqueeze(-1)], -1)
+    inside = ((rel >= 0) & (rel < k)).all(-1, keepdim=True)
+    window = window + 16 * ((torch.arange(k * k, device=device) == (rel[..., :1] * k + rel[..., 1:])) & inside)
+    window = torch.nn.functional.embedding(window, _bit_table(device))  # [N, A, k*k, 5] 0/1
     scale = torch.tensor([max(h - 1, 1), max(w - 1, 1)], dtype=torch.float32, device=device)
     dist = layout.distance[state["goal"], position[..., 0], position[..., 1]]
     dist = (dist.to(torch.float32) / (h + w)).clamp(max=1.0)
