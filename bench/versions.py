@@ -14,6 +14,11 @@ Part 2, freeze mode: for each seed, the preset run without and with ``freeze_thr
 threshold), interleaved: final deterministic return (10 episodes), the mean training return of the
 last 5 iterations, the summed update time (``update_s``), and the share of parameter updates skipped
 (mean ``frozen_fraction``: frozen parameters / all parameters, per iteration).
+
+Part 3, the update step alone: one PPO iteration's update (10 epochs x 8 minibatches on one
+collected batch) timed with no leaf frozen, with the two hidden 64x64 weights frozen (91% of the
+parameters) and with all six weight matrices frozen; interleaved repeats, medians. This is the most
+a frozen spell can save per iteration, without part 2's run-to-run noise.
 """
 
 from __future__ import annotations
@@ -106,6 +111,46 @@ def freeze_run(seed: int, steps: int, threshold: float, window: int) -> dict:
     }
 
 
+def update_step(repeats: int) -> dict[str, float]:
+    import torch
+
+    from rlfunc import collect, func
+    from rlfunc.algos.ppo import make_ppo
+    from rlfunc.optim import make_adam
+    from rlfunc.train import _generators, env_spec
+
+    config = preset("Pendulum-v1", device="cpu")
+    torch.set_num_threads(config.torch_threads)
+    venv = collect.make_vec_env(config.env, config.num_envs)
+    device = torch.device("cpu")
+    algo = make_ppo(config, env_spec(venv), device)
+    state = algo.init()
+    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+    carry = collect.reset(venv, collect.env_seeds(0, config.num_envs))
+    batch, _ = collect.rollout(venv, algo.policy(state, _generators(state, device)), carry, config.num_steps, device=device)
+    venv.close()
+    batch = batch.reshape(1, config.num_envs, config.num_steps)
+    names = [str(k) for k in sorted(state["params"].keys(include_nested=True, leaves_only=True), key=str)]
+    leaves = func.leaves(state["params"])
+    total = sum(p.numel() for p in leaves)
+    cases = {
+        "none": [],
+        "hidden 64x64 weights": [i for i, n in enumerate(names) if "'2'" in n and "weight" in n],
+        "all weights": [i for i, n in enumerate(names) if "weight" in n],
+    }
+    times = {c: [] for c in cases}
+    for _ in range(repeats):
+        for case, frozen in cases.items():
+            for i in frozen:
+                leaves[i].requires_grad_(False)
+            t0 = time.perf_counter()
+            state, _ = algo.iteration(state, batch, _generators(state, device), optimizer)
+            times[case].append(time.perf_counter() - t0)
+            for i in frozen:
+                leaves[i].requires_grad_(True)
+    return {c: (statistics.median(ts), sum(leaves[i].numel() for i in cases[c]) / total) for c, ts in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--storage-iterations", type=int, default=20)
@@ -114,8 +159,18 @@ def main() -> None:
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.02, 0.05])
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--skip-freeze", action="store_true")
+    p.add_argument("--only-update-step", action="store_true")
+    p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
     print(f"machine: {os.cpu_count()} cores visible, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    if a.only_update_step:
+        r = update_step(a.repeats)
+        base = r["none"][0]
+        print(f"\n## one update (Pendulum-v1 preset batch, {a.repeats} interleaved repeats, medians)")
+        print(f"{'frozen':<22} {'params frozen':>13} {'update ms':>10} {'vs none':>8}")
+        for case, (t, share) in r.items():
+            print(f"{case:<22} {share:>13.1%} {1e3 * t:>10.1f} {t / base:>8.2f}")
+        return
 
     print(f"\n## storage per version (Pendulum-v1 preset, {a.storage_iterations} iterations, medians over versions 2..)")
     print(f"{'mode':<22} {'iter ms':>8} {'version ms':>10} {'snapshot ms':>11} {'new blobs':>9} {'version KiB':>11} "
