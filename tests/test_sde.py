@@ -3,6 +3,7 @@ for sde_sample_freq steps, rollout/loss log-probabilities agree, seeds as a batc
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -125,7 +126,7 @@ def _policy_and_state(num_seeds=1, num_envs=3, **overrides):
     from rlfunc.train import _generators, env_spec
 
     config = preset("Pendulum-v1", num_envs=num_envs, num_steps=32, minibatch_size=32, num_seeds=num_seeds,
-                    device="cpu", **{**GSDE, **overrides})
+                    device="cpu", normalize_observations=True, **{**GSDE, **overrides})
     venv = collect.make_vec_env("Pendulum-v1", num_seeds * num_envs)
     algo = make_ppo(config, env_spec(venv), CPU)
     state = algo.init()
@@ -198,3 +199,30 @@ def test_gsde_resume_is_exact(tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
+
+
+def test_actor_critic_apply_equals_functional_call():
+    from rlfunc.nets.actor_critic import GaussianActorCritic, actor_critic_apply
+
+    for exploration in ("gaussian", "gsde"):
+        net = GaussianActorCritic(3, 2, (16, 8), "tanh", -0.5, exploration, full_std=False)
+        params = func.params_from_module(net)
+        obs = torch.randn(10, 3)
+        fast = actor_critic_apply(net, params, obs)
+        slow = func.apply(net, params, obs, return_latent=True)
+        assert fast[1].shape == ((2,) if exploration == "gaussian" else (8, 1))
+        for a, b in zip(fast, slow):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(slow[0], func.apply(net, params, obs)[0])
+
+
+def test_short_pendulum_run_with_gsde_improves(tmp_path):
+    from rlfunc.train import evaluate, train
+
+    config = preset("Pendulum-v1", total_steps=16_384, checkpoint_every=0, device="cpu")
+    assert config.exploration == "gsde"  # the preset
+    train(config, tmp_path / "r", progress=False, tensorboard=False)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    first = records[0]["episode_return"]  # -1289 here; the eval after 16k steps gives -653
+    trained = evaluate(tmp_path / "r", episodes=10, device="cpu")
+    assert trained["mean"] > first + 500, (first, trained)

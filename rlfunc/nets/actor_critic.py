@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from rlfunc.nets.mlp import MLP
@@ -49,3 +51,33 @@ class GaussianActorCritic(nn.Module):
 
     def value(self, observation: Tensor) -> Tensor:
         return self.critic(observation)
+
+
+def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *, return_hidden: bool = False):
+    """Differentiable forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers over ``params``.
+
+    The same numbers as ``rlfunc.func.apply(module, params, x)`` (each linear layer is the same
+    ``F.linear`` call), without ``functional_call``'s per-call module walk, which dominates the
+    update step of a small MLP; works under ``torch.func.vmap`` and ``grad``.
+
+    Args:
+        module: the skeleton (e.g. ``GaussianActorCritic.actor``), used for its layer order and activations.
+        params: its parameters as a TensorDict keyed like ``module``'s children ("0", "2", ...).
+        x: [*B, in] float input.
+        return_hidden: also return the input of the last layer (the last hidden features).
+
+    Returns:
+        [*B, out], or ([*B, out], [*B, hidden]) with ``return_hidden``.
+    """
+    *body, (last_name, last) = list(module.named_children())
+    for name, layer in body:
+        x = F.linear(x, params[name, "weight"], params[name, "bias"]) if isinstance(layer, nn.Linear) else layer(x)
+    out = F.linear(x, params[last_name, "weight"], params[last_name, "bias"]) if isinstance(last, nn.Linear) else last(x)
+    return (out, x) if return_hidden else out
+
+
+def actor_critic_apply(net: GaussianActorCritic, params: TensorDictBase, observation: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``net(observation, return_latent=True)`` with ``params``: (loc, log_std, state_value, latent), via
+    :func:`sequential_apply` (same numbers as ``func.apply``, a fraction of the overhead)."""
+    loc, latent = sequential_apply(net.actor, params["actor"], observation, return_hidden=True)
+    return loc, params["log_std"], sequential_apply(net.critic, params["critic"], observation), latent
