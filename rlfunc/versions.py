@@ -513,10 +513,33 @@ def _read_manifest(path: Path, *, cached: bool = False) -> dict:
         raise CheckpointError(f"{path}: format_version {record.get('format_version')!r} is unknown; upgrade rlfunc")
     if record.get("manifest_sha256") != _record_hash(record):
         raise CheckpointError(f"{path}: sha256 mismatch; the manifest is corrupt or was edited")
+    if not _well_formed(record, path.name.removesuffix(".json")):
+        raise CheckpointError(f"{path}: malformed manifest (id, parent, branch, counts or tensor table missing or mistyped)")
     if len(_MANIFEST_CACHE) >= _MANIFEST_CACHE_SIZE:
         _MANIFEST_CACHE.clear()
     _MANIFEST_CACHE[key] = record
     return record
+
+
+def _well_formed(record: dict, vid: str) -> bool:
+    tensors = record.get("tensors")
+    return (
+        record.get("id") == vid
+        and (record.get("parent") is None or (isinstance(record["parent"], str) and bool(_ID.fullmatch(record["parent"]))))
+        and isinstance(record.get("branch"), str) and bool(_BRANCH.fullmatch(record["branch"]))
+        and all(isinstance(record.get(k), int) and not isinstance(record.get(k), bool) for k in ("iteration", "step"))
+        and all(isinstance(record.get(k), dict) for k in ("meta", "metrics", "layer_change"))
+        and isinstance(tensors, dict)
+        and all(
+            isinstance(spec, dict)
+            and isinstance(spec.get("blob"), str) and bool(_BLOB.fullmatch(spec["blob"]))
+            and isinstance(spec.get("pack"), str) and bool(_BLOB.fullmatch(spec["pack"]))
+            and isinstance(spec.get("dtype"), str)
+            and isinstance(spec.get("shape"), list)
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in spec["shape"])
+            for spec in tensors.values()
+        )
+    )
 
 
 def _manifests(root: Path, *, cached: bool = False) -> dict[str, dict]:

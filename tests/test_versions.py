@@ -292,9 +292,17 @@ def test_corrupt_blob_or_manifest_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=rf"blob {digest[:16]}.*missing"):
         versions.load_version(tmp_path, "v000002")
     manifest = tmp_path / "versions" / "manifests" / "v000001.json"
-    manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
+    original = manifest.read_text()
+    manifest.write_text(original.replace('"step": 1', '"step": 2'))
     with pytest.raises(CheckpointError, match="v000001.json: sha256 mismatch"):
         versions.list_versions(tmp_path)
+    # a well-hashed manifest that points outside the store is refused before any file is opened
+    record = json.loads(original)
+    record["tensors"]["const"]["pack"] = "../../../etc/passwd"
+    record["manifest_sha256"] = versions._record_hash(record)
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="v000001.json: malformed manifest"):
+        versions.load_version(tmp_path, "v000001")
 
 
 @pytest.mark.parametrize(
