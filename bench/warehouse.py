@@ -93,7 +93,7 @@ def main() -> None:
         print(f"\n{'what':<14}{'agent-steps/s':>15}{'env-steps/s':>13}{'vs pettingzoo':>15}")
         for name, values in results.items():
             m = statistics.median(values)
-            print(f"{name:<14}{m:>15,.0f}{m / config.n_agents:>13,.0f}{m / base:>14.1f}x")
+            print(f"{name:<14}{m:>15,.0f}{m / config.n_agents:>13,.0f}{m / base:>14.1f}x", flush=True)
 
     policies = {
         "pibt (default)": lambda env: expert_policy(env, method="pibt"),
@@ -111,7 +111,7 @@ def main() -> None:
         per_seed = ", ".join(f"{row['deliveries_per_100_steps']:.1f}" for row in r["per_seed"])
         print(f"{name:<16}{m['deliveries_per_100_steps']:>10.1f}{m['conflicts_per_100_steps']:>14.1f}"
               f"{m['vertex_conflicts_per_100_steps']:>8.1f}{m['swap_conflicts_per_100_steps']:>7.1f}"
-              f"{m['idle_fraction']:>7.2f}  {per_seed}  ({time.perf_counter() - t:.0f} s)")
+              f"{m['idle_fraction']:>7.2f}  {per_seed}  ({time.perf_counter() - t:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ Moves, all at once:
 3. swap conflict: two movers exchanging cells are both blocked;
 4. a mover into a cell whose occupant does not leave (stays, or is blocked) is blocked, along whole
    chains of such moves; following an agent that leaves, and rotations of 3+ agents, are allowed.
-   Chains are resolved exactly by pointer doubling: ceil(log2(A - 1)) rounds of one gather each
-   (5 for 20 agents), no loop over agents or envs and no host synchronisation.
+   Chains are resolved exactly by pointer doubling: each mover points at the occupant of its target,
+   and bit_length(A - 1) rounds of ``pointer = pointer[pointer]`` (one gather each; 5 rounds for 20
+   agents) reach the end of every chain (at most A - 1 links), so no loop over agents or envs and no
+   host synchronisation.
 
 Counts (per env and step, int64): "vertex_conflicts" = agents blocked by rule 2 or 4 (a blocked
 two-agent vertex conflict counts 2), "swap_conflicts" = agents blocked by rule 3 (a swap counts 2),

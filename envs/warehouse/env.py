@@ -10,7 +10,8 @@ batch dim of a shared-parameter policy:
   ``categorical_actions=True``);
 - ("next", "agents", "reward") [N, A, 1] float32;
 - ("next", "done" | "terminated" | "truncated") [N, 1] bool, shared by the agents (never terminated:
-  the task is continuing; truncated after ``max_steps``);
+  the task is continuing; truncated after ``max_steps``); for per-agent advantages expand them to
+  [N, A, 1] next to the reward, as TorchRL's MAPPO tutorial does;
 - ("next", k) [N, 1] int64 step counts for k in "deliveries", "vertex_conflicts", "swap_conflicts",
   "obstacle_bumps", "idle" (0 in the reset output).
 

@@ -4,16 +4,20 @@ A layout is static (the same for every env of a batch): an obstacle mask, the st
 breadth-first-search (BFS) distance from every station to every cell. Cells are addressed as
 (row, col), row 0 at the top; "north" is row - 1, "east" is col + 1.
 
-The default grid (``WarehouseConfig()``: 3 x 5 blocks of 4 x 2 shelves) is 16 rows x 18 columns:
+The default grid (``WarehouseConfig()``: 3 x 5 blocks of 4 x 2 shelves) is 16 rows x 18 columns
+(P pick station, D drop station, # shelf, . aisle):
 
-    P.................        P: pick station   D: drop station
-    ..##.##.##.##.##..        #: shelf          .: aisle (free)
+    ..................
     P.##.##.##.##.##.D
-    ...                       (rows 0, 5, 10, 15 and columns 0, 1, 4, 7, 10, 13, 16, 17 are aisles;
-                               pick stations at column 0, drop stations at column 17, every
-                               ``station_spacing`` rows from row ``station_spacing - 1``)
+    ..##.##.##.##.##..
+    P.##.##.##.##.##.D
+    ..##.##.##.##.##..
+    P................D
+    ..##.##.##.##.##..
+    ...                 (the pattern repeats; rows 10 and 15 are aisles too)
 
-168 free cells, 8 pick and 8 drop stations, room for 20 AGVs at ~12% density.
+168 free cells, 8 pick and 8 drop stations (every ``station_spacing`` rows from row
+``station_spacing - 1``), 152 start cells: 20 AGVs fill ~12% of the free cells.
 """
 
 from __future__ import annotations
