@@ -496,3 +496,31 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
     assert main(["train", "grpo", "--env", "PointReach-v0", "--loss", "gspo", "--run-dir", str(tmp_path / "x")]) == 2
     assert main(["resume", str(run)]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+def test_train_grpo_gym_backend_and_seeds(tmp_path):
+    """Pendulum through the gymnasium path: groups share reset seeds, new seeds every iteration."""
+    from rlfunc.algos.grpo import GRPOConfig
+    from rlfunc.train_grpo import _rollout_fn, group_seeds, train_grpo
+
+    assert group_seeds(0, 0, 3) != group_seeds(0, 1, 3) and len(set(group_seeds(0, 0, 3))) == 3
+    config = GRPOConfig(env="Pendulum-v1", num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5,
+                        total_steps=60, num_seeds=2, checkpoint_every=0, eval_episodes=2, kl_coef=0.1)
+    assert not config.use_torch_env and config.num_iterations == 2
+    rollout, close = _rollout_fn(config, torch.device("cpu"))
+    try:
+        from rlfunc.algos.grpo import make_grpo
+        from rlfunc.train_grpo import _spec
+
+        algo = make_grpo(config, _spec(config.env), torch.device("cpu"))
+        state = algo.init()
+        gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
+        first = rollout(algo.policy(state, gens), 0)["observation"][..., 0, :]  # [S, n, G, D]
+        second = rollout(algo.policy(state, gens), 1)["observation"][..., 0, :]
+    finally:
+        close()
+    assert first.shape == (2, 2, 3, 3)
+    assert torch.equal(first, first[:, :, :1].expand_as(first)) and not torch.equal(first, second)
+    result = train_grpo(config, tmp_path / "run", progress=False, tensorboard=False)
+    assert result.evaluation["episodes"] == 2 and len(result.evaluation["per_seed_mean"]) == 2
+    assert int(result.state["env_steps"]) == 2 * 6 * 5
