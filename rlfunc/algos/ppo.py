@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc import func
+from rlfunc.algos import shaped
 from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.errors import ConfigError
 from rlfunc.losses.ppo import ppo_loss
@@ -31,6 +32,7 @@ from rlfunc.normalize import init_running_stats, normalize, scale_reward, update
 from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.sde import EPSILON as SDE_EPSILON
 from rlfunc.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
+from rlfunc.shaping import importance_weights, priorities, sample_prioritized
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,14 @@ class PPOConfig:
     full_std: bool = True  # gsde: one sigma per exploration-matrix entry [L, A] (False: per feature [L, 1])
     sde_learn_features: bool = False  # gsde: let the noise scale's gradient reach the actor's features
     target_kl: float | None = None  # a seed stops its epochs of an iteration once its approx KL exceeds it
+    oscillation_damping: bool = False  # shaping: damp steps of tensors with oscillating gradient signs / high curvature (rlfunc.shaping)
+    damping_strength: float = 0.5  # shaping: step factor 1 - strength for a fully oscillating tensor, in [0, 1]
+    hessian_interval: int = 5  # shaping: gradient steps between Hutchinson curvature estimates (double backward)
+    adaptive_clip: bool = False  # shaping: clip_epsilon * clip_epsilon_decay^iteration and per-layer trust radii
+    clip_epsilon_decay: float = 0.995  # shaping: decay of the ratio clip per iteration (policy update), in (0, 1]
+    prioritized_minibatches: bool = False  # shaping: minibatches drawn by per-sample gradient norm, PER weights
+    priority_alpha: float = 0.6  # shaping: p_i ~ m_i^alpha (Schaul et al. 2016)
+    priority_beta: float = 0.4  # shaping: importance weights (N p_i)^-beta / max, in [0, 1]
     vectorization: Literal["sync", "async"] = "sync"  # gymnasium vector env mode
     seed: int = 0  # first seed; seed i of --num-seeds is seed + i
     num_seeds: int = 1  # independent agents trained together (stacked params)
@@ -120,6 +130,13 @@ class PPOConfig:
             raise ConfigError(f"exploration={self.exploration!r}: expected 'gaussian' or 'gsde'")
         if not math.isfinite(self.init_log_std):
             raise ConfigError(f"init_log_std={self.init_log_std}: expected a finite number")
+        if self.hessian_interval < 1 or not 0 <= self.damping_strength <= 1 or not 0 < self.clip_epsilon_decay <= 1:
+            raise ConfigError(
+                f"hessian_interval={self.hessian_interval}, damping_strength={self.damping_strength}, clip_epsilon_decay="
+                f"{self.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
+            )
+        if not self.priority_alpha >= 0 or not 0 <= self.priority_beta <= 1:
+            raise ConfigError(f"priority_alpha={self.priority_alpha}, priority_beta={self.priority_beta}: expected >= 0 and in [0, 1]")
 
     @property
     def batch_size(self) -> int:
@@ -161,9 +178,24 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def preset(env: str, **overrides) -> PPOConfig:
-    """The preset for ``env`` (defaults for envs without one) with ``overrides`` applied."""
-    return PPOConfig(**{**PRESETS.get(env, {}), "env": env, **overrides})
+SHAPING_PRESETS: dict[str, dict] = {
+    # Oscillation damping + adaptive per-layer clip radius + prioritised minibatches, with the
+    # values of issue 5: gamma 0.99, lmbda 0.95, clip 0.2 decaying 0.995 per update, grad clip 0.3,
+    # curvature every 5 steps, 10 epochs of 32 minibatches over 2048-step rollouts.
+    "ppo-shaped": dict(
+        gamma=0.99, lmbda=0.95, clip_epsilon=0.2, clip_epsilon_decay=0.995, max_grad_norm=0.3, hessian_interval=5,
+        num_epochs=10, num_envs=8, num_steps=256, minibatch_size=64,
+        oscillation_damping=True, adaptive_clip=True, prioritized_minibatches=True,
+    ),
+}
+
+
+def preset(env: str, shaping: str | None = None, **overrides) -> PPOConfig:
+    """The preset for ``env`` (defaults for envs without one), then the gradient-shaping preset
+    ``shaping`` (a key of SHAPING_PRESETS, e.g. "ppo-shaped"; None: off), then ``overrides``."""
+    if shaping is not None and shaping not in SHAPING_PRESETS:
+        raise ConfigError(f"shaping={shaping!r}: expected None or one of {', '.join(map(repr, SHAPING_PRESETS))}")
+    return PPOConfig(**{**PRESETS.get(env, {}), **SHAPING_PRESETS.get(shaping, {}), "env": env, **overrides})
 
 
 class EnvSpec(NamedTuple):
@@ -203,6 +235,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     body = torch.nn.Sequential(*list(net.actor)[:-1])
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
+    transform = shaped.make_transform(config)  # None unless a step transform is on
 
     def init() -> TensorDict:
         params = func.stack_params(
@@ -211,8 +244,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         gens = [torch.Generator(device=device).manual_seed(seed) for seed in config.seeds]
         stats = init_running_stats((spec.obs_dim,), device=device)
         ret_stats = init_running_stats((), device=device)
+        extra = {"shaping": shaped.init_state(transform, params)} if transform is not None else {}
         return TensorDict(
             {
+                **extra,
                 "params": params,
                 "obs_stats": torch.stack([stats] * S),
                 "return_stats": torch.stack([ret_stats] * S),
@@ -297,7 +332,31 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 
         return act
 
-    def member_loss(params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+    def sample_log_prob(params: TensorDict, observation: Tensor, action: Tensor) -> Tensor:
+        """log pi(action | observation) of one sample (0-dim), as member_loss computes it."""
+        loc, log_std, _, latent = actor_critic_apply(net, params, observation[None])
+        if gsde:
+            return sde_log_prob(action[None], loc, latent if config.sde_learn_features else latent.detach(), log_std).sum()
+        return gaussian_log_prob(action[None], loc, log_std).sum()
+
+    def sample_value(params: TensorDict, observation: Tensor) -> Tensor:
+        return sequential_apply(net.critic, params["critic"], observation[None]).sum()
+
+    def minibatch_priorities(params: TensorDict, flat: TensorDict, log_prob_grads: TensorDict) -> tuple[Tensor, Tensor]:
+        """(p [S, B], importance weights [S, B]) from m_i, the norm of sample i's loss gradient at the
+        start of the update (ratio 1): sqrt(A_i^2 |d log pi_i|^2 + (c_v (V_i - V_target_i))^2 |d V_i|^2),
+        A the batch-normalised advantage (actor and critic share no parameter; entropy left out)."""
+        value_grads = shaped.stacked_per_sample_grads(sample_value, params, flat["observation"], device=device, use_loop=use_loop)
+        sq = lambda td: sum(g.square().flatten(2).sum(-1) for g in td.values())  # noqa: E731  [S, B]
+        adv = flat["advantage"].squeeze(-1)
+        if config.normalize_advantages:
+            adv = (adv - adv.mean(1, keepdim=True)) / (adv.std(1, correction=0, keepdim=True) + 1e-8)
+        value_error = config.value_coef * (flat["state_value"] - flat["value_target"]).squeeze(-1)
+        magnitude = (adv.square() * sq(log_prob_grads) + value_error.square() * sq(value_grads)).sqrt()
+        p = priorities(magnitude, config.priority_alpha)
+        return p, importance_weights(p, config.priority_beta)
+
+    def member_loss(params: TensorDict, mb: TensorDict, clip_epsilon: float = config.clip_epsilon) -> tuple[Tensor, TensorDict]:
         loc, log_std, value, latent = actor_critic_apply(net, params, mb["observation"])
         if gsde:
             latent = latent if config.sde_learn_features else latent.detach()
@@ -309,9 +368,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         return ppo_loss(
             log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
             entropy=entropy, old_state_value=mb["state_value"],
-            clip_epsilon=config.clip_epsilon, value_clip_epsilon=config.value_clip_epsilon,
+            clip_epsilon=clip_epsilon, value_clip_epsilon=config.value_clip_epsilon,
             entropy_coef=config.entropy_coef, value_coef=config.value_coef,
-            normalize_advantages=config.normalize_advantages,
+            normalize_advantages=config.normalize_advantages, sample_weight=mb.get("sample_weight", None),
         )
 
     def member_values(params: TensorDict, obs: Tensor) -> Tensor:
@@ -372,14 +431,34 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         metric_sum, updates = None, 0
         skipped = torch.zeros(S, 3, dtype=torch.int64, device=device)  # data, loss, gradient
         active = torch.ones(S, dtype=torch.bool, device=device)  # seeds still updating (target_kl)
+        # gradient shaping (rlfunc.algos.shaped; all off by default)
+        clip_epsilon = shaped.clip_epsilon(config, config.clip_epsilon, state["iteration"])
+        shaping_state, names, probs = state.get("shaping", None), shaped.trainable(params)[0], None
+        if config.adaptive_clip or config.prioritized_minibatches:
+            log_prob_grads = shaped.stacked_per_sample_grads(
+                sample_log_prob, params, flat["observation"], flat["action"], device=device, use_loop=use_loop
+            )
+            shaping_state = shaped.begin_update(config, shaping_state, params, log_prob_grads, clip_epsilon)
+            if config.prioritized_minibatches:
+                probs, weights = minibatch_priorities(params, flat, log_prob_grads)
+        loss_fn = vmap(member_loss, in_dims=(0, 0, None)) if config.adaptive_clip else vmap(member_loss)
+        loss_args = (clip_epsilon,) if config.adaptive_clip else ()
         for _ in range(config.num_epochs):
-            perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
+            if probs is None:
+                perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
+            else:  # B draws with replacement by priority
+                perm = sample_prioritized(probs, B, generators)
             shuffled = flat[rows, perm]  # one gather per epoch; minibatches are then slices
+            if probs is not None:
+                shuffled["sample_weight"] = weights.gather(1, perm).unsqueeze(-1)
             for k in range(num_mb):
                 mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
-                loss, metrics = vmap(member_loss)(params, mb)
+                loss, metrics = loss_fn(params, mb, *loss_args)
                 optimizer.zero_grad(set_to_none=True)
-                loss.sum().backward()
+                with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
+                graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
+                curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
+                del graph_grads
                 grads = [p.grad for p in leaves]
                 norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
                 ok = data_ok & loss.isfinite() & norms.isfinite()
@@ -389,7 +468,15 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                     for g in grads:
                         g.nan_to_num_(0.0, 0.0, 0.0)
                 clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
-                masked_step(optimizer, leaves, ok & active)
+                if transform is None:
+                    masked_step(optimizer, leaves, ok & active)
+                else:
+                    step = lambda: masked_step(optimizer, leaves, ok & active)  # noqa: E731
+                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature)
+                    for key, value in shaping_metrics.items():
+                        metrics[key] = value
+                if config.adaptive_clip:
+                    metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
                 metrics["grad_norm"] = norms
                 metric_sum = metrics if metric_sum is None else metric_sum + metrics
                 updates += 1
@@ -402,6 +489,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         out = state.clone(recurse=False)
         for key, value in new_stats.items():
             out[key] = value
+        if transform is not None:
+            out["shaping"] = shaping_state
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2]
         out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)

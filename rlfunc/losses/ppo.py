@@ -56,6 +56,7 @@ def ppo_loss(
     entropy_coef: float = 0.0,
     value_coef: float = 0.5,
     normalize_advantages: bool = True,
+    sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, TensorDict]:
     """PPO loss ``-E[min(r A, clip(r) A)] + c_v * 0.5 E[(V - V_target)^2] - c_e * E[H]``.
 
@@ -73,6 +74,8 @@ def ppo_loss(
         entropy_coef: weight of the entropy bonus, >= 0.
         value_coef: weight of the value loss, >= 0.
         normalize_advantages: normalise ``advantage`` over this minibatch first (finite for one sample).
+        sample_weight: [*B, 1] float >= 0, per-sample weight of the surrogate and value terms (the
+            importance weights of prioritised sampling, Schaul et al. 2016); None: all 1.
 
     Returns:
         (loss 0-dim float, metrics TensorDict of 0-dim floats: loss_objective, loss_critic,
@@ -96,12 +99,18 @@ def ppo_loss(
 
     adv = normalize_advantage(advantage) if normalize_advantages else advantage
     objective, ratio = clipped_surrogate(log_prob, sample_log_prob, adv, clip_epsilon)
+    if sample_weight is not None:
+        if sample_weight.shape != shape:
+            raise ShapeError(f"ppo_loss: sample_weight has shape {tuple(sample_weight.shape)}, expected {tuple(shape)}")
+        objective = objective * sample_weight
     loss_objective = -objective.mean()
 
     value_error = (state_value - value_target).pow(2)
     if value_clip_epsilon is not None:
         clipped_value = old_state_value + (state_value - old_state_value).clamp(-value_clip_epsilon, value_clip_epsilon)
         value_error = torch.maximum(value_error, (clipped_value - value_target).pow(2))
+    if sample_weight is not None:
+        value_error = value_error * sample_weight
     loss_critic = value_coef * 0.5 * value_error.mean()
 
     if entropy is not None:
