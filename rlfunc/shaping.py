@@ -2,7 +2,7 @@
 
 A transform is optax-style: ``init(params) -> state`` and ``update(updates, state, **context) ->
 (new_updates, new_state, metrics)``, all TensorDicts keyed like ``params`` (flat keys such as
-``"actor.0.weight"``); :func:`chain` composes them. Every tensor may carry ``member_dims`` leading
+``"actor/0/weight"``, :data:`SEP`); :func:`chain` composes them. Every tensor may carry ``member_dims`` leading
 member dims (stacked seeds/ensembles: ``[S, *shape]`` with ``member_dims=1``); per-tensor statistics
 are then per member, shape ``[S]``. Transforms ignore context they do not use.
 
@@ -51,6 +51,7 @@ from rlfunc import func
 from rlfunc.errors import ConfigError, ShapeError
 
 Generators = torch.Generator | Sequence[torch.Generator]
+SEP = "/"  # joins nested parameter keys into flat ones ("actor/0/weight"); snapshots reserve "."
 
 
 class GradientTransformation(NamedTuple):
@@ -345,10 +346,10 @@ def per_sample_grads(fn: Callable[..., Tensor], params: TensorDictBase, *inputs:
     sample: ``torch.func.grad`` mapped over dim 0 of ``inputs`` with :func:`rlfunc.func.vmap` (a loop
     where vmap is missing). Returns per key of ``params`` ``[N, *shape]``."""
     keys = list(params.keys(include_nested=True, leaves_only=True))
-    flat = {".".join(k) if isinstance(k, tuple) else k: params.get(k).detach() for k in keys}
+    flat = {SEP.join(k) if isinstance(k, tuple) else k: params.get(k).detach() for k in keys}
 
     def one(p: dict, *sample: Tensor) -> dict:
-        return torch.func.grad(lambda q: fn(TensorDict(q, batch_size=[]).unflatten_keys("."), *sample))(p)
+        return torch.func.grad(lambda q: fn(TensorDict(q, batch_size=[]).unflatten_keys(SEP), *sample))(p)
 
     grads = func.vmap(one, in_dims=(None, *([0] * len(inputs))), use_loop=use_loop, device=device)(flat, *inputs)
     return _td(dict(grads))

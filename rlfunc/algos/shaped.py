@@ -43,13 +43,13 @@ def make_transform(config) -> shaping.GradientTransformation | None:
 
 
 def trainable(params: TensorDictBase) -> tuple[list[str], list[Tensor]]:
-    """Flat names ("actor.0.weight") and tensors of ``params``' trainable leaves, in ``func.leaves`` order."""
+    """Flat names ("actor/0/weight") and tensors of ``params``' trainable leaves, in ``func.leaves`` order."""
     keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)
     names, leaves = [], []
     for k in keys:
         t = params.get(k)
         if t.requires_grad:
-            names.append(".".join(k) if isinstance(k, tuple) else k)
+            names.append(shaping.SEP.join(k) if isinstance(k, tuple) else k)
             leaves.append(t)
     return names, leaves
 
