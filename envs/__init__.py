@@ -13,3 +13,8 @@ if "Push-v0" not in gym.registry:
     gym.register(id="Push-v0", entry_point="envs.push.env:PushEnv", max_episode_steps=100)
 if "PushState-v0" not in gym.registry:
     gym.register(id="PushState-v0", entry_point="envs.push.env:PushStateEnv", max_episode_steps=100)
+
+# Pusher-v5 with two rendered 128x128 cameras + its state vector as "proprio" (envs.pixels imports
+# mujoco and sets MUJOCO_GL only when the env is made); 100 steps as Pusher-v5.
+if "PusherPixels-v5" not in gym.registry:
+    gym.register(id="PusherPixels-v5", entry_point="envs.pixels:make_pusher_pixels", max_episode_steps=100)

@@ -1,6 +1,8 @@
 """The ``rlfunc`` command.
 
     rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]
+                                            (an env with a Dict observation, e.g. Push-v0 or PusherPixels-v5:
+                                            Gaussian PPO through the multimodal encoder, rlfunc.algos.ppo_encoder)
     rlfunc train bc [--env PointReach-v0|PushState-v0|Push-v0] [--demos N] [--actor.denoiser mlp|unet] [...]
                                             diffusion BC on the env's scripted-expert demos
     rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]
@@ -69,6 +71,12 @@ def _train(argv: list[str]) -> int:
     known, rest = pre.parse_known_args(argv[1:])
     if "-h" not in rest and "--help" not in rest:
         check_env_id(known.env)
+    from rlfunc.train_encoder import is_dict_env
+
+    if is_dict_env(known.env):  # cameras / proprio / instruction: Gaussian PPO through the multimodal encoder
+        from rlfunc import cli_ppo_encoder
+
+        return cli_ppo_encoder.train(argv[1:])
     default = _Unchecked(**dataclasses.asdict(preset(known.env)))
     parsed = tyro.cli(
         _Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
@@ -198,6 +206,11 @@ def _eval(argv: list[str]) -> int:
         from rlfunc.train_diffusion import evaluate_run
 
         print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
+        return 0
+    if snap is not None and checkpoint.load_meta(snap).get("algo") == "ppo-encoder":
+        from rlfunc.train_encoder import evaluate_run as evaluate_encoder
+
+        print(json.dumps(evaluate_encoder(snap, a.episodes, seed=a.seed, device=a.device)))
         return 0
     if snap is not None and checkpoint.load_meta(snap).get("algo") in ("grpo", "gspo"):
         from rlfunc.train_grpo import evaluate_run as evaluate_grpo

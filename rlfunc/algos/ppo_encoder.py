@@ -1,0 +1,410 @@
+"""Gaussian PPO on Dict observations (cameras, proprio, instruction) through a shared multimodal encoder.
+
+The actor and the critic share one :class:`rlfunc.nets.encoders.MultimodalEncoder` trunk (ResNet-GN
+per camera or shared, attention pooling, proprio MLP on running-normalised inputs, text, fusion
+transformer); its CLS feature feeds two MLP heads, the action mean mu(s) and V(s), and the action
+std is a state-independent parameter sigma = exp(log_std). Everything trains end to end on the PPO
+loss :func:`rlfunc.losses.ppo.ppo_loss` (clipped surrogate + value + entropy terms).
+
+Actions live in [-1, 1] (:class:`rlfunc.chunk_env.GymChunkEnv` with ``act_steps=1`` scales them to
+the env's bounds and clips); the Gaussian is unbounded and its log-probability is that of the
+unclipped sample, as in Schulman et al.'s PPO and SB3.
+
+Collection (:func:`PPOEncoder.rollout`): the envs keep running across iterations, a carry TensorDict
+holding the next observation; each step's observations reach the device once (uint8 images are
+converted to float only inside the encoder), the rollout is stacked there into one [N, T] batch.
+V(s_t) is computed with the action (one encoder pass per step); the bootstrap V(s_{t+1}) is V of the
+next step's observation except after the last step and at episode ends, where the true final
+observation is encoded (so time-limit truncation bootstraps from it, as in ``rlfunc.returns``).
+
+Reference: Schulman et al. (2017) "Proximal Policy Optimization Algorithms" (eq. 7, 9); GAE:
+Schulman et al. (2016) eq. 16; normalisation details: Huang et al. (2022) "The 37 Implementation
+Details of PPO".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor, nn
+
+from rlfunc import func
+from rlfunc.algos.diffusion_actor import EnvInfo, encoder_config, require_finite
+from rlfunc.amp import Precision, accumulate_gradients
+from rlfunc.amp import step as optimizer_step
+from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.errors import ConfigError, EnvError
+from rlfunc.losses.ppo import normalize_advantage, ppo_loss
+from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.normalize import init_running_stats, scale_reward, update_running_stats
+from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
+
+ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
+
+
+@dataclass(frozen=True)
+class PPOEncoderConfig:
+    """Every hyperparameter of encoder PPO, with its default. Steps are env steps."""
+
+    env: str = "Push-v0"  # gymnasium id with a Dict observation (RGB uint8 cameras, "proprio", "instruction")
+    total_steps: int = 100_000  # env steps (rounded up to whole iterations of the batch)
+    num_envs: int = 8  # parallel envs (gymnasium, stepped on the host)
+    num_steps: int = 128  # steps per env per rollout; batch = num_envs * num_steps
+    num_epochs: int = 4  # passes over each batch
+    minibatch_size: int = 256  # samples per gradient step; must divide the batch
+    micro_batch_size: int | None = None  # samples per backward pass inside a minibatch (gradient accumulation; None: one pass)
+    lr: float = 3e-4  # Adam learning rate (encoder and heads)
+    anneal_lr: bool = True  # linear decay of lr to 0 over the run
+    adam_eps: float = 1e-5  # Adam epsilon
+    gamma: float = 0.99  # discount per env step, in [0, 1]
+    lmbda: float = 0.95  # GAE lambda, in [0, 1]
+    clip_epsilon: float = 0.2  # surrogate clip range
+    value_clip_epsilon: float | None = None  # clip range of V around its old value (None: off)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    value_coef: float = 0.5  # value loss weight
+    max_grad_norm: float = 0.5  # global grad-norm clip
+    target_kl: float | None = None  # stop an iteration's epochs once the minibatch approx KL exceeds it (None: off)
+    normalize_advantages: bool = True  # per minibatch (before any micro-batch split)
+    normalize_rewards: bool = True  # divide by the running std of the discounted return
+    reward_clip: float = 10.0  # after scaling
+    hidden: tuple[int, ...] = (256,)  # widths of the actor and critic head MLPs on the encoder feature
+    activation: str = "tanh"  # tanh | relu | elu | silu (heads)
+    init_log_std: float = -0.5  # initial log std of the actions, in [-1, 1] action units
+    encoder_d_model: int = 128  # width of the encoder's tokens and CLS feature (a multiple of 4)
+    encoder_widths: tuple[int, ...] = (32, 64, 128, 256)  # ResNet-GN stage channels (ResNet-18: 64 128 256 512)
+    encoder_blocks: tuple[int, ...] = (1, 1, 1, 1)  # BasicBlocks per stage (ResNet-18: 2 2 2 2)
+    freeze_vision: bool = False  # no gradient to the ResNet trunk (pools, proprio, text and fusion still train)
+    checkpoint_vision: bool = False  # recompute the trunk's activations in backward (less memory, more compute)
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.amp)
+    seed: int = 0  # seeds the parameters, the env resets and the action/minibatch noise
+    device: str = "auto"  # auto | cpu | npu | ... (rlfunc.device)
+    torch_threads: int = 0  # intra-op CPU threads (0: torch's default)
+    checkpoint_every: int = 10  # iterations between snapshots (0: only at the end)
+    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
+
+    def __post_init__(self) -> None:
+        require_finite(self)
+        for name in ("hidden", "encoder_widths", "encoder_blocks"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("gamma", "lmbda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
+        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "eval_episodes"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.batch_size % self.minibatch_size:
+            raise ConfigError(f"minibatch_size={self.minibatch_size} does not divide the batch num_envs*num_steps={self.batch_size}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
+        for name in ("lr", "clip_epsilon", "max_grad_norm", "reward_clip"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
+        if self.entropy_coef < 0 or self.value_coef < 0:
+            raise ConfigError(f"entropy_coef={self.entropy_coef}, value_coef={self.value_coef}: expected >= 0")
+        for name in ("target_kl", "value_clip_epsilon"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0 or None")
+        if any(h < 1 for h in self.hidden):
+            raise ConfigError(f"hidden={self.hidden}: every width must be positive")
+        if self.activation not in ("tanh", "relu", "elu", "silu"):
+            raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
+        if self.encoder_d_model < 4 or self.encoder_d_model % 4:
+            raise ConfigError(f"encoder_d_model={self.encoder_d_model}: expected a positive multiple of 4")
+        if not self.encoder_widths or len(self.encoder_widths) != len(self.encoder_blocks) or min(*self.encoder_widths, *self.encoder_blocks) < 1:
+            raise ConfigError(f"encoder_widths={self.encoder_widths}, encoder_blocks={self.encoder_blocks}: "
+                              "expected positive ints, one block count per stage")
+        if self.precision not in ("off", "auto", "bf16", "fp16"):
+            raise ConfigError(f"precision={self.precision!r}: expected off, auto, bf16 or fp16")
+        if not 0 <= self.seed < 2**31:
+            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
+        if self.torch_threads < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
+            raise ConfigError("torch_threads, checkpoint_every and keep_checkpoints must be >= 0")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def num_iterations(self) -> int:
+        return max(1, math.ceil(self.total_steps / self.batch_size))
+
+
+class EncoderActorCritic(nn.Module):
+    """The skeleton: ``forward(observation, proprio_stats) -> (loc [*B, A], log_std [A], state_value [*B, 1])``.
+
+    ``observation`` is a mapping of the encoder's keys (uint8 cameras [*B, H, W, 3], float "proprio"
+    [*B, P], "instruction_tokens"/"instruction_padding_mask" [*B, L]). The actor head's last layer has
+    gain 0.01, the critic's gain 1 (Huang et al. 2022, detail 2); the heads run in float32.
+    """
+
+    def __init__(self, config: PPOEncoderConfig, info: EnvInfo) -> None:
+        super().__init__()
+        from rlfunc.nets.encoders import MultimodalEncoder
+
+        # encoder_config reads the encoder_* / freeze_vision / checkpoint_vision fields, which
+        # PPOEncoderConfig names as the diffusion actor's ActorSpec does
+        self.encoder = MultimodalEncoder(encoder_config(config, info))
+        d = config.encoder_d_model
+        self.actor = MLP(d, info.act_dim, config.hidden, config.activation, out_gain=0.01)
+        self.critic = MLP(d, 1, config.hidden, config.activation, out_gain=1.0)
+        self.log_std = nn.Parameter(torch.full((info.act_dim,), float(config.init_log_std)))
+
+    def forward(self, observation, proprio_stats: TensorDict | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        feature = self.encoder(observation, proprio_stats).float()
+        return self.actor(feature), self.log_std, self.critic(feature)
+
+
+class PPOEncoder(NamedTuple):
+    """The algorithm's pure pieces (see :func:`make_ppo_encoder`)."""
+
+    init: Callable[[], TensorDict]
+    policy: Callable[..., Callable[[TensorDictBase], TensorDictBase]]
+    rollout: Callable[..., tuple[TensorDict, TensorDict]]
+    loss: Callable[..., tuple[Tensor, TensorDict]]
+    iteration: Callable[..., tuple[TensorDict, TensorDict]]
+    trainable: Callable[[TensorDict], list[Tensor]]
+    net: EncoderActorCritic
+    info: EnvInfo
+
+
+def check_dict_info(info: EnvInfo, env_id: str) -> None:
+    """EnvError unless ``info`` describes a Dict observation (what the encoder reads)."""
+    if not info.is_dict:
+        raise EnvError(
+            f"env={env_id!r} has a Box observation of {info.obs_dim} numbers: ppo with a multimodal encoder needs "
+            "a Dict observation (RGB uint8 cameras, 'proprio', 'instruction'); train a Box env with the flat-observation "
+            "PPO (`rlfunc train ppo --env ENV` dispatches on the observation space)"
+        )
+
+
+def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.device, prec: Precision | None = None) -> PPOEncoder:
+    """Build encoder PPO for an env described by ``info`` (:func:`rlfunc.algos.diffusion_actor.env_info`).
+
+    The learner state is one TensorDict on ``device``: "params" {"encoder", "actor", "critic",
+    "log_std" [A]}, "return_stats" (running statistics of the discounted return, sample shape []),
+    "discounted_return" [N, 1], "rng" (uint8 state of the CPU/device generator), "iteration" and
+    "env_steps" (0-dim int64), and "proprio_stats" ([P] running statistics) when the env has proprio.
+
+    Raises:
+        EnvError: ``info`` is not a Dict observation.
+    """
+    check_dict_info(info, config.env)
+    net = EncoderActorCritic(config, info).to(device)
+    keys = info.obs_keys
+    has_stats = info.stats_key == "proprio"
+    N, T = config.num_envs, config.num_steps
+    autocast = prec.autocast if prec is not None else (lambda: torch.autocast(device.type, enabled=False))
+
+    def init() -> TensorDict:
+        params = func.params_from_module(seeded_init(lambda: EncoderActorCritic(config, info), config.seed).to(device))
+        state = TensorDict(
+            {
+                "params": params,
+                "return_stats": init_running_stats((), device=device),
+                "discounted_return": torch.zeros(N, 1, device=device),
+                "rng": torch.Generator(device=device).manual_seed(config.seed).get_state(),
+                "iteration": torch.zeros((), dtype=torch.int64, device=device),
+                "env_steps": torch.zeros((), dtype=torch.int64, device=device),
+            },
+            batch_size=[],
+            device=device,
+        )
+        if has_stats:
+            state["proprio_stats"] = init_running_stats((info.stats_dim,), device=device)
+        return state
+
+    def trainable(params: TensorDict) -> list[Tensor]:
+        """The leaves the optimizer steps (the ResNet trunk is left out with ``freeze_vision``)."""
+        frozen = [("encoder", *k) for k in net.encoder.frozen_keys]
+        return [p for p in func.leaves(params.exclude(*frozen) if frozen else params) if p.requires_grad]
+
+    def forward(params: TensorDict, stats: TensorDict | None, td: TensorDictBase) -> tuple[Tensor, Tensor, Tensor]:
+        return func.apply(net, params, {k: td[k] for k in keys}, stats)
+
+    def policy(state: TensorDict, generator: torch.Generator | None, deterministic: bool = False):
+        """td [N] with the observation keys -> td with "action" [N, A] (mu + sigma eps, or mu when
+        ``deterministic``), "sample_log_prob" [N, 1] (log N(a; mu, sigma^2), from eps directly) and
+        "state_value" [N, 1]. Noise comes from ``generator`` (on ``device``)."""
+        params, stats = state["params"], state.get("proprio_stats", None)
+        half_log_2pi = 0.5 * math.log(2.0 * math.pi)
+
+        def act(td: TensorDictBase) -> TensorDictBase:
+            with torch.no_grad():
+                with autocast():
+                    loc, log_std, value = forward(params, stats, td)
+                loc, log_std, value = loc.float(), log_std.float(), value.float()
+                return sample(td, loc, log_std, value)
+
+        def sample(td: TensorDictBase, loc: Tensor, log_std: Tensor, value: Tensor) -> TensorDictBase:
+            if deterministic:
+                td["action"], td["sample_log_prob"] = loc, torch.zeros_like(value)
+            else:
+                noise = torch.randn(loc.shape, generator=generator, device=loc.device)
+                td["action"] = loc + log_std.exp() * noise
+                td["sample_log_prob"] = (-0.5 * noise.square() - log_std - half_log_2pi).sum(-1, keepdim=True)
+            td["state_value"] = value
+            return td
+
+        return act
+
+    def rollout(state: TensorDict, env, carry: TensorDictBase, generator: torch.Generator) -> tuple[TensorDict, TensorDictBase]:
+        """``num_steps`` steps of ``env`` (a TorchRL env of N Dict-observation envs, e.g. GymChunkEnv
+        with act_steps=1) from ``carry`` (its last root TensorDict, from ``env.reset()`` at the start).
+        Envs that end are reset in place (``step_and_maybe_reset``). Returns (batch [N, T] on the
+        env's device: observation keys, "action", "sample_log_prob", "state_value" and "next" with the
+        TorchRL step keys; the new carry)."""
+        act = policy(state, generator)
+        kept = [*keys, "action", "sample_log_prob", "state_value", "next"]
+        steps, td = [], carry
+        for _ in range(T):
+            out, td = env.step_and_maybe_reset(act(td))
+            steps.append(out.select(*kept))
+        return torch.stack(steps, dim=1), td.select(*keys, "done", "terminated", "truncated", strict=False)
+
+    def values(params: TensorDict, stats: TensorDict | None, td: TensorDictBase) -> Tensor:
+        chunk = config.minibatch_size
+        with torch.no_grad(), autocast():
+            out = [forward(params, stats, td[i : i + chunk])[2].float() for i in range(0, td.batch_size[0], chunk)]
+        return torch.cat(out) if out else torch.zeros(0, 1, device=device)
+
+    def loss(params: TensorDict, stats: TensorDict | None, mb: TensorDictBase) -> tuple[Tensor, TensorDict]:
+        """PPO loss of minibatch ``mb`` [M] (observation keys, "action" [M, A], "sample_log_prob",
+        "advantage" (already normalised when the config says so), "value_target", "state_value"
+        [M, 1]): :func:`ppo_loss` with log pi(a|s) = log N(a; mu(s), sigma^2) and the Gaussian entropy."""
+        loc, log_std, value = forward(params, stats, mb)
+        log_prob = gaussian_log_prob(mb["action"], loc.float(), log_std.float())
+        entropy = gaussian_entropy(log_std.float(), loc.shape[:-1])
+        return ppo_loss(
+            log_prob, mb["sample_log_prob"], mb["advantage"], value.float(), mb["value_target"],
+            entropy=entropy, old_state_value=mb["state_value"], clip_epsilon=config.clip_epsilon,
+            value_clip_epsilon=config.value_clip_epsilon, entropy_coef=config.entropy_coef,
+            value_coef=config.value_coef, normalize_advantages=False,
+        )
+
+    def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, dict]:
+        """Rewards scaled, bootstrap values, GAE; batch [N, T] -> flat [N*T] and the new statistics."""
+        params, stats = state["params"], state.get("proprio_stats", None)
+        reward = batch["next", "reward"].float()
+        done, terminated = batch["next", "done"], batch["next", "terminated"]
+        new: dict = {}
+        if config.normalize_rewards:
+            discount = torch.full_like(reward, config.gamma)
+            discount[:, 1:] *= (~done[:, :-1]).float()
+            safe = torch.where(reward.isfinite(), reward, torch.zeros_like(reward))
+            z = forward_discounted_sum(safe, discount, initial=state["discounted_return"].unsqueeze(-2))
+            new["return_stats"] = update_running_stats(state["return_stats"], z.flatten())
+            new["discounted_return"] = z[:, -1] * (~done[:, -1]).float()
+            reward = scale_reward(reward, new["return_stats"]).clamp(-config.reward_clip, config.reward_clip)
+        value = batch["state_value"]
+        # V(s_{t+1}) is the next step's V(s) except after the last step and at episode ends (the
+        # root of the next step is then a reset observation): encode the true next observation there
+        next_value = torch.cat([value[:, 1:], torch.zeros_like(value[:, :1])], dim=1)
+        need = done.squeeze(-1).clone()
+        need[:, -1] = True
+        where = need.nonzero(as_tuple=True)
+        next_value[where] = values(params, stats, batch["next"][where].select(*keys))
+        advantage, value_target = generalized_advantage_estimate(config.gamma, config.lmbda, value, next_value, reward, done, terminated)
+        flat = TensorDict(
+            {
+                **{k: batch[k] for k in keys}, "action": batch["action"], "sample_log_prob": batch["sample_log_prob"],
+                "state_value": value, "advantage": advantage, "value_target": value_target,
+            },
+            batch_size=batch.batch_size,
+        ).flatten(0, 1)
+        if has_stats:
+            new["proprio_stats"] = update_running_stats(stats, batch["proprio"].flatten(0, 1).float())
+        return flat, new
+
+    def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, optimizer: torch.optim.Optimizer
+                  ) -> tuple[TensorDict, TensorDict]:
+        """One PPO update on ``batch`` ([N, T] from :func:`rollout`), stepping ``optimizer`` (Adam over
+        :func:`trainable` leaves of ``state["params"]``). Minibatch order comes from ``generator``.
+        Returns the new state and metrics (0-dim tensors: the ppo_loss metrics averaged over the
+        minibatches, grad_norm, updates, skipped, episode_return/success_rate of episodes that ended)."""
+        flat, new = prepare(state, batch)
+        params, stats = state["params"], state.get("proprio_stats", None)
+        leaves = trainable(params)
+        B, M = flat.batch_size[0], config.minibatch_size
+        metric_sum, updates, skipped, stop = None, 0, 0, False
+        for _ in range(config.num_epochs):
+            perm = torch.randperm(B, generator=generator, device=device)
+            for k in range(B // M):
+                mb = flat[perm[k * M : (k + 1) * M]]
+                if config.normalize_advantages:
+                    mb["advantage"] = normalize_advantage(mb["advantage"])
+                optimizer.zero_grad(set_to_none=True)
+                _, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
+                norm, ok = optimizer_step(optimizer, leaves, config.max_grad_norm, prec)
+                skipped += int(not ok)
+                metrics["grad_norm"] = norm.detach().to(device)
+                metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                updates += 1
+                if config.target_kl is not None and float(metrics["approx_kl"]) > config.target_kl:
+                    stop = True
+                    break
+            if stop:
+                break
+        out = state.clone(recurse=False)
+        for key, value in new.items():
+            out[key] = value
+        out["iteration"] = state["iteration"] + 1
+        out["env_steps"] = state["env_steps"] + B
+        out["rng"] = generator.get_state().to(device)
+        metrics = metric_sum / updates
+        metrics["updates"] = torch.tensor(updates)
+        metrics["skipped"] = torch.tensor(skipped)
+        metrics["value_target_mean"] = flat["value_target"].mean()
+        metrics.update(episode_metrics(batch))
+        return out, metrics
+
+    return PPOEncoder(init, policy, rollout, loss, iteration, trainable, net, info)
+
+
+def episode_metrics(batch: TensorDictBase) -> dict[str, Tensor]:
+    """Episodes that ended in ``batch`` ([N, T]): "episodes" (count), "episode_return" (mean return,
+    NaN when none ended) and "success_rate" (share that ended in success, NaN when none ended)."""
+    ended = batch["next", "done"].squeeze(-1)
+    count = ended.sum()
+    nan = torch.full((), float("nan"), device=ended.device)
+    ret = batch["next", "episode_return"].squeeze(-1)[ended]
+    success = batch["next", "success"].squeeze(-1)[ended].float()
+    return {
+        "episodes": count,
+        "episode_return": ret.mean() if count else nan,
+        "success_rate": success.mean() if count else nan,
+    }
+
+
+@torch.no_grad()
+def evaluate(algo: PPOEncoder, state: TensorDict, env, max_steps: int) -> dict[str, float]:
+    """One episode per env of ``env`` (N Dict-observation envs, fresh from construction) with the
+    deterministic action mu(s). Returns "episode_return" (mean of the first episodes' returns, env
+    units), "success_rate" (share of them that ended in success) and "num_episodes" (those that
+    ended within ``max_steps``, normally the time limit)."""
+    act = algo.policy(state, None, deterministic=True)
+    td = env.reset()
+    n = env.batch_size[0]
+    finished = torch.zeros(n, dtype=torch.bool)
+    returns, success = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+    for _ in range(max_steps):
+        out, td = env.step_and_maybe_reset(act(td))
+        done = out["next", "done"].reshape(n).cpu()
+        first = done & ~finished
+        returns[first] = out["next", "episode_return"].reshape(n).cpu().float()[first]
+        success[first] = out["next", "success"].reshape(n).cpu()[first]
+        finished |= done
+        if bool(finished.all()):
+            break
+    ended = int(finished.sum())
+    return {
+        "episode_return": float(returns[finished].mean()) if ended else float("nan"),
+        "success_rate": float(success[finished].float().mean()) if ended else float("nan"),
+        "num_episodes": float(ended),
+    }

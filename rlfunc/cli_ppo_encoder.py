@@ -1,0 +1,49 @@
+"""``rlfunc train ppo --env ENV`` for envs with a Dict observation (cameras, proprio, instruction):
+Gaussian PPO through the multimodal encoder (:mod:`rlfunc.algos.ppo_encoder`); every
+PPOEncoderConfig field is a flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoosePPOEncoder(PPOEncoderConfig):
+    """PPOEncoderConfig parsed without validation (tyro would box a ValueError); validated right after."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+def train(argv: list[str]) -> int:
+    """Parse ``argv`` (the flags after ``rlfunc train ppo``) into a PPOEncoderConfig, train, print
+    the evaluation as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped the run."""
+    import tyro
+
+    from rlfunc.train_encoder import train_ppo_encoder
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--run-dir", default=None)
+    known, rest = pre.parse_known_args(argv)
+    parsed = tyro.cli(
+        _LoosePPOEncoder, args=rest, default=_LoosePPOEncoder(), prog="rlfunc train ppo",
+        description="Train Gaussian PPO with a multimodal encoder (Dict observation: cameras, proprio, instruction). "
+        "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-encoder-sSEED-TIME).",
+    )
+    config = PPOEncoderConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
+    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-encoder-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = train_ppo_encoder(config, run_dir)
+    print(f"run dir: {result.run_dir}", file=sys.stderr)
+    if result.interrupted:
+        print(f"interrupted ({result.interrupted}): snapshot saved; evaluate it with `rlfunc eval {result.run_dir}`", file=sys.stderr)
+        return 128 + int(getattr(signal, result.interrupted))
+    print(json.dumps(result.evaluation))
+    return 0

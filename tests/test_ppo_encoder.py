@@ -1,0 +1,213 @@
+"""Gaussian PPO through the multimodal encoder (rlfunc.algos.ppo_encoder, rlfunc.train_encoder).
+
+A tiny encoder (ResNet widths (8, 8), d_model 16) keeps every test fast; tests that step Push-v0
+render its cameras and skip when no OpenGL works (as tests/test_push.py)."""
+
+import json
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from envs.push import env as pe
+from rlfunc import checkpoint, func
+from rlfunc.algos.diffusion_actor import EnvInfo, env_info
+from rlfunc.algos.ppo_encoder import PPOEncoderConfig, make_ppo_encoder
+from rlfunc.chunk_env import GymChunkEnv
+from rlfunc.errors import ConfigError, EnvError
+
+CPU = torch.device("cpu")
+TINY = dict(
+    num_envs=2, num_steps=8, minibatch_size=8, num_epochs=2, hidden=(16,), encoder_d_model=16,
+    encoder_widths=(8, 8), encoder_blocks=(1, 1), device="cpu", eval_episodes=2, lr=1e-3,
+)
+
+
+def _rendering_available() -> bool:
+    try:
+        env = pe.PushEnv()
+        env.reset(seed=0)
+        env.close()
+        return True
+    except EnvError:
+        return False
+
+
+needs_rendering = pytest.mark.skipif(not _rendering_available(), reason=f"no working OpenGL (backend {pe.gl_backend()})")
+
+# a synthetic Dict observation: one 32x32 camera and 5 proprio numbers, 2-D actions
+INFO = EnvInfo(0, 2, "proprio", 5, ("cam", "proprio"), cameras=("cam",), image_size=(32, 32), proprio_dim=5)
+
+
+def _batch(n: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(
+        {
+            "cam": torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8),
+            "proprio": torch.randn(n, 5, generator=g),
+            "action": torch.randn(n, 2, generator=g),
+            "sample_log_prob": torch.randn(n, 1, generator=g) - 2.0,
+            "advantage": torch.randn(n, 1, generator=g),
+            "value_target": torch.randn(n, 1, generator=g),
+            "state_value": torch.randn(n, 1, generator=g),
+        },
+        batch_size=[n],
+    )
+
+
+def test_loss_equals_the_ppo_loss_computed_by_hand():
+    config = PPOEncoderConfig(env="none", **{**TINY, "entropy_coef": 0.01, "value_coef": 0.7, "clip_epsilon": 0.1})
+    algo = make_ppo_encoder(config, INFO, CPU)
+    state = algo.init()
+    with torch.no_grad():
+        state["params", "log_std"].copy_(torch.tensor([-0.3, 0.2]))
+    mb = _batch(6)
+    loss, metrics = algo.loss(state["params"], state["proprio_stats"], mb)
+    loc, log_std, value = func.apply(algo.net, state["params"], {"cam": mb["cam"], "proprio": mb["proprio"]}, state["proprio_stats"])
+    # by hand, in double: log N(a; mu, sigma^2), the clipped ratio, the value and entropy terms
+    loc, log_std, value = loc.double().detach(), log_std.double().detach(), value.double().detach()
+    a = mb["action"].double()
+    log_prob = (-0.5 * ((a - loc) / log_std.exp()) ** 2 - log_std - 0.5 * math.log(2 * math.pi)).sum(-1, keepdim=True)
+    ratio = (log_prob - mb["sample_log_prob"].double()).exp()
+    adv = mb["advantage"].double()  # not normalised inside the loss (the iteration does it per minibatch)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(0.9, 1.1) * adv).mean()
+    value_loss = 0.7 * 0.5 * (value - mb["value_target"].double()).pow(2).mean()
+    entropy = (log_std + 0.5 * (1 + math.log(2 * math.pi))).sum()
+    expected = -surrogate + value_loss - 0.01 * entropy
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    assert float(metrics["entropy"]) == pytest.approx(float(entropy), rel=1e-6)
+    assert float(metrics["clip_fraction"]) == pytest.approx(float(((ratio - 1).abs() > 0.1).double().mean()))
+    # the loss reaches every part: encoder trunk, fusion, both heads and log_std
+    loss.backward()
+    for key in (("encoder", "vision"), ("encoder", "fusion"), ("encoder", "proprio"), ("actor",), ("critic",)):
+        grads = [p.grad for p in func.leaves(state["params"][key])]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads), key
+    assert state["params", "log_std"].grad.abs().sum() > 0
+
+
+def test_micro_batches_give_the_gradient_of_the_whole_minibatch():
+    grads = []
+    for micro in (None, 2):
+        config = PPOEncoderConfig(env="none", **{**TINY, "micro_batch_size": micro, "num_envs": 1, "minibatch_size": 8, "num_epochs": 1})
+        algo = make_ppo_encoder(config, INFO, CPU)
+        state = algo.init()
+        from rlfunc.amp import accumulate_gradients
+
+        accumulate_gradients(lambda m: algo.loss(state["params"], state["proprio_stats"], m), _batch(8, 1), micro)
+        grads.append(torch.cat([p.grad.flatten() for p in func.leaves(state["params"])]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_policy_log_prob_is_the_gaussian_density_of_the_action():
+    algo = make_ppo_encoder(PPOEncoderConfig(env="none", **TINY), INFO, CPU)
+    state = algo.init()
+    td = _batch(4).select("cam", "proprio")
+    out = algo.policy(state, torch.Generator().manual_seed(1))(td.clone())
+    loc, log_std, value = func.apply(algo.net, state["params"], {"cam": td["cam"], "proprio": td["proprio"]}, state["proprio_stats"])
+    dist = torch.distributions.Normal(loc.double(), log_std.double().exp())
+    expected = dist.log_prob(out["action"].double()).sum(-1, keepdim=True)
+    torch.testing.assert_close(out["sample_log_prob"].double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["state_value"], value.detach())
+    assert not out["action"].requires_grad and not out["sample_log_prob"].requires_grad
+    det = algo.policy(state, None, deterministic=True)(td.clone())
+    torch.testing.assert_close(det["action"], loc.detach())
+
+
+def _train(tmp_path, name, **overrides):
+    from rlfunc.train_encoder import train_ppo_encoder
+
+    config = PPOEncoderConfig(env="Push-v0", total_steps=32, **{**TINY, **overrides})
+    return train_ppo_encoder(config, tmp_path / name, progress=False, tensorboard=False, evaluate_at_end=False)
+
+
+@needs_rendering
+def test_iterations_on_push_change_encoder_and_heads_and_are_deterministic(tmp_path):
+    info = env_info("Push-v0")
+    config = PPOEncoderConfig(env="Push-v0", **TINY)
+    start = make_ppo_encoder(config, info, CPU).init()["params"]
+    a = _train(tmp_path, "a")
+    b = _train(tmp_path, "b")
+    pa, pb = a.state["params"], b.state["params"]
+    assert int(a.state["env_steps"]) == 32 and int(a.state["iteration"]) == 2
+    for key in (("encoder", "vision"), ("encoder", "fusion"), ("encoder", "text"), ("encoder", "proprio"), ("actor",), ("critic",), ("log_std",)):
+        flat = lambda t: t.flatten() if isinstance(t, torch.Tensor) else torch.cat([p.flatten() for p in func.leaves(t)])  # noqa: E731
+        before, after = flat(start[key]), flat(pa[key])
+        assert not torch.equal(before, after), key
+    for x, y in zip(func.leaves(pa), func.leaves(pb)):  # same seed: bit-identical
+        assert torch.equal(x, y)
+    assert torch.equal(a.state["proprio_stats", "mean"], b.state["proprio_stats", "mean"])
+    assert float(a.state["proprio_stats", "count"]) == 32
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [16, 32] and all(math.isfinite(r["loss_critic"]) for r in records)
+
+
+@needs_rendering
+def test_envs_keep_running_across_iterations():
+    info = env_info("Push-v0")
+    config = PPOEncoderConfig(env="Push-v0", **{**TINY, "num_steps": 4})
+    algo = make_ppo_encoder(config, info, CPU)
+    state = algo.init()
+    env = GymChunkEnv("Push-v0", 2, act_steps=1, seed=0)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        carry = env.reset()
+        first, carry = algo.rollout(state, env, carry, gen)
+        second, carry = algo.rollout(state, env, carry, gen)
+    finally:
+        env.close()
+    assert first.batch_size == torch.Size([2, 4]) and first["top"].dtype == torch.uint8
+    # the second rollout starts where the first stopped: its first observation is the first's last next one
+    torch.testing.assert_close(second["proprio"][:, 0], first["next", "proprio"][:, -1])
+    torch.testing.assert_close(second["next", "episode_return"][:, 0] - second["next", "reward"][:, 0],
+                               first["next", "episode_return"][:, -1])
+
+
+@needs_rendering
+def test_cli_trains_push_with_images_and_evaluates(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = tmp_path / "run"
+    flags = ["--total-steps", "16", "--num-envs", "2", "--num-steps", "8", "--minibatch-size", "8", "--num-epochs", "1",
+             "--encoder-widths", "8", "8", "--encoder-blocks", "1", "1", "--encoder-d-model", "16", "--hidden", "16",
+             "--eval-episodes", "2", "--device", "cpu"]
+    assert main(["train", "ppo", "--env", "Push-v0", "--run-dir", str(run), *flags]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["env"] == "Push-v0" and summary["episodes"] == 2 and 0.0 <= summary["success_rate"] <= 1.0
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
+    assert meta["algo"] == "ppo-encoder" and meta["env_steps"] == 16
+    assert main(["eval", str(run), "--episodes", "2"]) == 0
+    again = json.loads(capsys.readouterr().out.strip())
+    assert again["mean"] == pytest.approx(summary["mean"])  # same eval seeds, deterministic actions
+    assert main(["train", "ppo", "--env", "Push-v0", "--run-dir", str(tmp_path / "bad"), *flags, "--minibatch-size", "7"]) == 2
+    assert "minibatch_size=7" in capsys.readouterr().err
+
+
+def test_box_observation_env_is_a_clear_error(tmp_path):
+    from rlfunc.train_encoder import train_ppo_encoder
+
+    with pytest.raises(EnvError, match="Box observation.*Dict observation"):
+        train_ppo_encoder(PPOEncoderConfig(env="PushState-v0", **TINY), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    box = EnvInfo(21, 3, "observation", 21, ("observation",))
+    with pytest.raises(EnvError, match="PushState-v0"):
+        make_ppo_encoder(PPOEncoderConfig(env="PushState-v0", **TINY), box, CPU)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="minibatch_size=5"):
+        PPOEncoderConfig(**{**TINY, "minibatch_size": 5})
+    with pytest.raises(ConfigError, match="gamma"):
+        PPOEncoderConfig(gamma=1.5)
+    with pytest.raises(ConfigError, match="encoder_widths"):
+        PPOEncoderConfig(encoder_widths=(8, 8), encoder_blocks=(1,))
+    with pytest.raises(ConfigError, match="init_log_std"):
+        PPOEncoderConfig(init_log_std=float("nan"))
+
+
+def test_eval_of_a_missing_run_is_a_checkpoint_error(tmp_path):
+    from rlfunc.errors import CheckpointError
+    from rlfunc.train_encoder import evaluate_run
+
+    with pytest.raises(CheckpointError, match="no complete snapshot"):
+        evaluate_run(tmp_path)
