@@ -1,0 +1,313 @@
+"""Gradient shaping (rlfunc.shaping, rlfunc.algos.shaped): hand-made sequences, float64 references,
+statistical checks with fixed generators, and PPO with every transform off == plain PPO."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlfunc import shaping
+from rlfunc.algos.ppo import PPOConfig, EnvSpec, SHAPING_PRESETS, make_ppo, preset
+from rlfunc.errors import ConfigError
+from rlfunc.optim import make_adam
+
+td = lambda **kw: TensorDict(kw, batch_size=[])  # noqa: E731
+
+
+# ----------------------------------------------------------------------------- oscillation damping
+
+
+def test_sign_agreement_and_damping_by_hand():
+    t = shaping.oscillation_damping(lr=0.1, strength=0.5, agreement_decay=0.0)
+    params = td(w=torch.zeros(4))
+    state = t.init(params)
+    g1, g2 = torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    u, state, m = t.update(td(w=torch.ones(4)), state, grads=td(w=g1))
+    assert torch.equal(u["w"], torch.ones(4))  # no previous gradient: agreement 0, no damping
+    assert m["sign_agreement"].item() == 0.0
+    u, state, m = t.update(td(w=torch.ones(4)), state, grads=td(w=g2))
+    # agreement mean([-1, -1, -1, 1]) = -0.5 -> factor 1 + 0.5 * (-0.5) = 0.75
+    assert m["sign_agreement"].item() == -0.5
+    assert torch.allclose(u["w"], torch.full((4,), 0.75))
+    u, state, m = t.update(td(w=torch.ones(4)), state, grads=td(w=g2))  # consistent: untouched
+    assert m["sign_agreement"].item() == 1.0 and torch.equal(u["w"], torch.ones(4))
+
+
+def test_sign_agreement_ema_and_members():
+    t = shaping.oscillation_damping(lr=0.1, strength=1.0, agreement_decay=0.9, member_dims=1)
+    state = t.init(td(w=torch.zeros(2, 3)))
+    osc = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    a_ref = torch.zeros(2)
+    for step in range(4):
+        g = osc.clone()
+        g[0] *= (-1) ** step  # member 0 flips every step, member 1 is consistent
+        u, state, m = t.update(td(w=torch.ones(2, 3)), state, grads=td(w=g))
+        agree = torch.tensor([-1.0, 1.0]) if step > 0 else torch.zeros(2)
+        a_ref = 0.9 * a_ref + 0.1 * agree
+        assert torch.allclose(m["sign_agreement"], a_ref)
+        assert torch.allclose(u["w"], (1 + a_ref.clamp(max=0)).unsqueeze(1).expand(2, 3))
+
+
+def test_curvature_damping_by_hand():
+    t = shaping.oscillation_damping(lr=0.1, strength=0.5, agreement_decay=0.0)
+    state = t.init(td(w=torch.zeros(3), b=torch.zeros(2)))
+    g = td(w=torch.full((3,), 2.0), b=torch.full((2,), 2.0))
+    u, state, m = t.update(td(w=torch.ones(3), b=torch.ones(2)), state, grads=g, curvature=td(w=torch.tensor(4.0), b=torch.tensor(-3.0)))
+    # rms(g) = 2 (bias-corrected EMA of a constant), newton = 0.1 * 4 / 2 = 0.2 -> 1 / 1.2; negative curvature: no damping
+    assert torch.allclose(u["w"], torch.full((3,), 1 / 1.2))
+    assert torch.allclose(u["b"], torch.ones(2))
+    # the estimate is kept until the next one
+    u, state, _ = t.update(td(w=torch.ones(3), b=torch.ones(2)), state, grads=g)
+    assert torch.allclose(u["w"], torch.full((3,), 1 / 1.2))
+
+
+# ----------------------------------------------------------------------------- curvature
+
+
+def test_hutchinson_exact_for_diagonal_hessian():
+    gen = torch.Generator().manual_seed(0)
+    d1, d2 = torch.rand(5, 3, generator=gen, dtype=torch.double) * 4 - 1, torch.rand(7, generator=gen, dtype=torch.double)
+    w = torch.randn(5, 3, dtype=torch.double, requires_grad=True)
+    b = torch.randn(7, dtype=torch.double, requires_grad=True)
+    loss = 0.5 * (d1 * w**2).sum() + 0.5 * (d2 * b**2).sum() + (w.sum() * 3)  # H = diag(d1, d2)
+    grads = torch.autograd.grad(loss, [w, b], create_graph=True)
+    for seed in range(3):
+        probe = shaping.rademacher_like(td(w=w.detach(), b=b.detach()), torch.Generator().manual_seed(seed))
+        assert set(probe["w"].unique().tolist()) <= {-1.0, 1.0}
+        hv = shaping.hessian_vector_product(grads, [w, b], [probe["w"], probe["b"]])
+        c = shaping.hutchinson_curvature(hv, [probe["w"], probe["b"]])
+        assert torch.allclose(c[0], d1.mean(), atol=1e-12) and torch.allclose(c[1], d2.mean(), atol=1e-12)
+
+
+def test_hutchinson_unbiased_for_dense_hessian():
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(6, 6, generator=gen, dtype=torch.double)
+    hess = a @ a.T
+    x = torch.randn(6, dtype=torch.double, requires_grad=True)
+    (g,) = torch.autograd.grad(0.5 * x @ hess @ x, [x], create_graph=True)
+    estimates = []
+    for seed in range(4000):
+        v = shaping.rademacher_like(td(x=x.detach()), torch.Generator().manual_seed(seed))["x"]
+        estimates.append(shaping.hutchinson_curvature(shaping.hessian_vector_product([g], [x], [v]), [v])[0])
+    est = torch.stack(estimates)
+    assert abs(est.mean() - hess.diagonal().mean()) < 4 * est.std() / math.sqrt(len(est))
+
+
+def test_hvp_double_backward_matches_autograd_functional():
+    gen = torch.Generator().manual_seed(2)
+    w1 = torch.randn(4, 3, generator=gen, dtype=torch.double)
+    w2 = torch.randn(2, 4, generator=gen, dtype=torch.double)
+    x = torch.randn(10, 3, generator=gen, dtype=torch.double)
+    v1, v2 = torch.randn(4, 3, generator=gen, dtype=torch.double), torch.randn(2, 4, generator=gen, dtype=torch.double)
+
+    def f(a, b):
+        return torch.tanh(torch.tanh(x @ a.T) @ b.T).square().sum()
+
+    _, ref = torch.autograd.functional.hvp(f, (w1, w2), (v1, v2))
+    p1, p2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    grads = torch.autograd.grad(f(p1, p2), [p1, p2], create_graph=True)
+    hv = shaping.hessian_vector_product(grads, [p1, p2], [v1, v2])
+    assert torch.allclose(hv[0], ref[0], atol=1e-12) and torch.allclose(hv[1], ref[1], atol=1e-12)
+
+
+def test_rademacher_per_member_generators():
+    params = td(w=torch.zeros(2, 50))
+    probe = shaping.rademacher_like(params, [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)], member_dims=1)
+    alone = shaping.rademacher_like(td(w=torch.zeros(50)), torch.Generator().manual_seed(4))
+    assert torch.equal(probe["w"][1], alone["w"])  # a member's probe depends only on its generator
+    with pytest.raises(ConfigError, match="generator"):
+        shaping.rademacher_like(params, [torch.Generator()], member_dims=1)
+
+
+# ----------------------------------------------------------------------------- adaptive clip radius
+
+
+def test_clip_epsilon_decay():
+    assert shaping.decayed_clip_epsilon(0.2, 0.995, 0) == 0.2
+    assert shaping.decayed_clip_epsilon(0.2, 0.995, 10) == pytest.approx(0.2 * 0.995**10, rel=1e-12)
+    with pytest.raises(ConfigError):
+        shaping.decayed_clip_epsilon(0.2, 1.5, 1)
+
+
+def test_layer_trust_region_bounds_predicted_log_ratio():
+    # linear policy: log pi_i = x_i . w + z_i . b, so d log pi_i / d w = x_i, d log pi_i / d b = z_i
+    x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])  # ||x_i||^2: 25, 0 -> s_w = sqrt(12.5)
+    z = torch.tensor([[1.0], [1.0]])  # s_b = 1
+    grads = td(w=x, b=z, critic=torch.zeros(2, 3))
+    s = shaping.layer_sensitivity(grads)
+    assert torch.allclose(s["w"], torch.tensor(math.sqrt(12.5))) and s["b"].item() == 1.0 and s["critic"].item() == 0.0
+    eps = 0.2 * 0.995**3
+    r = shaping.layer_radius(s, eps)
+    assert torch.allclose(r["w"], torch.tensor(eps / (2 * math.sqrt(12.5)))) and torch.allclose(r["b"], torch.tensor(eps / 2))
+    assert math.isinf(r["critic"].item())  # the critic cannot move the log-ratio
+
+    anchor = td(w=torch.tensor([0.5, -0.5]), b=torch.tensor([0.1]), critic=torch.zeros(3))
+    t = shaping.layer_trust_region()
+    state = t.init(anchor, radius=r)
+    params = anchor.clone()
+    for step in range(5):  # large steps in a fixed direction
+        u = td(w=torch.tensor([1.0, 2.0]), b=torch.tensor([-0.5]), critic=torch.ones(3))
+        shaped, state, m = t.update(u, state, params=params)
+        params = td(**{k: params[k] + shaped[k] for k in params.keys()})
+        for k in ("w", "b"):
+            assert (params[k] - anchor[k]).norm() <= r[k] * (1 + 1e-5)
+        assert torch.equal(shaped["critic"], torch.ones(3))  # unbounded
+        delta_log_ratio = x @ (params["w"] - anchor["w"]) + z @ (params["b"] - anchor["b"])  # first order, exact here
+        assert delta_log_ratio.square().mean().sqrt() <= eps * (1 + 1e-5)
+    assert m["trust_clip_fraction"].item() == pytest.approx(2 / 3)
+    # a small step inside the ball is untouched
+    state = t.init(anchor, radius=r)
+    small = td(w=torch.tensor([1e-4, 0.0]), b=torch.tensor([1e-4]), critic=torch.zeros(3))
+    shaped, _, m = t.update(small, state, params=anchor)
+    assert torch.allclose(shaped["w"], small["w"]) and m["trust_clip_fraction"].item() == 0
+    with pytest.raises(ConfigError, match="params"):
+        t.update(small, state)
+
+
+# ----------------------------------------------------------------------------- prioritised sampling
+
+
+def test_priorities_sampling_frequencies_and_weights():
+    m = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    p = shaping.priorities(m, alpha=1.0, eps=1e-12)
+    assert torch.allclose(p, m / 10)
+    idx = shaping.sample_prioritized(p, 200_000, torch.Generator().manual_seed(0))
+    freq = torch.bincount(idx, minlength=4).float() / idx.numel()
+    assert torch.allclose(freq, p, atol=0.005)
+    w = shaping.importance_weights(p, beta=0.5)  # (4 p)^-0.5 / max = sqrt(0.1 / p)
+    assert torch.allclose(w, (0.1 / p).sqrt())
+    p_half = shaping.priorities(m, alpha=0.5, eps=1e-12)
+    assert torch.allclose(p_half, m.sqrt() / m.sqrt().sum())
+    assert torch.equal(shaping.importance_weights(p, beta=0.0), torch.ones(4))
+    with pytest.raises(ConfigError, match="beta"):
+        shaping.importance_weights(p, beta=1.5)
+    with pytest.raises(ConfigError, match="alpha"):
+        shaping.priorities(m, alpha=-1)
+
+
+def test_sample_prioritized_members():
+    p = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    idx = shaping.sample_prioritized(p, 5, [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)])
+    assert torch.equal(idx, torch.tensor([[0] * 5, [1] * 5]))
+
+
+@pytest.mark.parametrize("use_loop", [False, True])
+def test_per_sample_grads_by_hand(use_loop):
+    params = td(lin=td(weight=torch.tensor([[1.0, -2.0]]), bias=torch.tensor([0.5])))
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.0, 1.0]])
+
+    def loss(p, xi):  # 0.5 (w . x + b)^2
+        return 0.5 * (p["lin", "weight"] @ xi + p["lin", "bias"]).square().sum()
+
+    g = shaping.per_sample_grads(loss, params, x, use_loop=use_loop)
+    y = x @ torch.tensor([1.0, -2.0]) + 0.5
+    assert torch.allclose(g["lin/weight"], (y[:, None] * x)[:, None, :])
+    assert torch.allclose(g["lin/bias"], y[:, None])
+
+
+# ----------------------------------------------------------------------------- PPO integration
+
+
+SPEC = EnvSpec(3, 1, [-2.0], [2.0])
+
+
+def _batch(S: int, N: int, T: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(S, N, T, 3, generator=g)
+    nxt = TensorDict(
+        {"observation": obs + 0.1, "reward": torch.randn(S, N, T, 1, generator=g),
+         "done": torch.zeros(S, N, T, 1, dtype=torch.bool), "terminated": torch.zeros(S, N, T, 1, dtype=torch.bool)},
+        batch_size=[S, N, T],
+    )
+    action = torch.randn(S, N, T, 1, generator=g)
+    return TensorDict({"observation": obs, "action": action, "sample_log_prob": -0.5 * action.square() - 0.92, "next": nxt},
+                      batch_size=[S, N, T])
+
+
+def _run(config: PPOConfig, iterations: int = 1):
+    algo = make_ppo(config, SPEC, torch.device("cpu"))
+    state = algo.init()
+    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+    gens = [torch.Generator().manual_seed(s) for s in config.seeds]
+    metrics = []
+    for i in range(iterations):
+        state, m = algo.iteration(state, _batch(config.num_seeds, config.num_envs, config.num_steps, i), gens, optimizer)
+        metrics.append(m)
+    return state, metrics
+
+
+SMALL = dict(num_envs=4, num_steps=64, minibatch_size=64, num_epochs=2)
+
+
+def test_all_off_is_plain_ppo():
+    config = PPOConfig(**SMALL)
+    assert not (config.oscillation_damping or config.adaptive_clip or config.prioritized_minibatches)
+    state, _ = _run(config)
+    assert "shaping" not in state.keys()
+    # the shaping knobs do nothing while their transforms are off
+    other, _ = _run(PPOConfig(**SMALL, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5, priority_alpha=2.0, priority_beta=1.0))
+    for a, b in zip(state["params"].values(True, True), other["params"].values(True, True)):
+        assert torch.equal(a, b)
+    # and the update is the one before shaping existed (sums of the first leaves after one
+    # iteration, measured with rlfunc/algos/ppo.py of commit b5b180e)
+    sums = [float(v.detach().double().sum()) for v in list(state["params"].values(True, True))[:3]]
+    assert sums == pytest.approx([-0.0006538896705023944, 5.3635501593817025, -0.004588111783959903], rel=1e-4, abs=1e-6)
+
+
+def test_shaped_preset_has_the_issue_values():
+    c = preset("Pendulum-v1", shaping="ppo-shaped")
+    assert (c.gamma, c.lmbda, c.clip_epsilon, c.clip_epsilon_decay) == (0.99, 0.95, 0.2, 0.995)
+    assert (c.max_grad_norm, c.hessian_interval, c.num_epochs) == (0.3, 5, 10)
+    assert c.batch_size == 2048 and c.batch_size // c.minibatch_size == 32
+    assert c.oscillation_damping and c.adaptive_clip and c.prioritized_minibatches
+    assert preset("Pendulum-v1", shaping="ppo-shaped", gamma=0.9).gamma == 0.9  # overrides win
+    assert "ppo-shaped" in SHAPING_PRESETS
+    with pytest.raises(ConfigError, match="shaping"):
+        preset("Pendulum-v1", shaping="nope")
+
+
+@pytest.mark.parametrize("bad", [dict(hessian_interval=0), dict(damping_strength=1.5), dict(clip_epsilon_decay=0.0),
+                                 dict(priority_beta=2.0), dict(priority_alpha=-0.1)])
+def test_config_errors(bad):
+    with pytest.raises(ConfigError):
+        PPOConfig(**bad)
+
+
+def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
+    from rlfunc.checkpoint import save_snapshot
+
+    kw = dict(num_envs=2, num_steps=32, minibatch_size=16, num_epochs=1, num_seeds=2, hessian_interval=2,
+              oscillation_damping=True, adaptive_clip=True, prioritized_minibatches=True)
+    a, ma = _run(PPOConfig(**kw, vmap="vmap"), iterations=2)
+    b, mb = _run(PPOConfig(**kw, vmap="loop"), iterations=2)
+    for x, y in zip(a.values(True, True), b.values(True, True)):
+        assert torch.allclose(x.float(), y.float(), atol=1e-5)
+    assert torch.allclose(ma[1]["clip_epsilon"], torch.full((2,), 0.2 * 0.995))
+    assert int(a["shaping", "step"]) == 2 * 4
+    for key in ("sign_agreement", "damping", "trust_clip_fraction"):
+        assert ma[1][key].shape == (2,) and ma[1][key].isfinite().all()
+    assert all(v.isfinite().all() for v in a["params"].values(True, True))
+    save_snapshot(tmp_path / "snap", a, {"note": "shaping state keys are snapshot-safe"})
+
+
+def test_trust_region_bounds_ppo_policy_change():
+    """Within one PPO iteration each policy tensor stays within its radius of the start."""
+    kw = dict(num_envs=2, num_steps=32, minibatch_size=16, num_epochs=4, adaptive_clip=True, lr=0.05, max_grad_norm=100.0)
+    config = PPOConfig(**kw)
+    algo = make_ppo(config, SPEC, torch.device("cpu"))
+    state = algo.init()
+    start = state["params"].clone()
+    optimizer = make_adam(state["params"], config.lr)
+    state, m = algo.iteration(state, _batch(1, 2, 32), [torch.Generator().manual_seed(0)], optimizer)
+    trust = state["shaping", "transform", "0"]
+    moved = 0
+    for name in trust.keys():
+        keys = tuple(name.split(shaping.SEP))
+        r = trust[name, "radius"]
+        dist = (state["params"].get(keys) - start.get(keys)).flatten(1).norm(dim=1)
+        assert (dist <= r * (1 + 1e-4)).all(), name
+        moved += int((dist > 0.5 * r).any())
+    assert m[0]["trust_clip_fraction"].item() > 0 and moved > 0
