@@ -1,0 +1,378 @@
+"""Shared-parameter multi-agent PPO (IPPO / MAPPO) and its critic-free GRPO / GSPO variants.
+
+One categorical policy pi_theta(a | o_i) and one value function V_phi over every agent's local
+observation o_i; the agent dim is one more batch dim, so the parameters are shared by all agents
+("parameter sharing", Gupta et al. 2017; Terry et al. 2020). Invalid moves are masked out of the
+policy when the env gives an action mask ((("agents", "action_mask")): their logits are set to the
+dtype's lowest value, so they get probability 0 and never contribute to the entropy).
+
+Losses (``MAPPOConfig.loss``):
+
+- ``"ppo"``: PPO's clipped surrogate (:func:`rlfunc.losses.ppo.ppo_loss`) with one GAE per agent
+  (:func:`rlfunc.returns.generalized_advantage_estimate` over each agent's own reward stream).
+  ``critic="local"`` is IPPO (de Witt et al. 2020): V(o_i); ``"mean"`` and ``"concat"`` are MAPPO's
+  centralised critic (Yu et al. 2022): V sees o_i with the mean, or the concatenation, of every
+  agent's observation of the same env (training only; the policy stays decentralised).
+- ``"grpo"`` / ``"gspo"``: no critic; G rollouts from one start state (a group) and a group-relative
+  advantage of the sequence reward (:func:`rlfunc.returns.group_relative_advantage`): the team
+  return (``sequence_reward="team"``: sum over agents and steps, one advantage per rollout shared by
+  its agents) or each agent's own return (``"agent"``: agent i of member k against agent i of the
+  other members, who start from the same cell with the same task draws). Each agent's episode is a
+  sequence for :func:`rlfunc.losses.grpo.grpo_loss` / :func:`rlfunc.losses.gspo.gspo_loss`.
+
+The learner state is one TensorDict: "params" ("actor", "critic"), "iteration", "env_steps".
+
+Reference: Schulman et al. (2017), PPO; de Witt et al. (2020), "Is Independent Learning All You
+Need in the StarCraft Multi-Agent Challenge?" (IPPO); Yu et al. (2022), "The Surprising
+Effectiveness of PPO in Cooperative Multi-Agent Games" (MAPPO, sec. 3 and app. C: the agent-specific
+global state); Papoudakis et al. (2021), "Benchmarking Multi-Agent Deep RL Algorithms in Cooperative
+Tasks" (parameter sharing, the RWARE tasks); Shao et al. (2024) (GRPO); Zheng et al. (2025) (GSPO).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from rlfunc import func
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.grpo import grpo_loss
+from rlfunc.losses.gspo import gspo_loss
+from rlfunc.losses.ppo import ppo_loss
+from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.optim import clip_grads_, member_grad_norms
+from rlfunc.returns import generalized_advantage_estimate, group_relative_advantage
+
+LOSSES = ("ppo", "grpo", "gspo")
+CRITICS = ("local", "mean", "concat")
+
+
+@dataclass(frozen=True)
+class MAPPOConfig:
+    """Every hyperparameter of shared-parameter multi-agent PPO / GRPO / GSPO, with its default."""
+
+    env: str = "Warehouse-v0"  # "Warehouse-v0" or an rware id ("rware-tiny-2ag-v2", ...)
+    loss: Literal["ppo", "grpo", "gspo"] = "ppo"  # see the module docstring
+    critic: Literal["local", "mean", "concat"] = "local"  # ppo: V(o_i) (IPPO) or a centralised critic (MAPPO)
+    n_agents: int = 20  # Warehouse-v0: AGVs per warehouse (rware: fixed by the id)
+    episode_steps: int = 200  # Warehouse-v0: steps per training episode (truncation); rware: 500 (its own)
+    shaping_scale: float = 0.0  # Warehouse-v0: training reward per cell of BFS progress to the goal (0: off)
+    conflict_penalty: float = 0.1  # Warehouse-v0: training reward subtracted per blocked agent
+    num_envs: int = 32  # envs stepped together (grpo/gspo: num_groups * group_size)
+    rollout_steps: int = 100  # ppo: steps per env per iteration (grpo/gspo: episode_steps)
+    group_size: int = 8  # grpo/gspo: rollouts per start state (G)
+    sequence_reward: Literal["team", "agent"] = "team"  # grpo/gspo: what a group compares (see docstring)
+    total_steps: int = 1_000_000  # env steps (one step of one env = n_agents agent-steps)
+    hidden: tuple[int, ...] = (128, 128)  # MLP widths of actor and critic
+    activation: str = "tanh"  # MLP activation
+    lr: float = 5e-4  # Adam learning rate
+    anneal_lr: bool = True  # linear decay of lr to 0 over the run
+    num_epochs: int = 4  # passes over each batch
+    num_minibatches: int = 4  # minibatches per epoch
+    gamma: float = 0.99  # discount per step
+    lmbda: float = 0.95  # GAE lambda
+    clip_epsilon: float = 0.2  # ppo/grpo: ratio clip range
+    gspo_clip_epsilon: float = 3e-4  # gspo: lower clip of the sequence ratio (paper: 3e-4)
+    gspo_clip_epsilon_high: float = 4e-4  # gspo: upper clip (paper: 4e-4)
+    entropy_coef: float = 0.01  # weight of the entropy bonus (all losses)
+    value_coef: float = 0.5  # ppo: weight of the value loss
+    max_grad_norm: float = 0.5  # global gradient-norm clip
+    advantage_std: Literal["group", "batch", "none"] = "group"  # grpo/gspo: group_relative_advantage's std
+    seed: int = 0  # parameters, action sampling and env seeds
+    device: str = "auto"  # "auto" | "cpu" | an accelerator name (rlfunc.device)
+    torch_threads: int = 0  # torch.set_num_threads (0: leave as is)
+    eval_episodes: int = 8  # warehouses (or rware episodes) per eval seed
+    eval_seeds: tuple[int, ...] = (1000, 1001, 1002)  # env seeds of the final evaluation
+    eval_greedy: bool = False  # evaluate the argmax action instead of sampling
+    checkpoint_every: int = 0  # iterations between snapshots (0: only at the end)
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ConfigError(f"loss={self.loss!r}: expected one of {LOSSES}")
+        if self.critic not in CRITICS:
+            raise ConfigError(f"critic={self.critic!r}: expected one of {CRITICS}")
+        if self.sequence_reward not in ("team", "agent"):
+            raise ConfigError(f"sequence_reward={self.sequence_reward!r}: expected 'team' or 'agent'")
+        for name in ("n_agents", "episode_steps", "num_envs", "rollout_steps", "group_size", "total_steps",
+                     "num_epochs", "num_minibatches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r}: expected an int >= 1")
+        if self.loss != "ppo" and self.num_envs % self.group_size:
+            raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lmbda <= 1):
+            raise ConfigError(f"gamma={self.gamma}, lmbda={self.lmbda}: expected values in [0, 1]")
+        if not self.lr > 0 or self.entropy_coef < 0 or self.value_coef < 0 or not self.max_grad_norm > 0:
+            raise ConfigError("lr and max_grad_norm must be > 0, entropy_coef and value_coef >= 0")
+
+    @property
+    def steps_per_iteration(self) -> int:
+        """Env steps per iteration: num_envs * (rollout_steps for ppo, episode_steps for grpo/gspo)."""
+        return self.num_envs * (self.rollout_steps if self.loss == "ppo" else self.episode_steps)
+
+    @property
+    def num_iterations(self) -> int:
+        return max(1, self.total_steps // self.steps_per_iteration)
+
+
+class Nets(NamedTuple):
+    """Skeletons for ``functional_call``: actor o_i -> logits [n_actions], critic critic-input -> [1]."""
+
+    actor: nn.Module
+    critic: nn.Module
+
+
+def critic_input(observation: Tensor, critic: str) -> Tensor:
+    """The critic's input per agent: o_i (``"local"``), [o_i, mean_j o_j] (``"mean"``) or [o_i, o_1..o_A] (``"concat"``).
+
+    Args:
+        observation: [*B, A, D] float, every agent's observation of one env along dim -2.
+
+    Returns:
+        [*B, A, D] / [*B, A, 2D] / [*B, A, (A + 1) D] float.
+    """
+    if critic == "local":
+        return observation
+    a = observation.shape[-2]
+    if critic == "mean":
+        other = observation.mean(-2, keepdim=True)
+    elif critic == "concat":
+        other = observation.flatten(-2).unsqueeze(-2)
+    else:
+        raise ConfigError(f"critic={critic!r}: expected one of {CRITICS}")
+    return torch.cat([observation, other.expand(*observation.shape[:-2], a, other.shape[-1])], -1)
+
+
+def critic_in_features(obs_dim: int, n_agents: int, critic: str) -> int:
+    return {"local": obs_dim, "mean": 2 * obs_dim, "concat": (n_agents + 1) * obs_dim}[critic]
+
+
+def make_nets(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int) -> Nets:
+    """Actor (out gain 0.01: near-uniform start) and critic (out gain 1) MLPs, seeded by ``config.seed``."""
+    actor = seeded_init(lambda: MLP(obs_dim, n_actions, config.hidden, config.activation, out_gain=0.01), config.seed)
+    cin = critic_in_features(obs_dim, n_agents, config.critic)
+    critic = seeded_init(lambda: MLP(cin, 1, config.hidden, config.activation, out_gain=1.0), config.seed + 1)
+    return Nets(actor, critic)
+
+
+def masked_logits(logits: Tensor, action_mask: Tensor | None) -> Tensor:
+    """Logits with invalid actions set to the dtype's lowest finite value (probability 0, no NaN).
+
+    Args:
+        logits: [*B, K] float.
+        action_mask: [*B, K] bool, True where the action is allowed, or None (nothing masked). A row
+            without any allowed action is left unmasked (the env then treats any move as blocked).
+
+    Raises:
+        ShapeError: the mask's shape differs from the logits'.
+    """
+    if action_mask is None:
+        return logits
+    if action_mask.shape != logits.shape:
+        raise ShapeError(f"action_mask has shape {tuple(action_mask.shape)}, expected {tuple(logits.shape)} like the logits")
+    mask = action_mask | ~action_mask.any(-1, keepdim=True)
+    return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+
+
+def categorical_log_prob(logits: Tensor, action: Tensor) -> Tensor:
+    """log pi(a) of a categorical over (masked) ``logits`` [*B, K] for int ``action`` [*B] -> [*B, 1]."""
+    return torch.log_softmax(logits, -1).gather(-1, action.unsqueeze(-1))
+
+
+def categorical_entropy(logits: Tensor) -> Tensor:
+    """H = -sum_k p_k log p_k over (masked) ``logits`` [*B, K] -> [*B, 1]; masked actions add exactly 0."""
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    return -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1, keepdim=True)
+
+
+def categorical_sample(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Sample [*B] int64 from (masked) ``logits`` [*B, K] by the Gumbel-max trick with ``generator``'s uniforms.
+
+    A masked action (logit at the dtype's lowest value) is never drawn: its perturbed logit stays
+    below any allowed one's, since the Gumbel noise is bounded (uniforms in [tiny, 1 - eps]).
+    """
+    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+    tiny = torch.finfo(logits.dtype).tiny
+    gumbel = -torch.log(-torch.log(u.clamp(tiny, 1.0 - torch.finfo(logits.dtype).eps)))
+    return (logits + gumbel).argmax(-1)
+
+
+def policy_logits(nets: Nets, params: TensorDict, observation: Tensor, action_mask: Tensor | None) -> Tensor:
+    """Masked logits [*B, A, K] of every agent from its own observation [*B, A, D] (shared parameters)."""
+    return masked_logits(func.apply(nets.actor, params["actor"], observation), action_mask)
+
+
+def state_value(nets: Nets, params: TensorDict, observation: Tensor, critic: str) -> Tensor:
+    """V [*B, A, 1] of every agent from :func:`critic_input` of the observations [*B, A, D]."""
+    return func.apply(nets.critic, params["critic"], critic_input(observation, critic))
+
+
+def per_agent_gae(config: MAPPOConfig, batch: TensorDict) -> tuple[Tensor, Tensor]:
+    """GAE per agent over a rollout [N, T] with agent keys [N, T, A, ...] -> (advantage, value_target) [N, A, T, 1].
+
+    Uses ("next", "agents", "reward") [N, T, A, 1], "state_value" / ("next", "state_value") [N, T, A, 1]
+    and ("next", "done" | "terminated") [N, T, 1], expanded to every agent (TorchRL MAPPO tutorial).
+    """
+    reward = batch["next", "agents", "reward"]
+    shape = reward.shape
+    done = batch["next", "done"].unsqueeze(-2).expand(shape)
+    terminated = batch["next", "terminated"].unsqueeze(-2).expand(shape)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  [N, T, A, 1] -> [N, A, T, 1]
+    return generalized_advantage_estimate(
+        config.gamma, config.lmbda, t(batch["state_value"]), t(batch["next", "state_value"]), t(reward),
+        t(done), t(terminated), time_dim=-2,
+    )
+
+
+def ppo_agent_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+    """PPO loss of a minibatch of agent-steps [M]: "observation" [M, D], "critic_observation" [M, C],
+    "action_mask" [M, K] bool, "action" [M] int64, "sample_log_prob", "advantage", "value_target",
+    "state_value" [M, 1] float. Advantages are normalised over the minibatch (ppo_loss's default)."""
+    logits = masked_logits(func.apply(nets.actor, params["actor"], mb["observation"]), mb.get("action_mask", None))
+    log_prob = categorical_log_prob(logits, mb["action"])
+    value = func.apply(nets.critic, params["critic"], mb["critic_observation"])
+    return ppo_loss(
+        log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
+        entropy=categorical_entropy(logits), clip_epsilon=config.clip_epsilon,
+        entropy_coef=config.entropy_coef, value_coef=config.value_coef,
+    )
+
+
+def sequence_advantage(config: MAPPOConfig, reward: Tensor, group_size: int) -> Tensor:
+    """Group-relative advantage of each agent's sequence.
+
+    Args:
+        reward: [N, T, A, 1] float per-agent rewards of N = n_groups * G rollouts laid out group by group.
+
+    Returns:
+        [N, A, 1, 1] float: one advantage per (rollout, agent) sequence.
+    """
+    n, _, a, _ = reward.shape
+    per_agent = reward.sum((1, 3))  # [N, A]
+    grouped = per_agent.view(n // group_size, group_size, a)
+    if config.sequence_reward == "team":
+        adv = group_relative_advantage(grouped.sum(-1), group_dim=-1, std=config.advantage_std)  # [n, G]
+        adv = adv.unsqueeze(-1).expand(-1, -1, a)
+    else:
+        adv = group_relative_advantage(grouped, group_dim=1, std=config.advantage_std)
+    return adv.reshape(n, a, 1, 1)
+
+
+def sequence_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+    """GRPO / GSPO loss of a minibatch of agent sequences [M, T]: "observation" [M, T, D],
+    "action_mask" [M, T, K], "action" [M, T], "sample_log_prob" [M, T, 1], "advantage" [M, 1, 1]; all steps valid."""
+    logits = masked_logits(func.apply(nets.actor, params["actor"], mb["observation"]), mb.get("action_mask", None))
+    log_prob = categorical_log_prob(logits, mb["action"])
+    if config.loss == "grpo":
+        loss, metrics = grpo_loss(log_prob, mb["sample_log_prob"], mb["advantage"], clip_epsilon=config.clip_epsilon)
+    else:
+        loss, metrics = gspo_loss(
+            log_prob, mb["sample_log_prob"], mb["advantage"],
+            clip_epsilon=config.gspo_clip_epsilon, clip_epsilon_high=config.gspo_clip_epsilon_high,
+        )
+    entropy = categorical_entropy(logits).mean()
+    metrics["entropy"] = entropy.detach()
+    return loss - config.entropy_coef * entropy, metrics
+
+
+class MAPPO(NamedTuple):
+    init: object  # () -> state TensorDict
+    act: object  # (state, observation [*B, A, D], action_mask | None, generator, greedy) -> (action, log_prob, value)
+    iteration: object  # (state, batch, optimizer, generator) -> (state, metrics dict)
+    nets: Nets
+
+
+def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int, device: torch.device) -> MAPPO:
+    """Build the pure pieces of shared-parameter PPO / GRPO / GSPO for agents with ``obs_dim``-long
+    observations and ``n_actions`` discrete actions.
+
+    ``iteration`` takes a rollout batch [N, T] from :func:`rlfunc.train_mappo.collect` with
+    ("agents", "observation") [N, T, A, D], ("agents", "action_mask") [N, T, A, K] (optional),
+    ("agents", "action") [N, T, A], ("agents", "sample_log_prob") / "state_value" [N, T, A, 1],
+    ("next", "agents", "reward") [N, T, A, 1], ("next", "state_value") [N, T, A, 1] (ppo),
+    ("next", "done" | "terminated") [N, T, 1]; for grpo/gspo the N rollouts are groups of
+    ``group_size`` from one start state, each exactly one episode.
+    """
+    nets = make_nets(config, obs_dim, n_agents, n_actions)
+    nets = Nets(nets.actor.to(device), nets.critic.to(device))
+
+    def init() -> TensorDict:
+        params = TensorDict({"actor": func.params_from_module(nets.actor), "critic": func.params_from_module(nets.critic)},
+                            batch_size=[], device=device)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return TensorDict({"params": func.as_leaves(params), "iteration": zero, "env_steps": zero.clone()},
+                          batch_size=[], device=device)
+
+    @torch.no_grad()
+    def act(state: TensorDict, observation: Tensor, action_mask: Tensor | None, generator, greedy: bool = False):
+        params = state["params"]
+        logits = policy_logits(nets, params, observation, action_mask)
+        action = logits.argmax(-1) if greedy else categorical_sample(logits, generator)
+        log_prob = categorical_log_prob(logits, action)
+        value = state_value(nets, params, observation, config.critic) if config.loss == "ppo" else None
+        return action, log_prob, value
+
+    def _ppo_samples(batch: TensorDict) -> TensorDict:
+        advantage, value_target = per_agent_gae(config, batch)  # [N, A, T, 1]
+        obs = batch["agents", "observation"]  # [N, T, A, D]
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        samples = {
+            "observation": obs, "critic_observation": critic_input(obs, config.critic),
+            "action": batch["agents", "action"], "sample_log_prob": batch["agents", "sample_log_prob"],
+            "state_value": batch["state_value"], "advantage": t(advantage), "value_target": t(value_target),
+        }
+        if ("agents", "action_mask") in batch.keys(True):
+            samples["action_mask"] = batch["agents", "action_mask"]
+        n, T, a = batch["agents", "action"].shape
+        return TensorDict(samples, batch_size=[n, T, a]).reshape(-1)
+
+    def _sequences(batch: TensorDict) -> TensorDict:
+        adv = sequence_advantage(config, batch["next", "agents", "reward"], config.group_size)  # [N, A, 1, 1]
+        t = lambda x: x.transpose(1, 2)  # noqa: E731  [N, T, A, ...] -> [N, A, T, ...]
+        seq = {"observation": t(batch["agents", "observation"]), "action": t(batch["agents", "action"]),
+               "sample_log_prob": t(batch["agents", "sample_log_prob"]), "advantage": adv}
+        if ("agents", "action_mask") in batch.keys(True):
+            seq["action_mask"] = t(batch["agents", "action_mask"])
+        n, T, a = batch["agents", "action"].shape
+        return TensorDict(seq, batch_size=[n, a]).reshape(-1)
+
+    def iteration(state: TensorDict, batch: TensorDict, optimizer, generator) -> tuple[TensorDict, dict]:
+        params = state["params"]
+        leaves = func.leaves(params)
+        if config.loss == "ppo":
+            data, loss_fn = _ppo_samples(batch), ppo_agent_loss
+        else:
+            data, loss_fn = _sequences(batch), sequence_loss
+        size = data.batch_size[0]
+        mb_size = max(1, size // config.num_minibatches)
+        totals: dict[str, float] = {}
+        updates = 0
+        for _ in range(config.num_epochs):
+            perm = torch.randperm(size, generator=generator, device=device)
+            for k in range(config.num_minibatches):
+                mb = data[perm[k * mb_size:(k + 1) * mb_size]]
+                loss, metrics = loss_fn(nets, config, params, mb)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in leaves]
+                norms = member_grad_norms(grads, stacked=False)
+                if not bool(loss.isfinite() & norms.isfinite().all()):
+                    raise FloatingPointError(f"mappo: non-finite loss {float(loss)} or gradient norm at update {updates}")
+                clip_grads_(grads, config.max_grad_norm, stacked=False, norms=norms)
+                optimizer.step()
+                metrics["grad_norm"] = norms[0]
+                for key, v in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + float(v)
+                updates += 1
+        out = state.clone(recurse=False)
+        n, T = batch.batch_size[:2]
+        out["iteration"] = state["iteration"] + 1
+        out["env_steps"] = state["env_steps"] + n * T
+        return out, {k: v / updates for k, v in totals.items()}
+
+    return MAPPO(init, act, iteration, nets)

@@ -1,0 +1,244 @@
+"""A whole shared-parameter multi-agent run (PPO / GRPO / GSPO) as one function of its config.
+
+``train_mappo(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration:
+losses, training deliveries/conflicts per 100 steps on Warehouse-v0, completed-episode team returns),
+checkpoints/ (safetensors snapshots), learning_curve.png and eval.json: on Warehouse-v0 the
+:func:`envs.warehouse.metrics.evaluate` rates (deliveries and conflicts per 100 steps, idle
+fraction) of the trained policy on the default-reward warehouse with ``config.n_agents`` AGVs, on
+rware the mean team return (sum over agents) of ``eval_episodes`` episodes per eval seed.
+
+Collection is the torch-batched env's own loop (``step_and_maybe_reset``): every env of the batch,
+and every agent of every env, steps at once on the device; grpo/gspo reset all envs with
+:func:`rlfunc.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from rlfunc import checkpoint
+from rlfunc.algos.mappo import MAPPOConfig, make_mappo
+from rlfunc.device import resolve_device
+from rlfunc.errors import ConfigError, EnvError
+from rlfunc.grouped import grouped_reset
+from rlfunc.log import plot_learning_curve
+from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
+from rlfunc.train import _check_run_dir
+from rlfunc.train_diffusion import _loop, _start
+
+WAREHOUSE = "Warehouse-v0"
+COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
+
+
+class MAPPOResult(NamedTuple):
+    state: TensorDict
+    run_dir: Path
+    evaluation: dict | None  # None when a signal stopped the run
+    interrupted: str | None = None
+
+
+def warehouse_config(config: MAPPOConfig, *, train: bool):
+    """The Warehouse-v0 config of training (episode length and reward terms from ``config``) or evaluation (defaults)."""
+    from envs.warehouse import WarehouseConfig
+
+    if not train:
+        return WarehouseConfig(n_agents=config.n_agents)
+    return WarehouseConfig(n_agents=config.n_agents, max_steps=config.episode_steps,
+                           shaping_scale=config.shaping_scale, conflict_penalty=config.conflict_penalty)
+
+
+def make_env(config: MAPPOConfig, num_envs: int, device: torch.device, seed: int):
+    """The batched multi-agent env of ``config.env``: WarehouseEnv on ``device`` or RwareEnv (host).
+
+    Raises:
+        EnvError: an unknown env id (neither Warehouse-v0 nor an "rware-" id), or rware missing.
+    """
+    if config.env == WAREHOUSE:
+        from envs.warehouse import WarehouseEnv
+
+        return WarehouseEnv(num_envs, warehouse_config(config, train=True), device=device, seed=seed)
+    if config.env.startswith("rware"):
+        if config.loss != "ppo":
+            raise ConfigError(f"loss={config.loss!r} on {config.env}: grouped rollouts need a settable env state "
+                              "(Warehouse-v0); use loss='ppo' on rware")
+        from envs.rware_env import RwareEnv
+
+        return RwareEnv(config.env, num_envs, seed=seed)
+    raise EnvError(f"env={config.env!r}: expected {WAREHOUSE!r} or an rware id such as 'rware-tiny-2ag-v2'")
+
+
+def collect(env, policy, carry: TensorDict, num_steps: int) -> tuple[TensorDict, TensorDict]:
+    """Step a batched multi-agent env ``num_steps`` times with ``policy``, auto-resetting ended envs.
+
+    Args:
+        env: a TorchRL env with batch [N] and Warehouse-v0's ("agents", ...) keys.
+        policy: ``(observation [N, A, D], action_mask [N, A, K] | None) -> (action [N, A], sample_log_prob
+            [N, A, 1], state_value [N, A, 1] | None)``.
+        carry: the env output to act on (from ``env.reset()`` or the previous call).
+
+    Returns:
+        (batch [N, T] with ("agents", "observation" | "action_mask" | "action" | "sample_log_prob")
+        [N, T, A, ...], "state_value" [N, T, A, 1] (when the policy gives one), ("next", "agents",
+        "reward" | "observation"), ("next", "done" | "terminated") [N, T, 1] and the per-step counts
+        ("next", k) [N, T, 1] the env reports; the carry for the next call).
+    """
+    rows = []
+    td = carry
+    for _ in range(num_steps):
+        obs = td["agents", "observation"]
+        mask = td["agents"].get("action_mask", None)
+        action, log_prob, value = policy(obs, mask)
+        td.set(("agents", "action"), action)
+        stepped, td = env.step_and_maybe_reset(td)
+        nxt = stepped["next"]
+        agents = {"observation": obs, "action": action, "sample_log_prob": log_prob}
+        if mask is not None:
+            agents["action_mask"] = mask
+        row = {"agents": agents,
+               "next": {"agents": {"reward": nxt["agents", "reward"], "observation": nxt["agents", "observation"]},
+                        "done": nxt["done"], "terminated": nxt["terminated"],
+                        **{k: nxt[k] for k in COUNT_KEYS if k in nxt.keys()}}}
+        if value is not None:
+            row["state_value"] = value
+        rows.append(row)
+    stacked = _stack(rows)
+    return TensorDict(stacked, batch_size=[env.batch_size[0], num_steps]), td
+
+
+def _stack(rows: list[dict]) -> dict:
+    return {k: _stack([r[k] for r in rows]) if isinstance(v, dict) else torch.stack([r[k] for r in rows], 1)
+            for k, v in rows[0].items()}
+
+
+def _episode_returns(reward: torch.Tensor, done: torch.Tensor, running: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """Team returns of the episodes that ended in a rollout: reward [N, T, A, 1], done [N, T, 1], running [N]."""
+    team = reward.sum((-2, -1))  # [N, T]
+    ended = []
+    for t in range(team.shape[1]):
+        running = running + team[:, t]
+        d = done[:, t, 0]
+        ended += running[d].tolist()
+        running = torch.where(d, torch.zeros_like(running), running)
+    return ended, running
+
+
+def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.device) -> dict:
+    """eval.json's content for ``state`` (see the module docstring)."""
+    gen = torch.Generator(device=device).manual_seed(config.seed + 12345)
+
+    def act(obs, mask):
+        return algo.act(state, obs, mask, gen, config.eval_greedy)[0]
+
+    if config.env == WAREHOUSE:
+        from envs.warehouse.metrics import evaluate
+
+        result = evaluate(lambda env: lambda td: act(td["agents", "observation"], td["agents", "action_mask"]),
+                          warehouse_config(config, train=False), seeds=config.eval_seeds,
+                          num_episodes=config.eval_episodes, device=device)
+        return {"env": config.env, "n_agents": config.n_agents, "greedy": config.eval_greedy, **result}
+    from envs.rware_env import RwareEnv
+
+    rows = []
+    for seed in config.eval_seeds:
+        env = RwareEnv(config.env, config.eval_episodes, seed=seed)
+        td = env.reset()
+        total = torch.zeros(config.eval_episodes)
+        with torch.no_grad():
+            for _ in range(env.envs[0].unwrapped.max_steps):
+                td.set(("agents", "action"), act(td["agents", "observation"], None))
+                stepped, td = env.step_and_maybe_reset(td)
+                total += stepped["next", "agents", "reward"].sum((-2, -1))
+        rows.append({"seed": seed, "team_return": float(total.mean()), "episodes": config.eval_episodes})
+    return {"env": config.env, "greedy": config.eval_greedy, "per_seed": rows,
+            "median": {"team_return": statistics.median(r["team_return"] for r in rows)}}
+
+
+def train_mappo(config: MAPPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> MAPPOResult:
+    """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``.
+
+    Returns:
+        MAPPOResult(state, run_dir, evaluation, interrupted).
+
+    Raises:
+        ConfigError, EnvError: bad config, run dir or env; nothing is written then.
+    """
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir, resume=False)
+    device = resolve_device(config.device)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    env = make_env(config, config.num_envs, device, config.seed)
+    obs_dim = env.observation_spec["agents", "observation"].shape[-1]
+    n_actions = env.action_spec["agents", "action"].n
+    n_agents = env.n_agents
+    algo = make_mappo(config, obs_dim, n_agents, n_actions, device)
+    state = algo.init()
+    optimizer = make_adam(state["params"], config.lr)
+    gen = torch.Generator(device=device).manual_seed(config.seed)
+    logger = _start(config, run_dir, tensorboard)
+    start = time.perf_counter()
+    carry = env.reset()
+    running = torch.zeros(config.num_envs, device=device)
+    num_iterations = config.num_iterations
+
+    def save() -> Path:
+        snapshot = TensorDict({"learner": state, "optim": optimizer_state(optimizer)}, batch_size=[])
+        meta = {"algo": "mappo", "config": dataclasses.asdict(config), "obs_dim": obs_dim, "n_agents": n_agents,
+                "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"])}
+        return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=int(state["env_steps"]), keep_last=2)
+
+    def policy(obs, mask):
+        return algo.act(state, obs, mask, gen)
+
+    def step(i: int, stopping: bool) -> dict:
+        nonlocal state, carry, running
+        t0 = time.perf_counter()
+        set_lr(optimizer, linear_lr(config.lr, i - 1, num_iterations, config.anneal_lr))
+        if config.loss == "ppo":
+            batch, carry = collect(env, policy, carry, config.rollout_steps)
+            with torch.no_grad():
+                from rlfunc.algos.mappo import state_value
+                batch["next", "state_value"] = state_value(algo.nets, state["params"], batch["next", "agents", "observation"],
+                                                           config.critic)
+            ended, running = _episode_returns(batch["next", "agents", "reward"], batch["next", "done"], running)
+        else:
+            carry = grouped_reset(env, config.group_size)
+            batch, carry = collect(env, policy, carry, config.episode_steps)
+            ended = batch["next", "agents", "reward"].sum((1, 2, 3)).tolist()
+        del batch["next", "agents", "observation"]
+        t1 = time.perf_counter()
+        state, metrics = algo.iteration(state, batch, optimizer, gen)
+        t2 = time.perf_counter()
+        record = {"iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
+                  "steps_per_s": config.steps_per_iteration / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
+                  "lr": optimizer.param_groups[0]["lr"], **metrics,
+                  "train_reward_per_step": float(batch["next", "agents", "reward"].sum((-2, -1)).mean())}
+        if ended:
+            record["episode_return"] = sum(ended) / len(ended)
+        if ("next", "deliveries") in batch.keys(True):
+            steps = batch["next", "deliveries"].numel()
+            record["deliveries_per_100_steps"] = 100.0 * float(batch["next", "deliveries"].sum()) / steps
+            record["conflicts_per_100_steps"] = 100.0 * float(
+                batch["next", "vertex_conflicts"].sum() + batch["next", "swap_conflicts"].sum()) / steps
+        return record
+
+    stopped = _loop(num_iterations, f"mappo-{config.loss}", step, logger=logger, save=save,
+                    checkpoint_every=config.checkpoint_every, progress=progress)
+    key = "deliveries_per_100_steps" if config.env == WAREHOUSE else "episode_return"
+    try:
+        plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=key)
+    except Exception:  # noqa: BLE001 - a missing plot must not lose the run
+        pass
+    if stopped:
+        return MAPPOResult(state, run_dir, None, stopped)
+    summary = evaluate_state(config, algo, state, device)
+    (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
+    return MAPPOResult(state, run_dir, summary)
