@@ -23,17 +23,7 @@ from rlfunc.train_diffusion import evaluate_run, load_actor, train_bc, train_dpp
 CPU = torch.device("cpu")
 
 
-def _rendering_available() -> bool:
-    try:
-        env = pe.PushEnv()
-        env.reset(seed=0)
-        env.close()
-        return True
-    except EnvError:
-        return False
-
-
-needs_rendering = pytest.mark.skipif(not _rendering_available(), reason="no working OpenGL")
+needs_rendering = pytest.mark.skipif(not pe.rendering_available(), reason="no working OpenGL")
 
 
 def test_scale_roundtrip_and_bounds():

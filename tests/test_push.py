@@ -24,17 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = pe.STATE_LAYOUT
 
 
-def _rendering_available() -> bool:
-    try:
-        env = pe.PushEnv()
-        env.reset(seed=0)
-        env.close()
-        return True
-    except EnvError:
-        return False
-
-
-RENDERING = _rendering_available()
+RENDERING = pe.rendering_available()
 needs_rendering = pytest.mark.skipif(not RENDERING, reason=f"no working OpenGL (backend {pe.gl_backend()})")
 
 

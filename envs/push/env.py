@@ -262,6 +262,22 @@ def gl_backend() -> str:
     return "disable" if chosen in ("disable", "disabled", "off", "false", "0") else chosen
 
 
+def rendering_available() -> bool:
+    """Whether Push-v0 can render here (one env is made, reset and closed; the answer is cached)."""
+    if not _RENDERING:
+        try:
+            env = PushEnv()
+            env.reset(seed=0)
+            env.close()
+            _RENDERING.append(True)
+        except EnvError:
+            _RENDERING.append(False)
+    return _RENDERING[0]
+
+
+_RENDERING: list[bool] = []  # rendering_available's answer, once asked
+
+
 def _make_renderer(model: mujoco.MjModel, size: int) -> mujoco.Renderer:
     """A mujoco.Renderer of ``size`` x ``size`` px, or EnvError with what to install.
 
