@@ -1,0 +1,204 @@
+"""Shared-parameter multi-agent PPO / GRPO / GSPO (rlfunc.algos.mappo, rlfunc.train_mappo) and the rware adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlfunc.algos.mappo import (
+    MAPPOConfig, categorical_entropy, categorical_log_prob, categorical_sample, critic_input, make_mappo, masked_logits,
+    ppo_agent_loss, sequence_advantage,
+)
+from rlfunc.errors import ConfigError, ShapeError
+
+SMALL_LAYOUT = (
+    "P......D",
+    "..#..#..",
+    "P......D",
+)
+
+
+def test_permuting_agents_permutes_actions():
+    algo = make_mappo(MAPPOConfig(critic="mean", hidden=(16,)), obs_dim=6, n_agents=4, n_actions=5, device=torch.device("cpu"))
+    state = algo.init()
+    obs = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0))
+    perm = torch.tensor([2, 0, 3, 1])
+    a, lp, v = algo.act(state, obs, None, None, greedy=True)
+    ap, lpp, vp = algo.act(state, obs[:, perm], None, None, greedy=True)
+    assert torch.equal(ap, a[:, perm])
+    torch.testing.assert_close(lpp, lp[:, perm])
+    torch.testing.assert_close(vp, v[:, perm])  # the mean critic is permutation-equivariant too
+    # each agent's logits depend on its own observation only
+    obs2 = obs.clone()
+    obs2[:, 1] += 1.0
+    a2, lp2, _ = algo.act(state, obs2, None, None, greedy=True)
+    keep = torch.tensor([0, 2, 3])
+    torch.testing.assert_close(lp2[:, keep], lp[:, keep])
+
+
+def test_masked_categorical_never_picks_masked_actions():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 5, generator=g) * 3
+    mask = torch.rand(2000, 5, generator=g) > 0.5
+    mask[:, 4] |= ~mask.any(-1)  # at least one allowed action per row
+    ml = masked_logits(logits, mask)
+    for _ in range(5):
+        action = categorical_sample(ml, g)
+        assert mask.gather(-1, action[:, None]).all()
+    assert mask.gather(-1, ml.argmax(-1)[:, None]).all()
+    # probabilities: 0 on masked actions, renormalised on the others; entropy only over allowed ones
+    p = torch.softmax(ml, -1)
+    assert (p[~mask] == 0).all()
+    ref = torch.where(mask, logits, torch.tensor(float("-inf"))).double()
+    torch.testing.assert_close(p.double(), torch.softmax(ref, -1))
+    h_ref = torch.distributions.Categorical(logits=ref).entropy()
+    torch.testing.assert_close(categorical_entropy(ml).squeeze(-1).double(), h_ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ShapeError, match="action_mask"):
+        masked_logits(logits, mask[:, :4])
+
+
+def test_critic_input_shapes():
+    obs = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 3, 2)
+    assert critic_input(obs, "local") is obs
+    m = critic_input(obs, "mean")
+    torch.testing.assert_close(m[0, 1], torch.cat([obs[0, 1], obs[0].mean(0)]))
+    c = critic_input(obs, "concat")
+    assert c.shape == (2, 3, 8)
+    torch.testing.assert_close(c[1, 2], torch.cat([obs[1, 2], obs[1].flatten()]))
+
+
+def test_ppo_loss_equals_hand_computation():
+    config = MAPPOConfig(hidden=(4,), entropy_coef=0.1, value_coef=0.5, clip_epsilon=0.2)
+    algo = make_mappo(config, obs_dim=3, n_agents=2, n_actions=3, device=torch.device("cpu"))
+    params = algo.init()["params"]
+    g = torch.Generator().manual_seed(1)
+    m = 4
+    mb = TensorDict({
+        "observation": torch.randn(m, 3, generator=g), "action": torch.tensor([0, 2, 1, 2]),
+        "action_mask": torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+        "sample_log_prob": torch.tensor([[-1.0], [-0.9], [-0.3], [-1.2]]),
+        "advantage": torch.tensor([[1.0], [-2.0], [0.5], [3.0]]),
+        "value_target": torch.tensor([[0.5], [0.0], [1.0], [-1.0]]),
+    }, batch_size=[m])
+    mb["critic_observation"] = mb["observation"]
+    loss, _ = ppo_agent_loss(algo.nets, config, params, mb)
+    # by hand, in double precision
+    with torch.no_grad():
+        a = params["actor"]
+        x = mb["observation"].double()
+        logits = torch.tanh(x @ a["0", "weight"].double().T + a["0", "bias"].double()) @ a["2", "weight"].double().T + a["2", "bias"].double()
+        logits = logits.masked_fill(~mb["action_mask"], float("-inf"))
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, mb["action"][:, None])
+        p = logp_all.exp()
+        entropy = -(torch.where(p > 0, p * logp_all, torch.zeros_like(p))).sum(-1)
+        c = params["critic"]
+        v = torch.tanh(x @ c["0", "weight"].double().T + c["0", "bias"].double()) @ c["2", "weight"].double().T + c["2", "bias"].double()
+        adv = mb["advantage"].double()
+        adv = (adv - adv.mean()) / (adv.std(correction=0) + 1e-8)
+        r = (logp - mb["sample_log_prob"].double()).exp()
+        surrogate = torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).mean()
+        value = 0.5 * 0.5 * (v - mb["value_target"].double()).pow(2).mean()
+        expected = -surrogate + value - 0.1 * entropy.mean()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_advantage_team_and_agent():
+    # 1 group of G = 2 rollouts, T = 2 steps, A = 2 agents
+    reward = torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 3.0], [0.0, 1.0]]]).unsqueeze(-1)  # [N=2, T, A, 1]
+    team = sequence_advantage(MAPPOConfig(sequence_reward="team", advantage_std="none"), reward, 2)
+    # team returns 1 and 4: centred -1.5, +1.5, shared by both agents of a rollout
+    torch.testing.assert_close(team.view(2, 2), torch.tensor([[-1.5, -1.5], [1.5, 1.5]]))
+    agent = sequence_advantage(MAPPOConfig(sequence_reward="agent", advantage_std="none"), reward, 2)
+    # agent 0: 1 vs 0 -> +0.5 / -0.5; agent 1: 0 vs 4 -> -2 / +2
+    torch.testing.assert_close(agent.view(2, 2), torch.tensor([[0.5, -2.0], [-0.5, 2.0]]))
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="loss"):
+        MAPPOConfig(loss="a2c")
+    with pytest.raises(ConfigError, match="group_size"):
+        MAPPOConfig(loss="grpo", num_envs=10, group_size=4)
+    with pytest.raises(ConfigError, match="critic"):
+        MAPPOConfig(critic="global")
+
+
+def _small(loss: str, **kw) -> MAPPOConfig:
+    from envs.warehouse import WarehouseConfig  # noqa: F401  (skip cleanly if the env is missing)
+
+    return MAPPOConfig(loss=loss, n_agents=2, **kw)
+
+
+def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch):
+    """A few PPO iterations on a 3 x 8 warehouse with 2 AGVs deliver more than the random policy."""
+    from envs.warehouse import WarehouseConfig
+    from envs.warehouse.metrics import evaluate, random_policy
+    from rlfunc import train_mappo as tm
+
+    torch.manual_seed(0)
+    small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=50, shaping_scale=0.1)
+
+    def wh_config(config, *, train):
+        return small if train else WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=100)
+
+    monkeypatch.setattr(tm, "warehouse_config", wh_config)
+    config = MAPPOConfig(loss="ppo", n_agents=2, num_envs=16, rollout_steps=25, total_steps=16 * 25 * 12,
+                         hidden=(32,), lr=3e-3, num_epochs=4, entropy_coef=0.0, eval_episodes=16, eval_seeds=(5,),
+                         device="cpu", critic="mean")
+    result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
+    learned = result.evaluation["median"]["deliveries_per_100_steps"]
+    rand = evaluate(lambda env: random_policy(env, seed=0, masked=True), wh_config(config, train=False),
+                    seeds=(5,), num_episodes=16)["median"]["deliveries_per_100_steps"]
+    assert learned > rand + 5.0, (learned, rand)
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert saved["median"]["deliveries_per_100_steps"] == learned
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and "deliveries_per_100_steps" in json.loads(lines[-1])
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_grouped_losses_run(tmp_path, monkeypatch, loss):
+    from envs.warehouse import WarehouseConfig
+    from rlfunc import train_mappo as tm
+
+    small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=10)
+    monkeypatch.setattr(tm, "warehouse_config", lambda config, train: small)
+    config = MAPPOConfig(loss=loss, n_agents=2, num_envs=8, group_size=4, episode_steps=10, total_steps=160,
+                         hidden=(8,), eval_episodes=2, eval_seeds=(0,), device="cpu")
+    result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(abs(r["ratio_mean"] - 1) < 0.5 for r in rows)
+    assert result.evaluation["median"]["env_steps"] == 10 * 2
+
+
+def test_grouped_rollout_members_share_start_state():
+    """grouped_reset copies the warehouse state (positions, goals, task seeds) within a group."""
+    from envs.warehouse import WarehouseConfig, WarehouseEnv
+    from rlfunc.grouped import grouped_reset
+
+    env = WarehouseEnv(6, WarehouseConfig(n_agents=3, layout=SMALL_LAYOUT, obs_radius=1), seed=0)
+    td = grouped_reset(env, 3)
+    obs = td["agents", "observation"].view(2, 3, 3, -1)
+    assert torch.equal(obs[:, 0], obs[:, 1]) and torch.equal(obs[:, 0], obs[:, 2])
+    assert not torch.equal(obs[0, 0], obs[1, 0])
+
+
+def test_rware_adapter_steps():
+    pytest.importorskip("rware")
+    from envs.rware_env import RwareEnv
+
+    env = RwareEnv("rware-tiny-2ag-v2", 2, seed=0)
+    td = env.reset()
+    assert td["agents", "observation"].shape == (2, 2, env.obs_dim)
+    td.set(("agents", "action"), torch.tensor([[1, 2], [0, 4]]))
+    stepped, nxt = env.step_and_maybe_reset(td)
+    assert stepped["next", "agents", "reward"].shape == (2, 2, 1)
+    assert stepped["next", "done"].shape == (2, 1) and not stepped["next", "terminated"].any()
+    again = RwareEnv("rware-tiny-2ag-v2", 2, seed=0).reset()
+    torch.testing.assert_close(again["agents", "observation"], td["agents", "observation"])
+    with pytest.raises(Exception, match="action"):
+        env.step(nxt.set(("agents", "action"), torch.full((2, 2), 7)))
