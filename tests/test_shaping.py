@@ -311,3 +311,54 @@ def test_trust_region_bounds_ppo_policy_change():
         assert (dist <= r * (1 + 1e-4)).all(), name
         moved += int((dist > 0.5 * r).any())
     assert m[0]["trust_clip_fraction"].item() > 0 and moved > 0
+
+
+# ----------------------------------------------------------------------------- GRPO / GSPO
+
+
+def _grouped_batch(S: int, n: int, G: int, T: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    action = torch.randn(S, n, G, T, 1, generator=g)
+    mask = torch.ones(S, n, G, T, 1, dtype=torch.bool)
+    mask[..., T - 2 :, :] = torch.rand(S, n, G, 1, 1, generator=g) > 0.5  # some episodes end early
+    return TensorDict(
+        {"observation": torch.randn(S, n, G, T, 3, generator=g), "action": action,
+         "sample_log_prob": -0.5 * action.square() - 0.92, "mask": mask,
+         "next": TensorDict({"reward": torch.randn(S, n, G, T, 1, generator=g)}, batch_size=[S, n, G, T])},
+        batch_size=[S, n, G, T],
+    )
+
+
+def _run_grpo(config, iterations: int = 1):
+    from rlfunc.algos.grpo import make_grpo
+
+    algo = make_grpo(config, SPEC, torch.device("cpu"))
+    state = algo.init()
+    start = state["params"].clone()
+    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+    gens = [torch.Generator().manual_seed(s) for s in config.seeds]
+    for i in range(iterations):
+        state, m = algo.iteration(state, _grouped_batch(config.num_seeds, config.num_groups, config.group_size, 6, i), gens, optimizer)
+    return state, m, start
+
+
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_grpo_gspo_shaping(loss):
+    from rlfunc.algos.grpo import GRPOConfig
+
+    kw = dict(env="PointReach-v0", loss=loss, num_groups=2, group_size=4, minibatch_size=4, num_epochs=3, num_seeds=2)
+    plain, _, _ = _run_grpo(GRPOConfig(**kw))
+    knobs, _, _ = _run_grpo(GRPOConfig(**kw, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5))
+    assert "shaping" not in plain.keys()
+    for a, b in zip(plain["params"].values(True, True), knobs["params"].values(True, True)):
+        assert torch.equal(a, b)  # off means off
+    state, m, _ = _run_grpo(GRPOConfig(**kw, oscillation_damping=True, adaptive_clip=True, hessian_interval=2), iterations=2)
+    base = 0.2 if loss == "grpo" else 0.03
+    assert torch.allclose(m["clip_epsilon"], torch.full((2,), base * 0.995))
+    assert int(state["shaping", "step"]) == 2 * 3 * 2
+    assert all(v.isfinite().all() for v in state["params"].values(True, True))
+    # each policy tensor ends the second update within its radius of that update's start
+    trust = state["shaping", "transform", "1"]
+    for name in trust.keys():
+        dist = (state["params"].get(tuple(name.split(shaping.SEP))) - trust[name, "anchor"]).flatten(1).norm(dim=1)
+        assert (dist <= trust[name, "radius"] * (1 + 1e-4)).all(), name

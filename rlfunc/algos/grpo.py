@@ -26,6 +26,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc import func
+from rlfunc.algos import shaped
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.distributions import gaussian_log_prob
 from rlfunc.errors import ConfigError
@@ -67,6 +68,11 @@ class GRPOConfig:
     unbiased_std: bool = True  # Bessel's correction in the std
     kl_coef: float = 0.0  # weight of the k3 KL to the frozen initial policy (0: off)
     max_grad_norm: float = 0.5  # global grad-norm clip, per seed
+    oscillation_damping: bool = False  # shaping: damp steps of tensors with oscillating gradient signs / high curvature (rlfunc.shaping)
+    damping_strength: float = 0.5  # shaping: step factor 1 - strength for a fully oscillating tensor, in [0, 1]
+    hessian_interval: int = 5  # shaping: gradient steps between Hutchinson curvature estimates (double backward)
+    adaptive_clip: bool = False  # shaping: clip ranges * clip_epsilon_decay^iteration and per-layer trust radii
+    clip_epsilon_decay: float = 0.995  # shaping: decay of the clip ranges per iteration (policy update), in (0, 1]
     normalize_observations: bool = True  # running mean/std, clipped to +-obs_clip
     obs_clip: float = 10.0  # in standard deviations
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of the actor
@@ -118,6 +124,11 @@ class GRPOConfig:
             raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
         if not 0 <= self.seed < 2**31 - self.num_seeds:
             raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
+        if self.hessian_interval < 1 or not 0 <= self.damping_strength <= 1 or not 0 < self.clip_epsilon_decay <= 1:
+            raise ConfigError(
+                f"hessian_interval={self.hessian_interval}, damping_strength={self.damping_strength}, clip_epsilon_decay="
+                f"{self.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
+            )
         if self.vmap not in ("auto", "vmap", "loop"):
             raise ConfigError(f"vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses
@@ -191,6 +202,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
     net = ppo.net
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
+    transform = shaped.make_transform(config)  # None unless a step transform is on (rlfunc.algos.shaped)
 
     def init() -> TensorDict:
         base = ppo.init()  # PPO's seeded actor init, normaliser and generators; the critic is dropped
@@ -201,6 +213,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
             {
                 "params": params,
                 "ref_params": ref,
+                **({"shaping": shaped.init_state(transform, params)} if transform is not None else {}),
                 "obs_stats": base["obs_stats"],
                 "rng": base["rng"],
                 "iteration": base["iteration"],
@@ -219,20 +232,42 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         loc = func.apply(net.actor, params["actor"], obs)
         return gaussian_log_prob(action, loc, params["log_std"])
 
-    def member_loss(params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
-        log_prob = member_log_prob(params, mb["observation"], mb["action"])
-        ref = mb["ref_log_prob"] if config.kl_coef > 0 else None
-        if config.loss == "grpo":
-            return grpo_loss(
+    def step_log_prob(params: TensorDict, observation: Tensor, action: Tensor) -> Tensor:
+        return member_log_prob(params, observation[None], action[None]).sum()  # one step: 0-dim
+
+    def member_loss_with(low: float, high: float | None) -> Callable[[TensorDict, TensorDict], tuple[Tensor, TensorDict]]:
+        """The per-seed loss with clip range (1 - low, 1 + high) of the configured loss."""
+
+        def member_loss(params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+            log_prob = member_log_prob(params, mb["observation"], mb["action"])
+            ref = mb["ref_log_prob"] if config.kl_coef > 0 else None
+            if config.loss == "grpo":
+                return grpo_loss(
+                    log_prob, mb["sample_log_prob"], mb["advantage"], mb["mask"],
+                    clip_epsilon=low, clip_epsilon_high=high,
+                    ref_log_prob=ref, kl_coef=config.kl_coef, aggregation=config.aggregation,
+                )
+            return gspo_loss(
                 log_prob, mb["sample_log_prob"], mb["advantage"], mb["mask"],
-                clip_epsilon=config.clip_epsilon, clip_epsilon_high=config.clip_epsilon_high,
-                ref_log_prob=ref, kl_coef=config.kl_coef, aggregation=config.aggregation,
+                clip_epsilon=low, clip_epsilon_high=high,
+                ref_log_prob=ref, kl_coef=config.kl_coef, variant=config.gspo_variant,
             )
-        return gspo_loss(
-            log_prob, mb["sample_log_prob"], mb["advantage"], mb["mask"],
-            clip_epsilon=config.gspo_clip_epsilon, clip_epsilon_high=config.gspo_clip_epsilon_high,
-            ref_log_prob=ref, kl_coef=config.kl_coef, variant=config.gspo_variant,
-        )
+
+        return member_loss
+
+    def begin_shaping(state: TensorDict, seq: TensorDict, epsilon: float) -> TensorDict | None:
+        """Shaping state for this update; with adaptive_clip the trust radii come from per-step
+        log-likelihood gradients over the valid steps (every k-th step, at most ~4096 per seed)."""
+        shaping_state = state.get("shaping", None)
+        if not config.adaptive_clip:
+            return shaping_state
+        obs, act, mask = (seq[k].flatten(1, 2) for k in ("observation", "action", "mask"))  # [S, n*G*T, ...]
+        stride = max(1, obs.shape[1] // 4096)
+        obs, act, mask = obs[:, ::stride], act[:, ::stride], mask[:, ::stride].squeeze(-1).to(obs.dtype)
+        grads = shaped.stacked_per_sample_grads(step_log_prob, state["params"], obs, act, device=device, use_loop=use_loop)
+        scale = (mask * mask.shape[1] / mask.sum(1, keepdim=True).clamp_min(1)).sqrt()  # mean over valid steps only
+        grads = grads.apply(lambda g: g * scale.reshape(*scale.shape, *([1] * (g.dim() - 2))))
+        return shaped.begin_update(config, shaping_state, state["params"], grads, epsilon)
 
     def advantages(episode_return: Tensor) -> Tensor:
         """[S, n, G] -> [S, n, G]; the "batch" std is per seed."""
@@ -267,6 +302,12 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         seq, episode_return, advantage = prepare(state, batch)
         params = state["params"]
         leaves = func.leaves(params)
+        grpo = config.loss == "grpo"
+        low, high = (config.clip_epsilon, config.clip_epsilon_high) if grpo else (config.gspo_clip_epsilon, config.gspo_clip_epsilon_high)
+        low = shaped.clip_epsilon(config, low, state["iteration"])  # decayed with adaptive_clip
+        high = None if high is None else shaped.clip_epsilon(config, high, state["iteration"])
+        loss_fn = vmap(member_loss_with(low, high))
+        shaping_state, names = begin_shaping(state, seq, low), shaped.trainable(params)[0]
         B = seq.batch_size[1]
         num_mb = B // config.minibatch_size
         rows = torch.arange(S, device=device).unsqueeze(1)
@@ -277,9 +318,12 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
             shuffled = seq[rows, perm]
             for k in range(num_mb):
                 mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
-                loss, metrics = vmap(member_loss)(params, mb)
+                loss, metrics = loss_fn(params, mb)
                 optimizer.zero_grad(set_to_none=True)
-                loss.sum().backward()
+                with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
+                graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
+                curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
+                del graph_grads
                 grads = [p.grad for p in leaves]
                 norms = member_grad_norms(grads, stacked=True)
                 ok = loss.isfinite() & norms.isfinite()
@@ -288,11 +332,21 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
                     for g in grads:
                         g.nan_to_num_(0.0, 0.0, 0.0)
                 clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
-                masked_step(optimizer, leaves, ok)
+                if transform is None:
+                    masked_step(optimizer, leaves, ok)
+                else:
+                    step = lambda: masked_step(optimizer, leaves, ok)  # noqa: E731
+                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature)
+                    for key, value in shaping_metrics.items():
+                        metrics[key] = value
+                if config.adaptive_clip:
+                    metrics["clip_epsilon"] = torch.full((S,), low, device=device)
                 metrics["grad_norm"] = norms
                 metric_sum = metrics if metric_sum is None else metric_sum + metrics
                 updates += 1
         out = state.clone(recurse=False)
+        if transform is not None:
+            out["shaping"] = shaping_state
         if config.normalize_observations:
             flat_mask = batch["mask"].flatten(1, 3).squeeze(-1)
             out["obs_stats"] = vmap(update_running_stats)(state["obs_stats"], batch["observation"].flatten(1, 3), flat_mask)
