@@ -12,6 +12,10 @@ must come last for its bound to hold), and ``old + shaped`` is written back. Eve
 double-backward Hessian-vector product on a Rademacher probe (drawn from each seed's generator)
 refreshes the per-tensor curvature estimate.
 
+Prioritised minibatches are PPO's alone (:mod:`rlfunc.algos.ppo`: priorities from per-sample
+loss-gradient norms, importance weights through ``ppo_loss(sample_weight=...)``); GRPO/GSPO
+aggregate per-step terms over episodes of unequal length and take the two step transforms only.
+
 The shaping state lives in the learner state as ``state["shaping"]``: ``"transform"`` (the chain's
 state) and ``"step"`` (0-dim int64, gradient steps taken), so checkpoints and resume carry it.
 """
