@@ -362,3 +362,20 @@ def test_grpo_gspo_shaping(loss):
     for name in trust.keys():
         dist = (state["params"].get(tuple(name.split(shaping.SEP))) - trust[name, "anchor"]).flatten(1).norm(dim=1)
         assert (dist <= trust[name, "radius"] * (1 + 1e-4)).all(), name
+
+
+def test_ppo_shaped_resume_is_exact(tmp_path):
+    """The shaping state travels in snapshots: 4 iterations == 2, stop, resume for 2 more."""
+    from rlfunc.train import train
+
+    tiny = dict(num_envs=2, num_steps=64, minibatch_size=32, num_epochs=1, checkpoint_every=1, device="cpu",
+                version_every=0, total_steps=4 * 128, hessian_interval=3)
+    config = preset("Pendulum-v1", shaping="ppo-shaped", **tiny)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    a = dict(full.state.items(include_nested=True, leaves_only=True))
+    b = dict(resumed.state.items(include_nested=True, leaves_only=True))
+    assert a.keys() == b.keys() and any(k[0] == "shaping" for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
