@@ -8,6 +8,8 @@
     rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]
     rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]
     rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes
+    rlfunc train mappo [--env Warehouse-v0|rware-tiny-2ag-v2] [--loss ppo|grpo|gspo] [--critic local|mean|concat]
+                                            shared-parameter multi-agent policy (agents as a batch dim)
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), or success
                                             rate and goal shares (bc, dppo, td3-diffusion)
     rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
@@ -38,7 +40,7 @@ from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
-ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo")
+ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,10 @@ def _train(argv: list[str]) -> int:
     if not argv or argv[0] not in ALGORITHMS:
         got = repr(argv[0]) if argv else "nothing"
         raise ConfigError(f"algorithm: expected one of {', '.join(ALGORITHMS)} after `rlfunc train`, got {got}")
+    if argv[0] == "mappo":  # shared-parameter multi-agent PPO / GRPO / GSPO (Warehouse-v0, rware)
+        from rlfunc import cli_mappo
+
+        return cli_mappo.train(argv[1:])
     if argv[0] in ("grpo", "gspo"):
         from rlfunc import cli_grpo
 

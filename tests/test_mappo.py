@@ -202,3 +202,16 @@ def test_rware_adapter_steps():
     torch.testing.assert_close(again["agents", "observation"], td["agents", "observation"])
     with pytest.raises(Exception, match="action"):
         env.step(nxt.set(("agents", "action"), torch.full((2, 2), 7)))
+
+
+def test_cli_train_mappo(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = tmp_path / "run"
+    code = main(["train", "mappo", "--env", "Warehouse-v0", "--n-agents", "2", "--num-envs", "2", "--rollout-steps", "5",
+                 "--total-steps", "10", "--eval-episodes", "1", "--eval-seeds", "0", "--hidden", "8", "--device", "cpu",
+                 "--run-dir", str(run)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["n_agents"] == 2 and out["median"]["env_steps"] == 200.0
+    assert main(["train", "mappo", "--loss", "grpo", "--num-envs", "10", "--run-dir", str(tmp_path / "x")]) == 2
