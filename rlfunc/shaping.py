@@ -214,35 +214,54 @@ def oscillation_damping(
             raise ConfigError(f"{name}={v}: expected a value in [0, 1)")
     _check_member_dims(member_dims)
 
+    fields = ("prev_sign", "agreement", "curvature", "grad_sq")  # state: one TensorDict per field, keyed by tensor
+
     def init(params: TensorDictBase, **_) -> TensorDict:
-        state = {}
+        state = {f: {} for f in fields}
         for k, p in params.items():
-            per = p.new_zeros(p.shape[:member_dims])
-            state[k] = _td({"prev_sign": torch.zeros_like(p), "agreement": per, "curvature": per.clone(),
-                            "grad_sq": per.clone()})
-        return _td({"tensors": _td(state), "count": torch.zeros((), dtype=torch.int64, device=_device(params))})
+            state["prev_sign"][k] = torch.zeros_like(p)
+            for f in fields[1:]:
+                state[f][k] = p.new_zeros(p.shape[:member_dims])
+        count = torch.zeros((), dtype=torch.int64, device=_device(params))
+        return _td({**{f: _td(v) for f, v in state.items()}, "count": count})
 
     def update(updates: TensorDictBase, state: TensorDictBase, *, grads: TensorDictBase | None = None,
                curvature: TensorDictBase | None = None, **_):
+        # all tensors at once: flattened to [*M, P] with a tensor id per entry (segment sums), a few
+        # dozen ops per step whatever the number of tensors
+        names = list(updates.keys())
         grads = updates if grads is None else grads
+        old = {f: dict(state[f].items()) for f in fields}
+        g = torch.cat([grads.get(k).detach().flatten(member_dims) for k in names], -1)  # [*M, P]
+        sizes = [old["prev_sign"][k][(0,) * member_dims].numel() for k in names]
+        seg = torch.repeat_interleave(torch.arange(len(names), device=g.device), torch.tensor(sizes, device=g.device))
+        numel = torch.tensor(sizes, dtype=g.dtype, device=g.device)
+
+        def segment_mean(x: Tensor) -> Tensor:  # [*M, P] -> [*M, L]
+            return x.new_zeros(*x.shape[:-1], len(names)).index_add_(-1, seg, x) / numel
+
+        stack = lambda f: torch.stack([old[f][k] for k in names], -1)  # noqa: E731  [*M, L]
+        sign = g.sign()
+        prev = torch.cat([old["prev_sign"][k].flatten(member_dims) for k in names], -1)
         count = state["count"] + 1
-        bias = 1.0 - rms_decay ** count.to(torch.float32)
-        out, new, agree_all, damp_all = {}, dict(state["tensors"].items()), [], []  # frozen tensors keep their state
-        for k, u in updates.items():
-            s, g = state["tensors", k], grads.get(k).detach()
-            sign = g.sign()
-            a = agreement_decay * s["agreement"] + (1 - agreement_decay) * tensor_mean(sign * s["prev_sign"], member_dims)
-            grad_sq = rms_decay * s["grad_sq"] + (1 - rms_decay) * tensor_mean(g.square(), member_dims)
-            c = s["curvature"] if curvature is None else curvature.get(k).detach().to(s["curvature"].dtype)
-            rms = (grad_sq / bias).sqrt()
-            newton = lr * c.clamp_min(0) / (rms + eps)
-            factor = (1 + strength * a.clamp(max=0)) / (1 + newton)
-            out[k] = u * _expand(factor, u)
-            new[k] = _td({"prev_sign": sign, "agreement": a, "curvature": c, "grad_sq": grad_sq})
-            agree_all.append(a)
-            damp_all.append(factor)
-        metrics = {"sign_agreement": torch.stack(agree_all).mean(0), "damping": torch.stack(damp_all).mean(0)}
-        return _td(out), _td({"tensors": _td(new), "count": count}), _td(metrics)
+        a = agreement_decay * stack("agreement") + (1 - agreement_decay) * segment_mean(sign * prev)
+        grad_sq = rms_decay * stack("grad_sq") + (1 - rms_decay) * segment_mean(g.square())
+        if curvature is None:
+            c = stack("curvature")
+        else:
+            c = torch.stack([curvature.get(k).detach().to(g.dtype) for k in names], -1)
+        bias = 1.0 - rms_decay ** count.to(g.dtype)
+        newton = lr * c.clamp_min(0) / ((grad_sq / bias).sqrt() + eps)
+        factor = (1 + strength * a.clamp(max=0)) / (1 + newton)  # [*M, L]
+        u = torch.cat([updates.get(k).flatten(member_dims) for k in names], -1) * factor.index_select(-1, seg)
+        new = {f: dict(v) for f, v in old.items()}  # frozen tensors (not in updates) keep their state
+        for i, (k, piece, sg) in enumerate(zip(names, u.split(sizes, -1), sign.split(sizes, -1))):
+            shape = old["prev_sign"][k].shape
+            new["prev_sign"][k] = sg.reshape(shape)
+            new["agreement"][k], new["curvature"][k], new["grad_sq"][k] = a[..., i], c[..., i], grad_sq[..., i]
+        out = {k: piece.reshape(old["prev_sign"][k].shape) for k, piece in zip(names, u.split(sizes, -1))}
+        metrics = {"sign_agreement": a.mean(-1), "damping": factor.mean(-1)}
+        return _td(out), _td({**{f: _td(v) for f, v in new.items()}, "count": count}), _td(metrics)
 
     return GradientTransformation(init, update)
 

@@ -152,7 +152,5 @@ def shaped_step(step: Callable[[], None], transform: shaping.GradientTransformat
         )
         for n, p, b in zip(names, leaves, before):
             p.copy_(b + shaped[n])
-    out = shaping_state.clone(recurse=False)
-    out["transform"] = new_transform
-    out["step"] = shaping_state["step"] + 1
-    return out, metrics
+    # a fresh TensorDict: setting into the learner state's (device-bound) one would copy it with ``to``
+    return TensorDict({"transform": new_transform, "step": shaping_state["step"] + 1}, batch_size=[]), metrics
