@@ -318,3 +318,12 @@ def test_eval_of_a_snapshot_with_an_edited_config_is_one_error(bc_run, tmp_path)
     with pytest.raises(CheckpointError, match="no valid config"):
         evaluate_run(tmp_path / "cfg", device="cpu")
     assert evaluate_run(bc_run.run_dir, device="cpu")["episodes"] == 400  # the run's eval_episodes
+
+
+def test_dppo_update_reuses_the_conditions_computed_while_collecting(bc_run):
+    """The rollout stores each step's condition; it equals a fresh one (fixed encoder/statistics),
+    so the update skips re-encoding the observations (only the next observations are encoded)."""
+    config, algo, state, env, _ = _dppo(bc_run, likelihood="chain", precision="off")
+    batch = algo.rollout(state, env, torch.Generator().manual_seed(0))
+    assert batch["cond"].shape == (32, 8, 6)
+    assert torch.equal(batch["cond"], algo.actor.condition(None, state["obs_stats"], batch))

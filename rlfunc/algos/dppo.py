@@ -181,6 +181,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         @torch.no_grad()
         def act(td: TensorDict) -> TensorDict:
             cond = actor.condition(state.get("encoder", None), state["obs_stats"], td)
+            td["cond"] = cond  # the update reuses it (the encoder and the statistics are fixed during dppo)
             noise = actor.noise(cond.shape[0], generator)
             if config.likelihood == "chain":
                 _, chain = sample(
@@ -228,7 +229,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         obs_stats = state["obs_stats"]
         with torch.no_grad():
             encoder = state.get("encoder", None)
-            cond = actor.condition(encoder, obs_stats, batch)
+            cond = batch["cond"] if "cond" in batch.keys() else actor.condition(encoder, obs_stats, batch)
             next_cond = actor.condition(encoder, obs_stats, batch["next"])
             critic_params = state["params", "critic"]
             value = func.apply(critic, critic_params, cond)
