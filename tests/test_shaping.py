@@ -270,7 +270,7 @@ def test_shaped_preset_has_the_issue_values():
 
 
 @pytest.mark.parametrize("bad", [dict(hessian_interval=0), dict(damping_strength=1.5), dict(clip_epsilon_decay=0.0),
-                                 dict(priority_beta=2.0), dict(priority_alpha=-0.1)])
+                                 dict(priority_beta=2.0), dict(priority_alpha=-0.1), dict(trust_radius_scale=0.0)])
 def test_config_errors(bad):
     with pytest.raises(ConfigError):
         PPOConfig(**bad)
@@ -379,3 +379,13 @@ def test_ppo_shaped_resume_is_exact(tmp_path):
     assert a.keys() == b.keys() and any(k[0] == "shaping" for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_trust_radius_scale_multiplies_the_radii():
+    kw = dict(num_envs=2, num_steps=32, minibatch_size=32, num_epochs=1, adaptive_clip=True)
+    a, _ = _run(PPOConfig(**kw))
+    b, _ = _run(PPOConfig(**kw, trust_radius_scale=3.0))
+    ra, rb = a["shaping", "transform", "0"], b["shaping", "transform", "0"]
+    for name in ra.keys():
+        x, y = ra[name, "radius"], rb[name, "radius"]
+        assert torch.allclose(torch.where(x.isinf(), x, 3 * x), y), name

@@ -73,6 +73,7 @@ class GRPOConfig:
     hessian_interval: int = 5  # shaping: gradient steps between Hutchinson curvature estimates (double backward)
     adaptive_clip: bool = False  # shaping: clip ranges * clip_epsilon_decay^iteration and per-layer trust radii
     clip_epsilon_decay: float = 0.995  # shaping: decay of the clip ranges per iteration (policy update), in (0, 1]
+    trust_radius_scale: float = 1.0  # shaping: multiplies every per-layer radius (1: the strict first-order bound, rlfunc.shaping)
     normalize_observations: bool = True  # running mean/std, clipped to +-obs_clip
     obs_clip: float = 10.0  # in standard deviations
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of the actor
@@ -129,6 +130,8 @@ class GRPOConfig:
                 f"hessian_interval={self.hessian_interval}, damping_strength={self.damping_strength}, clip_epsilon_decay="
                 f"{self.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
             )
+        if not (self.trust_radius_scale > 0 and math.isfinite(self.trust_radius_scale)):
+            raise ConfigError(f"trust_radius_scale={self.trust_radius_scale}: expected a finite value > 0")
         if self.vmap not in ("auto", "vmap", "loop"):
             raise ConfigError(f"vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses

@@ -73,6 +73,7 @@ class PPOConfig:
     hessian_interval: int = 5  # shaping: gradient steps between Hutchinson curvature estimates (double backward)
     adaptive_clip: bool = False  # shaping: clip_epsilon * clip_epsilon_decay^iteration and per-layer trust radii
     clip_epsilon_decay: float = 0.995  # shaping: decay of the ratio clip per iteration (policy update), in (0, 1]
+    trust_radius_scale: float = 1.0  # shaping: multiplies every per-layer radius (1: the strict first-order bound, rlfunc.shaping)
     prioritized_minibatches: bool = False  # shaping: minibatches drawn by per-sample gradient norm, PER weights
     priority_alpha: float = 0.6  # shaping: p_i ~ m_i^alpha (Schaul et al. 2016)
     priority_beta: float = 0.4  # shaping: importance weights (N p_i)^-beta / max, in [0, 1]
@@ -135,6 +136,8 @@ class PPOConfig:
                 f"hessian_interval={self.hessian_interval}, damping_strength={self.damping_strength}, clip_epsilon_decay="
                 f"{self.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
             )
+        if not (self.trust_radius_scale > 0 and math.isfinite(self.trust_radius_scale)):
+            raise ConfigError(f"trust_radius_scale={self.trust_radius_scale}: expected a finite value > 0")
         if not self.priority_alpha >= 0 or not 0 <= self.priority_beta <= 1:
             raise ConfigError(f"priority_alpha={self.priority_alpha}, priority_beta={self.priority_beta}: expected >= 0 and in [0, 1]")
 

@@ -3,7 +3,7 @@
 Used by :mod:`rlfunc.algos.ppo` and :mod:`rlfunc.algos.grpo` (GRPO/GSPO) when a config turns a
 transform on (all are off by default); the configs share the field names read here:
 ``oscillation_damping``, ``damping_strength``, ``hessian_interval``, ``adaptive_clip``,
-``clip_epsilon_decay`` and ``lr``. Parameters carry a leading seed dim S (``member_dims=1``).
+``clip_epsilon_decay``, ``trust_radius_scale`` and ``lr``. Parameters carry a leading seed dim S (``member_dims=1``).
 
 Per gradient step: the optimizer steps as usual, the step it took (``new - old`` per tensor) goes
 through the transform chain (oscillation damping, then the per-layer trust region, whose projection
@@ -77,13 +77,13 @@ def clip_epsilon(config, base: float, iteration: Tensor | int) -> float:
 def begin_update(config, shaping_state: TensorDictBase, params: TensorDictBase, log_prob_grads: TensorDictBase | None,
                  epsilon: float) -> TensorDict:
     """At the start of a policy update: re-anchor the trust region at ``params`` with radii
-    ``epsilon / (L s_l)`` from the per-sample log-likelihood gradients ``log_prob_grads``
+    ``trust_radius_scale * epsilon / (L s_l)`` from the per-sample log-likelihood gradients ``log_prob_grads``
     (flat keys, ``[S, N, *shape]``). Other transforms' states are carried over."""
     if not config.adaptive_clip:
         return shaping_state
     names, leaves = trainable(params)
     flat = TensorDict({n: t.detach() for n, t in zip(names, leaves)}, batch_size=[])
-    radius = shaping.layer_radius(shaping.layer_sensitivity(log_prob_grads, member_dims=1), epsilon)
+    radius = shaping.layer_radius(shaping.layer_sensitivity(log_prob_grads, member_dims=1), epsilon * config.trust_radius_scale)
     out = shaping_state.clone(recurse=False)
     transform = shaping_state["transform"].clone(recurse=False)
     index = str(int(config.oscillation_damping))  # the trust region is the chain's last part
