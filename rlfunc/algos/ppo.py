@@ -158,8 +158,8 @@ PRESETS: dict[str, dict] = {
     # Pendulum: RL-Zoo's gSDE exploration (matrix resampled every 4 steps), gamma 0.9, constant lr,
     # no observation/reward normalisation, 100k steps; 16 envs x 256 steps (RL-Zoo: 4 x 1024) and
     # minibatches of 256 at 3x RL-Zoo's lr: a quarter of its gradient steps per sample.
-    # bench/RESULTS.md "Pendulum-v1": -200 after 24.6k samples on 2 of 3 seeds (the Gaussian
-    # preset before: 80-190k).
+    # bench/RESULTS.md "Pendulum-v1": -200 after 24.6k / 24.6k / 57.3k samples on seeds 0-2 (SB3
+    # RL-Zoo: 30.7k / 41.0k / 30.7k; the Gaussian preset before: 80-190k), 0.28x SB3's time.
     "Pendulum-v1": dict(
         total_steps=100_000, num_envs=16, num_steps=256, num_epochs=10, minibatch_size=256,
         lr=3e-3, anneal_lr=False, gamma=0.9, lmbda=0.95, clip_epsilon=0.2, entropy_coef=0.0, max_grad_norm=0.5,
