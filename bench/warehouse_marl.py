@@ -44,14 +44,15 @@ def learned(loss: str, seed: int, a) -> dict:
     config = MAPPOConfig(
         loss=loss, n_agents=20, seed=seed, device="cpu", total_steps=a.total_steps, num_envs=16,
         rollout_steps=50, episode_steps=a.episode_steps, shaping_scale=a.shaping, group_size=4,
-        sequence_reward="agent", lr=1e-3, hidden=(128, 128), eval_episodes=a.eval_episodes, eval_seeds=EVAL_SEEDS,
+        sequence_reward="agent", conflict_penalty=a.conflict_penalty, lr=1e-3, hidden=(128, 128), eval_episodes=a.eval_episodes, eval_seeds=EVAL_SEEDS,
     )
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         result = train_mappo(config, Path(d) / "run", progress=False, tensorboard=False)
         curve = [json.loads(x) for x in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
     m = result.evaluation["median"]
-    return {"kind": "warehouse", "method": loss, "seed": seed, "total_steps": a.total_steps,
+    method = f"{loss} {a.tag}" if a.tag else loss
+    return {"kind": "warehouse", "method": method, "seed": seed, "total_steps": a.total_steps,
             "train_s": round(time.perf_counter() - t, 1), **{k: m[k] for k in KEYS},
             "curve": [(r["step"], round(r.get("deliveries_per_100_steps", 0.0), 2),
                        round(r.get("conflicts_per_100_steps", 0.0), 1)) for r in curve]}
@@ -130,6 +131,8 @@ def main() -> None:
     p.add_argument("--total-steps", type=int, default=40_000, help="env steps per learned run")
     p.add_argument("--episode-steps", type=int, default=100, help="training episode length")
     p.add_argument("--shaping", type=float, default=0.05, help="training reward per cell of BFS progress")
+    p.add_argument("--conflict-penalty", type=float, default=0.1, help="training reward per blocked agent")
+    p.add_argument("--tag", default="", help="suffix of the method name in the table (e.g. a budget)")
     p.add_argument("--eval-episodes", type=int, default=4)
     p.add_argument("--baselines", action="store_true")
     p.add_argument("--rware", action="store_true")
