@@ -1,8 +1,8 @@
 """A whole encoder-PPO run (:mod:`rlfunc.algos.ppo_encoder`): collect -> update -> log -> snapshot -> evaluate.
 
 ``train_ppo_encoder(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per
-iteration: losses, episode_return and success_rate of the episodes that ended, steps/s, collect and
-update seconds), checkpoints/ (safetensors snapshots, ``algo="ppo-encoder"``), learning_curve.png and
+iteration: losses, episode_return (and success_rate, for envs that report ``is_success``) of the
+episodes that ended, steps/s, collect and update seconds), checkpoints/ (safetensors snapshots, ``algo="ppo-encoder"``), learning_curve.png and
 eval.json. The envs are one :class:`rlfunc.chunk_env.GymChunkEnv` (``act_steps=1``) kept running
 across iterations. Runs are not resumable yet (``rlfunc resume`` is for flat-observation PPO).
 """
@@ -44,6 +44,23 @@ def is_dict_env(env_id: str) -> bool:
         env.close()
 
 
+def reports_success(env_id: str) -> bool:
+    """Whether ``env_id`` puts "is_success" in its step info (one env is made, reset and stepped once
+    with the mid-range action, then closed); Pusher-v5, for one, does not."""
+    import gymnasium as gym
+    import numpy as np
+
+    env = gym.make(env_id)
+    try:
+        env.reset(seed=0)
+        space = env.action_space
+        action = ((space.low + space.high) / 2).astype(space.dtype) if isinstance(space, gym.spaces.Box) else space.sample()
+        info = env.step(np.asarray(action))[-1]
+        return "is_success" in info
+    finally:
+        env.close()
+
+
 def _meta(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict) -> dict:
     return {
         "algo": ALGO,
@@ -80,6 +97,7 @@ def train_ppo_encoder(
     logger = _start(config, run_dir, tensorboard)
     live = {"state": state, "carry": carry}
     t_start = time.perf_counter()
+    success = reports_success(config.env)
 
     def step(i: int, stopping: bool) -> dict:
         set_lr(optimizer, linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr))
@@ -96,7 +114,7 @@ def train_ppo_encoder(
             "collect_s": t1 - t0,
             "update_s": t2 - t1,
             "lr": optimizer.param_groups[0]["lr"],
-            **{k: float(v) for k, v in metrics.items()},
+            **{k: float(v) for k, v in metrics.items() if success or k != "success_rate"},
         }
 
     def save() -> None:
@@ -137,7 +155,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
             envs; round r's envs are seeded ``seed + r`` (default seed: the run's + 1_000_003).
 
     Returns:
-        {"env", "episodes", "mean" (mean return of the episodes, env units), "success_rate", "env_steps"}.
+        {"env", "episodes", "mean" (mean return of the episodes, env units), "env_steps"}, and
+        "success_rate" when the env reports ``info["is_success"]`` (:func:`reports_success`).
 
     Raises:
         CheckpointError: no snapshot, not an encoder-PPO one, or weights that do not match its config.
@@ -181,11 +200,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
         returns.append(out["episode_return"] * n)
         successes.append(out["success_rate"] * n)
         done += n
-    mean = sum(returns) / episodes
-    return {
-        "env": config.env,
-        "episodes": episodes,
-        "mean": mean,
-        "success_rate": sum(successes) / episodes,
-        "env_steps": int(meta.get("env_steps", 0)),
-    }
+    out = {"env": config.env, "episodes": episodes, "mean": sum(returns) / episodes, "env_steps": int(meta.get("env_steps", 0))}
+    if reports_success(config.env):
+        out["success_rate"] = sum(successes) / episodes
+    return out

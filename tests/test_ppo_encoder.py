@@ -211,3 +211,10 @@ def test_eval_of_a_missing_run_is_a_checkpoint_error(tmp_path):
 
     with pytest.raises(CheckpointError, match="no complete snapshot"):
         evaluate_run(tmp_path)
+
+
+def test_success_is_reported_only_for_envs_that_report_it():
+    from rlfunc.train_encoder import reports_success
+
+    assert reports_success("PushState-v0")
+    assert not reports_success("Pusher-v5")
