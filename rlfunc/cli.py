@@ -243,6 +243,9 @@ def _resume(argv: list[str]) -> int:
     algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
     if algo in ("grpo", "gspo"):
         raise ConfigError(f"run_dir={a.run_dir!r} is a {algo} run; resuming grpo/gspo runs is not supported yet")
+    if algo == "ppo-encoder":
+        raise ConfigError(f"run_dir={a.run_dir!r} is a ppo run with a multimodal encoder (Dict observation); resuming those "
+                          f"is not supported yet (evaluate it with `rlfunc eval {a.run_dir}`)")
     if algo in ("bc", "dppo", "td3-diffusion"):
         raise ConfigError(
             f"run_dir={a.run_dir!r} is a {algo} run; resuming the diffusion algorithms is not supported yet "
