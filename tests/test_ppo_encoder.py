@@ -220,3 +220,21 @@ def test_success_is_reported_only_for_envs_that_report_it():
 
     assert reports_success("PushState-v0")
     assert not reports_success("Pusher-v5")
+
+
+def test_bf16_autocast_with_checkpointed_vision_is_close_to_float32():
+    from rlfunc.amp import accumulate_gradients, precision
+
+    losses, grads = [], []
+    for mode, ckpt in (("off", False), ("bf16", True)):
+        config = PPOEncoderConfig(env="none", **{**TINY, "precision": mode, "checkpoint_vision": ckpt})
+        prec = precision(CPU, mode)
+        algo = make_ppo_encoder(config, INFO, CPU, prec)
+        state = algo.init()
+        loss, _ = accumulate_gradients(lambda m: algo.loss(state["params"], state["proprio_stats"], m), _batch(6, 2), 3, prec=prec)
+        out = algo.policy(state, torch.Generator().manual_seed(0))(_batch(4).select("cam", "proprio"))
+        assert out["action"].dtype == out["sample_log_prob"].dtype == torch.float32
+        losses.append(float(loss))
+        grads.append(torch.cat([p.grad.flatten() for p in algo.trainable(state["params"])]))
+    assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=0.05, abs=0.02)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.9
