@@ -389,3 +389,23 @@ def test_trust_radius_scale_multiplies_the_radii():
     for name in ra.keys():
         x, y = ra[name, "radius"], rb[name, "radius"]
         assert torch.allclose(torch.where(x.isinf(), x, 3 * x), y), name
+
+
+def test_ppo_loss_sample_weight():
+    from rlfunc.errors import ShapeError
+    from rlfunc.losses.ppo import ppo_loss
+
+    g = torch.Generator().manual_seed(0)
+    lp, old, adv, v, tgt = (torch.randn(8, 1, generator=g, dtype=torch.double) for _ in range(5))
+    kw = dict(normalize_advantages=False)
+    base, m = ppo_loss(lp, old, adv, v, tgt, **kw)
+    same, _ = ppo_loss(lp, old, adv, v, tgt, sample_weight=torch.ones(8, 1, dtype=torch.double), **kw)
+    assert torch.equal(base, same)
+    w = torch.rand(8, 1, generator=g, dtype=torch.double)
+    loss, mw = ppo_loss(lp, old, adv, v, tgt, sample_weight=w, **kw)
+    r = (lp - old).exp()
+    objective = torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv)  # by hand: weighted means
+    assert torch.allclose(mw["loss_objective"], -(w * objective).mean())
+    assert torch.allclose(mw["loss_critic"], 0.5 * 0.5 * (w * (v - tgt) ** 2).mean())
+    with pytest.raises(ShapeError, match="sample_weight"):
+        ppo_loss(lp, old, adv, v, tgt, sample_weight=torch.ones(8), **kw)
