@@ -120,3 +120,34 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: TensorDictBase
         optimizer.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"optimizer state does not match the parameters: {e}") from e
+
+
+def minibatch_epochs(
+    batch: TensorDictBase,
+    minibatch_size: int,
+    num_epochs: int,
+    update,
+    *,
+    generator: torch.Generator,
+    target_kl: float | None = None,
+) -> tuple[TensorDict, int]:
+    """PPO's update schedule (Schulman et al. 2017, Algorithm 1): ``num_epochs`` passes over a flat
+    ``batch`` [B], each in a fresh random order (``torch.randperm`` from ``generator``) cut into
+    ``B // minibatch_size`` minibatches (a remainder is dropped); ``update(minibatch) -> metrics``
+    (0-dim tensors) does one gradient step. The iteration stops early, after the minibatch whose
+    metrics["approx_kl"] exceeds ``target_kl`` (None: never), as in SB3 / CleanRL.
+
+    Returns:
+        (the metrics averaged over the updates done, the number of updates).
+    """
+    total, updates = None, 0
+    size = batch.batch_size[0]
+    for _ in range(num_epochs):
+        perm = torch.randperm(size, generator=generator, device=generator.device)
+        for k in range(size // minibatch_size):
+            metrics = update(batch[perm[k * minibatch_size : (k + 1) * minibatch_size]])
+            total = metrics if total is None else total + metrics
+            updates += 1
+            if target_kl is not None and float(metrics["approx_kl"]) > target_kl:
+                return total / updates, updates
+    return total / updates, updates

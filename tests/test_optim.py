@@ -298,3 +298,26 @@ def test_load_optimizer_state_keeps_current_hyperparameters():
     load_optimizer_state(opt2, state)
     assert opt2.param_groups[0]["lr"] == 0.001
     assert math.isclose(float(next(iter(opt2.state.values()))["step"]), 1.0)
+
+
+def test_minibatch_epochs_covers_each_sample_once_per_epoch_and_stops_at_target_kl():
+    from tensordict import TensorDict
+
+    from rlfunc.optim import minibatch_epochs
+
+    batch = TensorDict({"i": torch.arange(12)}, batch_size=[12])
+    seen = []
+
+    def update(mb):
+        seen.append(mb["i"].clone())
+        return TensorDict({"approx_kl": torch.tensor(0.01 * len(seen)), "n": torch.tensor(1.0)}, batch_size=[])
+
+    metrics, updates = minibatch_epochs(batch, 5, 2, update, generator=torch.Generator().manual_seed(0))
+    assert updates == 4  # 12 // 5 = 2 minibatches per epoch, the remainder of 2 dropped
+    for epoch in (seen[:2], seen[2:]):
+        idx = torch.cat(epoch)
+        assert len(set(idx.tolist())) == 10
+    assert metrics["approx_kl"].item() == pytest.approx((0.01 + 0.02 + 0.03 + 0.04) / 4)
+    seen.clear()
+    metrics, updates = minibatch_epochs(batch, 5, 2, update, generator=torch.Generator().manual_seed(0), target_kl=0.015)
+    assert updates == 2 and metrics["approx_kl"].item() == pytest.approx(0.015)  # stopped after the 2nd (0.02 > 0.015)

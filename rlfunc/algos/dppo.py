@@ -34,6 +34,7 @@ from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.optim import minibatch_epochs
 from rlfunc.returns import generalized_advantage_estimate
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -257,40 +258,32 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         params = state["params"]
         leaves = func.leaves(params)
         B = flat.batch_size[0]
-        metric_sum, updates, stop = None, 0, False
-        for _ in range(config.num_epochs):
-            perm = torch.randperm(B, generator=generator, device=device)
-            for k in range(B // config.minibatch_size):
-                mb = flat[perm[k * config.minibatch_size : (k + 1) * config.minibatch_size]]
 
-                def loss_fn(micro: TensorDict):
-                    lp = log_prob(params["actor"], state, micro)
-                    value = func.apply(critic, params["critic"], micro["cond"])
-                    return dppo_loss(
-                        lp.float(), micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
-                        clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
-                        denoising_discount=config.denoising_discount,
-                        total_steps=K if config.likelihood == "chain" else 1,
-                        value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
-                    )
+        def update(mb: TensorDict) -> TensorDict:
+            def loss_fn(micro: TensorDict):
+                lp = log_prob(params["actor"], state, micro)
+                value = func.apply(critic, params["critic"], micro["cond"])
+                return dppo_loss(
+                    lp.float(), micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
+                    clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
+                    denoising_discount=config.denoising_discount,
+                    total_steps=K if config.likelihood == "chain" else 1,
+                    value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
+                )
 
-                optimizer.zero_grad(set_to_none=True)
-                _, metrics = accumulate_gradients(loss_fn, mb, config.micro_batch_size, prec=prec)
-                norm, ok = step(optimizer, leaves, config.max_grad_norm, prec)
-                metrics["grad_norm"] = norm
-                metrics["skipped"] = torch.tensor(float(not ok))
-                metric_sum = metrics if metric_sum is None else metric_sum + metrics
-                updates += 1
-                if config.target_kl is not None and float(metrics["approx_kl"]) > config.target_kl:
-                    stop = True
-                    break
-            if stop:
-                break
+            optimizer.zero_grad(set_to_none=True)
+            _, metrics = accumulate_gradients(loss_fn, mb, config.micro_batch_size, prec=prec)
+            norm, ok = step(optimizer, leaves, config.max_grad_norm, prec)
+            metrics["grad_norm"] = norm
+            metrics["skipped"] = torch.tensor(float(not ok))
+            return metrics
+
+        metrics, updates = minibatch_epochs(flat, config.minibatch_size, config.num_epochs, update,
+                                            generator=generator, target_kl=config.target_kl)
         out = state.clone(recurse=False)
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + B * spec.act_steps
         out["rng"] = generator.get_state()
-        metrics = metric_sum / updates
         metrics["updates"] = torch.tensor(float(updates))
         return out, metrics
 

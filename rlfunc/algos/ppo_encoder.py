@@ -41,6 +41,7 @@ from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.optim import minibatch_epochs
 from rlfunc.normalize import init_running_stats, scale_reward, update_running_stats
 from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
 
@@ -331,35 +332,28 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         flat, new = prepare(state, batch)
         params, stats = state["params"], state.get("proprio_stats", None)
         leaves = trainable(params)
-        B, M = flat.batch_size[0], config.minibatch_size
-        metric_sum, updates, skipped, stop = None, 0, 0, False
-        for _ in range(config.num_epochs):
-            perm = torch.randperm(B, generator=generator, device=device)
-            for k in range(B // M):
-                mb = flat[perm[k * M : (k + 1) * M]]
-                if config.normalize_advantages:
-                    mb["advantage"] = normalize_advantage(mb["advantage"])
-                optimizer.zero_grad(set_to_none=True)
-                _, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
-                norm, ok = optimizer_step(optimizer, leaves, config.max_grad_norm, prec)
-                skipped += int(not ok)
-                metrics["grad_norm"] = norm.detach().to(device)
-                metric_sum = metrics if metric_sum is None else metric_sum + metrics
-                updates += 1
-                if config.target_kl is not None and float(metrics["approx_kl"]) > config.target_kl:
-                    stop = True
-                    break
-            if stop:
-                break
+        B = flat.batch_size[0]
+
+        def update(mb: TensorDict) -> TensorDict:
+            if config.normalize_advantages:
+                mb["advantage"] = normalize_advantage(mb["advantage"])
+            optimizer.zero_grad(set_to_none=True)
+            _, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
+            norm, ok = optimizer_step(optimizer, leaves, config.max_grad_norm, prec)
+            metrics["grad_norm"] = norm.detach().to(device)
+            metrics["skipped"] = torch.tensor(float(not ok))
+            return metrics
+
+        metrics, updates = minibatch_epochs(flat, config.minibatch_size, config.num_epochs, update,
+                                            generator=generator, target_kl=config.target_kl)
         out = state.clone(recurse=False)
         for key, value in new.items():
             out[key] = value
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + B
         out["rng"] = generator.get_state().to(device)
-        metrics = metric_sum / updates
         metrics["updates"] = torch.tensor(updates)
-        metrics["skipped"] = torch.tensor(skipped)
+        metrics["skipped"] = metrics["skipped"] * updates  # the count of skipped updates
         metrics["value_target_mean"] = flat["value_target"].mean()
         metrics.update(episode_metrics(batch))
         return out, metrics
