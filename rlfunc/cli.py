@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import sys
-import time
 import typing
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import PPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
+from rlfunc.cli_common import default_run_dir, report_run
 from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
@@ -90,7 +89,7 @@ def _train(argv: list[str]) -> int:
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME).",
     )
     config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
-    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = known.run_dir or default_run_dir(config.env, "ppo", config.seed)
     return _report(train(config, run_dir))
 
 
@@ -167,15 +166,9 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
         prog=f"rlfunc train {algo}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{algo}-sSEED-TIME).",
     )
     config = _convert(cls, parsed)  # validated here, so errors print as one line
-    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-{algo}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    result = fn(config, run_dir)
-    print(f"run dir: {result.run_dir}", file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted ({result.interrupted}): snapshot saved; evaluate it with `rlfunc eval {result.run_dir}` "
-              f"or start a new run from it with `--init-from {result.run_dir}`", file=sys.stderr)
-        return 128 + int(getattr(signal, result.interrupted))
-    print(json.dumps(result.evaluation))
-    return 0
+    result = fn(config, known.run_dir or default_run_dir(config.env, algo, config.seed))
+    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` "
+                              f"or start a new run from it with `--init-from {result.run_dir}`")
 
 
 def _report(result) -> int:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import signal
-import sys
-import time
 
 from rlfunc.algos.grpo import GRPOConfig
+from rlfunc.cli_common import default_run_dir, report_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +44,5 @@ def train(algo: str, argv: list[str]) -> int:
 
         raise ConfigError(f"--loss={parsed.loss}: the loss is chosen by the subcommand (`rlfunc train {parsed.loss}`)")
     config = GRPOConfig(**dataclasses.asdict(parsed))  # validated here: errors print as one line
-    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-{algo}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    result = train_grpo(config, run_dir)
-    print(f"run dir: {result.run_dir}", file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted ({result.interrupted}): snapshot saved; evaluate it with `rlfunc eval {result.run_dir}`",
-              file=sys.stderr)
-        return 128 + int(getattr(signal, result.interrupted))
-    print(json.dumps(result.evaluation))
-    return 0
+    result = train_grpo(config, known.run_dir or default_run_dir(config.env, algo, config.seed))
+    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import signal
-import sys
-import time
 
 from rlfunc.algos.mappo import MAPPOConfig
+from rlfunc.cli_common import default_run_dir, report_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +34,5 @@ def train(argv: list[str]) -> int:
         "Warehouse-v0 or an rware id. Also: --run-dir DIR (default runs/ENV-mappo-LOSS-sSEED-TIME).",
     )
     config = MAPPOConfig(**dataclasses.asdict(parsed))  # validated here: errors print as one line
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-mappo-{config.loss}-s{config.seed}-{stamp}")
-    result = train_mappo(config, run_dir)
-    print(f"run dir: {result.run_dir}", file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted ({result.interrupted}): snapshot saved", file=sys.stderr)
-        return 128 + int(getattr(signal, result.interrupted))
-    print(json.dumps(result.evaluation))
-    return 0
+    result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"mappo-{config.loss}", config.seed))
+    return report_run(result)

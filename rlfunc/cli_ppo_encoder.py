@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import signal
-import sys
-import time
 
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+from rlfunc.cli_common import default_run_dir, report_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +35,5 @@ def train(argv: list[str]) -> int:
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-encoder-sSEED-TIME).",
     )
     config = PPOEncoderConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
-    run_dir = known.run_dir or os.path.join("runs", f"{config.env}-ppo-encoder-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    result = train_ppo_encoder(config, run_dir)
-    print(f"run dir: {result.run_dir}", file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted ({result.interrupted}): snapshot saved; evaluate it with `rlfunc eval {result.run_dir}`", file=sys.stderr)
-        return 128 + int(getattr(signal, result.interrupted))
-    print(json.dumps(result.evaluation))
-    return 0
+    result = train_ppo_encoder(config, known.run_dir or default_run_dir(config.env, "ppo-encoder", config.seed))
+    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")
