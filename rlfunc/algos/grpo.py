@@ -125,13 +125,7 @@ class GRPOConfig:
             raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
         if not 0 <= self.seed < 2**31 - self.num_seeds:
             raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
-        if self.hessian_interval < 1 or not 0 <= self.damping_strength <= 1 or not 0 < self.clip_epsilon_decay <= 1:
-            raise ConfigError(
-                f"hessian_interval={self.hessian_interval}, damping_strength={self.damping_strength}, clip_epsilon_decay="
-                f"{self.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
-            )
-        if not (self.trust_radius_scale > 0 and math.isfinite(self.trust_radius_scale)):
-            raise ConfigError(f"trust_radius_scale={self.trust_radius_scale}: expected a finite value > 0")
+        shaped.check_config(self)
         if self.vmap not in ("auto", "vmap", "loop"):
             raise ConfigError(f"vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses

@@ -131,13 +131,7 @@ class PPOConfig:
             raise ConfigError(f"exploration={self.exploration!r}: expected 'gaussian' or 'gsde'")
         if not math.isfinite(self.init_log_std):
             raise ConfigError(f"init_log_std={self.init_log_std}: expected a finite number")
-        if self.hessian_interval < 1 or not 0 <= self.damping_strength <= 1 or not 0 < self.clip_epsilon_decay <= 1:
-            raise ConfigError(
-                f"hessian_interval={self.hessian_interval}, damping_strength={self.damping_strength}, clip_epsilon_decay="
-                f"{self.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
-            )
-        if not (self.trust_radius_scale > 0 and math.isfinite(self.trust_radius_scale)):
-            raise ConfigError(f"trust_radius_scale={self.trust_radius_scale}: expected a finite value > 0")
+        shaped.check_config(self)
         if not self.priority_alpha >= 0 or not 0 <= self.priority_beta <= 1:
             raise ConfigError(f"priority_alpha={self.priority_alpha}, priority_beta={self.priority_beta}: expected >= 0 and in [0, 1]")
 

@@ -22,6 +22,7 @@ state) and ``"step"`` (0-dim int64, gradient steps taken), so checkpoints and re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +30,18 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc import shaping
+from rlfunc.errors import ConfigError
+
+
+def check_config(config) -> None:
+    """ConfigError naming the first step-shaping field of ``config`` (PPOConfig, GRPOConfig) out of range."""
+    if config.hessian_interval < 1 or not 0 <= config.damping_strength <= 1 or not 0 < config.clip_epsilon_decay <= 1:
+        raise ConfigError(
+            f"hessian_interval={config.hessian_interval}, damping_strength={config.damping_strength}, clip_epsilon_decay="
+            f"{config.clip_epsilon_decay}: expected >= 1, in [0, 1] and in (0, 1]"
+        )
+    if not (config.trust_radius_scale > 0 and math.isfinite(config.trust_radius_scale)):
+        raise ConfigError(f"trust_radius_scale={config.trust_radius_scale}: expected a finite value > 0")
 
 
 def enabled(config) -> bool:
