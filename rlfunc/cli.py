@@ -73,6 +73,7 @@ def _train(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=PPOConfig.env)
     pre.add_argument("--run-dir", default=None)
+    pre.add_argument("--shaping", default=None)
     known, rest = pre.parse_known_args(argv[1:])
     if "-h" not in rest and "--help" not in rest:
         check_env_id(known.env)
@@ -82,11 +83,12 @@ def _train(argv: list[str]) -> int:
         from rlfunc import cli_ppo_encoder
 
         return cli_ppo_encoder.train(argv[1:])
-    default = _Unchecked(**dataclasses.asdict(preset(known.env)))
+    default = _Unchecked(**dataclasses.asdict(preset(known.env, shaping=known.shaping)))
     parsed = tyro.cli(
         _Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
         description="Train PPO with a Gaussian actor. Defaults: the env's preset. "
-        "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME).",
+        "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME); "
+        "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
     )
     config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
     run_dir = known.run_dir or default_run_dir(config.env, "ppo", config.seed)

@@ -157,3 +157,19 @@ def test_signal_saves_snapshot_and_exits_cleanly(tmp_path, sig):
     meta = checkpoint.load_meta(snap)
     lines = metrics.read_text().splitlines()
     assert 2 <= meta["iteration"] == len(lines) < 10000  # saved at the iteration it stopped after
+
+
+def test_shaping_preset_flag_and_unknown_name(tmp_path, capsys):
+    """`--shaping ppo-shaped` starts from the shaping preset (every transform on); an unknown name is
+    one line, exit 2."""
+    from rlfunc.cli import main
+
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--shaping", "nope", "--run-dir", str(tmp_path / "x")]) == 2
+    assert "shaping='nope'" in capsys.readouterr().err
+    code = main(["train", "ppo", "--env", "Pendulum-v1", "--shaping", "ppo-shaped", "--total-steps", "2048",
+                 "--num-envs", "2", "--num-steps", "1024", "--minibatch-size", "64", "--num-epochs", "1",
+                 "--version-every", "0", "--run-dir", str(tmp_path / "r")])
+    assert code == 0
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["oscillation_damping"] and config["adaptive_clip"] and config["prioritized_minibatches"]
+    assert config["max_grad_norm"] == 0.3 and config["hessian_interval"] == 5
