@@ -71,6 +71,18 @@ def k3_kl(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
     return torch.expm1(d) - d
 
 
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor | None, mask: Tensor, aggregation: str, kl_coef: float
+               ) -> tuple[Tensor, Tensor]:
+    """``kl_coef`` x the k3 KL to the reference policy (:func:`k3_kl`) over the valid steps of
+    ``mask``, aggregated like the objective; returns (loss_kl 0-dim, per-step kl ``[*B, T]``, zero at
+    padding). Without ``ref_log_prob``: (0, 0)."""
+    zero = log_prob.new_zeros(())
+    if ref_log_prob is None:
+        return zero, zero
+    kl = k3_kl(torch.where(mask, log_prob, zero), torch.where(mask, ref_log_prob.to(log_prob.dtype), zero))
+    return kl_coef * masked_aggregate(kl, mask, aggregation), kl
+
+
 def check_sequence_inputs(
     fn: str, log_prob: Tensor, sample_log_prob: Tensor, mask: Tensor | None, ref_log_prob: Tensor | None
 ) -> Tensor:
@@ -182,13 +194,7 @@ def grpo_loss(
     clipped = ratio.clamp(1.0 - clip_epsilon, 1.0 + eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
     loss_objective = -masked_aggregate(objective, mask, aggregation)
-    if ref_log_prob is not None:
-        kl = k3_kl(torch.where(mask, log_prob, zero), torch.where(mask, ref_log_prob.to(log_prob.dtype), zero))
-        kl_term = masked_aggregate(kl, mask, aggregation)
-    else:
-        kl = zero
-        kl_term = loss_objective.new_zeros(())
-    loss_kl = kl_coef * kl_term
+    loss_kl, kl = kl_penalty(log_prob, ref_log_prob, mask, aggregation, kl_coef)
     loss = loss_objective + loss_kl
 
     with torch.no_grad():

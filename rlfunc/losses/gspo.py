@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlfunc.errors import ConfigError
 from rlfunc.losses.grpo import (
-    check_advantage, check_clip, check_kl, check_sequence_inputs, k3_kl, masked_aggregate,
+    check_advantage, check_clip, check_kl, check_sequence_inputs, kl_penalty, masked_aggregate,
 )
 
 VARIANTS = ("sequence", "token")
@@ -113,13 +113,7 @@ def gspo_loss(
         adv = torch.where(mask, advantage.expand_as(log_prob), zero)
         objective = torch.minimum(s_token * adv, s_token.clamp(lo, hi) * adv)
         loss_objective = -masked_aggregate(objective, mask, "sequence")
-    if ref_log_prob is not None:
-        kl = k3_kl(torch.where(mask, log_prob, zero), torch.where(mask, ref_log_prob.to(log_prob.dtype), zero))
-        kl_term = masked_aggregate(kl, mask, "sequence")
-    else:
-        kl = zero
-        kl_term = loss_objective.new_zeros(())
-    loss_kl = kl_coef * kl_term
+    loss_kl, kl = kl_penalty(log_prob, ref_log_prob, mask, "sequence", kl_coef)
     loss = loss_objective + loss_kl
 
     with torch.no_grad():
