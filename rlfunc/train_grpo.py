@@ -3,10 +3,15 @@
 ``train_grpo(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
 checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), learning_curve.png and eval.json
 (deterministic-action returns on the gymnasium env, as ``rlfunc eval`` gives for PPO runs).
-Runs are not resumable yet (``rlfunc resume`` is PPO's).
 
 Each iteration's start states come from reset seeds derived from (seed, iteration) (gymnasium
 backend) or from the torch env's generator, seeded once with the run seed (torch backend).
+
+Resume (:func:`resume_grpo`, ``train_grpo(..., resume=True)``) is exact on CPU: 2N iterations in
+one go equal N, stop, N more, parameter for parameter. A snapshot holds the learner state (its
+action-sampling generators included), Adam's state and, on the torch backend, the env's generator
+and state; the gymnasium backend needs no env state, since every iteration resets every env with
+seeds derived from (seed, iteration).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,8 +34,8 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.log import plot_learning_curve
-from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.train import EVAL_SEED_OFFSET, _check_run_dir, _generators, env_spec
+from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
+from rlfunc.train import EVAL_SEED_OFFSET, _check_run_dir, _generators, _truncate_metrics, env_spec
 from rlfunc.train_diffusion import _loop, _start
 
 
@@ -45,8 +51,22 @@ def group_seeds(seed: int, iteration: int, count: int) -> list[int]:
     return [int(s) for s in np.random.SeedSequence([seed, iteration]).generate_state(count)]
 
 
-def _rollout_fn(config: GRPOConfig, device: torch.device):
-    """(rollout(policy, iteration) -> batch [S, n, G, T], close())."""
+class RolloutEnv(NamedTuple):
+    """The rollouts of a run and what a snapshot must hold of their env.
+
+    rollout(policy, iteration) -> batch [S, n, G, T]; close(); capture() -> TensorDict of the env's
+    state ("rng" uint8 generator state, "state" the torch env's state) or None when nothing is
+    carried from one iteration to the next (gymnasium: reset seeds from (seed, iteration));
+    restore(saved) puts a captured state back.
+    """
+
+    rollout: Callable[..., TensorDict]
+    close: Callable[[], None]
+    capture: Callable[[], TensorDict | None]
+    restore: Callable[[TensorDict], None]
+
+
+def _rollout_env(config: GRPOConfig, device: torch.device) -> RolloutEnv:
     S, n, G, T = config.num_seeds, config.num_groups, config.group_size, config.max_episode_steps
     if config.use_torch_env:
         from envs.point_reach import PointReachEnv
@@ -56,14 +76,27 @@ def _rollout_fn(config: GRPOConfig, device: torch.device):
         def rollout(policy, iteration: int) -> TensorDict:
             return grouped_rollout_torchrl(env, policy, G, T).reshape(S, n, G, -1)
 
-        return rollout, lambda: None
+        def capture() -> TensorDict:
+            return TensorDict({"rng": env._generator.get_state(), "state": env.state.clone()}, batch_size=[])
+
+        def restore(saved: TensorDict) -> None:
+            set_generator_state(env._generator, saved["rng"])
+            env.set_state(TensorDict(saved["state"].to_dict(), batch_size=env.batch_size))
+
+        return RolloutEnv(rollout, lambda: None, capture, restore)
     venv = collect.make_vec_env(config.env, S * n * G)
 
     def rollout(policy, iteration: int) -> TensorDict:
         seeds = group_seeds(config.seed, iteration, S * n)
         return grouped_rollout_gym(venv, policy, seeds, G, T, device=device).reshape(S, n, G, T)
 
-    return rollout, venv.close
+    return RolloutEnv(rollout, venv.close, lambda: None, lambda saved: None)
+
+
+def _rollout_fn(config: GRPOConfig, device: torch.device):
+    """(rollout(policy, iteration) -> batch [S, n, G, T], close())."""
+    env = _rollout_env(config, device)
+    return env.rollout, env.close
 
 
 def _spec(env_id: str) -> EnvSpec:
@@ -74,16 +107,88 @@ def _spec(env_id: str) -> EnvSpec:
         venv.close()
 
 
-def _save(run_dir: Path, state: TensorDict, optimizer, config: GRPOConfig, spec: EnvSpec) -> Path:
+# ---------------------------------------------------------------------------------------------
+# Snapshots for resume (shared with rlfunc.train_mappo).
+
+RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
+
+
+def set_generator_state(generator: torch.Generator, saved: torch.Tensor) -> None:
+    """Restore ``generator`` from a saved ``get_state()`` (a uint8 tensor, on any device)."""
+    generator.set_state(saved.cpu().clone())  # a fresh CPU tensor: set_state misreads offset views
+
+
+def optimizer_leaves(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Indices (``func.leaves`` order) of the parameters that Adam holds state for (those that have
+    had a gradient: none before the first step, and never an unused critic's)."""
+    return sorted(int(i) for i in optimizer.state_dict()["state"])
+
+
+def optimizer_like(params: TensorDict, indices: list[int], path) -> TensorDict:
+    """The structure :func:`rlfunc.optim.optimizer_state` has for Adam state on ``indices``, for
+    snapshot validation; CheckpointError naming ``path`` if an index is not a leaf of ``params``."""
+    from rlfunc import func
+
+    leaves = func.leaves(params)
+    if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(leaves) for i in indices):
+        raise CheckpointError(f"{path}: meta optim_leaves={indices!r}: expected indices of the {len(leaves)} parameter leaves")
+    return TensorDict(
+        {str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(leaves[i]), "exp_avg_sq": torch.zeros_like(leaves[i])}
+         for i in indices},
+        batch_size=[],
+    )
+
+
+def resume_config(run_dir: Path, total_steps: int | None, from_meta) -> tuple[Path, dict, object]:
+    """The latest snapshot of ``run_dir``, its meta and its config (``from_meta(meta, path)``) with
+    ``total_steps`` as the new budget when given.
+
+    Raises:
+        CheckpointError: no snapshot in ``run_dir``; a bad meta.json or config; a snapshot written
+            before this kind of run could be resumed.
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than the run has done.
+    """
+    snap = checkpoint.latest_snapshot(run_dir)
+    if snap is None:
+        raise CheckpointError(f"{run_dir}: no snapshot to resume from (train first, or a run stopped before its first snapshot)")
+    meta = checkpoint.load_meta(snap)
+    config = from_meta(meta, snap)
+    if meta.get("resume_format") != RESUME_FORMAT:
+        raise CheckpointError(f"{snap}: written before {meta.get('algo')} runs were resumable (no RNG / env state); "
+                              "start a new run")
+    if total_steps is not None:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (env steps)")
+        config = dataclasses.replace(config, total_steps=total_steps)
+        done = int(meta.get("iteration", 0))
+        if config.num_iterations < done:
+            raise ConfigError(
+                f"total_steps={total_steps}: {config.num_iterations} iterations of {config.steps_per_iteration} steps, "
+                f"fewer than the {done} the run has done; expected at least {done * config.steps_per_iteration}"
+            )
+    return snap, meta, config
+
+
+def _saved_state(state: TensorDict, optimizer, env: RolloutEnv) -> TensorDict:
     snapshot = TensorDict({"learner": state, "optim": optimizer_state(optimizer)}, batch_size=[])
+    captured = env.capture()
+    if captured is not None:
+        snapshot["env"] = captured
+    return snapshot
+
+
+def _save(run_dir: Path, state: TensorDict, optimizer, config: GRPOConfig, spec: EnvSpec, env: RolloutEnv) -> Path:
     meta = {
         "algo": config.loss,
         "config": dataclasses.asdict(config),
         "env_spec": spec._asdict(),
         "iteration": int(state["iteration"]),
         "env_steps": int(state["env_steps"]),
+        "resume_format": RESUME_FORMAT,
+        "optim_leaves": optimizer_leaves(optimizer),
     }
-    return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None)
+    return checkpoint.save_run_snapshot(run_dir, _saved_state(state, optimizer, env), meta,
+                                        step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None)
 
 
 def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device: torch.device, episodes: int, seed: int) -> dict:
@@ -145,18 +250,60 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     return evaluate_policy(config, like, spec, dev, episodes, config.seed if seed is None else seed)
 
 
-def train_grpo(config: GRPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> GRPOResult:
-    """Train GRPO or GSPO (``config.loss``) per ``config`` into ``run_dir``.
+def run_iterations(done: int, total: int, desc: str, step, *, logger, save, checkpoint_every: int, progress: bool) -> str | None:
+    """``rlfunc.train_diffusion._loop`` over iterations ``done + 1 .. total`` (``step`` gets the
+    absolute iteration); with none left, closes ``logger`` and returns None without saving.
+
+    Snapshots fall every ``checkpoint_every`` iterations counted from ``done`` (after a resume from a
+    signal-stopped snapshot they are offset from the uninterrupted run's), and at the end.
+    """
+    if total <= done:
+        logger.close()
+        return None
+    return _loop(total - done, desc, lambda i, stopping: step(done + i, stopping), logger=logger, save=save,
+                 checkpoint_every=checkpoint_every, progress=progress)
+
+
+def train_grpo(
+    config: GRPOConfig | None,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    total_steps: int | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> GRPOResult:
+    """Train GRPO or GSPO (``config.loss``) per ``config`` into ``run_dir``, or continue it (``resume``).
+
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot: learner (generators included), Adam state, the
+            torch env's generator and state, iteration counter; metrics lines written after that
+            snapshot are dropped. Exact on CPU (see the module docstring).
+        total_steps: with ``resume``, a new budget (env steps per seed) to extend the run; the
+            learning-rate schedule is then stretched over the new budget.
+        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
 
     Returns:
         GRPOResult(state, run_dir, evaluation, interrupted): the final deterministic evaluation
         (None when SIGINT/SIGTERM stopped the run after saving a snapshot).
 
     Raises:
-        ConfigError, EnvError: bad config, run dir or env id; nothing is written then.
+        ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
+            below the steps the run has done. EnvError: a bad env id. CheckpointError: on resume, no
+            snapshot in ``run_dir``, or a corrupt one or one that does not match its config. Nothing
+            is written then.
     """
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume=False)
+    _check_run_dir(run_dir, resume)
+    snap = meta = None
+    if resume:
+        snap, meta, config = resume_config(run_dir, total_steps, config_from_meta)
+    elif total_steps is not None:
+        raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set config.total_steps")
+    if config is None:
+        raise ConfigError("config=None: a new run needs a GRPOConfig")
     collect.check_env_id(config.env)
     device = resolve_device(config.device)
     if config.torch_threads:
@@ -165,20 +312,60 @@ def train_grpo(config: GRPOConfig, run_dir: str | Path, *, progress: bool = True
     algo = make_grpo(config, spec, device)
     state = algo.init()
     optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
-    rollout, close = _rollout_fn(config, device)
+    env = _rollout_env(config, device)
+    try:
+        time_offset = 0.0
+        if snap is not None:
+            like = _saved_state(state, optimizer, env)
+            like["optim"] = optimizer_like(state["params"], meta.get("optim_leaves", []), snap)
+            loaded, _ = checkpoint.load_snapshot(snap, device=device, like=like)
+            with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
+                state.update_(loaded["learner"])
+            load_optimizer_state(optimizer, loaded["optim"])
+            if "env" in loaded.keys():
+                env.restore(loaded["env"])
+            time_offset = _truncate_metrics(run_dir, int(state["iteration"]))
+        return _train(config, run_dir, device, spec, algo, state, optimizer, env, time_offset, progress, tensorboard)
+    finally:
+        env.close()
+
+
+def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
+                tensorboard: bool = True) -> GRPOResult:
+    """Continue a grpo/gspo run from its latest snapshot: ``train_grpo(None, run_dir, resume=True, ...)``.
+
+    Args:
+        run_dir: a run directory written by :func:`train_grpo`.
+        total_steps: a new budget in env steps per seed (None: the run's own).
+
+    Returns:
+        GRPOResult(state, run_dir, evaluation, interrupted), as :func:`train_grpo`.
+
+    Raises:
+        CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
+            sha256, keys or shapes), a config in meta.json that is not a GRPOConfig, or a snapshot
+            written before grpo/gspo runs were resumable.
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
+    """
+    return train_grpo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
+
+
+def _train(config, run_dir, device, spec, algo, state, optimizer, env: RolloutEnv, time_offset, progress,
+           tensorboard) -> GRPOResult:
+    """The iterations left (from ``state["iteration"]``), then the final evaluation."""
     logger = _start(config, run_dir, tensorboard)
-    start = time.perf_counter()
+    start = time.perf_counter() - time_offset
     S = config.num_seeds
 
     def save() -> Path:
-        return _save(run_dir, state, optimizer, config, spec)
+        return _save(run_dir, state, optimizer, config, spec, env)
 
     def step(i: int, stopping: bool) -> dict:
         nonlocal state
         t0 = time.perf_counter()
         set_lr(optimizer, linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr))
         gens = _generators(state, device)
-        batch = rollout(algo.policy(state, gens), i - 1)
+        batch = env.rollout(algo.policy(state, gens), i - 1)
         t1 = time.perf_counter()
         state, metrics = algo.iteration(state, batch, gens, optimizer)
         t2 = time.perf_counter()
@@ -190,11 +377,8 @@ def train_grpo(config: GRPOConfig, run_dir: str | Path, *, progress: bool = True
             **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
         }
 
-    try:
-        stopped = _loop(config.num_iterations, config.loss, step, logger=logger, save=save,
-                        checkpoint_every=config.checkpoint_every, progress=progress)
-    finally:
-        close()
+    stopped = run_iterations(int(state["iteration"]), config.num_iterations, config.loss, step, logger=logger,
+                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
     if stopped:
         return GRPOResult(state, run_dir, None, stopped)
