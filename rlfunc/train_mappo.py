@@ -10,6 +10,13 @@ rware the mean team return (sum over agents) of ``eval_episodes`` episodes per e
 Collection is the torch-batched env's own loop (``step_and_maybe_reset``): every env of the batch,
 and every agent of every env, steps at once on the device; grpo/gspo reset all envs with
 :func:`rlfunc.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
+
+Resume (:func:`resume_mappo`, ``train_mappo(..., resume=True)``): a snapshot holds the learner
+state, Adam's state, the action-sampling / minibatch generator ("rng", uint8), the collection carry
+(the env output acted on next, the running team returns) and, on Warehouse-v0, the env's core state
+and generator, so on CPU 2N iterations in one go equal N, stop, N more, parameter for parameter.
+rware's gymnasium instances cannot be captured: a resumed rware run starts new episodes (with a
+warning), so it is not bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import dataclasses
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,12 +35,14 @@ from tensordict import TensorDict
 from rlfunc import checkpoint
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo
 from rlfunc.device import resolve_device
-from rlfunc.errors import ConfigError, EnvError
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.grouped import grouped_reset
 from rlfunc.log import plot_learning_curve
-from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.train import _check_run_dir
-from rlfunc.train_diffusion import _loop, _start
+from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
+from rlfunc.train import _check_run_dir, _truncate_metrics
+from rlfunc.train_diffusion import _start
+from rlfunc.train_grpo import (RESUME_FORMAT, optimizer_leaves, optimizer_like, resume_config, run_iterations,
+                               set_generator_state)
 
 WAREHOUSE = "Warehouse-v0"
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
@@ -161,17 +171,69 @@ def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.d
             "median": {"team_return": statistics.median(r["team_return"] for r in rows)}}
 
 
-def train_mappo(config: MAPPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> MAPPOResult:
-    """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``.
+def config_from_meta(meta: dict, path: Path | str = "snapshot") -> MAPPOConfig:
+    """The MAPPOConfig of a mappo snapshot's meta; CheckpointError naming ``path`` if invalid."""
+    if meta.get("algo") != "mappo":
+        raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'mappo'")
+    try:
+        cfg = dict(meta["config"])
+        cfg["hidden"] = tuple(int(h) for h in cfg["hidden"])
+        cfg["eval_seeds"] = tuple(int(s) for s in cfg["eval_seeds"])
+        return MAPPOConfig(**cfg)
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
+        raise CheckpointError(f"{path}: snapshot config is not a valid MAPPOConfig: {e}") from e
+
+
+def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
+    """Warehouse-v0's core state and generator (uint8); None for rware (host gymnasium envs)."""
+    if config.env != WAREHOUSE:
+        return None
+    return TensorDict({"state": env.state.clone(), "rng": env._generator.get_state()}, batch_size=[])
+
+
+def train_mappo(
+    config: MAPPOConfig | None,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    total_steps: int | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> MAPPOResult:
+    """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``,
+    or continue it (``resume``).
+
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot (see the module docstring for what comes back);
+            metrics lines written after that snapshot are dropped.
+        total_steps: with ``resume``, a new budget (env steps, one step of one env) to extend the
+            run; the learning-rate schedule is then stretched over the new budget.
+        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
 
     Returns:
-        MAPPOResult(state, run_dir, evaluation, interrupted).
+        MAPPOResult(state, run_dir, evaluation, interrupted): eval.json's content, or None with the
+        signal's name when SIGINT/SIGTERM stopped the run after saving a snapshot.
 
     Raises:
-        ConfigError, EnvError: bad config, run dir or env; nothing is written then.
+        ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
+            below the steps the run has done. EnvError: a bad env. CheckpointError: on resume, no
+            snapshot in ``run_dir``, or a corrupt one or one that does not match its config.
+            Nothing is written then.
+
+    Warns:
+        UserWarning: resuming an rware run (new episodes; not bit-identical).
     """
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume=False)
+    _check_run_dir(run_dir, resume)
+    snap = meta = None
+    if resume:
+        snap, meta, config = resume_config(run_dir, total_steps, config_from_meta)
+    elif total_steps is not None:
+        raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set config.total_steps")
+    if config is None:
+        raise ConfigError("config=None: a new run needs a MAPPOConfig")
     device = resolve_device(config.device)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -183,17 +245,50 @@ def train_mappo(config: MAPPOConfig, run_dir: str | Path, *, progress: bool = Tr
     state = algo.init()
     optimizer = make_adam(state["params"], config.lr)
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    logger = _start(config, run_dir, tensorboard)
-    start = time.perf_counter()
+    if snap is not None and config.env != WAREHOUSE:  # rware: new episodes, not the first ones again
+        env._resets = int(meta.get("rware_resets", 0))
     carry = env.reset()
+    carry_keys = list(carry.keys(True, True))  # what the loop reads of the carry (not the stale action)
     running = torch.zeros(config.num_envs, device=device)
+
+    def saved_state() -> TensorDict:
+        saved = TensorDict({"learner": state, "optim": optimizer_state(optimizer), "rng": gen.get_state(),
+                            "carry": {"env": carry.select(*carry_keys), "running": running}}, batch_size=[])
+        captured = _env_capture(config, env)
+        if captured is not None:
+            saved["env"] = captured
+        return saved
+
+    time_offset = 0.0
+    if snap is not None:
+        like = saved_state()
+        like["optim"] = optimizer_like(state["params"], meta.get("optim_leaves", []), snap)
+        loaded, _ = checkpoint.load_snapshot(snap, device=device, like=like)
+        with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
+            state.update_(loaded["learner"])
+        load_optimizer_state(optimizer, loaded["optim"])
+        set_generator_state(gen, loaded["rng"])
+        if "env" in loaded.keys():
+            set_generator_state(env._generator, loaded["env", "rng"])
+            carry = env.set_state(TensorDict(loaded["env", "state"].to_dict(), batch_size=env.batch_size))
+            for key in carry_keys:
+                carry.set_(key, loaded["carry", "env"].get(key))
+            running = loaded["carry", "running"].clone()
+        else:
+            warnings.warn(f"{config.env}: the env's state cannot be captured, so the resumed run starts new episodes "
+                          "and is not bit-identical to an uninterrupted one", stacklevel=2)
+        time_offset = _truncate_metrics(run_dir, int(state["iteration"]))
+    logger = _start(config, run_dir, tensorboard)
+    start = time.perf_counter() - time_offset
     num_iterations = config.num_iterations
 
     def save() -> Path:
-        snapshot = TensorDict({"learner": state, "optim": optimizer_state(optimizer)}, batch_size=[])
         meta = {"algo": "mappo", "config": dataclasses.asdict(config), "obs_dim": obs_dim, "n_agents": n_agents,
-                "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"])}
-        return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=int(state["env_steps"]), keep_last=2)
+                "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"]),
+                "resume_format": RESUME_FORMAT, "optim_leaves": optimizer_leaves(optimizer)}
+        if config.env != WAREHOUSE:
+            meta["rware_resets"] = int(env._resets)
+        return checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(state["env_steps"]), keep_last=2)
 
     def policy(obs, mask):
         return algo.act(state, obs, mask, gen)
@@ -230,8 +325,8 @@ def train_mappo(config: MAPPOConfig, run_dir: str | Path, *, progress: bool = Tr
                 batch["next", "vertex_conflicts"].sum() + batch["next", "swap_conflicts"].sum()) / steps
         return record
 
-    stopped = _loop(num_iterations, f"mappo-{config.loss}", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress)
+    stopped = run_iterations(int(state["iteration"]), num_iterations, f"mappo-{config.loss}", step, logger=logger,
+                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
     key = "deliveries_per_100_steps" if config.env == WAREHOUSE else "episode_return"
     try:
         plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=key)
@@ -242,3 +337,26 @@ def train_mappo(config: MAPPOConfig, run_dir: str | Path, *, progress: bool = Tr
     summary = evaluate_state(config, algo, state, device)
     (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
     return MAPPOResult(state, run_dir, summary)
+
+
+def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
+                 tensorboard: bool = True) -> MAPPOResult:
+    """Continue a mappo run from its latest snapshot: ``train_mappo(None, run_dir, resume=True, ...)``.
+
+    Args:
+        run_dir: a run directory written by :func:`train_mappo`.
+        total_steps: a new budget in env steps (None: the run's own).
+
+    Returns:
+        MAPPOResult(state, run_dir, evaluation, interrupted), as :func:`train_mappo`.
+
+    Raises:
+        CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
+            sha256, keys or shapes), a config in meta.json that is not a MAPPOConfig, or a snapshot
+            written before mappo runs were resumable.
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
+
+    Warns:
+        UserWarning: an rware run (its env state cannot be captured: new episodes).
+    """
+    return train_mappo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
