@@ -1,0 +1,197 @@
+"""Resume of multi-agent (train_mappo) and GRPO/GSPO (train_grpo) runs: exact on CPU.
+
+The property: 2N iterations in one go == N iterations, stop, resume for N more, tensor for tensor
+(learner, Adam state, generators, env state, collection carry), with the same metrics lines. A stop
+is made two ways: a crash after iteration N's snapshot (the later snapshot removed, metrics lines
+past N dropped on resume; the LR schedule spans the whole run), and a run of N iterations extended
+by ``total_steps`` to 2N (constant LR, so the schedules agree).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlfunc import checkpoint
+from rlfunc.algos.grpo import GRPOConfig
+from rlfunc.algos.mappo import MAPPOConfig
+from rlfunc.errors import CheckpointError, ConfigError
+
+SMALL_LAYOUT = (
+    "P......D",
+    "..#..#..",
+    "P......D",
+)
+TIMING = {"time", "steps_per_s", "collect_s", "update_s"}  # wall-clock fields: differ between runs
+
+
+@pytest.fixture
+def small_warehouse(monkeypatch):
+    """A 3 x 8 warehouse with 2 AGVs and 6-step episodes (so rollouts cross episode ends)."""
+    from envs.warehouse import WarehouseConfig
+    from rlfunc import train_mappo as tm
+
+    small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=6, shaping_scale=0.1)
+    monkeypatch.setattr(tm, "warehouse_config", lambda config, train: small)
+    return tm
+
+
+def _mappo_config(loss: str, iterations: int, **kw) -> MAPPOConfig:
+    base = dict(loss=loss, n_agents=2, num_envs=4, rollout_steps=8, group_size=2, episode_steps=6, hidden=(8,),
+                num_epochs=2, num_minibatches=2, eval_episodes=1, eval_seeds=(0,), device="cpu", seed=3)
+    base.update(kw)
+    spi = MAPPOConfig(**base).steps_per_iteration
+    return MAPPOConfig(**{**base, "total_steps": iterations * spi})
+
+
+def _grpo_config(env: str, iterations: int, **kw) -> GRPOConfig:
+    if env == "PointReach-v0":
+        base = dict(env=env, num_groups=2, group_size=4, minibatch_size=4, max_episode_steps=30)
+    else:  # Pendulum-v1 through the gymnasium backend
+        base = dict(env=env, num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5)
+    base.update(num_epochs=2, eval_episodes=2, seed=5, device="cpu", kl_coef=0.1, keep_checkpoints=0, **kw)
+    spi = GRPOConfig(**base).steps_per_iteration
+    return GRPOConfig(**{**base, "total_steps": iterations * spi})
+
+
+def _snapshot_tensors(run_dir) -> dict[str, torch.Tensor]:
+    state, _ = checkpoint.load_snapshot(checkpoint.latest_snapshot(run_dir))
+    return {k if isinstance(k, str) else ".".join(k): v for k, v in state.items(True, True)}
+
+
+def _metrics(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def _assert_same_run(full_dir, resumed_dir, full_state, resumed_state, iterations: int) -> None:
+    """Final learner state and every tensor of the final snapshots equal; same metrics lines."""
+    assert int(resumed_state["iteration"]) == iterations
+    a, b = dict(full_state.items(True, True)), dict(resumed_state.items(True, True))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    sa, sb = _snapshot_tensors(full_dir), _snapshot_tensors(resumed_dir)
+    assert sa.keys() == sb.keys() and any(k.startswith("optim.") for k in sa)
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    ma, mb = _metrics(full_dir), _metrics(resumed_dir)
+    assert [r["iteration"] for r in mb] == list(range(1, iterations + 1))
+    assert ma == mb
+
+
+def _crash_copy(full_dir, dest, keep_iteration_steps: int):
+    """A copy of a finished run as a crash after the snapshot at ``keep_iteration_steps`` env steps
+    would leave it: later snapshots gone, metrics lines (and eval.json) of later iterations still there."""
+    shutil.copytree(full_dir, dest)
+    for path in (dest / "checkpoints").glob("step_*"):
+        if int(path.name[5:]) > keep_iteration_steps:
+            shutil.rmtree(path)
+    (dest / "eval.json").unlink()
+    assert checkpoint.load_meta(checkpoint.latest_snapshot(dest))["env_steps"] == keep_iteration_steps
+    return dest
+
+
+@pytest.mark.parametrize("loss", ["ppo", "grpo"])
+def test_mappo_resume_after_a_crash_is_exact(tmp_path, small_warehouse, loss):
+    tm = small_warehouse
+    config = _mappo_config(loss, 4, checkpoint_every=2)
+    full = tm.train_mappo(config, tmp_path / "full", progress=False, tensorboard=False)
+    part = _crash_copy(tmp_path / "full", tmp_path / "part", 2 * config.steps_per_iteration)
+    snap = _snapshot_tensors(part)
+    assert {"rng", "carry.running", "env.rng", "env.state.position", "carry.env.agents.observation"} <= snap.keys()
+    resumed = tm.resume_mappo(part, progress=False, tensorboard=False)
+    _assert_same_run(tmp_path / "full", part, full.state, resumed.state, 4)
+    assert resumed.evaluation == full.evaluation
+    assert json.loads((part / "eval.json").read_text()) == full.evaluation
+
+
+def test_mappo_resume_extends_with_total_steps(tmp_path, small_warehouse):
+    tm = small_warehouse
+    full_config = _mappo_config("ppo", 4, anneal_lr=False, critic="mean")
+    short_config = _mappo_config("ppo", 2, anneal_lr=False, critic="mean")
+    full = tm.train_mappo(full_config, tmp_path / "full", progress=False, tensorboard=False)
+    short = tm.train_mappo(short_config, tmp_path / "part", progress=False, tensorboard=False)
+    assert int(short.state["iteration"]) == 2
+    with pytest.raises(ConfigError, match="total_steps"):
+        tm.resume_mappo(tmp_path / "part", total_steps=0)
+    with pytest.raises(ConfigError, match="fewer than the 2"):
+        tm.resume_mappo(tmp_path / "part", total_steps=short_config.steps_per_iteration)
+    resumed = tm.resume_mappo(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
+    assert int(resumed.state["env_steps"]) == full_config.total_steps
+    _assert_same_run(tmp_path / "full", tmp_path / "part", full.state, resumed.state, 4)
+    assert json.loads((tmp_path / "part" / "config.json").read_text())["total_steps"] == full_config.total_steps
+    # a finished run resumed without a new budget trains nothing more and evaluates again
+    again = tm.resume_mappo(tmp_path / "part", progress=False, tensorboard=False)
+    assert int(again.state["iteration"]) == 4 and again.evaluation == resumed.evaluation
+
+
+@pytest.mark.parametrize("env,loss", [("PointReach-v0", "grpo"), ("Pendulum-v1", "gspo")])
+def test_grpo_resume_after_a_crash_is_exact(tmp_path, env, loss):
+    from rlfunc.train_grpo import resume_grpo, train_grpo
+
+    config = _grpo_config(env, 4, loss=loss, checkpoint_every=2)
+    full = train_grpo(config, tmp_path / "full", progress=False, tensorboard=False)
+    part = _crash_copy(tmp_path / "full", tmp_path / "part", 2 * config.steps_per_iteration)
+    assert ("env.rng" in _snapshot_tensors(part)) == config.use_torch_env
+    resumed = resume_grpo(part, progress=False, tensorboard=False)
+    _assert_same_run(tmp_path / "full", part, full.state, resumed.state, 4)
+    assert resumed.evaluation == full.evaluation
+
+
+def test_grpo_resume_extends_with_total_steps(tmp_path):
+    from rlfunc.train_grpo import resume_grpo, train_grpo
+
+    full_config = _grpo_config("PointReach-v0", 4, anneal_lr=False, checkpoint_every=0)
+    short_config = _grpo_config("PointReach-v0", 2, anneal_lr=False, checkpoint_every=0)
+    full = train_grpo(full_config, tmp_path / "full", progress=False, tensorboard=False)
+    train_grpo(short_config, tmp_path / "part", progress=False, tensorboard=False)
+    resumed = resume_grpo(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
+    _assert_same_run(tmp_path / "full", tmp_path / "part", full.state, resumed.state, 4)
+
+
+def test_resume_without_a_snapshot_names_the_run_dir(tmp_path, small_warehouse):
+    from rlfunc.train_grpo import resume_grpo, train_grpo
+
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    for resume in (small_warehouse.resume_mappo, resume_grpo):
+        with pytest.raises(CheckpointError, match="empty-run: no snapshot"):
+            resume(empty)
+        with pytest.raises(CheckpointError, match="missing-run: no snapshot"):
+            resume(tmp_path / "missing-run")
+    with pytest.raises(ConfigError, match="total_steps"):
+        train_grpo(_grpo_config("PointReach-v0", 1), tmp_path / "new", total_steps=100)
+    # a grpo run is no mappo run; a corrupt snapshot is refused by its checksum
+    train_grpo(_grpo_config("PointReach-v0", 1), tmp_path / "g", progress=False, tensorboard=False)
+    with pytest.raises(CheckpointError, match="expected 'mappo'"):
+        small_warehouse.resume_mappo(tmp_path / "g")
+    # a snapshot from before resume support (no resume_format in its meta) is refused by name
+    snap = checkpoint.latest_snapshot(tmp_path / "g")
+    state, meta = checkpoint.load_snapshot(snap)
+    checkpoint.save_snapshot(snap, state, {k: v for k, v in meta.items() if k != "resume_format"})
+    with pytest.raises(CheckpointError, match="before grpo runs were resumable"):
+        resume_grpo(tmp_path / "g")
+    checkpoint.save_snapshot(snap, state, meta)
+    state_file = snap / "state.safetensors"
+    state_file.write_bytes(state_file.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        resume_grpo(tmp_path / "g", total_steps=10_000)
+
+
+def test_mappo_rware_resume_warns_and_starts_new_episodes(tmp_path):
+    pytest.importorskip("rware")
+    from rlfunc.train_mappo import resume_mappo, train_mappo
+
+    config = MAPPOConfig(env="rware-tiny-2ag-v2", loss="ppo", num_envs=1, rollout_steps=5, total_steps=10, hidden=(8,),
+                         num_epochs=1, num_minibatches=1, eval_episodes=1, eval_seeds=(0,), device="cpu")
+    train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
+    assert checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "run"))["rware_resets"] == 1
+    with pytest.warns(UserWarning, match="new episodes"):
+        resumed = resume_mappo(tmp_path / "run", total_steps=20, progress=False, tensorboard=False)
+    assert int(resumed.state["iteration"]) == 4
+    assert checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "run"))["rware_resets"] == 2
+    assert len(_metrics(tmp_path / "run")) == 4
