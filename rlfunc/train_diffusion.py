@@ -11,8 +11,23 @@ Push-v0). Dict observations (Push-v0: two cameras, proprio, an instruction) go t
 :class:`rlfunc.nets.encoders.MultimodalEncoder` trained by bc and kept frozen by dppo / td3-diffusion.
 
 ``init_from`` (dppo, td3-diffusion) takes a bc run dir or snapshot and starts from its EMA weights,
-observation statistics and actor spec. These runs are not resumable yet (``rlfunc resume`` is
-PPO's); a snapshot is written every ``checkpoint_every`` iterations and at the end.
+observation statistics and actor spec. A snapshot is written every ``checkpoint_every`` iterations
+and at the end.
+
+Resume: ``train_bc`` / ``train_dppo`` / ``train_td3_diffusion`` with ``resume=True`` (or
+:func:`resume_diffusion`, which reads the algorithm from the snapshot) continue a run from its latest
+snapshot with the snapshot's config, optionally with a new budget. On CPU the continuation is exact:
+N iterations, stop, resume to 2N give the same parameters, optimizer states and RNG states as 2N
+iterations in one go. Besides the learner state (whose "rng" is the generator of the noise and the
+minibatch order) and every optimizer's state, a snapshot holds what the loop carries between
+iterations: the env's RNG ("env_rng": PointReach-v0's torch generator state in the tensors, a
+:class:`~rlfunc.chunk_env.GymChunkEnv`'s numpy bit-generator state in meta.json; every rollout
+starts with a full reset seeded from it, so nothing else of the env survives an iteration), the
+fp16 grad scaler's state (meta), bc's metrics summed since the last metrics line, and td3-diffusion's
+replay buffer (its filled rows and the writer's cursor; ``checkpoint_buffer=False`` leaves it out,
+and a resumed run then refills an empty buffer, with a warning). bc's demonstrations are not saved:
+they are collected again from the config's seed. Metrics lines written after the snapshot (before a
+crash) are dropped on resume.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,8 +57,8 @@ from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
-from rlfunc.optim import optimizer_state
-from rlfunc.train import _check_run_dir
+from rlfunc.optim import load_optimizer_state, optimizer_state
+from rlfunc.train import _check_run_dir, _truncate_metrics
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -79,13 +95,13 @@ class _StopOnSignal:
             signal.signal(s, handler)
 
 
-def _setup(config, run_dir) -> tuple[torch.device, Path]:
+def _setup(config, run_dir, *, resume: bool = False) -> tuple[torch.device, Path]:
     check_env(config.env)
     device = resolve_device(config.device)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume=False)
+    _check_run_dir(run_dir, resume=resume)
     return device, run_dir
 
 
@@ -96,10 +112,15 @@ def _start(config, run_dir: Path, tensorboard: bool) -> MetricsLogger:
     return MetricsLogger(run_dir, tensorboard=tensorboard)
 
 
-def _save(run_dir: Path, algo: str, config, spec: ActorSpec, info: EnvInfo, state: TensorDict, optimizers, step: int) -> Path:
+def _save(run_dir: Path, algo: str, config, spec: ActorSpec, info: EnvInfo, state: TensorDict, optimizers, step: int,
+          *, extra: dict | None = None, extra_meta: dict | None = None) -> Path:
+    """Snapshot {"learner": state, "optim_<name>": each optimizer's state, **extra} with the run's
+    meta (and ``extra_meta``) as checkpoints/step_<step>."""
     snapshot = TensorDict({"learner": state}, batch_size=[])
     for name, opt in optimizers.items():
         snapshot[f"optim_{name}"] = optimizer_state(opt)
+    for key, value in (extra or {}).items():
+        snapshot[key] = value
     meta = {
         "algo": algo,
         "config": dataclasses.asdict(config),
@@ -108,6 +129,8 @@ def _save(run_dir: Path, algo: str, config, spec: ActorSpec, info: EnvInfo, stat
         "act_dim": info.act_dim,
         "env_info": info.to_meta(),
         "iteration": int(state["iteration"]),
+        "step": int(step),
+        **(extra_meta or {}),
     }
     return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=step, keep_last=3)
 
@@ -232,47 +255,255 @@ def evaluate_run(
     return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool, initial: int = 0):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
-def _loop(num_iterations: int, desc: str, step, *, logger: MetricsLogger, save, checkpoint_every: int, progress: bool) -> str | None:
-    """Run ``step(i, stopping)`` for i = 1..num_iterations: log the record it returns (None: nothing
-    to log), save every ``checkpoint_every`` iterations and at the end, stop early on SIGINT/SIGTERM.
+def _loop(num_iterations: int, desc: str, step, *, logger: MetricsLogger, save, checkpoint_every: int, progress: bool,
+          start: int = 0) -> str | None:
+    """Run ``step(i, stopping)`` for i = start+1..num_iterations: log the record it returns (None:
+    nothing to log), save every ``checkpoint_every`` iterations (i a multiple of it) and at the end
+    (unless the last iteration was just saved, or a resumed run had nothing left to do), stop early
+    on SIGINT/SIGTERM. ``start``: the iterations a resumed run has already done.
 
     Returns:
         the name of the signal that stopped the loop, or None.
     """
+    last = saved = start
     with _StopOnSignal() as stop:
         try:
-            with _progress(num_iterations, desc, progress) as bar:
-                for i in range(1, num_iterations + 1):
+            with _progress(num_iterations, desc, progress, initial=min(start, num_iterations)) as bar:
+                for i in range(start + 1, num_iterations + 1):
                     record = step(i, stop.signal is not None)
+                    last = i
                     if record is not None:
                         logger.log(record)
                         shown = {k: record[k] for k in ("success_rate", "loss_denoise") if k in record}
                         bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items()})
                     if checkpoint_every and i % checkpoint_every == 0:
                         save()
+                        saved = i
                     bar.update(1)
                     if stop.signal:
                         break
         finally:
             logger.close()
-        save()
+        if last != saved or last == 0:
+            save()
     return stop.signal
 
 
-def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+# ------------------------------------------------------------------------------------------ resume
+
+_CONFIGS = {"bc": BCConfig, "dppo": DPPOConfig, "td3-diffusion": TD3DiffusionConfig}
+_NO_SNAPSHOT = "no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end)"
+BUDGET_FIELD = {"bc": "num_updates", "dppo": "total_steps", "td3-diffusion": "total_steps"}  # what ``total_steps`` sets on resume
+
+
+def config_from_meta(meta: dict, path) -> BCConfig | DPPOConfig | TD3DiffusionConfig:
+    """The config saved in a bc / dppo / td3-diffusion snapshot's meta (the actor spec actually used).
+
+    Raises:
+        CheckpointError: not a diffusion snapshot, or no valid config in its meta (the message names ``path``).
+    """
+    algo = meta.get("algo")
+    if algo not in _CONFIGS:
+        raise CheckpointError(f"{path}: algo={algo!r}: expected a bc, dppo or td3-diffusion snapshot")
+    try:
+        raw = dict(meta["config"])
+        raw["actor"] = ActorSpec(**dict(raw["actor"]))
+        if "critic_hidden" in raw:
+            raw["critic_hidden"] = tuple(raw["critic_hidden"])
+        return _CONFIGS[algo](**raw)
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
+        raise CheckpointError(f"{path}: meta.json holds no valid {algo} config ({e})") from None
+
+
+def _num_iterations(config) -> int:
+    if isinstance(config, BCConfig):
+        return config.num_updates
+    if isinstance(config, DPPOConfig):
+        return config.num_iterations(config.actor.act_steps)
+    return config.num_iterations()
+
+
+class _Source(NamedTuple):
+    snapshot: Path
+    meta: dict
+    config: BCConfig | DPPOConfig | TD3DiffusionConfig  # the snapshot's, with the new budget
+
+
+def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None) -> tuple[_Source | None, object]:
+    """(what a resumed run continues from, the config to run): the latest snapshot of ``run_dir``,
+    its meta, and its config with ``total_steps`` (the new budget) in ``BUDGET_FIELD[algo]``; or
+    (None, ``config``) when not resuming."""
+    if not resume:
+        if total_steps is not None:
+            raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
+        if not isinstance(config, _CONFIGS[algo]):
+            raise ConfigError(f"config={config!r}: expected a {_CONFIGS[algo].__name__} (None only with resume=True)")
+        return None, config
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir, resume=True)
+    snap = checkpoint.latest_snapshot(run_dir)
+    if snap is None:
+        raise CheckpointError(f"{run_dir}: {_NO_SNAPSHOT}")
+    meta = checkpoint.load_meta(snap)
+    if meta.get("algo") != algo:
+        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a {algo} snapshot")
+    config = config_from_meta(meta, snap)
+    done = meta.get("iteration")
+    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+        raise CheckpointError(f"{snap}: meta.json iteration={done!r}: expected an int >= 0")
+    if total_steps is not None:
+        unit = "updates" if algo == "bc" else "env steps"
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (the new budget, in {unit})")
+        config = dataclasses.replace(config, **{BUDGET_FIELD[algo]: total_steps})
+        if _num_iterations(config) < done:
+            raise ConfigError(
+                f"total_steps={total_steps}: the run has already done {done} iterations ({meta.get('step', '?')} {unit}); "
+                f"expected a budget of at least that"
+            )
+    return _Source(snap, meta, config), config
+
+
+def _check_structure(got: TensorDict, want: TensorDict, snap, device: torch.device) -> None:
+    """CheckpointError naming the first learner key whose presence, shape or dtype differs."""
+    table = lambda td: {".".join(k) if isinstance(k, tuple) else k: (tuple(v.shape), v.dtype)  # noqa: E731
+                        for k, v in td.items(include_nested=True, leaves_only=True)}
+    got_t, want_t = table(got), table(want)
+    if got_t.get("rng") != want_t.get("rng") and "rng" in got_t:
+        raise CheckpointError(f"{snap}: its generator states were saved on another device type than {device.type}; "
+                              f"resume it on the device it ran on")
+    for key in sorted(set(got_t) | set(want_t)):
+        if got_t.get(key) != want_t.get(key):
+            raise CheckpointError(f"{snap}: learner key {key!r} is {got_t.get(key, 'missing')} in the snapshot, "
+                                  f"{want_t.get(key, 'absent')} in the run its config builds")
+
+
+def _restore(source: _Source, device: torch.device, state: TensorDict, info: EnvInfo, optimizers: dict, prec,
+             generator: torch.Generator) -> TensorDict:
+    """Load ``source`` into a freshly built run, in place: the learner ``state`` (its leaves stay the
+    optimizers'), the optimizers, the grad scaler and ``generator``. Returns the snapshot's tensors.
+
+    Raises:
+        CheckpointError: the snapshot does not fit the run its config builds (env observation layout,
+            learner keys, shapes or dtypes, schedule) or fails its integrity checks."""
+    snap = source.snapshot
+    saved_info = env_info_from_meta(source.meta, snap)
+    if saved_info != info:
+        raise CheckpointError(f"{snap}: saved for observations {saved_info}, but env={source.config.env!r} now gives {info}")
+    loaded, _ = checkpoint.load_snapshot(snap, device=device)
+    if "learner" not in loaded.keys():
+        raise CheckpointError(f"{snap}: holds no learner state")
+    _check_structure(loaded["learner"], state, snap, device)
+    try:
+        check_schedule(loaded["learner", "schedule"], state["schedule"])
+    except CheckpointError as e:
+        raise CheckpointError(f"{snap}: {e}") from None
+    with torch.no_grad():  # in place: the optimizers keep stepping the same leaves
+        state.update_(loaded["learner"])
+    for name, opt in optimizers.items():  # an optimizer that never stepped has no saved state
+        saved = loaded.get(f"optim_{name}", None)
+        load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
+    if prec.scaler is not None and source.meta.get("grad_scaler"):
+        prec.scaler.load_state_dict(source.meta["grad_scaler"])
+    generator.set_state(state["rng"].cpu().clone())  # a fresh tensor: set_state misreads offset views
+    return loaded
+
+
+def _scaler_meta(prec) -> dict:
+    return {"grad_scaler": prec.scaler.state_dict() if prec.scaler is not None else None}
+
+
+def _env_rng(env) -> tuple[dict, dict]:
+    """(tensors, meta) holding the env's RNG state: all an env carries from one iteration to the
+    next, as every rollout starts with a full reset seeded from it."""
+    from envs.point_reach import PointReachEnv
+    from rlfunc.chunk_env import GymChunkEnv
+
+    if isinstance(env, PointReachEnv):
+        return {"env_rng": env._generator.get_state()}, {"env_rng": "torch"}
+    if isinstance(env, GymChunkEnv):  # the numpy generator drawing each reset's seed
+        return {}, {"env_rng": env._rng.bit_generator.state}
+    return {}, {"env_rng": None}
+
+
+def _set_env_rng(env, loaded: TensorDict, source: _Source) -> None:
+    """Restore what :func:`_env_rng` saved; a warning (new episode seeds) when the snapshot has none."""
+    from envs.point_reach import PointReachEnv
+    from rlfunc.chunk_env import GymChunkEnv
+
+    saved = source.meta.get("env_rng")
+    try:
+        if isinstance(env, PointReachEnv) and saved == "torch" and "env_rng" in loaded.keys():
+            env._generator.set_state(loaded["env_rng"].cpu().clone())
+            return
+        if isinstance(env, GymChunkEnv) and isinstance(saved, dict):
+            env._rng.bit_generator.state = saved
+            return
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{source.snapshot}: the env's RNG state cannot be restored ({e})") from None
+    warnings.warn(
+        f"{source.snapshot}: holds no RNG state for the {source.config.env} env, so the resumed run's episodes "
+        "are seeded afresh and it is not identical to an uninterrupted one", stacklevel=3,
+    )
+
+
+def _buffer_snapshot(buffer, keep: bool) -> tuple[dict, dict]:
+    """(tensors, meta) of a replay buffer: its filled rows in storage order and the writer's cursor."""
+    if not keep:
+        return {}, {"buffer": None}
+    n = len(buffer)
+    rows = {"buffer": buffer[torch.arange(n, device=buffer.storage.device)]} if n else {}
+    writer = {k: v for k, v in buffer.writer.state_dict().items() if isinstance(v, int) and not isinstance(v, bool)}
+    return rows, {"buffer": {"length": n, "writer": writer}}
+
+
+def _restore_buffer(buffer, loaded: TensorDict, source: _Source) -> None:
+    """Refill ``buffer`` (empty) with the snapshot's rows at the same storage positions, and its cursor."""
+    saved = source.meta.get("buffer")
+    if saved is None:
+        warnings.warn(
+            f"{source.snapshot}: holds no replay buffer (checkpoint_buffer=False), so the resumed run starts "
+            "with an empty buffer and is not identical to an uninterrupted one", stacklevel=3,
+        )
+        return
+    try:
+        n = int(saved["length"])
+        if n:
+            rows = loaded["buffer"]
+            buffer.extend(TensorDict({k: rows[k] for k in rows.keys()}, batch_size=[n]))
+        buffer.writer.load_state_dict(dict(saved["writer"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{source.snapshot}: its replay buffer cannot be restored ({e})") from None
+
+
+def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+             progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
     """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc` and
     :func:`rlfunc.demos.expert_demonstrations`); the expert's success rate goes into demos.json.
 
-    SIGINT/SIGTERM stop the run after the current update with a snapshot (no final evaluation)."""
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot in ``run_dir`` (the demonstrations are collected
+            again from the config's seed).
+        total_steps: on resume, a new budget in updates (``num_updates``), at least those done.
+
+    SIGINT/SIGTERM stop the run after the current update with a snapshot (no final evaluation).
+
+    Raises:
+        ConfigError: a bad run dir or budget. EnvError: an env without a scripted expert.
+        CheckpointError: on resume, no snapshot in ``run_dir``, or one that is corrupt or does not fit its config.
+    """
     from rlfunc.demos import EXPERT_ENVS, expert_demonstrations
 
-    device, run_dir = _setup(config, run_dir)
+    source, config = _source(run_dir, "bc", config, resume, total_steps)
+    device, run_dir = _setup(config, run_dir, resume=resume)
     if config.env not in EXPERT_ENVS:
         raise EnvError(f"env={config.env!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
     info = env_info(config.env)
@@ -285,24 +516,37 @@ def train_bc(config: BCConfig, run_dir: str | Path, *, progress: bool = True, te
     state = algo.init(dataset)
     optimizer = torch.optim.AdamW(algo.trainable(state), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
     prec = precision(device, config.precision)
+    pending = {"sum": None, "count": 0}  # metrics summed since the last metrics line
+    start_iteration, clock = 0, 0.0
+    if source is not None:
+        loaded = _restore(source, device, state, info, {"actor": optimizer}, prec, gen)
+        if "pending_metrics" in loaded.keys():
+            pending = {"sum": loaded["pending_metrics"], "count": int(source.meta.get("pending_metrics", 0))}
+        start_iteration = int(state["iteration"])
+        clock = _truncate_metrics(run_dir, start_iteration)
     logger = _start(config, run_dir, tensorboard)
     (run_dir / "demos.json").write_text(json.dumps(demos) + "\n")
-    save = lambda: _save(run_dir, "bc", config, config.actor, info, state, {"actor": optimizer}, int(state["iteration"]))  # noqa: E731
-    start, acc = time.perf_counter(), None
+
+    def save() -> Path:
+        extra = {} if pending["sum"] is None else {"pending_metrics": pending["sum"]}
+        return _save(run_dir, "bc", config, config.actor, info, state, {"actor": optimizer}, int(state["iteration"]),
+                     extra=extra, extra_meta={"pending_metrics": pending["count"], **_scaler_meta(prec)})
+
+    start = time.perf_counter() - clock
 
     def step(i: int, stopping: bool) -> dict | None:
-        nonlocal state, acc
+        nonlocal state
         state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
-        acc = metrics if acc is None else acc + metrics
+        pending["sum"] = metrics if pending["sum"] is None else pending["sum"] + metrics
+        pending["count"] += 1
         if not (i % config.log_every == 0 or i == config.num_updates or stopping):
             return None
-        n = i % config.log_every or config.log_every
-        record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(acc / n).to_dict()}
-        acc = None
+        record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(pending["sum"] / pending["count"]).to_dict()}
+        pending.update(sum=None, count=0)
         return record
 
     stopped = _loop(config.num_updates, "bc", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress)
+                    checkpoint_every=config.checkpoint_every, progress=progress, start=start_iteration)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
     summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir, encoder=state.get("encoder_ema", None))
@@ -346,13 +590,30 @@ def _episode_metrics(batch: TensorDict) -> dict:
     }
 
 
-def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+               progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
     """DPPO fine-tuning (see :mod:`rlfunc.algos.dppo`), usually from a bc run (``init_from``).
 
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot in ``run_dir`` (``init_from`` is not read again:
+            the snapshot holds the actor, its frozen base and the observation statistics).
+        total_steps: on resume, a new budget in env steps, at least those done.
+
     config.json records the actor spec actually used (that of ``init_from`` when given).
-    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation)."""
-    device, run_dir = _setup(config, run_dir)
-    config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
+    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation).
+
+    Raises:
+        ConfigError: a bad run dir or budget. EnvError: an env the actor cannot run on.
+        CheckpointError: ``init_from`` or, on resume, ``run_dir``'s snapshot is missing, corrupt or does not fit.
+    """
+    source, config = _source(run_dir, "dppo", config, resume, total_steps)
+    device, run_dir = _setup(config, run_dir, resume=resume)
+    if source is None:
+        config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
+    else:  # the snapshot holds them; its config already names the actor spec actually used
+        info, actor_params, obs_stats, encoder = env_info(config.env), None, None, None
     spec = config.actor
     algo = make_dppo(config, spec, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
@@ -360,9 +621,20 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     prec = precision(device, config.precision)
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
+    start_iteration, clock = 0, 0.0
+    if source is not None:
+        loaded = _restore(source, device, state, info, {"all": optimizer}, prec, gen)
+        _set_env_rng(env, loaded, source)
+        start_iteration = int(state["iteration"])
+        clock = _truncate_metrics(run_dir, start_iteration)
     logger = _start(config, run_dir, tensorboard)
-    save = lambda: _save(run_dir, "dppo", config, spec, info, state, {"all": optimizer}, int(state["env_steps"]))  # noqa: E731
-    start = time.perf_counter()
+
+    def save() -> Path:
+        tensors, meta = _env_rng(env)
+        return _save(run_dir, "dppo", config, spec, info, state, {"all": optimizer}, int(state["env_steps"]),
+                     extra=tensors, extra_meta={**meta, **_scaler_meta(prec)})
+
+    start = time.perf_counter() - clock
 
     def step(i: int, stopping: bool) -> dict:
         nonlocal state
@@ -374,7 +646,7 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
         }
 
     stopped = _loop(config.num_iterations(spec.act_steps), "dppo", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress)
+                    checkpoint_every=config.checkpoint_every, progress=progress, start=start_iteration)
     _plot(run_dir)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
@@ -384,27 +656,58 @@ def train_dppo(config: DPPOConfig, run_dir: str | Path, *, progress: bool = True
     return DiffusionResult(state, run_dir, summary)
 
 
-def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
+                        total_steps: int | None = None, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
     """TD3 with a diffusion actor (see :mod:`rlfunc.algos.td3_diffusion`); a device-resident
     TorchRL replay buffer holds the transitions. config.json records the actor spec actually used.
-    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation)."""
+
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot in ``run_dir``, replay buffer included when the
+            run saved it (``checkpoint_buffer``; else a warning, and the buffer starts empty).
+        total_steps: on resume, a new budget in env steps, at least those done.
+
+    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation).
+
+    Raises:
+        ConfigError: a bad run dir or budget. EnvError: an env the actor cannot run on.
+        CheckpointError: ``init_from`` or, on resume, ``run_dir``'s snapshot is missing, corrupt or does not fit.
+    """
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-    device, run_dir = _setup(config, run_dir)
-    config, info, actor_params, obs_stats, encoder = _init_actor(config, device)  # re-validated: horizon == act_steps
+    source, config = _source(run_dir, "td3-diffusion", config, resume, total_steps)
+    device, run_dir = _setup(config, run_dir, resume=resume)
+    if source is None:
+        config, info, actor_params, obs_stats, encoder = _init_actor(config, device)  # re-validated: horizon == act_steps
+    else:
+        info, actor_params, obs_stats, encoder = env_info(config.env), None, None, None
     spec = config.actor
     algo = make_td3_diffusion(config, spec, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
     critic_opt = torch.optim.Adam(func.leaves(state["params", "critic"]), lr=config.critic_lr, foreach=True)
     actor_opt = torch.optim.Adam(func.leaves(state["params", "actor"]), lr=config.actor_lr, foreach=True)
+    optimizers = {"critic": critic_opt, "actor": actor_opt}
     prec = precision(device, config.precision)
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+    start_iteration, clock = 0, 0.0
+    if source is not None:
+        loaded = _restore(source, device, state, info, optimizers, prec, gen)
+        _set_env_rng(env, loaded, source)
+        _restore_buffer(buffer, loaded, source)
+        start_iteration = int(state["iteration"])
+        clock = _truncate_metrics(run_dir, start_iteration)
     logger = _start(config, run_dir, tensorboard)
-    optimizers = {"critic": critic_opt, "actor": actor_opt}
-    save = lambda: _save(run_dir, "td3-diffusion", config, spec, info, state, optimizers, int(state["env_steps"]))  # noqa: E731
-    start = time.perf_counter()
+
+    def save() -> Path:
+        env_tensors, env_meta = _env_rng(env)
+        rows, buffer_meta = _buffer_snapshot(buffer, config.checkpoint_buffer)
+        return _save(run_dir, "td3-diffusion", config, spec, info, state, optimizers, int(state["env_steps"]),
+                     extra={**env_tensors, **rows}, extra_meta={**env_meta, **buffer_meta, **_scaler_meta(prec)})
+
+    start = time.perf_counter() - clock
 
     def step(i: int, stopping: bool) -> dict:
         nonlocal state
@@ -417,16 +720,50 @@ def train_td3_diffusion(config: TD3DiffusionConfig, run_dir: str | Path, *, prog
             record.update(metrics.to_dict())
         else:
             state["iteration"] = state["iteration"] + 1
+            state["rng"] = gen.get_state()  # the warm-up actions drew from it
         return {**record, "time": time.perf_counter() - start}
 
     stopped = _loop(config.num_iterations(), "td3-diffusion", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress)
+                    checkpoint_every=config.checkpoint_every, progress=progress, start=start_iteration)
     _plot(run_dir)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
     env.close()
     summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, encoder=state.get("encoder", None))
     return DiffusionResult(state, run_dir, summary)
+
+
+def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
+                     tensorboard: bool = True) -> DiffusionResult:
+    """Continue the bc, dppo or td3-diffusion run in ``run_dir`` from its latest snapshot (the
+    algorithm and config are the snapshot's); see the module docstring for what is restored.
+
+    Args:
+        run_dir: a run directory holding a diffusion snapshot.
+        total_steps: a new budget: updates for bc (``num_updates``), env steps for dppo and
+            td3-diffusion (``total_steps``); at least what the run has done. None keeps the run's.
+        progress: show a tqdm bar. tensorboard: also log to TensorBoard when installed.
+
+    Returns:
+        :class:`DiffusionResult`, as training: the final evaluation (also in eval.json) once the
+        budget is done (a run that had already done it runs no iteration and is evaluated again),
+        or None with the signal's name when SIGINT/SIGTERM stopped it after a snapshot.
+
+    Raises:
+        CheckpointError: ``run_dir`` holds no snapshot (the message names it), or a corrupt one, or
+            one of another algorithm, or one that does not fit the run its config builds.
+        ConfigError: ``total_steps`` is not an int >= 1, or less than the run has done; ``run_dir``
+            is not a directory.
+        EnvError: the snapshot's env cannot be made here.
+    """
+    snap = checkpoint.latest_snapshot(run_dir)
+    if snap is None:
+        raise CheckpointError(f"{run_dir}: {_NO_SNAPSHOT}")
+    algo = checkpoint.load_meta(snap).get("algo")
+    fn = {"bc": train_bc, "dppo": train_dppo, "td3-diffusion": train_td3_diffusion}.get(algo)
+    if fn is None:
+        raise CheckpointError(f"{snap}: algo={algo!r}: expected a bc, dppo or td3-diffusion snapshot")
+    return fn(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
 
 
 def _plot(run_dir: Path) -> None:
