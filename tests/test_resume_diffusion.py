@@ -1,0 +1,194 @@
+"""Resume of bc / dppo / td3-diffusion runs: N iterations, stop, resume to 2N equals 2N in one go,
+tensor for tensor (learner, optimizers, generator states, replay buffer); crashes, budgets, errors."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import rlfunc.train_diffusion as td
+from rlfunc import checkpoint
+from rlfunc.algos.bc import BCConfig
+from rlfunc.algos.diffusion_actor import ActorSpec
+from rlfunc.algos.dppo import DPPOConfig
+from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
+from rlfunc.errors import CheckpointError, ConfigError
+
+ACTOR = ActorSpec(hidden=(32, 32), num_train_steps=6, ddim_steps=3)  # horizon = act_steps = 4
+QUIET = dict(progress=False, tensorboard=False)
+
+
+def _bc(**kw) -> BCConfig:
+    return BCConfig(**{"actor": ACTOR, "num_demos": 8, "num_updates": 10, "batch_size": 32, "log_every": 3,
+                       "checkpoint_every": 0, "eval_episodes": 4, "device": "cpu", **kw})
+
+
+def _dppo(**kw) -> DPPOConfig:  # 8 envs x 4 chunk steps x 4 actions = 128 env steps per iteration
+    return DPPOConfig(**{"actor": ACTOR, "num_envs": 8, "num_steps": 4, "minibatch_size": 16, "num_epochs": 2,
+                         "critic_hidden": (32,), "total_steps": 4 * 128, "eval_episodes": 4, "device": "cpu", **kw})
+
+
+def _td3(**kw) -> TD3DiffusionConfig:  # 80 env steps per iteration; the first is warm-up; the buffer wraps in the 3rd
+    actor = ActorSpec(hidden=(32, 32), horizon=1, act_steps=1, num_train_steps=6, ddim_steps=3)
+    return TD3DiffusionConfig(**{"actor": actor, "num_envs": 8, "num_steps": 10, "warmup_steps": 160, "buffer_size": 200,
+                                 "updates_per_iteration": 2, "batch_size": 16, "critic_hidden": (32,),
+                                 "total_steps": 6 * 80, "eval_episodes": 4, "device": "cpu", **kw})
+
+
+def _snapshot(run_dir):
+    return checkpoint.load_snapshot(checkpoint.latest_snapshot(run_dir))
+
+
+def _assert_same_snapshot(a, b) -> None:
+    """The latest snapshots of two runs hold the same tensors, bit for bit, and the same env RNG."""
+    (sa, ma), (sb, mb) = _snapshot(a), _snapshot(b)
+    keys = sorted(sa.keys(include_nested=True, leaves_only=True), key=str)
+    assert keys == sorted(sb.keys(include_nested=True, leaves_only=True), key=str)
+    assert any(k[0].startswith("optim_") for k in keys)  # optimizer states are compared too
+    differ = [k for k in keys if not torch.equal(sa[k], sb[k])]
+    assert differ == []
+    assert ma.get("env_rng") == mb.get("env_rng")  # a gymnasium env's numpy generator state (meta.json)
+    assert ma["iteration"] == mb["iteration"]
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_time(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+
+
+def test_bc_n_stop_resume_n_equals_2n(tmp_path):
+    whole = td.train_bc(_bc(), tmp_path / "whole", **QUIET)
+    first = td.train_bc(_bc(num_updates=5), tmp_path / "split", **QUIET)
+    assert int(first.state["iteration"]) == 5
+    resumed = td.resume_diffusion(tmp_path / "split", 10, **QUIET)
+    assert isinstance(resumed, td.DiffusionResult) and resumed.interrupted is None
+    assert int(resumed.state["iteration"]) == 10
+    for key in whole.state.keys(include_nested=True, leaves_only=True):
+        assert torch.equal(whole.state[key], resumed.state[key]), key
+    _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
+    assert resumed.evaluation == whole.evaluation
+    # the budget extension ran updates 6..10 and logged them; the first part's end (5) stays logged
+    assert [r["iteration"] for r in _records(tmp_path / "split")] == [3, 5, 6, 9, 10]
+    assert json.loads((tmp_path / "split" / "config.json").read_text())["num_updates"] == 10
+    assert checkpoint.latest_snapshot(tmp_path / "split").name == "step_000000000010"
+
+
+@pytest.mark.parametrize("env, per_iteration", [("PointReach-v0", 128), ("Pendulum-v1", 64)])
+def test_dppo_n_stop_resume_n_equals_2n(tmp_path, env, per_iteration):
+    """PointReach-v0 (torch env: its generator is in the snapshot) and a gymnasium env through
+    GymChunkEnv (its numpy seed generator is in meta.json)."""
+    kw = dict(env=env, total_steps=4 * per_iteration)
+    if env != "PointReach-v0":
+        kw.update(num_envs=4, minibatch_size=8, num_epochs=1, eval_episodes=2)
+    whole = td.train_dppo(_dppo(**kw), tmp_path / "whole", **QUIET)
+    td.train_dppo(_dppo(**{**kw, "total_steps": 2 * per_iteration}), tmp_path / "split", **QUIET)
+    resumed = td.resume_diffusion(tmp_path / "split", 4 * per_iteration, **QUIET)
+    assert int(resumed.state["iteration"]) == 4 and int(resumed.state["env_steps"]) == 4 * per_iteration
+    _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
+    assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
+    assert resumed.evaluation == whole.evaluation
+
+
+def test_td3_n_stop_resume_n_equals_2n(tmp_path):
+    """Stops in the warm-up (iteration 1) and after the replay buffer wrapped (iteration 3: 240 rows
+    into 200), each resumed with a larger budget."""
+    whole = td.train_td3_diffusion(_td3(), tmp_path / "whole", **QUIET)
+    td.train_td3_diffusion(_td3(total_steps=80), tmp_path / "split", **QUIET)
+    td.resume_diffusion(tmp_path / "split", 3 * 80, **QUIET)
+    state, meta = _snapshot(tmp_path / "split")
+    assert meta["buffer"]["length"] == 200 and meta["buffer"]["writer"]["_cursor"] == 40
+    assert state["buffer", "reward"].shape == (200, 1)
+    resumed = td.resume_diffusion(tmp_path / "split", 6 * 80, **QUIET)
+    assert int(resumed.state["iteration"]) == 6 and int(resumed.state["updates"]) == 5 * 2  # iterations 2..6
+    _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
+    assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
+    assert resumed.evaluation == whole.evaluation
+
+
+def test_td3_without_the_buffer_in_snapshots_warns_on_resume(tmp_path):
+    td.train_td3_diffusion(_td3(total_steps=3 * 80, checkpoint_buffer=False), tmp_path / "run", **QUIET)
+    state, meta = _snapshot(tmp_path / "run")
+    assert meta["buffer"] is None and "buffer" not in state.keys()
+    with pytest.warns(UserWarning, match="empty buffer"):
+        resumed = td.resume_diffusion(tmp_path / "run", 4 * 80, **QUIET)
+    assert int(resumed.state["iteration"]) == 4
+
+
+def test_bc_crash_after_a_snapshot_resumes_exactly_with_its_metrics(tmp_path, monkeypatch):
+    """A crash in update 5: the snapshot of update 3 holds the metrics summed since the line of
+    update 2, the line of update 4 (after the snapshot) is dropped, and the resumed run's lines equal
+    an uninterrupted run's."""
+    config = _bc(log_every=2, checkpoint_every=3)
+    td.train_bc(config, tmp_path / "whole", **QUIET)
+    real = td.make_bc
+
+    def crashing_make_bc(*args, **kwargs):
+        algo = real(*args, **kwargs)
+        calls = {"n": 0}
+
+        def iteration(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("simulated crash")
+            return algo.iteration(*a, **k)
+
+        return algo._replace(iteration=iteration)
+
+    monkeypatch.setattr(td, "make_bc", crashing_make_bc)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        td.train_bc(config, tmp_path / "split", **QUIET)
+    monkeypatch.setattr(td, "make_bc", real)
+    assert [r["iteration"] for r in _records(tmp_path / "split")] == [2, 4]
+    state, meta = _snapshot(tmp_path / "split")
+    assert meta["iteration"] == 3 and meta["pending_metrics"] == 1 and "pending_metrics" in state.keys()
+    td.train_bc(None, tmp_path / "split", resume=True, **QUIET)
+    _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
+    assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
+
+
+def test_resume_of_a_finished_run_runs_nothing_and_evaluates(tmp_path):
+    done = td.train_bc(_bc(num_updates=4, log_every=2), tmp_path / "run", **QUIET)
+    before = checkpoint.latest_snapshot(tmp_path / "run")
+    again = td.resume_diffusion(tmp_path / "run", **QUIET)
+    assert int(again.state["iteration"]) == 4 and again.evaluation == done.evaluation
+    assert [r["iteration"] for r in _records(tmp_path / "run")] == [2, 4]
+    assert checkpoint.latest_snapshot(tmp_path / "run") == before
+
+
+def test_no_snapshot_is_a_checkpoint_error_naming_the_dir(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for call in (lambda: td.resume_diffusion(empty), lambda: td.train_dppo(None, empty, resume=True),
+                 lambda: td.resume_diffusion(tmp_path / "missing")):
+        with pytest.raises(CheckpointError, match="no snapshot to resume from") as e:
+            call()
+        assert str(tmp_path) in str(e.value)
+
+
+def test_bad_budgets_and_wrong_algorithm(tmp_path):
+    td.train_bc(_bc(num_updates=4, log_every=2), tmp_path / "bc", **QUIET)
+    with pytest.raises(ConfigError, match="total_steps=0"):
+        td.resume_diffusion(tmp_path / "bc", 0)
+    with pytest.raises(ConfigError, match="already done 4 iterations"):
+        td.resume_diffusion(tmp_path / "bc", 3)
+    with pytest.raises(ConfigError, match="resume=True"):
+        td.train_bc(_bc(), tmp_path / "other", total_steps=5)
+    with pytest.raises(ConfigError, match="config=None: expected a TD3DiffusionConfig"):
+        td.train_td3_diffusion(None, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(CheckpointError, match="expected a dppo snapshot"):
+        td.train_dppo(None, tmp_path / "bc", resume=True)
+    assert [r["iteration"] for r in _records(tmp_path / "bc")] == [2, 4]  # nothing written by the refusals
+
+
+def test_config_from_meta_round_trips():
+    for config in (_bc(), _dppo(), _td3()):
+        algo = {BCConfig: "bc", DPPOConfig: "dppo", TD3DiffusionConfig: "td3-diffusion"}[type(config)]
+        meta = json.loads(json.dumps({"algo": algo, "config": dataclasses.asdict(config)}))
+        assert td.config_from_meta(meta, "snap") == config
+    with pytest.raises(CheckpointError, match="snap: meta.json holds no valid bc config"):
+        td.config_from_meta({"algo": "bc", "config": {"num_updates": -1}}, "snap")
