@@ -468,7 +468,8 @@ def _restore_buffer(buffer, loaded: TensorDict, source: _Source) -> None:
     saved = source.meta.get("buffer")
     if saved is None:
         warnings.warn(
-            f"{source.snapshot}: holds no replay buffer (checkpoint_buffer=False, or saved before buffers were), so the resumed run starts "
+            f"{source.snapshot}: holds no replay buffer (checkpoint_buffer=False, or saved before buffers were), "
+            "so the resumed run starts "
             "with an empty buffer and is not identical to an uninterrupted one", stacklevel=3,
         )
         return
