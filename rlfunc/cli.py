@@ -230,22 +230,28 @@ def _resume(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")
     p.add_argument("run_dir")
-    p.add_argument("--total-steps", type=int, default=None, help="a new budget in env steps per seed")
+    p.add_argument("--total-steps", type=int, default=None, help="a new budget: env steps per seed (ppo, mappo, grpo, dppo, td3-diffusion) or updates (bc)")
     a = p.parse_args(argv)
     from rlfunc import checkpoint
 
     snap = checkpoint.latest_snapshot(a.run_dir)
     algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
+    again = f"continue with `rlfunc resume {a.run_dir}`"
+    if algo == "mappo":
+        from rlfunc.train_mappo import resume_mappo
+
+        return report_run(resume_mappo(a.run_dir, a.total_steps), again)
     if algo in ("grpo", "gspo"):
-        raise ConfigError(f"run_dir={a.run_dir!r} is a {algo} run; resuming grpo/gspo runs is not supported yet")
+        from rlfunc.train_grpo import resume_grpo
+
+        return report_run(resume_grpo(a.run_dir, a.total_steps), again)
+    if algo in ("bc", "dppo", "td3-diffusion"):
+        from rlfunc.train_diffusion import resume_diffusion
+
+        return report_run(resume_diffusion(a.run_dir, a.total_steps), again)
     if algo == "ppo-encoder":
         raise ConfigError(f"run_dir={a.run_dir!r} is a ppo run with a multimodal encoder (Dict observation); resuming those "
                           f"is not supported yet (evaluate it with `rlfunc eval {a.run_dir}`)")
-    if algo in ("bc", "dppo", "td3-diffusion"):
-        raise ConfigError(
-            f"run_dir={a.run_dir!r} is a {algo} run; resuming the diffusion algorithms is not supported yet "
-            f"(start a new run from it with `rlfunc train dppo --init-from {a.run_dir}`)"
-        )
     return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
 
 

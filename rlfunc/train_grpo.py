@@ -252,16 +252,11 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
 
 def run_iterations(done: int, total: int, desc: str, step, *, logger, save, checkpoint_every: int, progress: bool) -> str | None:
     """``rlfunc.train_diffusion._loop`` over iterations ``done + 1 .. total`` (``step`` gets the
-    absolute iteration); with none left, closes ``logger`` and returns None without saving.
-
-    Snapshots fall every ``checkpoint_every`` iterations counted from ``done`` (after a resume from a
-    signal-stopped snapshot they are offset from the uninterrupted run's), and at the end.
+    absolute iteration): snapshots at multiples of ``checkpoint_every`` (the uninterrupted run's
+    cadence) and at the end; with none left, closes ``logger`` and returns None without saving.
     """
-    if total <= done:
-        logger.close()
-        return None
-    return _loop(total - done, desc, lambda i, stopping: step(done + i, stopping), logger=logger, save=save,
-                 checkpoint_every=checkpoint_every, progress=progress)
+    return _loop(total, desc, step, logger=logger, save=save, checkpoint_every=checkpoint_every, progress=progress,
+                 start=min(done, total))
 
 
 def train_grpo(

@@ -1,6 +1,7 @@
 """`rlfunc train bc | dppo | td3-diffusion` and `rlfunc eval` on their runs; one-line errors."""
 
 import json
+import shutil
 
 import pytest
 
@@ -32,10 +33,15 @@ def test_eval_of_a_diffusion_run(bc_dir, capsys):
     assert out["algo"] == "bc" and out["episodes"] == 5 and 0.0 <= out["success_rate"] <= 1.0
 
 
-def test_resume_of_a_diffusion_run_says_it_is_unsupported(bc_dir, capsys):
-    assert main(["resume", str(bc_dir)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bc run" in err[0] and "--init-from" in err[0]
+def test_resume_of_a_bc_run_with_a_new_budget(bc_dir, tmp_path, capsys):
+    d = tmp_path / "bc"
+    shutil.copytree(bc_dir, d)
+    capsys.readouterr()
+    assert main(["resume", str(d), "--total-steps", "30"]) == 0  # bc's budget is in updates
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_episodes"] == 8
+    assert json.loads((d / "config.json").read_text())["num_updates"] == 30
+    meta = json.loads((d / "checkpoints" / (d / "checkpoints" / "latest").read_text().strip() / "meta.json").read_text())
+    assert meta["meta"]["iteration"] == 30
 
 
 @pytest.mark.parametrize("likelihood", ["chain", "output-noise"])

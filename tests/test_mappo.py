@@ -215,3 +215,8 @@ def test_cli_train_mappo(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["n_agents"] == 2 and out["median"]["env_steps"] == 200.0
     assert main(["train", "mappo", "--loss", "grpo", "--num-envs", "10", "--run-dir", str(tmp_path / "x")]) == 2
+    # resume with a larger budget: the run goes on from its snapshot (iteration 1 of 2, 10 env steps each)
+    assert main(["resume", str(run), "--total-steps", "20"]) == 0
+    capsys.readouterr()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20]
