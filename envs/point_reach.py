@@ -439,6 +439,23 @@ class PointReachEnv(EnvBase):
         self._state = state.to(self.device).clone()
         return self._output(self._state)
 
+    def rng_state(self) -> Tensor:
+        """The state of the env's generator (``torch.Generator.get_state``: a uint8 CPU tensor). With
+        :attr:`state` it is all the env carries from one step to the next (what a snapshot saves)."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        """Put back a :meth:`rng_state` (the tensor may be on any device).
+
+        Raises:
+            EnvError: ``state`` is not a uint8 tensor. RuntimeError: it is not the state of a
+                generator of this env's device type.
+        """
+        if not isinstance(state, Tensor) or state.dtype != torch.uint8:
+            got = state.dtype if isinstance(state, Tensor) else type(state).__name__
+            raise EnvError(f"state: {got}: expected the uint8 tensor of rng_state()")
+        self._generator.set_state(state.cpu().clone())  # a fresh CPU tensor: set_state misreads offset views
+
     def _set_seed(self, seed: int | None) -> None:
         if seed is None:
             self._generator.seed()

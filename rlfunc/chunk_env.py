@@ -190,6 +190,51 @@ class GymChunkEnv(EnvBase):
     def _set_seed(self, seed: int | None) -> None:
         self._rng = np.random.default_rng(seed)
 
+    def rng_state(self) -> dict:
+        """The state of the numpy generator that draws each reset's seed (``bit_generator.state``,
+        JSON-able). A rollout that starts with a full reset depends on nothing else of the env."""
+        return self._rng.bit_generator.state
+
+    def set_rng_state(self, state: dict) -> None:
+        """Put back a :meth:`rng_state`.
+
+        Raises:
+            EnvError: ``state`` is not a state of this env's bit generator (PCG64).
+        """
+        try:
+            self._rng.bit_generator.state = state
+        except (TypeError, ValueError, KeyError) as e:
+            raise EnvError(f"state: not a {type(self._rng.bit_generator).__name__} state from rng_state() ({e})") from None
+
+    def episode_state(self) -> dict | None:
+        """What the envs carry from one step to the next besides :meth:`rng_state`, JSON-able, or None
+        when a gymnasium env's state cannot be captured: per env its own RNG, time-limit counter and
+        physics (:func:`rlfunc.collect.env_state`: MuJoCo's integration state, or a classic-control
+        ``state`` array), and the current episodes' "episode_return" and "success" (lists of N)."""
+        from rlfunc.collect import env_state
+
+        envs = env_state(self)
+        if envs is None:
+            return None
+        return {"envs": envs, "episode_return": self._return.tolist(), "success": self._success.tolist()}
+
+    def set_episode_state(self, state: dict) -> None:
+        """Put back an :meth:`episode_state` into envs that have been reset once: the next step
+        continues each episode where it was. The observations to act on are not part of it (keep the
+        output that came with the state).
+
+        Raises:
+            EnvError: ``state`` does not fit these envs (number of envs, keys, physics size).
+        """
+        from rlfunc.collect import set_env_state
+
+        try:
+            set_env_state(self, state["envs"])
+            self._return[:] = np.asarray(state["episode_return"], np.float32)
+            self._success[:] = np.asarray(state["success"], bool)
+        except (KeyError, TypeError, ValueError) as e:  # EnvError is a ValueError
+            raise EnvError(f"state: not an episode_state() of {self.num_envs} {self.env_id} envs ({e})") from None
+
     def _output(self, terminated=None, truncated=None, reward=None) -> TensorDict:
         n, dev = self.num_envs, self.device
         out = self.codec.encode(self._obs, dev)

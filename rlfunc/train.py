@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import threading
 import time
@@ -38,8 +37,9 @@ from rlfunc import checkpoint, collect, func, versions
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.log import MetricsLogger, plot_learning_curve, read_metrics
+from rlfunc.log import MetricsLogger, plot_learning_curve
 from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
+from rlfunc.resume import check_run_dir, generator_from_state, truncate_metrics
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
 
@@ -65,12 +65,8 @@ def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
 
 
 def _generators(state: TensorDict, device: torch.device) -> list[torch.Generator]:
-    gens = []
-    for s in range(state["rng"].shape[0]):
-        g = torch.Generator(device=device)
-        g.set_state(state["rng"][s].cpu().clone())  # a fresh tensor: set_state misreads offset views
-        gens.append(g)
-    return gens
+    """One generator per seed, in the states ``state["rng"]`` [S, n] (uint8) holds."""
+    return [generator_from_state(saved, device) for saved in state["rng"]]
 
 
 def _member_seeds(config: PPOConfig) -> list[int]:
@@ -228,32 +224,6 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> 
         raise CheckpointError(f"{path}: snapshot config is not a valid PPOConfig: {e}") from e
 
 
-def _check_run_dir(run_dir: Path, resume: bool) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run_dir={str(run_dir)!r} exists and is not a directory")
-    if resume or not run_dir.exists() or not any(run_dir.iterdir()):
-        return
-    if checkpoint.latest_snapshot(run_dir) is not None or versions.has_versions(run_dir):
-        raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; use `rlfunc resume {run_dir}` or a new --run-dir")
-    raise ConfigError(
-        f"run_dir={str(run_dir)!r} is not empty (a run stopped before its first snapshot, or other files); "
-        "choose a new --run-dir or remove it"
-    )
-
-
-def _truncate_metrics(run_dir: Path, iteration: int) -> float:
-    """Drop metrics lines past ``iteration`` (written after the snapshot a resume starts from, e.g.
-    before a crash), atomically; returns the wall time of the last kept line (to continue the clock)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0.0
-    kept = [r for r in read_metrics(path) if r.get("iteration", 0) <= iteration]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
-    return float(kept[-1]["time"]) if kept else 0.0
-
-
 def train(
     config: PPOConfig,
     run_dir: str | Path,
@@ -286,7 +256,7 @@ def train(
         ConfigError, EnvError, CheckpointError: bad config, env id or snapshot; nothing is written then.
     """
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume)
+    check_run_dir(run_dir, resume)
     source = None
     if resume:
         source = resume_source(run_dir)
@@ -339,7 +309,7 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
                 "resumed run starts new episodes and is not bit-identical to an uninterrupted one",
                 stacklevel=2,
             )
-        time_offset = _truncate_metrics(run_dir, int(state["iteration"]))
+        time_offset = truncate_metrics(run_dir, int(state["iteration"]))
     else:
         time_offset = 0.0
     run_dir.mkdir(parents=True, exist_ok=True)

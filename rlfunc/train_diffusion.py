@@ -34,11 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
-import sys
-import threading
 import time
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -56,9 +52,11 @@ from rlfunc.amp import precision
 from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.log import MetricsLogger, plot_learning_curve
+from rlfunc.log import plot_learning_curve
 from rlfunc.optim import load_optimizer_state, optimizer_state
-from rlfunc.train import _check_run_dir, _truncate_metrics
+from rlfunc.resume import (NO_SNAPSHOT, ResumePoint, begin_run, buffer_snapshot, env_rng_snapshot, open_run, restore_buffer,
+                           restore_env_rng, run_iterations, set_generator_state, truncate_metrics)
+from rlfunc.resume import StopOnSignal as _StopOnSignal  # noqa: F401  (tests import it from here)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -70,46 +68,13 @@ class DiffusionResult(NamedTuple):
     interrupted: str | None = None  # the signal's name ("SIGINT", "SIGTERM") when one stopped the run
 
 
-class _StopOnSignal:
-    """Within the block, SIGINT/SIGTERM only set ``signal`` (the loop then stops and saves);
-    handlers are installed only in the main thread and restored on exit."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> "_StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signal is not None:  # a second signal: stop now, without the snapshot
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        print(f"rlfunc: {self.signal}: stopping after this iteration with a snapshot (again to quit at once)",
-              file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
-def _setup(config, run_dir, *, resume: bool = False) -> tuple[torch.device, Path]:
+def _setup(config) -> torch.device:
+    """The run's device, once ``config.env`` is known to be one the actor runs on (EnvError if not)."""
     check_env(config.env)
     device = resolve_device(config.device)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume=resume)
-    return device, run_dir
-
-
-def _start(config, run_dir: Path, tensorboard: bool) -> MetricsLogger:
-    """Create the run dir (once every input has been checked) with its config.json and logger."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    return MetricsLogger(run_dir, tensorboard=tensorboard)
+    return device
 
 
 def _save(run_dir: Path, algo: str, config, spec: ActorSpec, info: EnvInfo, state: TensorDict, optimizers, step: int,
@@ -255,70 +220,31 @@ def evaluate_run(
     return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
 
 
-def _progress(total: int, desc: str, enabled: bool, initial: int = 0):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
-
-
-def _loop(num_iterations: int, desc: str, step, *, logger: MetricsLogger, save, checkpoint_every: int, progress: bool,
-          start: int = 0) -> str | None:
-    """Run ``step(i, stopping)`` for i = start+1..num_iterations: log the record it returns (None:
-    nothing to log), save every ``checkpoint_every`` iterations (i a multiple of it) and at the end
-    (unless the last iteration was just saved, or a resumed run had nothing left to do), stop early
-    on SIGINT/SIGTERM. ``start``: the iterations a resumed run has already done.
-
-    Returns:
-        the name of the signal that stopped the loop, or None.
-    """
-    last = saved = start
-    with _StopOnSignal() as stop:
-        try:
-            with _progress(num_iterations, desc, progress, initial=min(start, num_iterations)) as bar:
-                for i in range(start + 1, num_iterations + 1):
-                    record = step(i, stop.signal is not None)
-                    last = i
-                    if record is not None:
-                        logger.log(record)
-                        shown = {k: record[k] for k in ("success_rate", "loss_denoise") if k in record}
-                        bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items()})
-                    if checkpoint_every and i % checkpoint_every == 0:
-                        save()
-                        saved = i
-                    bar.update(1)
-                    if stop.signal:
-                        break
-        finally:
-            logger.close()
-        if last != saved or last == 0:
-            save()
-    return stop.signal
-
-
 # ------------------------------------------------------------------------------------------ resume
 
 _CONFIGS = {"bc": BCConfig, "dppo": DPPOConfig, "td3-diffusion": TD3DiffusionConfig}
-_NO_SNAPSHOT = "no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end)"
 BUDGET_FIELD = {"bc": "num_updates", "dppo": "total_steps", "td3-diffusion": "total_steps"}  # what ``total_steps`` sets on resume
 
 
-def config_from_meta(meta: dict, path) -> BCConfig | DPPOConfig | TD3DiffusionConfig:
+def config_from_meta(meta: dict, path, algo: str | None = None) -> BCConfig | DPPOConfig | TD3DiffusionConfig:
     """The config saved in a bc / dppo / td3-diffusion snapshot's meta (the actor spec actually used).
 
     Raises:
-        CheckpointError: not a diffusion snapshot, or no valid config in its meta (the message names ``path``).
+        CheckpointError: not a diffusion snapshot (or, given ``algo``, not one of ``algo``), or no
+            valid config in its meta (the message names ``path``).
     """
-    algo = meta.get("algo")
-    if algo not in _CONFIGS:
-        raise CheckpointError(f"{path}: algo={algo!r}: expected a bc, dppo or td3-diffusion snapshot")
+    got = meta.get("algo")
+    if got not in _CONFIGS or (algo is not None and got != algo):
+        expected = "a bc, dppo or td3-diffusion" if algo is None else f"a {algo}"
+        raise CheckpointError(f"{path}: algo={got!r}: expected {expected} snapshot")
     try:
         raw = dict(meta["config"])
         raw["actor"] = ActorSpec(**dict(raw["actor"]))
         if "critic_hidden" in raw:
             raw["critic_hidden"] = tuple(raw["critic_hidden"])
-        return _CONFIGS[algo](**raw)
+        return _CONFIGS[got](**raw)
     except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
-        raise CheckpointError(f"{path}: meta.json holds no valid {algo} config ({e})") from None
+        raise CheckpointError(f"{path}: meta.json holds no valid {got} config ({e})") from None
 
 
 def _num_iterations(config) -> int:
@@ -329,45 +255,14 @@ def _num_iterations(config) -> int:
     return config.num_iterations()
 
 
-class _Source(NamedTuple):
-    snapshot: Path
-    meta: dict
-    config: BCConfig | DPPOConfig | TD3DiffusionConfig  # the snapshot's, with the new budget
-
-
-def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None) -> tuple[_Source | None, object]:
-    """(what a resumed run continues from, the config to run): the latest snapshot of ``run_dir``,
-    its meta, and its config with ``total_steps`` (the new budget) in ``BUDGET_FIELD[algo]``; or
-    (None, ``config``) when not resuming."""
-    if not resume:
-        if total_steps is not None:
-            raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
-        if not isinstance(config, _CONFIGS[algo]):
-            raise ConfigError(f"config={config!r}: expected a {_CONFIGS[algo].__name__} (None only with resume=True)")
-        return None, config
-    run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume=True)
-    snap = checkpoint.latest_snapshot(run_dir)
-    if snap is None:
-        raise CheckpointError(f"{run_dir}: {_NO_SNAPSHOT}")
-    meta = checkpoint.load_meta(snap)
-    if meta.get("algo") != algo:
-        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a {algo} snapshot")
-    config = config_from_meta(meta, snap)
-    done = meta.get("iteration")
-    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-        raise CheckpointError(f"{snap}: meta.json iteration={done!r}: expected an int >= 0")
-    if total_steps is not None:
-        unit = "updates" if algo == "bc" else "env steps"
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (the new budget, in {unit})")
-        config = dataclasses.replace(config, **{BUDGET_FIELD[algo]: total_steps})
-        if _num_iterations(config) < done:
-            raise ConfigError(
-                f"total_steps={total_steps}: the run has already done {done} iterations ({meta.get('step', '?')} {unit}); "
-                f"expected a budget of at least that"
-            )
-    return _Source(snap, meta, config), config
+def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None) -> tuple[Path, ResumePoint | None, object]:
+    """(run_dir, what a resumed run continues from or None, the config to run): on resume the latest
+    snapshot of ``run_dir`` (one of ``algo``) and its config with ``total_steps`` (the new budget) in
+    ``BUDGET_FIELD[algo]`` (:func:`rlfunc.resume.begin_run`)."""
+    return begin_run(run_dir, config, _CONFIGS[algo], resume=resume, total_steps=total_steps,
+                     from_meta=lambda meta, snap: config_from_meta(meta, snap, algo), budget_field=BUDGET_FIELD[algo],
+                     num_iterations=_num_iterations, unit="updates" if algo == "bc" else "env steps",
+                     require_format=False)
 
 
 def _check_structure(got: TensorDict, want: TensorDict, snap, device: torch.device) -> None:
@@ -384,14 +279,18 @@ def _check_structure(got: TensorDict, want: TensorDict, snap, device: torch.devi
                                   f"{want_t.get(key, 'absent')} in the run its config builds")
 
 
-def _restore(source: _Source, device: torch.device, state: TensorDict, info: EnvInfo, optimizers: dict, prec,
-             generator: torch.Generator) -> TensorDict:
+def _restore(source: ResumePoint | None, run_dir: Path, device: torch.device, state: TensorDict, info: EnvInfo,
+             optimizers: dict, prec, generator: torch.Generator, env=None) -> tuple[TensorDict | None, float]:
     """Load ``source`` into a freshly built run, in place: the learner ``state`` (its leaves stay the
-    optimizers'), the optimizers, the grad scaler and ``generator``. Returns the snapshot's tensors.
+    optimizers'), the optimizers, the grad scaler, ``generator`` and ``env``'s RNG; drop the metrics
+    lines past the snapshot. Returns (the snapshot's tensors, the clock (s) to continue from), or
+    (None, 0.0) for a new run (``source`` None).
 
     Raises:
         CheckpointError: the snapshot does not fit the run its config builds (env observation layout,
-            learner keys, shapes or dtypes, schedule) or fails its integrity checks."""
+            learner keys, shapes or dtypes, schedule, env RNG) or fails its integrity checks."""
+    if source is None:
+        return None, 0.0
     snap = source.snapshot
     saved_info = env_info_from_meta(source.meta, snap)
     if saved_info != info:
@@ -411,76 +310,14 @@ def _restore(source: _Source, device: torch.device, state: TensorDict, info: Env
         load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
     if prec.scaler is not None and source.meta.get("grad_scaler"):
         prec.scaler.load_state_dict(source.meta["grad_scaler"])
-    generator.set_state(state["rng"].cpu().clone())  # a fresh tensor: set_state misreads offset views
-    return loaded
+    set_generator_state(generator, state["rng"])
+    if env is not None:
+        restore_env_rng(env, loaded, source)
+    return loaded, truncate_metrics(run_dir, int(state["iteration"]))
 
 
 def _scaler_meta(prec) -> dict:
     return {"grad_scaler": prec.scaler.state_dict() if prec.scaler is not None else None}
-
-
-def _env_rng(env) -> tuple[dict, dict]:
-    """(tensors, meta) holding the env's RNG state: all an env carries from one iteration to the
-    next, as every rollout starts with a full reset seeded from it."""
-    from envs.point_reach import PointReachEnv
-    from rlfunc.chunk_env import GymChunkEnv
-
-    if isinstance(env, PointReachEnv):
-        return {"env_rng": env._generator.get_state()}, {"env_rng": "torch"}
-    if isinstance(env, GymChunkEnv):  # the numpy generator drawing each reset's seed
-        return {}, {"env_rng": env._rng.bit_generator.state}
-    return {}, {"env_rng": None}
-
-
-def _set_env_rng(env, loaded: TensorDict, source: _Source) -> None:
-    """Restore what :func:`_env_rng` saved; a warning (new episode seeds) when the snapshot has none."""
-    from envs.point_reach import PointReachEnv
-    from rlfunc.chunk_env import GymChunkEnv
-
-    saved = source.meta.get("env_rng")
-    try:
-        if isinstance(env, PointReachEnv) and saved == "torch" and "env_rng" in loaded.keys():
-            env._generator.set_state(loaded["env_rng"].cpu().clone())
-            return
-        if isinstance(env, GymChunkEnv) and isinstance(saved, dict):
-            env._rng.bit_generator.state = saved
-            return
-    except (RuntimeError, ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"{source.snapshot}: the env's RNG state cannot be restored ({e})") from None
-    warnings.warn(
-        f"{source.snapshot}: holds no RNG state for the {source.config.env} env, so the resumed run's episodes "
-        "are seeded afresh and it is not identical to an uninterrupted one", stacklevel=3,
-    )
-
-
-def _buffer_snapshot(buffer, keep: bool) -> tuple[dict, dict]:
-    """(tensors, meta) of a replay buffer: its filled rows in storage order and the writer's cursor."""
-    if not keep:
-        return {}, {"buffer": None}
-    n = len(buffer)
-    rows = {"buffer": buffer[torch.arange(n, device=buffer.storage.device)]} if n else {}
-    writer = {k: v for k, v in buffer.writer.state_dict().items() if isinstance(v, int) and not isinstance(v, bool)}
-    return rows, {"buffer": {"length": n, "writer": writer}}
-
-
-def _restore_buffer(buffer, loaded: TensorDict, source: _Source) -> None:
-    """Refill ``buffer`` (empty) with the snapshot's rows at the same storage positions, and its cursor."""
-    saved = source.meta.get("buffer")
-    if saved is None:
-        warnings.warn(
-            f"{source.snapshot}: holds no replay buffer (checkpoint_buffer=False, or saved before buffers were), "
-            "so the resumed run starts "
-            "with an empty buffer and is not identical to an uninterrupted one", stacklevel=3,
-        )
-        return
-    try:
-        n = int(saved["length"])
-        if n:
-            rows = loaded["buffer"]
-            buffer.extend(TensorDict({k: rows[k] for k in rows.keys()}, batch_size=[n]))
-        buffer.writer.load_state_dict(dict(saved["writer"]))
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{source.snapshot}: its replay buffer cannot be restored ({e})") from None
 
 
 def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
@@ -503,8 +340,8 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
     """
     from rlfunc.demos import EXPERT_ENVS, expert_demonstrations
 
-    source, config = _source(run_dir, "bc", config, resume, total_steps)
-    device, run_dir = _setup(config, run_dir, resume=resume)
+    run_dir, source, config = _source(run_dir, "bc", config, resume, total_steps)
+    device = _setup(config)
     if config.env not in EXPERT_ENVS:
         raise EnvError(f"env={config.env!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
     info = env_info(config.env)
@@ -518,14 +355,10 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
     optimizer = torch.optim.AdamW(algo.trainable(state), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
     prec = precision(device, config.precision)
     pending = {"sum": None, "count": 0}  # metrics summed since the last metrics line
-    start_iteration, clock = 0, 0.0
-    if source is not None:
-        loaded = _restore(source, device, state, info, {"actor": optimizer}, prec, gen)
-        if "pending_metrics" in loaded.keys():
-            pending = {"sum": loaded["pending_metrics"], "count": int(source.meta.get("pending_metrics", 0))}
-        start_iteration = int(state["iteration"])
-        clock = _truncate_metrics(run_dir, start_iteration)
-    logger = _start(config, run_dir, tensorboard)
+    loaded, clock = _restore(source, run_dir, device, state, info, {"actor": optimizer}, prec, gen)
+    if loaded is not None and "pending_metrics" in loaded.keys():
+        pending = {"sum": loaded["pending_metrics"], "count": int(source.meta.get("pending_metrics", 0))}
+    logger = open_run(config, run_dir, tensorboard)
     (run_dir / "demos.json").write_text(json.dumps(demos) + "\n")
 
     def save() -> Path:
@@ -546,22 +379,23 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
         pending.update(sum=None, count=0)
         return record
 
-    stopped = _loop(config.num_updates, "bc", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress, start=start_iteration)
+    stopped = run_iterations(int(state["iteration"]), config.num_updates, "bc", step, logger=logger, save=save,
+                             checkpoint_every=config.checkpoint_every, progress=progress)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
     summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir, encoder=state.get("encoder_ema", None))
     return DiffusionResult(state, run_dir, summary)
 
 
-def _init_actor(config, device):
+def _init_actor(config, device, resumed: bool = False):
     """(config with the actor spec actually used, env info, params, obs_stats, encoder params): the
-    spec, EMA weights and statistics of ``config.init_from``, or (config, env info, None, None, None).
+    spec, EMA weights and statistics of ``config.init_from``, or (config, env info, None, None, None)
+    without one or when ``resumed`` (the snapshot holds them; its config names the spec actually used).
 
     Raises:
         CheckpointError: the snapshot's env observation layout differs from ``config.env``'s."""
     info = env_info(config.env)
-    if config.init_from is None:
+    if config.init_from is None or resumed:
         return config, info, None, None, None
     loaded = load_actor(config.init_from, device)
     if loaded.info != info:
@@ -609,12 +443,9 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
         ConfigError: a bad run dir or budget. EnvError: an env the actor cannot run on.
         CheckpointError: ``init_from`` or, on resume, ``run_dir``'s snapshot is missing, corrupt or does not fit.
     """
-    source, config = _source(run_dir, "dppo", config, resume, total_steps)
-    device, run_dir = _setup(config, run_dir, resume=resume)
-    if source is None:
-        config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
-    else:  # the snapshot holds them; its config already names the actor spec actually used
-        info, actor_params, obs_stats, encoder = env_info(config.env), None, None, None
+    run_dir, source, config = _source(run_dir, "dppo", config, resume, total_steps)
+    device = _setup(config)
+    config, info, actor_params, obs_stats, encoder = _init_actor(config, device, resumed=source is not None)
     spec = config.actor
     algo = make_dppo(config, spec, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
@@ -622,16 +453,11 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
     prec = precision(device, config.precision)
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    start_iteration, clock = 0, 0.0
-    if source is not None:
-        loaded = _restore(source, device, state, info, {"all": optimizer}, prec, gen)
-        _set_env_rng(env, loaded, source)
-        start_iteration = int(state["iteration"])
-        clock = _truncate_metrics(run_dir, start_iteration)
-    logger = _start(config, run_dir, tensorboard)
+    _, clock = _restore(source, run_dir, device, state, info, {"all": optimizer}, prec, gen, env)
+    logger = open_run(config, run_dir, tensorboard)
 
     def save() -> Path:
-        tensors, meta = _env_rng(env)
+        tensors, meta = env_rng_snapshot(env)
         return _save(run_dir, "dppo", config, spec, info, state, {"all": optimizer}, int(state["env_steps"]),
                      extra=tensors, extra_meta={**meta, **_scaler_meta(prec)})
 
@@ -646,8 +472,8 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
             **_episode_metrics(batch), **metrics.to_dict(),
         }
 
-    stopped = _loop(config.num_iterations(spec.act_steps), "dppo", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress, start=start_iteration)
+    stopped = run_iterations(int(state["iteration"]), config.num_iterations(spec.act_steps), "dppo", step, logger=logger,
+                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
     _plot(run_dir)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
@@ -677,12 +503,10 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
     """
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-    source, config = _source(run_dir, "td3-diffusion", config, resume, total_steps)
-    device, run_dir = _setup(config, run_dir, resume=resume)
-    if source is None:
-        config, info, actor_params, obs_stats, encoder = _init_actor(config, device)  # re-validated: horizon == act_steps
-    else:
-        info, actor_params, obs_stats, encoder = env_info(config.env), None, None, None
+    run_dir, source, config = _source(run_dir, "td3-diffusion", config, resume, total_steps)
+    device = _setup(config)
+    # a new run's config is re-validated with init_from's spec: horizon == act_steps
+    config, info, actor_params, obs_stats, encoder = _init_actor(config, device, resumed=source is not None)
     spec = config.actor
     algo = make_td3_diffusion(config, spec, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
@@ -693,18 +517,14 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
     env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
-    start_iteration, clock = 0, 0.0
-    if source is not None:
-        loaded = _restore(source, device, state, info, optimizers, prec, gen)
-        _set_env_rng(env, loaded, source)
-        _restore_buffer(buffer, loaded, source)
-        start_iteration = int(state["iteration"])
-        clock = _truncate_metrics(run_dir, start_iteration)
-    logger = _start(config, run_dir, tensorboard)
+    loaded, clock = _restore(source, run_dir, device, state, info, optimizers, prec, gen, env)
+    if loaded is not None:
+        restore_buffer(buffer, loaded, source)
+    logger = open_run(config, run_dir, tensorboard)
 
     def save() -> Path:
-        env_tensors, env_meta = _env_rng(env)
-        rows, buffer_meta = _buffer_snapshot(buffer, config.checkpoint_buffer)
+        env_tensors, env_meta = env_rng_snapshot(env)
+        rows, buffer_meta = buffer_snapshot(buffer, config.checkpoint_buffer)
         return _save(run_dir, "td3-diffusion", config, spec, info, state, optimizers, int(state["env_steps"]),
                      extra={**env_tensors, **rows}, extra_meta={**env_meta, **buffer_meta, **_scaler_meta(prec)})
 
@@ -724,8 +544,8 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
             state["rng"] = gen.get_state()  # the warm-up actions drew from it
         return {**record, "time": time.perf_counter() - start}
 
-    stopped = _loop(config.num_iterations(), "td3-diffusion", step, logger=logger, save=save,
-                    checkpoint_every=config.checkpoint_every, progress=progress, start=start_iteration)
+    stopped = run_iterations(int(state["iteration"]), config.num_iterations(), "td3-diffusion", step, logger=logger,
+                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
     _plot(run_dir)
     if stopped:
         return DiffusionResult(state, run_dir, None, stopped)
@@ -759,7 +579,7 @@ def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, pro
     """
     snap = checkpoint.latest_snapshot(run_dir)
     if snap is None:
-        raise CheckpointError(f"{run_dir}: {_NO_SNAPSHOT}")
+        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
     algo = checkpoint.load_meta(snap).get("algo")
     fn = {"bc": train_bc, "dppo": train_dppo, "td3-diffusion": train_td3_diffusion}.get(algo)
     if fn is None:

@@ -26,8 +26,9 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
+from rlfunc.resume import check_run_dir, open_run, run_iterations
 from rlfunc.train import EVAL_SEED_OFFSET
-from rlfunc.train_diffusion import DiffusionResult, _loop, _setup, _start
+from rlfunc.train_diffusion import DiffusionResult, _setup
 
 
 def is_dict_env(env_id: str) -> bool:
@@ -84,7 +85,9 @@ def train_ppo_encoder(
     Raises:
         ConfigError: a bad run_dir. EnvError: an unknown env, or one without a Dict observation.
     """
-    device, run_dir = _setup(config, run_dir)
+    run_dir = Path(run_dir)
+    device = _setup(config)
+    check_run_dir(run_dir, resume=False)
     info = env_info(config.env)
     check_dict_info(info, config.env)
     prec = precision(device, config.precision)
@@ -94,7 +97,7 @@ def train_ppo_encoder(
     generator = torch.Generator(device=device).manual_seed(config.seed)
     env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.seed)
     carry = env.reset()
-    logger = _start(config, run_dir, tensorboard)
+    logger = open_run(config, run_dir, tensorboard)
     live = {"state": state, "carry": carry}
     t_start = time.perf_counter()
     success = reports_success(config.env)
@@ -124,8 +127,8 @@ def train_ppo_encoder(
                                      keep_last=config.keep_checkpoints or None)
 
     try:
-        interrupted = _loop(config.num_iterations, ALGO, step, logger=logger, save=save,
-                            checkpoint_every=config.checkpoint_every, progress=progress)
+        interrupted = run_iterations(0, config.num_iterations, ALGO, step, logger=logger, save=save,
+                                     checkpoint_every=config.checkpoint_every, progress=progress)
     finally:
         env.close()
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")

@@ -34,9 +34,9 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.log import plot_learning_curve
-from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
-from rlfunc.train import EVAL_SEED_OFFSET, _check_run_dir, _generators, _truncate_metrics, env_spec
-from rlfunc.train_diffusion import _loop, _start
+from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
+from rlfunc.resume import begin_run, open_run, restore_learner, resume_meta, run_iterations, truncate_metrics
+from rlfunc.train import EVAL_SEED_OFFSET, _generators, env_spec
 
 
 class GRPOResult(NamedTuple):
@@ -77,10 +77,10 @@ def _rollout_env(config: GRPOConfig, device: torch.device) -> RolloutEnv:
             return grouped_rollout_torchrl(env, policy, G, T).reshape(S, n, G, -1)
 
         def capture() -> TensorDict:
-            return TensorDict({"rng": env._generator.get_state(), "state": env.state.clone()}, batch_size=[])
+            return TensorDict({"rng": env.rng_state(), "state": env.state.clone()}, batch_size=[])
 
         def restore(saved: TensorDict) -> None:
-            set_generator_state(env._generator, saved["rng"])
+            env.set_rng_state(saved["rng"])
             env.set_state(TensorDict(saved["state"].to_dict(), batch_size=env.batch_size))
 
         return RolloutEnv(rollout, lambda: None, capture, restore)
@@ -107,68 +107,6 @@ def _spec(env_id: str) -> EnvSpec:
         venv.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# Snapshots for resume (shared with rlfunc.train_mappo).
-
-RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
-
-
-def set_generator_state(generator: torch.Generator, saved: torch.Tensor) -> None:
-    """Restore ``generator`` from a saved ``get_state()`` (a uint8 tensor, on any device)."""
-    generator.set_state(saved.cpu().clone())  # a fresh CPU tensor: set_state misreads offset views
-
-
-def optimizer_leaves(optimizer: torch.optim.Optimizer) -> list[int]:
-    """Indices (``func.leaves`` order) of the parameters that Adam holds state for (those that have
-    had a gradient: none before the first step, and never an unused critic's)."""
-    return sorted(int(i) for i in optimizer.state_dict()["state"])
-
-
-def optimizer_like(params: TensorDict, indices: list[int], path) -> TensorDict:
-    """The structure :func:`rlfunc.optim.optimizer_state` has for Adam state on ``indices``, for
-    snapshot validation; CheckpointError naming ``path`` if an index is not a leaf of ``params``."""
-    from rlfunc import func
-
-    leaves = func.leaves(params)
-    if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(leaves) for i in indices):
-        raise CheckpointError(f"{path}: meta optim_leaves={indices!r}: expected indices of the {len(leaves)} parameter leaves")
-    return TensorDict(
-        {str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(leaves[i]), "exp_avg_sq": torch.zeros_like(leaves[i])}
-         for i in indices},
-        batch_size=[],
-    )
-
-
-def resume_config(run_dir: Path, total_steps: int | None, from_meta) -> tuple[Path, dict, object]:
-    """The latest snapshot of ``run_dir``, its meta and its config (``from_meta(meta, path)``) with
-    ``total_steps`` as the new budget when given.
-
-    Raises:
-        CheckpointError: no snapshot in ``run_dir``; a bad meta.json or config; a snapshot written
-            before this kind of run could be resumed.
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than the run has done.
-    """
-    snap = checkpoint.latest_snapshot(run_dir)
-    if snap is None:
-        raise CheckpointError(f"{run_dir}: no snapshot to resume from (train first, or a run stopped before its first snapshot)")
-    meta = checkpoint.load_meta(snap)
-    config = from_meta(meta, snap)
-    if meta.get("resume_format") != RESUME_FORMAT:
-        raise CheckpointError(f"{snap}: written before {meta.get('algo')} runs were resumable (no RNG / env state); "
-                              "start a new run")
-    if total_steps is not None:
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (env steps)")
-        config = dataclasses.replace(config, total_steps=total_steps)
-        done = int(meta.get("iteration", 0))
-        if config.num_iterations < done:
-            raise ConfigError(
-                f"total_steps={total_steps}: {config.num_iterations} iterations of {config.steps_per_iteration} steps, "
-                f"fewer than the {done} the run has done; expected at least {done * config.steps_per_iteration}"
-            )
-    return snap, meta, config
-
-
 def _saved_state(state: TensorDict, optimizer, env: RolloutEnv) -> TensorDict:
     snapshot = TensorDict({"learner": state, "optim": optimizer_state(optimizer)}, batch_size=[])
     captured = env.capture()
@@ -184,8 +122,7 @@ def _save(run_dir: Path, state: TensorDict, optimizer, config: GRPOConfig, spec:
         "env_spec": spec._asdict(),
         "iteration": int(state["iteration"]),
         "env_steps": int(state["env_steps"]),
-        "resume_format": RESUME_FORMAT,
-        "optim_leaves": optimizer_leaves(optimizer),
+        **resume_meta(optimizer),
     }
     return checkpoint.save_run_snapshot(run_dir, _saved_state(state, optimizer, env), meta,
                                         step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None)
@@ -250,15 +187,6 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     return evaluate_policy(config, like, spec, dev, episodes, config.seed if seed is None else seed)
 
 
-def run_iterations(done: int, total: int, desc: str, step, *, logger, save, checkpoint_every: int, progress: bool) -> str | None:
-    """``rlfunc.train_diffusion._loop`` over iterations ``done + 1 .. total`` (``step`` gets the
-    absolute iteration): snapshots at multiples of ``checkpoint_every`` (the uninterrupted run's
-    cadence) and at the end; with none left, closes ``logger`` and returns None without saving.
-    """
-    return _loop(total, desc, step, logger=logger, save=save, checkpoint_every=checkpoint_every, progress=progress,
-                 start=min(done, total))
-
-
 def train_grpo(
     config: GRPOConfig | None,
     run_dir: str | Path,
@@ -290,15 +218,8 @@ def train_grpo(
             snapshot in ``run_dir``, or a corrupt one or one that does not match its config. Nothing
             is written then.
     """
-    run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume)
-    snap = meta = None
-    if resume:
-        snap, meta, config = resume_config(run_dir, total_steps, config_from_meta)
-    elif total_steps is not None:
-        raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set config.total_steps")
-    if config is None:
-        raise ConfigError("config=None: a new run needs a GRPOConfig")
+    run_dir, point, config = begin_run(run_dir, config, GRPOConfig, resume=resume, total_steps=total_steps,
+                                       from_meta=config_from_meta)
     collect.check_env_id(config.env)
     device = resolve_device(config.device)
     if config.torch_threads:
@@ -310,16 +231,11 @@ def train_grpo(
     env = _rollout_env(config, device)
     try:
         time_offset = 0.0
-        if snap is not None:
-            like = _saved_state(state, optimizer, env)
-            like["optim"] = optimizer_like(state["params"], meta.get("optim_leaves", []), snap)
-            loaded, _ = checkpoint.load_snapshot(snap, device=device, like=like)
-            with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
-                state.update_(loaded["learner"])
-            load_optimizer_state(optimizer, loaded["optim"])
+        if point is not None:
+            loaded = restore_learner(point, _saved_state(state, optimizer, env), state, optimizer, device)
             if "env" in loaded.keys():
                 env.restore(loaded["env"])
-            time_offset = _truncate_metrics(run_dir, int(state["iteration"]))
+            time_offset = truncate_metrics(run_dir, int(state["iteration"]))
         return _train(config, run_dir, device, spec, algo, state, optimizer, env, time_offset, progress, tensorboard)
     finally:
         env.close()
@@ -348,7 +264,7 @@ def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress
 def _train(config, run_dir, device, spec, algo, state, optimizer, env: RolloutEnv, time_offset, progress,
            tensorboard) -> GRPOResult:
     """The iterations left (from ``state["iteration"]``), then the final evaluation."""
-    logger = _start(config, run_dir, tensorboard)
+    logger = open_run(config, run_dir, tensorboard)
     start = time.perf_counter() - time_offset
     S = config.num_seeds
 

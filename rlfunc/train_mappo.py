@@ -38,11 +38,9 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.grouped import grouped_reset
 from rlfunc.log import plot_learning_curve
-from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
-from rlfunc.train import _check_run_dir, _truncate_metrics
-from rlfunc.train_diffusion import _start
-from rlfunc.train_grpo import (RESUME_FORMAT, optimizer_leaves, optimizer_like, resume_config, run_iterations,
-                               set_generator_state)
+from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
+from rlfunc.resume import (begin_run, open_run, restore_learner, resume_meta, run_iterations, set_generator_state,
+                           truncate_metrics)
 
 WAREHOUSE = "Warehouse-v0"
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
@@ -188,7 +186,7 @@ def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
     """Warehouse-v0's core state and generator (uint8); None for rware (host gymnasium envs)."""
     if config.env != WAREHOUSE:
         return None
-    return TensorDict({"state": env.state.clone(), "rng": env._generator.get_state()}, batch_size=[])
+    return TensorDict({"state": env.state.clone(), "rng": env.rng_state()}, batch_size=[])
 
 
 def train_mappo(
@@ -225,15 +223,8 @@ def train_mappo(
     Warns:
         UserWarning: resuming an rware run (new episodes; not bit-identical).
     """
-    run_dir = Path(run_dir)
-    _check_run_dir(run_dir, resume)
-    snap = meta = None
-    if resume:
-        snap, meta, config = resume_config(run_dir, total_steps, config_from_meta)
-    elif total_steps is not None:
-        raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set config.total_steps")
-    if config is None:
-        raise ConfigError("config=None: a new run needs a MAPPOConfig")
+    run_dir, point, config = begin_run(run_dir, config, MAPPOConfig, resume=resume, total_steps=total_steps,
+                                       from_meta=config_from_meta)
     device = resolve_device(config.device)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -245,8 +236,8 @@ def train_mappo(
     state = algo.init()
     optimizer = make_adam(state["params"], config.lr)
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    if snap is not None and config.env != WAREHOUSE:  # rware: new episodes, not the first ones again
-        env._resets = int(meta.get("rware_resets", 0))
+    if point is not None and config.env != WAREHOUSE:  # rware: new episodes, not the first ones again
+        env._resets = int(point.meta.get("rware_resets", 0))
     carry = env.reset()
     carry_keys = list(carry.keys(True, True))  # what the loop reads of the carry (not the stale action)
     running = torch.zeros(config.num_envs, device=device)
@@ -260,16 +251,11 @@ def train_mappo(
         return saved
 
     time_offset = 0.0
-    if snap is not None:
-        like = saved_state()
-        like["optim"] = optimizer_like(state["params"], meta.get("optim_leaves", []), snap)
-        loaded, _ = checkpoint.load_snapshot(snap, device=device, like=like)
-        with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
-            state.update_(loaded["learner"])
-        load_optimizer_state(optimizer, loaded["optim"])
+    if point is not None:
+        loaded = restore_learner(point, saved_state(), state, optimizer, device)
         set_generator_state(gen, loaded["rng"])
         if "env" in loaded.keys():
-            set_generator_state(env._generator, loaded["env", "rng"])
+            env.set_rng_state(loaded["env", "rng"])
             carry = env.set_state(TensorDict(loaded["env", "state"].to_dict(), batch_size=env.batch_size))
             for key in carry_keys:
                 carry.set_(key, loaded["carry", "env"].get(key))
@@ -277,15 +263,15 @@ def train_mappo(
         else:
             warnings.warn(f"{config.env}: the env's state cannot be captured, so the resumed run starts new episodes "
                           "and is not bit-identical to an uninterrupted one", stacklevel=2)
-        time_offset = _truncate_metrics(run_dir, int(state["iteration"]))
-    logger = _start(config, run_dir, tensorboard)
+        time_offset = truncate_metrics(run_dir, int(state["iteration"]))
+    logger = open_run(config, run_dir, tensorboard)
     start = time.perf_counter() - time_offset
     num_iterations = config.num_iterations
 
     def save() -> Path:
         meta = {"algo": "mappo", "config": dataclasses.asdict(config), "obs_dim": obs_dim, "n_agents": n_agents,
                 "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"]),
-                "resume_format": RESUME_FORMAT, "optim_leaves": optimizer_leaves(optimizer)}
+                **resume_meta(optimizer)}
         if config.env != WAREHOUSE:
             meta["rware_resets"] = int(env._resets)
         return checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(state["env_steps"]), keep_last=2)

@@ -119,6 +119,23 @@ class WarehouseEnv(EnvBase):
         self._state = state.to(self.device)
         return self._output(self._state, None, None)
 
+    def rng_state(self) -> torch.Tensor:
+        """The state of the generator that draws every reset (``torch.Generator.get_state``: a uint8
+        CPU tensor); with :attr:`state`, all the env carries from one step to the next."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Put back a :meth:`rng_state` (the tensor may be on any device).
+
+        Raises:
+            EnvError: ``state`` is not a uint8 tensor. RuntimeError: it is not the state of a
+                generator of this env's device type.
+        """
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            got = state.dtype if isinstance(state, torch.Tensor) else type(state).__name__
+            raise EnvError(f"state: {got}: expected the uint8 tensor of rng_state()")
+        self._generator.set_state(state.cpu().clone())  # a fresh CPU tensor: set_state misreads offset views
+
     def _set_seed(self, seed: int | None) -> None:
         if seed is None:
             self._generator.seed()
