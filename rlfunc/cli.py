@@ -249,9 +249,10 @@ def _resume(argv: list[str]) -> int:
         from rlfunc.train_diffusion import resume_diffusion
 
         return report_run(resume_diffusion(a.run_dir, a.total_steps), again)
-    if algo == "ppo-encoder":
-        raise ConfigError(f"run_dir={a.run_dir!r} is a ppo run with a multimodal encoder (Dict observation); resuming those "
-                          f"is not supported yet (evaluate it with `rlfunc eval {a.run_dir}`)")
+    if algo == "ppo-encoder":  # Gaussian PPO through the multimodal encoder (Dict observations)
+        from rlfunc.train_encoder import resume_encoder
+
+        return report_run(resume_encoder(a.run_dir, a.total_steps), again)
     return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
 
 

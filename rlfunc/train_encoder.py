@@ -4,7 +4,15 @@
 iteration: losses, episode_return (and success_rate, for envs that report ``is_success``) of the
 episodes that ended, steps/s, collect and update seconds), checkpoints/ (safetensors snapshots, ``algo="ppo-encoder"``), learning_curve.png and
 eval.json. The envs are one :class:`rlfunc.chunk_env.GymChunkEnv` (``act_steps=1``) kept running
-across iterations. Runs are not resumable yet (``rlfunc resume`` is for flat-observation PPO).
+across iterations.
+
+Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``): a snapshot holds the
+learner state (its action / minibatch generator "rng" included), Adam's state, the carry (the
+observations the next step acts on) and, in meta.json, the envs' reset-seed generator and their
+episodes (:meth:`~rlfunc.chunk_env.GymChunkEnv.episode_state`: each gymnasium env's RNG, time-limit
+counter and MuJoCo state, the running returns), so on CPU 2N iterations in one go equal N, stop, N
+more, tensor for tensor. Envs whose state cannot be captured (neither MuJoCo nor a classic-control
+``state`` array) resume with new episodes, with a warning.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,10 +32,11 @@ from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, ev
 from rlfunc.amp import precision
 from rlfunc.chunk_env import GymChunkEnv
 from rlfunc.device import resolve_device
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.resume import check_run_dir, open_run, run_iterations
+from rlfunc.resume import (ResumePoint, begin_run, env_rng_snapshot, open_run, restore_env_rng, restore_learner,
+                           resume_meta, run_iterations, set_generator_state, truncate_metrics)
 from rlfunc.train import EVAL_SEED_OFFSET
 from rlfunc.train_diffusion import DiffusionResult, _setup
 
@@ -72,10 +82,46 @@ def _meta(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict) -> dict:
     }
 
 
+def _carry_keys(info: EnvInfo) -> tuple[str, ...]:
+    """What the rollout carries from one iteration to the next (its last root TensorDict)."""
+    return (*info.obs_keys, "done", "terminated", "truncated")
+
+
+def _restore(point: ResumePoint, like: TensorDict, state: TensorDict, optimizer, generator: torch.Generator,
+             env: GymChunkEnv, device: torch.device) -> TensorDict:
+    """Load ``point``'s snapshot into a freshly built run (``env`` reset once); returns the carry to
+    act on next: the snapshot's when the envs' episodes could be restored, else a fresh reset (with
+    a warning). Raises CheckpointError: the snapshot does not fit the run its config builds."""
+    loaded = restore_learner(point, like, state, optimizer, device)
+    set_generator_state(generator, state["rng"])
+    restore_env_rng(env, loaded, point)
+    episodes = point.meta.get("env_state")
+    if episodes is None:
+        warnings.warn(f"{point.snapshot}: the {point.config.env} envs' state was not captured, so the resumed run "
+                      "starts new episodes and is not bit-identical to an uninterrupted one", stacklevel=3)
+        return env.reset()
+    try:
+        env.set_episode_state(episodes)
+    except EnvError as e:
+        raise CheckpointError(f"{point.snapshot}: {e}") from None
+    return TensorDict(loaded["carry"].to_dict(), batch_size=env.batch_size, device=env.device)  # snapshots load with batch []
+
+
 def train_ppo_encoder(
-    config: PPOEncoderConfig, run_dir: str | Path, *, progress: bool = True, tensorboard: bool = True, evaluate_at_end: bool = True
+    config: PPOEncoderConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+    progress: bool = True, tensorboard: bool = True, evaluate_at_end: bool = True,
 ) -> DiffusionResult:
-    """Train encoder PPO per ``config`` into ``run_dir`` (which must not hold a run).
+    """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``).
+
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot (see the module docstring for what comes back);
+            metrics lines written after it are dropped.
+        total_steps: with ``resume``, a new budget (env steps) to extend the run; the learning-rate
+            schedule is then stretched over the new budget.
+        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
+        evaluate_at_end: run :func:`evaluate_run` once the budget is done.
 
     Returns:
         (state, run_dir, evaluation, interrupted): ``evaluation`` is :func:`evaluate_run`'s dict on
@@ -83,11 +129,17 @@ def train_ppo_encoder(
         is False); ``interrupted`` names the signal (SIGINT/SIGTERM) that stopped it after a snapshot.
 
     Raises:
-        ConfigError: a bad run_dir. EnvError: an unknown env, or one without a Dict observation.
+        ConfigError: a bad run_dir or config; ``total_steps`` without ``resume``, not an int >= 1, or
+            below the steps the run has done. EnvError: an unknown env, or one without a Dict
+            observation. CheckpointError: on resume, no snapshot in ``run_dir``, a corrupt one, one
+            written before ppo-encoder runs were resumable, or one that does not fit its config.
+
+    Warns:
+        UserWarning: on resume, when the snapshot holds no state of the envs' episodes (new episodes).
     """
-    run_dir = Path(run_dir)
+    run_dir, point, config = begin_run(run_dir, config, PPOEncoderConfig, resume=resume, total_steps=total_steps,
+                                       from_meta=config_from_meta)
     device = _setup(config)
-    check_run_dir(run_dir, resume=False)
     info = env_info(config.env)
     check_dict_info(info, config.env)
     prec = precision(device, config.precision)
@@ -96,38 +148,47 @@ def train_ppo_encoder(
     optimizer = make_adam(TensorDict({str(i): p for i, p in enumerate(algo.trainable(state["params"]))}), config.lr, eps=config.adam_eps)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.seed)
-    carry = env.reset()
-    logger = open_run(config, run_dir, tensorboard)
-    live = {"state": state, "carry": carry}
-    t_start = time.perf_counter()
-    success = reports_success(config.env)
-
-    def step(i: int, stopping: bool) -> dict:
-        set_lr(optimizer, linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr))
-        t0 = time.perf_counter()
-        batch, live["carry"] = algo.rollout(live["state"], env, live["carry"], generator)
-        t1 = time.perf_counter()
-        live["state"], metrics = algo.iteration(live["state"], batch, generator, optimizer)
-        t2 = time.perf_counter()
-        return {
-            "iteration": i,
-            "step": int(live["state"]["env_steps"]),
-            "time": t2 - t_start,
-            "steps_per_s": config.batch_size / (t2 - t0),
-            "collect_s": t1 - t0,
-            "update_s": t2 - t1,
-            "lr": optimizer.param_groups[0]["lr"],
-            **{k: float(v) for k, v in metrics.items() if success or k != "success_rate"},
-        }
-
-    def save() -> None:
-        s = live["state"]
-        snapshot = TensorDict({"learner": s, "optim": optimizer_state(optimizer)}, batch_size=[])
-        checkpoint.save_run_snapshot(run_dir, snapshot, _meta(config, info, s), step=int(s["env_steps"]),
-                                     keep_last=config.keep_checkpoints or None)
-
     try:
-        interrupted = run_iterations(0, config.num_iterations, ALGO, step, logger=logger, save=save,
+        live = {"state": state, "carry": env.reset()}
+
+        def saved_state() -> TensorDict:
+            carry = live["carry"].select(*_carry_keys(info), strict=False)
+            return TensorDict({"learner": live["state"], "optim": optimizer_state(optimizer), "carry": carry}, batch_size=[])
+
+        clock = 0.0
+        if point is not None:
+            live["carry"] = _restore(point, saved_state(), state, optimizer, generator, env, device)
+            clock = truncate_metrics(run_dir, int(state["iteration"]))
+        logger = open_run(config, run_dir, tensorboard)
+        t_start = time.perf_counter() - clock
+        success = reports_success(config.env)
+
+        def step(i: int, stopping: bool) -> dict:
+            set_lr(optimizer, linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr))
+            t0 = time.perf_counter()
+            batch, live["carry"] = algo.rollout(live["state"], env, live["carry"], generator)
+            t1 = time.perf_counter()
+            live["state"], metrics = algo.iteration(live["state"], batch, generator, optimizer)
+            t2 = time.perf_counter()
+            return {
+                "iteration": i,
+                "step": int(live["state"]["env_steps"]),
+                "time": t2 - t_start,
+                "steps_per_s": config.batch_size / (t2 - t0),
+                "collect_s": t1 - t0,
+                "update_s": t2 - t1,
+                "lr": optimizer.param_groups[0]["lr"],
+                **{k: float(v) for k, v in metrics.items() if success or k != "success_rate"},
+            }
+
+        def save() -> None:
+            s = live["state"]
+            meta = {**_meta(config, info, s), **resume_meta(optimizer), **env_rng_snapshot(env)[1],
+                    "env_state": env.episode_state()}
+            checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(s["env_steps"]),
+                                         keep_last=config.keep_checkpoints or None)
+
+        interrupted = run_iterations(int(state["iteration"]), config.num_iterations, ALGO, step, logger=logger, save=save,
                                      checkpoint_every=config.checkpoint_every, progress=progress)
     finally:
         env.close()
@@ -137,6 +198,30 @@ def train_ppo_encoder(
         evaluation = evaluate_run(run_dir, config.eval_episodes, device=str(device))
         (run_dir / "eval.json").write_text(json.dumps(evaluation) + "\n")
     return DiffusionResult(live["state"], run_dir, evaluation, interrupted)
+
+
+def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
+                   tensorboard: bool = True) -> DiffusionResult:
+    """Continue a ppo-encoder run from its latest snapshot: ``train_ppo_encoder(None, run_dir, resume=True, ...)``.
+
+    Args:
+        run_dir: a run directory written by :func:`train_ppo_encoder`.
+        total_steps: a new budget in env steps (None: the run's own).
+
+    Returns:
+        (state, run_dir, evaluation, interrupted), as :func:`train_ppo_encoder` (a run that had
+        already done its budget runs no iteration and is evaluated again).
+
+    Raises:
+        CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot, a
+            config in meta.json that is not a PPOEncoderConfig, or a snapshot written before
+            ppo-encoder runs were resumable.
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
+
+    Warns:
+        UserWarning: the envs' episodes could not be captured (the resumed run starts new ones).
+    """
+    return train_ppo_encoder(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
 
 
 def config_from_meta(meta: dict, path) -> PPOEncoderConfig:

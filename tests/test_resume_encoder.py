@@ -1,0 +1,118 @@
+"""Resume of Gaussian PPO over Dict observations (rlfunc.train_encoder, algo "ppo-encoder") on Push-v0.
+
+The property: 4 iterations in one go == 2 iterations, a crash, resume for 2 more, tensor for tensor
+(learner, Adam state, generator, the carry the next step acts on, the envs' MuJoCo state), with the
+same metrics lines. The envs keep running across iterations, so the snapshot is taken mid-episode.
+A tiny encoder and 2 envs x 4 steps per iteration keep it fast; Push-v0 renders its cameras, so the
+tests skip without OpenGL (as tests/test_ppo_encoder.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from envs.push import env as pe
+from rlfunc import checkpoint
+from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+from rlfunc.errors import CheckpointError
+
+pytestmark = pytest.mark.skipif(not pe.rendering_available(), reason=f"no working OpenGL (backend {pe.gl_backend()})")
+
+TINY = dict(env="Push-v0", num_envs=2, num_steps=4, minibatch_size=4, num_epochs=1, hidden=(16,), encoder_d_model=16,
+            encoder_widths=(8, 8), encoder_blocks=(1, 1), device="cpu", eval_episodes=1, lr=1e-3, seed=2)
+QUIET = dict(progress=False, tensorboard=False)
+TIMING = {"time", "steps_per_s", "collect_s", "update_s"}
+
+
+def _train(run_dir, iterations: int, **kw):
+    from rlfunc.train_encoder import train_ppo_encoder
+
+    config = PPOEncoderConfig(**{**TINY, "total_steps": 8 * iterations, **kw})
+    return train_ppo_encoder(config, run_dir, evaluate_at_end=False, **QUIET)
+
+
+def _tensors(run_dir) -> tuple[dict[str, torch.Tensor], dict]:
+    state, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(run_dir))
+    return {k if isinstance(k, str) else ".".join(k): v for k, v in state.items(True, True)}, meta
+
+
+def _metrics(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_resume_after_a_crash_is_exact(tmp_path):
+    from rlfunc.train_encoder import train_ppo_encoder
+
+    full = _train(tmp_path / "full", 4, checkpoint_every=2)
+    # a crash after iteration 2's snapshot: the later snapshot gone, the later metrics lines still there
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / f"step_{32:012d}")
+    saved, meta = _tensors(part)
+    assert meta["iteration"] == 2 and len(_metrics(part)) == 4
+    assert {"carry.top", "carry.proprio", "carry.instruction_tokens", "carry.done", "learner.rng"} <= saved.keys()
+    assert [e["elapsed_steps"] for e in meta["env_state"]["envs"]] == [8, 8]  # mid-episode: Push-v0 runs 100 steps
+    assert "mujoco" in meta["env_state"]["envs"][0] and isinstance(meta["env_rng"], dict)
+
+    resumed = train_ppo_encoder(None, part, resume=True, evaluate_at_end=False, **QUIET)
+    assert int(resumed.state["iteration"]) == 4
+    a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    (sa, ma), (sb, mb) = _tensors(tmp_path / "full"), _tensors(part)
+    assert sa.keys() == sb.keys() and any(k.startswith("optim.") for k in sa)
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    assert ma["env_state"] == mb["env_state"] and ma["env_rng"] == mb["env_rng"]
+    assert _metrics(part) == _metrics(tmp_path / "full")  # lines 3 and 4 dropped, then written again
+
+
+def test_cli_resume_extends_the_budget_and_refuses_a_smaller_one(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = tmp_path / "run"
+    _train(run, 2)
+    assert main(["resume", str(run), "--total-steps", "8"]) == 2
+    assert "fewer than the 2 done" in capsys.readouterr().err
+    assert main(["resume", str(run), "--total-steps", "24"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["env"] == "Push-v0" and summary["episodes"] == 1 and summary["env_steps"] == 24
+    assert [r["iteration"] for r in _metrics(run)] == [1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["total_steps"] == 24
+    # a snapshot written before ppo-encoder runs were resumable is refused by name
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    checkpoint.save_snapshot(snap, state, {k: v for k, v in meta.items() if k != "resume_format"})
+    assert main(["resume", str(run)]) == 2
+    assert "before ppo-encoder runs were resumable" in capsys.readouterr().err
+
+
+def test_envs_whose_state_is_not_captured_resume_with_new_episodes(tmp_path, monkeypatch):
+    """Without the envs' state the resumed run warns and starts new episodes; the learner, Adam's
+    state and the generator still come back exactly, and training goes on from them."""
+    from rlfunc.chunk_env import GymChunkEnv
+    from rlfunc.train_encoder import resume_encoder, train_ppo_encoder
+
+    monkeypatch.setattr(GymChunkEnv, "episode_state", lambda self: None)
+    run = tmp_path / "run"
+    _train(run, 1)
+    saved, meta = _tensors(run)
+    assert meta["env_state"] is None
+    with pytest.warns(UserWarning, match="starts new episodes"):  # nothing left to run: the restored state itself
+        restored = train_ppo_encoder(None, run, resume=True, total_steps=8, evaluate_at_end=False, **QUIET)
+    for key, value in restored.state.items(True, True):
+        assert torch.equal(value, saved["learner." + (key if isinstance(key, str) else ".".join(key))]), key
+    with pytest.warns(UserWarning, match="starts new episodes"):
+        resumed = train_ppo_encoder(None, run, resume=True, total_steps=16, evaluate_at_end=False, **QUIET)
+    assert int(resumed.state["iteration"]) == 2
+    after, _ = _tensors(run)
+    updates = 8 // TINY["minibatch_size"]  # Adam steps per iteration
+    assert all(int(after[k]) == 2 * updates for k in after if k.startswith("optim.") and k.endswith(".step"))
+    assert [r["iteration"] for r in _metrics(run)] == [1, 2]
+    with pytest.raises(CheckpointError, match="no snapshot to resume from"):
+        resume_encoder(tmp_path / "empty")
