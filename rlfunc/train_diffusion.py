@@ -56,7 +56,6 @@ from rlfunc.log import plot_learning_curve
 from rlfunc.optim import load_optimizer_state, optimizer_state
 from rlfunc.resume import (NO_SNAPSHOT, ResumePoint, begin_run, buffer_snapshot, env_rng_snapshot, open_run, restore_buffer,
                            restore_env_rng, run_iterations, set_generator_state, truncate_metrics)
-from rlfunc.resume import StopOnSignal as _StopOnSignal  # noqa: F401  (tests import it from here)
 
 EVAL_SEED_OFFSET = 1_000_003
 

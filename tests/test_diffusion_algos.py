@@ -301,10 +301,10 @@ def test_second_signal_quits_at_once(capsys):
     import os
     import signal
 
-    from rlfunc.train_diffusion import _StopOnSignal
+    from rlfunc.resume import StopOnSignal
 
     with pytest.raises(KeyboardInterrupt):
-        with _StopOnSignal() as stop:
+        with StopOnSignal() as stop:
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.signal == "SIGINT"
             os.kill(os.getpid(), signal.SIGINT)

@@ -179,8 +179,8 @@ def test_cli_trains_push_with_images_and_evaluates(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "2"]) == 0
     again = json.loads(capsys.readouterr().out.strip())
     assert again["mean"] == pytest.approx(summary["mean"])  # same eval seeds, deterministic actions
-    assert main(["resume", str(run)]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert main(["resume", str(run)]) == 0  # finished: nothing left to train, evaluated again
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean"] == pytest.approx(summary["mean"])
     assert main(["train", "ppo", "--env", "Push-v0", "--run-dir", str(tmp_path / "bad"), *flags, "--minibatch-size", "7"]) == 2
     assert "minibatch_size=7" in capsys.readouterr().err
 
