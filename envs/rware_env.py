@@ -87,6 +87,19 @@ class RwareEnv(EnvBase):
     def _set_seed(self, seed: int | None) -> None:
         self._base_seed, self._resets = (0 if seed is None else int(seed)), 0
 
+    def rng_state(self) -> dict:
+        """What decides the next episodes: {"base_seed", "resets"} (episode k of env i is seeded from
+        both), for a resumed run to start new episodes rather than the first ones again."""
+        return {"base_seed": self._base_seed, "resets": self._resets}
+
+    def set_rng_state(self, state: dict) -> None:
+        """Restore :meth:`rng_state`'s dict. Raises EnvError on anything else."""
+        try:
+            base_seed, resets = int(state["base_seed"]), int(state["resets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EnvError(f"state={state!r}: expected {{'base_seed': int, 'resets': int}} from rng_state()") from e
+        self._base_seed, self._resets = base_seed, resets
+
     def _reset_one(self, k: int) -> None:
         obs, _ = self.envs[k].reset(seed=(self._base_seed * 100_003 + k + self._resets) % 2**31)
         self._obs[k] = np.stack(obs)

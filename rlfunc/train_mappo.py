@@ -237,7 +237,7 @@ def train_mappo(
     optimizer = make_adam(state["params"], config.lr)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     if point is not None and config.env != WAREHOUSE:  # rware: new episodes, not the first ones again
-        env._resets = int(point.meta.get("rware_resets", 0))
+        env.set_rng_state({**env.rng_state(), "resets": int(point.meta.get("rware_resets", 0))})
     carry = env.reset()
     carry_keys = list(carry.keys(True, True))  # what the loop reads of the carry (not the stale action)
     running = torch.zeros(config.num_envs, device=device)
@@ -273,7 +273,7 @@ def train_mappo(
                 "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"]),
                 **resume_meta(optimizer)}
         if config.env != WAREHOUSE:
-            meta["rware_resets"] = int(env._resets)
+            meta["rware_resets"] = env.rng_state()["resets"]
         return checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(state["env_steps"]), keep_last=2)
 
     def policy(obs, mask):

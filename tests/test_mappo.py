@@ -220,3 +220,20 @@ def test_cli_train_mappo(tmp_path, capsys):
     capsys.readouterr()
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [10, 20]
+
+
+def test_rware_rng_state_round_trip():
+    pytest.importorskip("rware")
+    from envs.rware_env import RwareEnv
+    from rlfunc.errors import EnvError
+
+    env = RwareEnv("rware-tiny-2ag-v2", 2, seed=3)
+    env.reset()
+    state = env.rng_state()
+    assert state == {"base_seed": 3, "resets": 2}
+    first = env.reset()["agents", "observation"]
+    other = RwareEnv("rware-tiny-2ag-v2", 2, seed=3)
+    other.set_rng_state(state)  # the same next episodes as env's
+    torch.testing.assert_close(other.reset()["agents", "observation"], first)
+    with pytest.raises(EnvError, match="rng_state"):
+        other.set_rng_state({"resets": 1})
