@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlfunc.algos.mappo import MAPPOConfig
+from rlfunc.algos.mappo import PRESETS, MAPPOConfig
 from rlfunc.cli_common import default_run_dir, report_run
 
 
@@ -27,8 +27,12 @@ def train(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(argv)
+    env_arg = argparse.ArgumentParser(add_help=False)
+    env_arg.add_argument("--env", default=MAPPOConfig.env)
+    known.env = env_arg.parse_known_args(rest)[0].env
+    defaults = _LooseMAPPO(**{**PRESETS.get(known.env, {}), "env": known.env})  # the env's preset (algos.mappo.PRESETS)
     parsed = tyro.cli(
-        _LooseMAPPO, args=rest, default=_LooseMAPPO(), prog="rlfunc train mappo",
+        _LooseMAPPO, args=rest, default=defaults, prog="rlfunc train mappo",
         description="Shared-parameter multi-agent PPO (IPPO; --critic mean|concat: MAPPO's centralised critic) or "
         "its critic-free GRPO / GSPO variants (--loss grpo|gspo, grouped rollouts from one start state) on "
         "Warehouse-v0 or an rware id. Also: --run-dir DIR (default runs/ENV-mappo-LOSS-sSEED-TIME).",

@@ -214,6 +214,8 @@ def test_cli_train_mappo(tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["n_agents"] == 2 and out["median"]["env_steps"] == 200.0
+    config = json.loads((run / "config.json").read_text())  # flags not given come from the Warehouse-v0 preset
+    assert (config["conflict_penalty"], config["episode_steps"], config["lr"]) == (0.5, 100, 1e-3)
     assert main(["train", "mappo", "--loss", "grpo", "--num-envs", "10", "--run-dir", str(tmp_path / "x")]) == 2
     # resume with a larger budget: the run goes on from its snapshot (iteration 1 of 2, 10 env steps each)
     assert main(["resume", str(run), "--total-steps", "20"]) == 0
