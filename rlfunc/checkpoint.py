@@ -209,9 +209,10 @@ def load_snapshot(
         raise CheckpointError(f"{state_path}: does not match the table in meta.json: {problem}")
     if like is not None:
         expected = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in _flatten(like, "like").items()}
-        problem = _first_difference(found, expected, "snapshot", "like")
+        problem = _first_difference(found, expected, "snapshot", "the run being loaded")
         if problem:
-            raise CheckpointError(f"{path}: snapshot does not match `like`: {problem}")
+            raise CheckpointError(f"{path}: snapshot does not match the structure its config gives "
+                                  f"(an edited meta.json, or another version of the run?): {problem}")
 
     target = torch.device("cpu") if device is None else resolve_device(device)
     state = TensorDict({}, batch_size=[], device=target)

@@ -35,7 +35,7 @@ from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import PPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
-from rlfunc.cli_common import default_run_dir, report_run
+from rlfunc.cli_common import Parser, default_run_dir, report_run
 from rlfunc.errors import ConfigError, RLFuncError
 
 USAGE = __doc__
@@ -169,8 +169,8 @@ def _train_diffusion(algo: str, argv: list[str]) -> int:
     )
     config = _convert(cls, parsed)  # validated here, so errors print as one line
     result = fn(config, known.run_dir or default_run_dir(config.env, algo, config.seed))
-    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` "
-                              f"or start a new run from it with `--init-from {result.run_dir}`")
+    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` or start a new run from it with "
+                              f"`--init-from {result.run_dir}`")
 
 
 def _report(result) -> int:
@@ -191,7 +191,7 @@ def _report(result) -> int:
 def _eval(argv: list[str]) -> int:
     from rlfunc.train import evaluate
 
-    p = argparse.ArgumentParser(prog="rlfunc eval", description="Evaluate a run's latest snapshot.")
+    p = Parser(prog="rlfunc eval", description="Evaluate a run's latest snapshot.")
     p.add_argument("run_dir")
     p.add_argument("--episodes", type=int, default=None,
                    help="episodes to run (default: 10 for ppo, the run's eval_episodes for diffusion runs)")
@@ -228,7 +228,7 @@ def _eval(argv: list[str]) -> int:
 def _resume(argv: list[str]) -> int:
     from rlfunc.train import train
 
-    p = argparse.ArgumentParser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")
+    p = Parser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")
     p.add_argument("run_dir")
     p.add_argument("--total-steps", type=int, default=None, help="a new budget: env steps per seed (ppo, mappo, grpo, dppo, td3-diffusion) or updates (bc)")
     a = p.parse_args(argv)
@@ -236,23 +236,22 @@ def _resume(argv: list[str]) -> int:
 
     snap = checkpoint.latest_snapshot(a.run_dir)
     algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
-    again = f"continue with `rlfunc resume {a.run_dir}`"
     if algo == "mappo":
         from rlfunc.train_mappo import resume_mappo
 
-        return report_run(resume_mappo(a.run_dir, a.total_steps), again)
+        return report_run(resume_mappo(a.run_dir, a.total_steps))
     if algo in ("grpo", "gspo"):
         from rlfunc.train_grpo import resume_grpo
 
-        return report_run(resume_grpo(a.run_dir, a.total_steps), again)
+        return report_run(resume_grpo(a.run_dir, a.total_steps))
     if algo in ("bc", "dppo", "td3-diffusion"):
         from rlfunc.train_diffusion import resume_diffusion
 
-        return report_run(resume_diffusion(a.run_dir, a.total_steps), again)
+        return report_run(resume_diffusion(a.run_dir, a.total_steps))
     if algo == "ppo-encoder":  # Gaussian PPO through the multimodal encoder (Dict observations)
         from rlfunc.train_encoder import resume_encoder
 
-        return report_run(resume_encoder(a.run_dir, a.total_steps), again)
+        return report_run(resume_encoder(a.run_dir, a.total_steps))
     return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
 
 

@@ -39,7 +39,9 @@ def main(argv: list[str]) -> int:
 
 
 def _parser(name: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"rlfunc versions {name}", description=description)
+    from rlfunc.cli_common import Parser
+
+    p = Parser(prog=f"rlfunc versions {name}", description=description)
     p.add_argument("run_dir")
     return p
 

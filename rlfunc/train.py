@@ -262,12 +262,21 @@ def train(
         source = resume_source(run_dir)
         if source is None:
             raise CheckpointError(f"{run_dir}: no snapshot or version to resume from")
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1):
+            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (the new budget, in env steps per seed)")
         extra = {} if total_steps is None else {"total_steps": total_steps}
         if source[0] == "snapshot":
-            config = config_from_meta(checkpoint.load_meta(source[1]), source[1], **extra)
+            meta = checkpoint.load_meta(source[1])
+            config = config_from_meta(meta, source[1], **extra)
         else:
-            manifest = versions.read_manifest(run_dir, source[1])
-            config = config_from_meta(manifest["meta"], f"{run_dir} version {source[1]}", **extra)
+            meta = versions.read_manifest(run_dir, source[1])["meta"]
+            config = config_from_meta(meta, f"{run_dir} version {source[1]}", **extra)
+        done = meta.get("iteration")
+        if total_steps is not None and isinstance(done, int) and config.num_iterations < done:
+            raise ConfigError(
+                f"total_steps={total_steps}: the run has already done {done} iterations ({done * config.batch_size} env "
+                f"steps per seed) and this budget gives {config.num_iterations}; expected a budget of at least that"
+            )
     device = resolve_device(config.device)
 
     venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)

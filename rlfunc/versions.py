@@ -350,7 +350,7 @@ def load_version(
     if like is not None:
         found = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items()}
         expected = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in _flatten(like, "like").items()}
-        problem = _first_difference(found, expected, "version", "like")
+        problem = _first_difference(found, expected, "version", "the run being loaded")
         if problem:
             raise CheckpointError(f"{version} of {run_dir}: does not match the run: {problem}")
     target = torch.device("cpu") if device is None else resolve_device(device)

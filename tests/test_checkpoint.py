@@ -251,7 +251,7 @@ def test_like_key_mismatch_names_the_key(tmp_path):
         load_snapshot(path, like=extra)
     fewer = _state()
     del fewer["critic", "tied_b"]
-    with pytest.raises(CheckpointError, match=r"'critic\.tied_b'.*not in like"):
+    with pytest.raises(CheckpointError, match=r"'critic\.tied_b'.*not in the run being loaded"):
         load_snapshot(path, like=fewer)
 
 

@@ -173,3 +173,38 @@ def test_shaping_preset_flag_and_unknown_name(tmp_path, capsys):
     config = json.loads((tmp_path / "r" / "config.json").read_text())
     assert config["oscillation_damping"] and config["adaptive_clip"] and config["prioritized_minibatches"]
     assert config["max_grad_norm"] == 0.3 and config["hessian_interval"] == 5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--total-steps", "128"], "total_steps=128: the run has already done 2 iterations (256 env steps per seed)"),
+        (["--total-steps", "0"], "total_steps=0: expected an int >= 1"),
+        (["--total-steps", "1.5"], "argument --total-steps: invalid int value: '1.5'"),
+    ],
+)
+def test_bad_resume_budget_is_one_line_exit_2(tmp_path, run_dir, capsys, args, message):
+    """The inputs that broke it: a budget below the steps done was accepted (and config.json
+    recorded it), 0 was blamed on the snapshot, and a non-integer printed argparse's usage block."""
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    config_before = (d / "config.json").read_text()
+    capsys.readouterr()
+    assert main(["resume", str(d), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlfunc: error:") and message in err[0]
+    assert (d / "config.json").read_text() == config_before
+
+
+def test_interrupted_runs_say_how_to_continue(capsys):
+    from types import SimpleNamespace
+
+    from rlfunc.cli_common import report_run
+
+    result = SimpleNamespace(run_dir="runs/x", interrupted="SIGTERM", evaluation=None)
+    assert report_run(result, "evaluate it with `rlfunc eval runs/x`") == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("interrupted (SIGTERM): snapshot saved; continue with `rlfunc resume runs/x`; "
+                       "or evaluate it with `rlfunc eval runs/x`")
