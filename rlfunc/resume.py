@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -312,11 +313,15 @@ def open_run(config, run_dir: Path, tensorboard: bool) -> MetricsLogger:
 
 class StopOnSignal:
     """Within the block, SIGINT/SIGTERM only set ``signal`` (its name; the loop then stops and saves);
-    a second signal raises KeyboardInterrupt. Handlers are installed only in the main thread and
+    a second signal, REPEAT_S or more after the first, raises KeyboardInterrupt (an earlier one is
+    a duplicate of the first and ignored). Handlers are installed only in the main thread and
     restored on exit."""
+
+    REPEAT_S = 1.0  # a second signal within this many seconds of the first is taken as a copy of it
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self._first_at = 0.0
         self._previous: dict = {}
 
     def __enter__(self) -> StopOnSignal:
@@ -325,11 +330,19 @@ class StopOnSignal:
         return self
 
     def _handle(self, signum, _frame) -> None:
-        if self.signal is not None:  # a second signal: stop now, without the snapshot
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        print(f"rlfunc: {self.signal}: stopping after this iteration with a snapshot (again to quit at once)",
-              file=sys.stderr, flush=True)
+        now = time.monotonic()
+        if self.signal is not None:
+            # a second signal stops now, without the snapshot; but not a copy of the first that came
+            # within REPEAT_S (`timeout` sends its signal to the command and then to its process group)
+            if now - self._first_at >= self.REPEAT_S:
+                raise KeyboardInterrupt
+            return
+        self.signal, self._first_at = signal.Signals(signum).name, now
+        try:
+            print(f"rlfunc: {self.signal}: stopping after this iteration with a snapshot (again to quit at once)",
+                  file=sys.stderr, flush=True)
+        except (RuntimeError, OSError):  # stderr mid-write (a progress bar) when the signal came: the stop still counts
+            pass
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():

@@ -307,6 +307,11 @@ def test_second_signal_quits_at_once(capsys):
         with StopOnSignal() as stop:
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.signal == "SIGINT"
+            # the input that broke it: `timeout -s INT` delivers its signal twice at once (to the
+            # command, then to its process group), which quit without a snapshot
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.signal == "SIGINT"  # a copy of the first, ignored
+            stop._first_at -= StopOnSignal.REPEAT_S  # a second Ctrl-C a moment later
             os.kill(os.getpid(), signal.SIGINT)
     assert "stopping after this iteration" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
