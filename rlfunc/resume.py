@@ -126,15 +126,25 @@ def resume_point(run_dir: str | Path, total_steps: int | None, from_meta: Callab
     if isinstance(done, bool) or not isinstance(done, int) or done < 0:
         raise CheckpointError(f"{snap}: meta.json iteration={done!r}: expected an int >= 0")
     if total_steps is not None:
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (the new budget, in {unit})")
+        check_budget(total_steps, unit)
         config = dataclasses.replace(config, **{budget_field: total_steps})
         count = config.num_iterations if num_iterations is None else num_iterations(config)
-        if count < done:
-            steps = meta.get("env_steps", meta.get("step", "?"))
-            raise ConfigError(f"total_steps={total_steps}: the run has already done {done} iterations ({steps} {unit}) "
-                              f"and this budget gives {count}, fewer than the {done} done; expected a budget of at least that")
+        check_budget_covers(total_steps, count, done, meta.get("env_steps", meta.get("step", "?")), unit)
     return ResumePoint(snap, meta, config)
+
+
+def check_budget(total_steps, unit: str) -> None:
+    """ConfigError unless ``total_steps`` (a resumed run's new budget, in ``unit``) is an int >= 1."""
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (the new budget, in {unit})")
+
+
+def check_budget_covers(total_steps: int, count: int, done: int, steps, unit: str) -> None:
+    """ConfigError if the new budget ``total_steps`` gives ``count`` iterations, fewer than the
+    ``done`` (``steps`` in ``unit``) the run has already done."""
+    if count < done:
+        raise ConfigError(f"total_steps={total_steps}: the run has already done {done} iterations ({steps} {unit}) "
+                          f"and this budget gives {count}, fewer than the {done} done; expected a budget of at least that")
 
 
 def begin_run(run_dir: str | Path, config, config_type: type, *, resume: bool, total_steps: int | None,

@@ -39,7 +39,7 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
 from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
-from rlfunc.resume import check_run_dir, generator_from_state, truncate_metrics
+from rlfunc.resume import check_budget, check_budget_covers, check_run_dir, generator_from_state, truncate_metrics
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
 
@@ -262,8 +262,8 @@ def train(
         source = resume_source(run_dir)
         if source is None:
             raise CheckpointError(f"{run_dir}: no snapshot or version to resume from")
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1):
-            raise ConfigError(f"total_steps={total_steps!r}: expected an int >= 1 (the new budget, in env steps per seed)")
+        if total_steps is not None:
+            check_budget(total_steps, "env steps per seed")
         extra = {} if total_steps is None else {"total_steps": total_steps}
         if source[0] == "snapshot":
             meta = checkpoint.load_meta(source[1])
@@ -272,11 +272,8 @@ def train(
             meta = versions.read_manifest(run_dir, source[1])["meta"]
             config = config_from_meta(meta, f"{run_dir} version {source[1]}", **extra)
         done = meta.get("iteration")
-        if total_steps is not None and isinstance(done, int) and config.num_iterations < done:
-            raise ConfigError(
-                f"total_steps={total_steps}: the run has already done {done} iterations ({done * config.batch_size} env "
-                f"steps per seed) and this budget gives {config.num_iterations}; expected a budget of at least that"
-            )
+        if total_steps is not None and isinstance(done, int):
+            check_budget_covers(total_steps, config.num_iterations, done, done * config.batch_size, "env steps per seed")
     device = resolve_device(config.device)
 
     venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
