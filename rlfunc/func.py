@@ -161,6 +161,10 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(flags).all() if flags else torch.tensor(True)
 
 
+# Parameter-free layers whose forward is exactly one torch function (no attributes to honour).
+_FUNCTIONAL: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {nn.Tanh: torch.tanh, nn.ReLU: torch.relu, nn.Sigmoid: torch.sigmoid}
+
+
 def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """A fast forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers over ``params``.
 
@@ -181,7 +185,7 @@ def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked
         ShapeError: a layer with parameters is not ``nn.Linear``.
     """
     layers: list[Any] = []
-    for name, layer in module.named_children():
+    for name, layer in module._modules.items():  # as nn.Sequential.forward: a layer used twice runs twice
         if isinstance(layer, nn.Linear):
             weight, bias = params[name, "weight"].detach(), params[name, "bias"].detach()
             if stacked:
@@ -189,7 +193,7 @@ def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked
             else:
                 layers.append((weight.t(), bias))
         elif next(layer.parameters(), None) is None:
-            layers.append(layer)
+            layers.append(_FUNCTIONAL.get(type(layer), layer))  # a module call costs ~3x the op itself
         else:
             raise ShapeError(f"sequential_forward: layer {name!r} ({type(layer).__name__}) has parameters and is not nn.Linear")
     matmul = torch.baddbmm if stacked else torch.addmm

@@ -9,6 +9,7 @@ import rlfunc.func as F
 from rlfunc.errors import ShapeError
 from rlfunc import func
 from rlfunc.func import all_finite, apply, init_stacked, leaves, params_from_module, stack_params, vmap
+from rlfunc.nets.actor_critic import sequential_apply
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -279,6 +280,17 @@ def test_vmap_passes_keyword_arguments_to_both_paths():
     x = torch.randn(3, 4)
     for loop in (False, True):
         torch.testing.assert_close(func.vmap(f, use_loop=loop)(x, scale=2.0), x * 2.0)
+
+
+@pytest.mark.parametrize("activation", [nn.Tanh(), nn.ReLU(inplace=True), nn.Sigmoid(), nn.ELU(alpha=0.5), nn.SiLU()])
+def test_sequential_forward_and_apply_equal_func_apply_for_every_activation(activation):
+    # Tanh/ReLU/Sigmoid run as torch functions (no module call), the rest as their module; the one
+    # activation instance used twice must run twice (named_children() lists it once: that dropped it)
+    net = nn.Sequential(nn.Linear(3, 8), activation, nn.Linear(8, 8), activation, nn.Linear(8, 2))
+    params = func.params_from_module(net)
+    x = torch.randn(5, 3) * 3.0
+    torch.testing.assert_close(func.sequential_forward(net, params, stacked=False)(x), func.apply(net, params, x), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sequential_apply(net, params, x), func.apply(net, params, x))
 
 
 def test_sequential_forward_equals_apply_and_sees_optimizer_steps():

@@ -69,7 +69,7 @@ def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *
     Returns:
         [*B, out], or ([*B, out], [*B, hidden]) with ``return_hidden``.
     """
-    *body, (last_name, last) = list(module.named_children())
+    *body, (last_name, last) = list(module._modules.items())  # a layer used twice runs twice, as in nn.Sequential
     for name, layer in body:
         x = F.linear(x, params[name, "weight"], params[name, "bias"]) if isinstance(layer, nn.Linear) else layer(x)
     out = F.linear(x, params[last_name, "weight"], params[last_name, "bias"]) if isinstance(last, nn.Linear) else last(x)
