@@ -1,7 +1,9 @@
 """Collection overhead: steps/s of our rollout (PPO policy in the loop) and of a TorchRL Collector,
-as a share of the bare gymnasium vector env stepping random actions. Same process, interleaved.
+as a share of the bare gymnasium vector env stepping random actions. Same process, interleaved:
+each repeat times bare, ours and TorchRL back to back, and the shares are medians of the per-repeat
+ratios (paired, so a load spike on this shared machine hits both sides of a ratio).
 
-    python -m bench.collect [--env Pendulum-v1] [--num-envs 8 64] [--repeats 5] [--steps 256] [--threads 1]
+    python -m bench.collect [--env Pendulum-v1] [--num-envs 8 16 64] [--repeats 15] [--steps 256] [--threads 1]
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def torchrl(collector_iter, frames: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--env", default="Pendulum-v1")
-    p.add_argument("--num-envs", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--num-envs", type=int, nargs="+", default=[8, 16, 64])
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the trainer's default: 1)")
     a = p.parse_args()
@@ -69,8 +71,9 @@ def main() -> None:
             rates["ours"].append(r)
             rates["torchrl"].append(torchrl(tr_iter, n * a.steps))
         med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"{n:>8} {med['bare']:>13.0f} {med['ours']:>13.0f} {med['ours'] / med['bare']:>9.2f} "
-              f"{med['torchrl']:>16.0f} {med['torchrl'] / med['bare']:>12.2f}")
+        share = {k: statistics.median(r / b for r, b in zip(rates[k], rates["bare"])) for k in ("ours", "torchrl")}
+        print(f"{n:>8} {med['bare']:>13.0f} {med['ours']:>13.0f} {share['ours']:>9.2f} "
+              f"{med['torchrl']:>16.0f} {share['torchrl']:>12.2f}")
         for v in (venv, bare_venv):
             v.close()
 

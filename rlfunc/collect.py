@@ -93,10 +93,17 @@ def _flat_obs(obs: Any, n: int) -> Tensor:
     return torch.from_numpy(np.asarray(obs, dtype=np.float32).reshape(n, -1))
 
 
-def _env_action(action: np.ndarray, space: gym.spaces.Box) -> np.ndarray:
-    """Flat actions [N, act_dim] -> the env's [N, *shape], clipped to the bounds; NaN never reaches the env."""
-    flat = np.nan_to_num(np.clip(action, space.low.reshape(-1), space.high.reshape(-1)))
-    return flat.reshape(action.shape[0], *space.shape)
+def _action_bounds(space: gym.spaces.Box) -> tuple[Tensor, Tensor]:
+    """The flat action bounds (low, high) [act_dim] float32, for :func:`_env_action`."""
+    low, high = (torch.as_tensor(np.asarray(b, np.float32).reshape(-1)) for b in (space.low, space.high))
+    return low, high
+
+
+def _env_action(action: Tensor, bounds: tuple[Tensor, Tensor], shape: tuple[int, ...]) -> np.ndarray:
+    """Flat host actions [N, act_dim] -> a new float32 array [N, *shape] for the env, clipped to the
+    bounds (+-inf to the bound); NaN never reaches the env (it becomes 0). Two torch ops: per env step
+    this costs a few microseconds, against ~50 for numpy's clip + nan_to_num on small arrays."""
+    return torch.clamp(action, *bounds).nan_to_num_(0.0).numpy().reshape(action.shape[0], *shape)
 
 
 def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
@@ -141,13 +148,14 @@ def rollout(
     truncated = np.empty((num_steps, n), bool)
     final = []  # (t, env indices, final observations) at episode ends
 
+    bounds = _action_bounds(space)
     observation[0] = carry["observation"]
-    with torch.no_grad():
+    with torch.inference_mode():  # cheaper per op than no_grad; the buffers above stay normal tensors
         for t in range(num_steps):
             act, logp = policy(observation[t].to(device, non_blocking=True))
             action[t] = act
             log_prob[t] = logp
-            next_obs, rew, term, trunc, info = venv.step(_env_action(action[t].numpy(), space))
+            next_obs, rew, term, trunc, info = venv.step(_env_action(action[t], bounds, space.shape))
             reward[t], terminated[t], truncated[t] = rew, term, trunc
             observation[t + 1] = _flat_obs(next_obs, n)
             if "_final_obs" in info:
@@ -332,6 +340,7 @@ def episode_outcomes(
     carry = reset(venv, seeds)
     obs = carry["observation"]
     space = venv.single_action_space
+    bounds = _action_bounds(space)
     n = venv.num_envs
     total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
     finished = np.zeros(venv.num_envs, bool)
@@ -339,7 +348,7 @@ def episode_outcomes(
     for _ in range(max_steps):
         with torch.no_grad():
             act, _ = policy(obs.to(device))
-        next_obs, rew, term, trunc, info = venv.step(_env_action(act.cpu().numpy(), space))
+        next_obs, rew, term, trunc, info = venv.step(_env_action(act.cpu(), bounds, space.shape))
         total += np.where(finished, 0.0, rew)
         ended = (term | trunc) & ~finished
         flags = _final_success(info, ended)

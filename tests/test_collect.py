@@ -194,3 +194,38 @@ def test_episode_outcomes_reads_success_from_the_final_info_of_same_step_autores
     pend = collect.make_vec_env("Pendulum-v1", 1)
     _, none = collect.episode_outcomes(pend, lambda obs: (torch.zeros(1, 1), None), [0], device=torch.device("cpu"))
     assert none is None  # Pendulum reports no success
+
+
+class _Recorder(gym.Env):
+    """Records every action it is given; 2-D actions in [-1, 0.5]; observation = step count."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Box(np.array([[-1.0, -1.0]], np.float32), np.array([[0.5, 0.5]], np.float32))
+    seen: list = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        _Recorder.seen.append(action)  # kept by reference: the array must not be reused by the caller
+        self.t += 1
+        return np.full(1, self.t, np.float32), 0.0, False, self.t >= 4, {}
+
+
+def test_env_receives_clipped_finite_fresh_actions_and_batch_keeps_the_drawn_ones():
+    gym.register("RecorderTest-v0", entry_point=_Recorder)
+    venv = collect.make_vec_env("RecorderTest-v0", 1)
+    drawn = torch.tensor([[float("nan"), 2.0], [float("inf"), -float("inf")], [-3.0, 0.25]])
+
+    def scripted(obs):
+        return drawn[int(obs[0, 0]) % 3].view(1, 2).clone(), torch.zeros(1, 1)
+
+    _Recorder.seen.clear()
+    batch, _ = collect.rollout(venv, scripted, collect.reset(venv, [0]), 3, device=torch.device("cpu"))
+    expected = [[[0.0, 0.5]], [[0.5, -1.0]], [[-1.0, 0.25]]]  # NaN -> 0, then clipped to [-1, 0.5]
+    assert [a.tolist() for a in _Recorder.seen] == expected
+    assert all(a.shape == (1, 2) and a.dtype == np.float32 for a in _Recorder.seen)
+    assert len({id(a) for a in _Recorder.seen}) == 3  # a new array per step, none overwritten later
+    torch.testing.assert_close(batch["action"][0], drawn, equal_nan=True)  # stored as drawn

@@ -293,6 +293,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             head_bias = params["actor", head, "bias"].detach().unsqueeze(1)  # [S, 1, A]
             sde_log_std = params["log_std"].detach()  # [S, L, A or 1]
             variance_scale = sde_log_std.mul(2.0).exp()  # sigma^2
+            sde_log_norm = torch.tensor(-spec.act_dim * half_log_2pi, device=variance_scale.device)
             rollout = {"step": 0, "theta": None}
         else:
             log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
@@ -313,14 +314,15 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                 if resample_due(rollout["step"], config.sde_sample_freq):
                     rollout["theta"] = torch.stack(
                         [draw_exploration_matrix(sde_log_std[s], spec.act_dim, g, (loc.shape[1],)) for s, g in enumerate(generators)]
-                    )  # [S, N', L, A]
+                    ).flatten(0, 1)  # [S * N', L, A]
                 rollout["step"] += 1
-                noise = torch.matmul(latent.unsqueeze(-2), rollout["theta"]).squeeze(-2)  # z @ theta, [S, N', A]
-                variance = torch.bmm(latent.square(), variance_scale).add_(SDE_EPSILON).expand_as(noise)
-                log_prob = (noise.square() / variance + variance.log()).sum(-1, keepdim=True).mul_(-0.5)
-                log_prob.sub_(spec.act_dim * half_log_2pi)
-                action = loc + noise
-                return action.reshape(-1, spec.act_dim), log_prob.reshape(-1, 1)
+                noise = torch.bmm(latent.reshape(-1, 1, latent.shape[-1]), rollout["theta"]).view_as(loc)  # z @ theta, [S, N', A]
+                variance = torch.bmm(latent.square(), variance_scale).add_(SDE_EPSILON)
+                if not config.full_std:
+                    variance = variance.expand_as(noise)
+                log_prob = noise.square().div_(variance).add_(variance.log()).sum(-1, keepdim=True)
+                log_prob = torch.add(sde_log_norm, log_prob, alpha=-0.5)
+                return loc.add_(noise).reshape(-1, spec.act_dim), log_prob.reshape(-1, 1)
             if S == 1:
                 noise = torch.randn(loc.shape, generator=generators[0], device=loc.device)
             else:
