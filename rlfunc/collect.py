@@ -94,15 +94,17 @@ def _flat_obs(obs: Any, n: int) -> Tensor:
 
 
 def _action_bounds(space: gym.spaces.Box) -> tuple[Tensor, Tensor]:
-    """The flat action bounds (low, high) [act_dim] float32, for :func:`_env_action`."""
-    low, high = (torch.as_tensor(np.asarray(b, np.float32).reshape(-1)) for b in (space.low, space.high))
+    """The flat action bounds (low, high) [act_dim] in the space's float dtype, for :func:`_env_action`."""
+    dtype = space.dtype if np.issubdtype(space.dtype, np.floating) else np.float32
+    low, high = (torch.as_tensor(np.asarray(b, dtype).reshape(-1)) for b in (space.low, space.high))
     return low, high
 
 
 def _env_action(action: Tensor, bounds: tuple[Tensor, Tensor], shape: tuple[int, ...]) -> np.ndarray:
-    """Flat host actions [N, act_dim] -> a new float32 array [N, *shape] for the env, clipped to the
-    bounds (+-inf to the bound); NaN never reaches the env (it becomes 0). Two torch ops: per env step
-    this costs a few microseconds, against ~50 for numpy's clip + nan_to_num on small arrays."""
+    """Flat float32 host actions [N, act_dim] -> a new array [N, *shape] for the env, clipped to the
+    bounds (+-inf to the bound) in the bounds' dtype (a float64 space gets float64 actions, exactly
+    within its bounds); NaN never reaches the env (it becomes 0). Two torch ops: per env step this
+    costs a few microseconds, against ~50 for numpy's clip + nan_to_num on small arrays."""
     return torch.clamp(action, *bounds).nan_to_num_(0.0).numpy().reshape(action.shape[0], *shape)
 
 

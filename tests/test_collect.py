@@ -229,3 +229,16 @@ def test_env_receives_clipped_finite_fresh_actions_and_batch_keeps_the_drawn_one
     assert all(a.shape == (1, 2) and a.dtype == np.float32 for a in _Recorder.seen)
     assert len({id(a) for a in _Recorder.seen}) == 3  # a new array per step, none overwritten later
     torch.testing.assert_close(batch["action"][0], drawn, equal_nan=True)  # stored as drawn
+
+
+class _Float64Bounds(_Recorder):
+    action_space = gym.spaces.Box(np.float64(-0.1), np.float64(0.1), (1,), np.float64)
+
+
+def test_float64_action_space_gets_float64_actions_exactly_within_its_bounds():
+    # 0.1 rounded to float32 is above the float64 bound 0.1: the clip must happen in the space's dtype
+    gym.register("Float64BoundsTest-v0", entry_point=_Float64Bounds)
+    venv = collect.make_vec_env("Float64BoundsTest-v0", 1)
+    _Recorder.seen.clear()
+    collect.rollout(venv, lambda obs: (torch.ones(1, 1), torch.zeros(1, 1)), collect.reset(venv, [0]), 2, device=torch.device("cpu"))
+    assert len(_Recorder.seen) == 2 and all(a.dtype == np.float64 and a.tolist() == [0.1] for a in _Recorder.seen)
