@@ -256,6 +256,32 @@ def latest_snapshot(run_dir: str | os.PathLike) -> Path | None:
     return None
 
 
+def run_snapshots(run_dir: str | os.PathLike) -> list[Path]:
+    """The complete ``step_<N>`` snapshots in ``RUN_DIR/checkpoints``, newest (largest N) first.
+    Checks that each has its two files, not their contents."""
+    return [p for _, p in reversed(_step_dirs(Path(run_dir) / CHECKPOINTS_DIR)) if _is_complete(p)]
+
+
+def use_snapshot(run_dir: str | os.PathLike, name: str) -> Path:
+    """Point ``RUN_DIR/checkpoints/latest`` at the snapshot ``name`` (e.g. "step_000000008192"), so
+    that a resume continues from it: the way back past a newer snapshot that is corrupt. Nothing is
+    deleted; the newer snapshots are saved over when the run reaches their steps again.
+
+    Returns:
+        The snapshot directory.
+
+    Raises:
+        CheckpointError: ``name`` is not a complete snapshot of the run (the message lists those there),
+            or ``latest`` could not be written.
+    """
+    ckpt = Path(run_dir) / CHECKPOINTS_DIR
+    if not (_STEP_DIR.fullmatch(name) and _is_complete(ckpt / name)):
+        there = ", ".join(p.name for p in run_snapshots(run_dir)) or "none"
+        raise CheckpointError(f"snapshot={name!r}: not a complete snapshot in {ckpt} (there: {there})")
+    _write_latest(ckpt, name)
+    return ckpt / name
+
+
 def save_run_snapshot(
     run_dir: str | os.PathLike, state: TensorDictBase, meta: Mapping, step: int, keep_last: int | None = 3
 ) -> Path:

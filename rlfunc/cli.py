@@ -12,7 +12,8 @@
                                             shared-parameter multi-agent policy (agents as a batch dim)
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), or success
                                             rate and goal shares (bc, dppo, td3-diffusion)
-    rlfunc resume RUN_DIR [--total-steps N] continue a run from its latest snapshot (N: a new budget)
+    rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME]
+                                            continue a run from its latest snapshot (N: a new budget; NAME: an older snapshot)
     rlfunc versions list|show|diff|rollback RUN_DIR ...   a ppo run's versions (rlfunc versions --help)
 
 Every config field is a flag of `train ALGO` (`rlfunc train ALGO --help`); ppo's defaults come from
@@ -36,7 +37,7 @@ from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import PPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.cli_common import Parser, default_run_dir, report_run
-from rlfunc.errors import ConfigError, RLFuncError
+from rlfunc.errors import CheckpointError, ConfigError, RLFuncError
 
 USAGE = __doc__
 ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
@@ -226,15 +227,32 @@ def _eval(argv: list[str]) -> int:
 
 
 def _resume(argv: list[str]) -> int:
-    from rlfunc.train import train
-
     p = Parser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")
     p.add_argument("run_dir")
     p.add_argument("--total-steps", type=int, default=None, help="a new budget: env steps per seed (ppo, mappo, grpo, dppo, td3-diffusion) or updates (bc)")
+    p.add_argument("--snapshot", default=None, metavar="NAME",
+                   help="continue from this snapshot of RUN_DIR/checkpoints (e.g. step_000000008192) instead of the latest (points 'latest' at it); "
+                        "a ppo run with versions continues from its branch's head version when that is further along")
     a = p.parse_args(argv)
     from rlfunc import checkpoint
 
+    if a.snapshot is not None:
+        checkpoint.use_snapshot(a.run_dir, a.snapshot)
     snap = checkpoint.latest_snapshot(a.run_dir)
+    try:
+        return _resume_from(a, snap)
+    except CheckpointError as e:
+        older = [p.name for p in checkpoint.run_snapshots(a.run_dir) if snap is not None and p.name < snap.name]
+        if snap is None or str(snap) not in str(e) or not older:
+            raise
+        raise CheckpointError(f"{e}. Older snapshots: {', '.join(older)}; to continue from the newest of them: "
+                              f"rlfunc resume {a.run_dir} --snapshot {older[0]}") from e
+
+
+def _resume_from(a, snap) -> int:
+    from rlfunc import checkpoint
+    from rlfunc.train import train
+
     algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
     if algo == "mappo":
         from rlfunc.train_mappo import resume_mappo

@@ -83,6 +83,31 @@ def test_corrupt_snapshot_is_refused(tmp_path, run_dir, capsys):
     assert (broken / "metrics.jsonl").read_text() == before
 
 
+def test_corrupt_latest_snapshot_names_older_ones_and_resume_can_continue_from_one(tmp_path, capsys):
+    from rlfunc import checkpoint
+
+    run = tmp_path / "run"
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY, "--version-every", "0"]) == 0
+    ckpt = run / "checkpoints"
+    assert [p.name for p in checkpoint.run_snapshots(run)] == ["step_000000000256", "step_000000000128"]
+    state = ckpt / "step_000000000256" / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["resume", str(run), "--total-steps", "384"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sha256" in err[0]
+    assert f"Older snapshots: step_000000000128; to continue from the newest of them: rlfunc resume {run} --snapshot step_000000000128" in err[0]
+    assert main(["resume", str(run), "--snapshot", "step_x"]) == 2
+    assert "snapshot='step_x': not a complete snapshot" in capsys.readouterr().err
+    assert main(["resume", str(run), "--total-steps", "384", "--snapshot", "step_000000000128"]) == 0
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [128, 256, 384]  # 256 redone from 128, the corrupt one saved over
+    assert checkpoint.latest_snapshot(run).name == "step_000000000384"
+    checkpoint.load_snapshot(ckpt / "step_000000000256")  # sound again
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [([], "no command"), (["bogus"], "unknown command 'bogus'"), (["train"], "algorithm"), (["train", "sac"], "'sac'")],
