@@ -102,7 +102,7 @@ def _action_bounds(space: gym.spaces.Box) -> tuple[Tensor, Tensor]:
 
 def _env_action(action: Tensor, bounds: tuple[Tensor, Tensor], shape: tuple[int, ...]) -> np.ndarray:
     """Flat float32 host actions [N, act_dim] -> a new array [N, *shape] for the env, clipped to the
-    bounds (+-inf to the bound) in the bounds' dtype (a float64 space gets float64 actions, exactly
+    bounds (+-inf to the bound) in the bounds' dtype (a double-precision Box gets double actions, exactly
     within its bounds); NaN never reaches the env (it becomes 0). Two torch ops: per env step this
     costs a few microseconds, against ~50 for numpy's clip + nan_to_num on small arrays."""
     return torch.clamp(action, *bounds).nan_to_num_(0.0).numpy().reshape(action.shape[0], *shape)
