@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -39,7 +37,7 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
 from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
-from rlfunc.resume import check_budget, check_budget_covers, check_run_dir, generator_from_state, truncate_metrics
+from rlfunc.resume import StopOnSignal, check_budget, check_budget_covers, check_run_dir, generator_from_state, truncate_metrics
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
 
@@ -321,14 +319,6 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
 
-    stop = {"signal": None}
-
-    def handler(signum, _frame):
-        stop["signal"] = signal.Signals(signum).name
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # signals can only be caught there
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     logger = MetricsLogger(run_dir, tensorboard=tensorboard)
     start_iteration = int(state["iteration"])
     end = config.num_iterations if max_iterations is None else min(config.num_iterations, start_iteration + max_iterations)
@@ -341,60 +331,59 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
     t_start = time.perf_counter() - time_offset
     interrupted = None
     leaves = func.leaves(state["params"])
-    try:
-        for it in range(start_iteration, end):
-            t0 = time.perf_counter()
-            set_lr(optimizer, linear_lr(config.lr, it, config.num_iterations, config.anneal_lr))
-            gens = _generators(state, device)
-            batch, carry = collect.rollout(venv, algo.policy(state, gens), carry, T, device=device)
-            batch = batch.reshape(S, N, T)
-            t1 = time.perf_counter()
-            frozen = [] if freeze is None else [i for i, u in enumerate(freeze["frozen_until"].tolist()) if u > it]
-            for i in frozen:
-                leaves[i].requires_grad_(False)
-            try:
-                state, metrics = algo.iteration(state, batch, gens, optimizer)
-            finally:
+    with StopOnSignal() as stop:  # SIGINT/SIGTERM: a snapshot after this iteration; a second one quits at once
+        try:
+            for it in range(start_iteration, end):
+                t0 = time.perf_counter()
+                set_lr(optimizer, linear_lr(config.lr, it, config.num_iterations, config.anneal_lr))
+                gens = _generators(state, device)
+                batch, carry = collect.rollout(venv, algo.policy(state, gens), carry, T, device=device)
+                batch = batch.reshape(S, N, T)
+                t1 = time.perf_counter()
+                frozen = [] if freeze is None else [i for i, u in enumerate(freeze["frozen_until"].tolist()) if u > it]
                 for i in frozen:
-                    leaves[i].requires_grad_(True)
-            t2 = time.perf_counter()
-            if freeze is not None:
-                frozen_numel = sum(leaves[i].numel() for i in frozen)
-                metrics["frozen_leaves"] = torch.full((S,), len(frozen))
-                metrics["frozen_fraction"] = torch.full((S,), frozen_numel / sum(p.numel() for p in leaves))
-                if (it + 1) % config.freeze_window == 0:
-                    freeze = update_freeze(freeze, state["params"], it + 1, config)
-            ep_return, ep_count = _episode_stats(batch)
-            record = {
-                "iteration": it + 1,
-                "step": int(state["env_steps"]),
-                "time": time.perf_counter() - t_start,
-                "steps_per_s": S * N * T / (t2 - t0),
-                "collect_s": t1 - t0,
-                "update_s": t2 - t1,
-                "lr": optimizer.param_groups[0]["lr"],
-                "episode_return": ep_return if S > 1 else ep_return[0],
-                "episodes": ep_count if S > 1 else ep_count[0],
-                **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
-            }
-            logger.log(record)
+                    leaves[i].requires_grad_(False)
+                try:
+                    state, metrics = algo.iteration(state, batch, gens, optimizer)
+                finally:
+                    for i in frozen:
+                        leaves[i].requires_grad_(True)
+                t2 = time.perf_counter()
+                if freeze is not None:
+                    frozen_numel = sum(leaves[i].numel() for i in frozen)
+                    metrics["frozen_leaves"] = torch.full((S,), len(frozen))
+                    metrics["frozen_fraction"] = torch.full((S,), frozen_numel / sum(p.numel() for p in leaves))
+                    if (it + 1) % config.freeze_window == 0:
+                        freeze = update_freeze(freeze, state["params"], it + 1, config)
+                ep_return, ep_count = _episode_stats(batch)
+                record = {
+                    "iteration": it + 1,
+                    "step": int(state["env_steps"]),
+                    "time": time.perf_counter() - t_start,
+                    "steps_per_s": S * N * T / (t2 - t0),
+                    "collect_s": t1 - t0,
+                    "update_s": t2 - t1,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "episode_return": ep_return if S > 1 else ep_return[0],
+                    "episodes": ep_count if S > 1 else ep_count[0],
+                    **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
+                }
+                logger.log(record)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(ret=f"{ep_return.nanmean().item():.1f}", sps=f"{record['steps_per_s']:.0f}")
+                last = it + 1 == end
+                if config.version_every and (stop.signal or last or (it + 1) % config.version_every == 0):
+                    _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch, record)
+                if stop.signal or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
+                    _save(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch)
+                if stop.signal:
+                    interrupted = stop.signal
+                    break
+        finally:
+            logger.close()
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(ret=f"{ep_return.nanmean().item():.1f}", sps=f"{record['steps_per_s']:.0f}")
-            last = it + 1 == end
-            if config.version_every and (stop["signal"] or last or (it + 1) % config.version_every == 0):
-                _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch, record)
-            if stop["signal"] or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
-                _save(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch)
-            if stop["signal"]:
-                interrupted = stop["signal"]
-                break
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        logger.close()
-        if bar is not None:
-            bar.close()
+                bar.close()
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
     return TrainResult(state, run_dir, interrupted)
 
