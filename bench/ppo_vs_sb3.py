@@ -8,6 +8,7 @@ return, and the training wall-clock until the evaluation return first reaches --
     python -m bench.ppo_vs_sb3 --env HalfCheetah-v5 --seeds 0 1 2 --sb3-seeds 0 --eval-every 100000 --threshold 6941
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-steps 200000 --sb3-steps 200000 --eval-every 50000 --threshold -40
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 10 --sb3-seeds --set "hidden=(64, 64)" ...   # ours only, a preset variant
+    python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-seeds ...   # SB3 only (one side of a comparison split over processes)
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--sb3-steps", type=int, default=None, help="default: RL-Zoo's n_timesteps")
     p.add_argument("--out", default="bench/out")
     p.add_argument("--sb3-seeds", type=int, nargs="*", default=None, help="default: --seeds; fewer saves time")
+    p.add_argument("--ours-seeds", type=int, nargs="*", default=None,
+                   help="default: --seeds; `--ours-seeds` alone runs SB3 only (to split one comparison over processes)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of our preset (python literals), e.g. hidden='(64, 64)' anneal_lr=False")
     a = p.parse_args()
@@ -133,7 +136,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in a.seeds:  # interleaved per seed
-        ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps, **parse_overrides(a.set))
+        ours_seeds = a.seeds if a.ours_seeds is None else a.ours_seeds
+        ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps, **parse_overrides(a.set)) if seed in ours_seeds else None
         sb3_seeds = a.seeds if a.sb3_seeds is None else a.sb3_seeds
         sb3 = run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps) if seed in sb3_seeds else None
         rows.append({"seed": seed, "ours": ours, "sb3": sb3})
