@@ -149,6 +149,19 @@ def test_rollout_noise_is_held_for_sde_sample_freq_steps_and_per_env():
     venv.close()
 
 
+def test_policy_used_by_the_rollout_can_then_be_differentiated():
+    # collect.rollout runs the policy under inference_mode; the exploration matrix it draws is held
+    # in the policy and must stay a normal tensor, or a later autograd use of the same policy fails
+    _, venv, algo, state, gens = _policy_and_state(num_envs=2, sde_sample_freq=-1)
+    act = algo.policy(state, gens)
+    _, carry = collect.rollout(venv, act, collect.reset(venv, [0, 1]), 3, device=CPU)
+    obs = carry["observation"].clone().requires_grad_(True)
+    action, _ = act(obs)
+    action.sum().backward()
+    assert obs.grad is not None and torch.isfinite(obs.grad).all()
+    venv.close()
+
+
 @pytest.mark.parametrize("full_std", [True, False])
 def test_rollout_log_prob_matches_the_loss_log_prob(full_std):
     # The policy's fast per-step log-probability equals sde_log_prob on the loss path (first ratio 1).

@@ -312,9 +312,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                 return loc.reshape(-1, spec.act_dim), loc.new_zeros(loc.shape[0] * loc.shape[1], 1)
             if gsde:
                 if resample_due(rollout["step"], config.sde_sample_freq):
-                    rollout["theta"] = torch.stack(
-                        [draw_exploration_matrix(sde_log_std[s], spec.act_dim, g, (loc.shape[1],)) for s, g in enumerate(generators)]
-                    ).flatten(0, 1)  # [S * N', L, A]
+                    with torch.inference_mode(False):  # held across calls: never an inference tensor (collect.rollout's mode)
+                        rollout["theta"] = torch.stack(
+                            [draw_exploration_matrix(sde_log_std[s], spec.act_dim, g, (loc.shape[1],)) for s, g in enumerate(generators)]
+                        ).flatten(0, 1)  # [S * N', L, A]
                 rollout["step"] += 1
                 noise = torch.bmm(latent.reshape(-1, 1, latent.shape[-1]), rollout["theta"]).view_as(loc)  # z @ theta, [S, N', A]
                 variance = torch.bmm(latent.square(), variance_scale).add_(SDE_EPSILON)
