@@ -236,12 +236,19 @@ def _resume(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from rlfunc import checkpoint
 
+    before = None
     if a.snapshot is not None:
+        before = checkpoint.latest_snapshot(a.run_dir)
         checkpoint.use_snapshot(a.run_dir, a.snapshot)
     snap = checkpoint.latest_snapshot(a.run_dir)
     try:
         return _resume_from(a, snap)
-    except CheckpointError as e:
+    except RLFuncError as e:
+        # refused (these are raised before anything is run or saved): 'latest' names what it named
+        if before is not None and before != snap and checkpoint.latest_snapshot(a.run_dir) == snap:
+            checkpoint.use_snapshot(a.run_dir, before.name)
+        if not isinstance(e, CheckpointError):
+            raise
         older = [p.name for p in checkpoint.run_snapshots(a.run_dir) if snap is not None and p.name < snap.name]
         if snap is None or str(snap) not in str(e) or not older:
             raise

@@ -108,6 +108,31 @@ def test_corrupt_latest_snapshot_names_older_ones_and_resume_can_continue_from_o
     checkpoint.load_snapshot(ckpt / "step_000000000256")  # sound again
 
 
+def test_refused_resume_from_a_snapshot_leaves_latest_as_it_was(tmp_path, run_dir, capsys):
+    # --snapshot points 'latest' at NAME; when the resume is then refused (nothing run), a later plain
+    # resume must still continue from the snapshot 'latest' named before, not silently from NAME
+    import shutil
+
+    from rlfunc import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    latest = run / "checkpoints" / "latest"
+    assert latest.read_text().strip() == "step_000000000256"
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["resume", str(run), "--snapshot", "step_000000000128", "--total-steps", "0"]) == 2
+    assert "total_steps=0" in capsys.readouterr().err
+    state = run / "checkpoints" / "step_000000000128" / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    assert main(["resume", str(run), "--snapshot", "step_000000000128"]) == 2
+    assert "sha256" in capsys.readouterr().err
+    assert latest.read_text().strip() == "step_000000000256"
+    assert checkpoint.latest_snapshot(run).name == "step_000000000256"
+    assert (run / "metrics.jsonl").read_text() == before
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [([], "no command"), (["bogus"], "unknown command 'bogus'"), (["train"], "algorithm"), (["train", "sac"], "'sac'")],
