@@ -53,7 +53,7 @@ from tensordict import TensorDict, TensorDictBase, is_non_tensor, is_tensor_coll
 
 from rlfunc import __version__
 from rlfunc.device import resolve_device
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, SnapshotCorruptError
 
 FORMAT = "rlfunc.snapshot"
 FORMAT_VERSION = 1
@@ -182,31 +182,31 @@ def load_snapshot(
     record = _read_record(path)
     state_path = path / STATE_FILE
     if not state_path.is_file():
-        raise CheckpointError(f"{state_path}: missing; not a complete snapshot")
+        raise SnapshotCorruptError(f"{state_path}: missing; not a complete snapshot")
     try:
         digest, size = _sha256(state_path)
     except OSError as e:
-        raise CheckpointError(f"{state_path}: unreadable ({_one_line(e)})") from e
+        raise SnapshotCorruptError(f"{state_path}: unreadable ({_one_line(e)})") from e
     want = record["state_file"]
     if size != want["bytes"]:
-        raise CheckpointError(
+        raise SnapshotCorruptError(
             f"{state_path}: {size} bytes where meta.json records {want['bytes']}; the file is truncated or corrupt"
         )
     if digest != want["sha256"]:
-        raise CheckpointError(
+        raise SnapshotCorruptError(
             f"{state_path}: sha256 mismatch ({digest[:16]}... where meta.json records {want['sha256'][:16]}...); "
             "the file is corrupt or was changed after saving"
         )
     try:
         tensors = load_file(str(state_path), device="cpu")
     except Exception as e:  # SafetensorError, OSError ...: one line, never a deep traceback
-        raise CheckpointError(f"{state_path}: not a readable safetensors file ({_one_line(e)})") from e
+        raise SnapshotCorruptError(f"{state_path}: not a readable safetensors file ({_one_line(e)})") from e
 
     found = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items()}
     recorded = {name: (spec["shape"], spec["dtype"]) for name, spec in record["tensors"].items()}
     problem = _first_difference(found, recorded, "state.safetensors", "meta.json")
     if problem:
-        raise CheckpointError(f"{state_path}: does not match the table in meta.json: {problem}")
+        raise SnapshotCorruptError(f"{state_path}: does not match the table in meta.json: {problem}")
     if like is not None:
         expected = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in _flatten(like, "like").items()}
         problem = _first_difference(found, expected, "snapshot", "the run being loaded")
@@ -448,17 +448,17 @@ def _read_record(path: Path) -> dict:
     try:
         text = meta_path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
-        raise CheckpointError(f"{meta_path}: missing; not a complete snapshot") from e
+        raise SnapshotCorruptError(f"{meta_path}: missing; not a complete snapshot") from e
     except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable ({_one_line(e)})") from e
+        raise SnapshotCorruptError(f"{meta_path}: unreadable ({_one_line(e)})") from e
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+        raise SnapshotCorruptError(f"{meta_path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
     except RecursionError as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON (nested too deeply)") from e
+        raise SnapshotCorruptError(f"{meta_path}: not valid JSON (nested too deeply)") from e
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f'{meta_path}: not an rlfunc snapshot record (no "format": "{FORMAT}")')
+        raise SnapshotCorruptError(f'{meta_path}: not an rlfunc snapshot record (no "format": "{FORMAT}")')
     version = record.get("format_version")
     if version not in KNOWN_FORMAT_VERSIONS:
         raise CheckpointError(
@@ -481,7 +481,7 @@ def _read_record(path: Path) -> dict:
         and isinstance(state_file.get("bytes"), int)
     )
     if not well_formed:
-        raise CheckpointError(f"{meta_path}: malformed record (meta, tensors or state_file missing or mistyped)")
+        raise SnapshotCorruptError(f"{meta_path}: malformed record (meta, tensors or state_file missing or mistyped)")
     return record
 
 

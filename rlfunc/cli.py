@@ -37,7 +37,7 @@ from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import PPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.cli_common import Parser, default_run_dir, report_run
-from rlfunc.errors import CheckpointError, ConfigError, RLFuncError
+from rlfunc.errors import ConfigError, RLFuncError, SnapshotCorruptError
 
 USAGE = __doc__
 ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
@@ -247,13 +247,17 @@ def _resume(argv: list[str]) -> int:
         # refused (these are raised before anything is run or saved): 'latest' names what it named
         if before is not None and before != snap and checkpoint.latest_snapshot(a.run_dir) == snap:
             checkpoint.use_snapshot(a.run_dir, before.name)
-        if not isinstance(e, CheckpointError):
+        if not isinstance(e, SnapshotCorruptError):
             raise
         older = [p.name for p in checkpoint.run_snapshots(a.run_dir) if snap is not None and p.name < snap.name]
         if snap is None or str(snap) not in str(e) or not older:
             raise
-        raise CheckpointError(f"{e}. Older snapshots: {', '.join(older)}; to continue from the newest of them: "
-                              f"rlfunc resume {a.run_dir} --snapshot {older[0]}") from e
+        from rlfunc import versions
+
+        also = (" (this run keeps versions: it continues from its branch's head version when that is further along; "
+                f"rlfunc versions list {a.run_dir})") if versions.has_versions(a.run_dir) else ""
+        raise SnapshotCorruptError(f"{e}. Older snapshots: {', '.join(older)}; to continue from the newest of them: "
+                                   f"rlfunc resume {a.run_dir} --snapshot {older[0]}{also}") from e
 
 
 def _resume_from(a, snap) -> int:

@@ -102,9 +102,10 @@ def _action_bounds(space: gym.spaces.Box) -> tuple[Tensor, Tensor]:
 
 def _env_action(action: Tensor, bounds: tuple[Tensor, Tensor], shape: tuple[int, ...]) -> np.ndarray:
     """Flat float32 host actions [N, act_dim] -> a new array [N, *shape] for the env, clipped to the
-    bounds (+-inf to the bound) in the bounds' dtype (a double-precision Box gets double actions, exactly
-    within its bounds); NaN never reaches the env (it becomes 0). Two torch ops: per env step this
-    costs a few microseconds, against ~50 for numpy's clip + nan_to_num on small arrays."""
+    bounds in the bounds' dtype (a double-precision Box gets double actions, exactly within its
+    bounds). Never NaN or inf: NaN becomes 0, and +-inf (left by an infinite bound) the dtype's
+    largest finite value. Two torch ops: per env step this costs a few microseconds, against ~50
+    for numpy's clip + nan_to_num on small arrays."""
     return torch.clamp(action, *bounds).nan_to_num_(0.0).numpy().reshape(action.shape[0], *shape)
 
 

@@ -19,3 +19,8 @@ class EnvError(RLFuncError, ValueError):
 
 class CheckpointError(RLFuncError):
     """A checkpoint is missing, corrupt, or does not match the run it is loaded into."""
+
+
+class SnapshotCorruptError(CheckpointError):
+    """A snapshot's files are missing, unreadable, or fail their integrity check (size, sha256,
+    JSON, tensor table): its bytes are damaged, as opposed to a sound snapshot of another run."""

@@ -21,7 +21,7 @@ from rlfunc.checkpoint import (
     save_run_snapshot,
     save_snapshot,
 )
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, SnapshotCorruptError
 
 
 def _state(seed: int = 0) -> TensorDict:
@@ -166,7 +166,7 @@ def test_byte_flip_is_detected_by_sha256(tmp_path):
     data = bytearray((path / "state.safetensors").read_bytes())
     data[-3] ^= 0xFF  # inside tensor data, where safetensors itself would notice nothing
     (path / "state.safetensors").write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="sha256.*corrupt"):
+    with pytest.raises(SnapshotCorruptError, match="sha256.*corrupt"):
         load_snapshot(path)
 
 
@@ -174,7 +174,7 @@ def test_truncated_file_is_refused(tmp_path):
     path = save_snapshot(tmp_path / "snap", _state(), {})
     data = (path / "state.safetensors").read_bytes()
     (path / "state.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="truncated"):
+    with pytest.raises(SnapshotCorruptError, match="truncated"):
         load_snapshot(path)
 
 
@@ -191,7 +191,7 @@ def test_garbled_safetensors_gives_one_line_error(tmp_path):
     data = (path / "state.safetensors").read_bytes()
     (path / "state.safetensors").write_bytes(data[:20])
     _forge_record(path)  # integrity checks pass, so the parser itself must fail cleanly
-    with pytest.raises(CheckpointError, match="not a readable safetensors file") as info:
+    with pytest.raises(SnapshotCorruptError, match="not a readable safetensors file") as info:
         load_snapshot(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
     assert info.value.__cause__ is not None
@@ -201,7 +201,7 @@ def test_garbled_safetensors_gives_one_line_error(tmp_path):
 def test_garbage_meta_json_is_refused(tmp_path, garbage):
     path = save_snapshot(tmp_path / "snap", _state(), {})
     (path / "meta.json").write_text(garbage)
-    with pytest.raises(CheckpointError, match="meta.json") as info:
+    with pytest.raises(SnapshotCorruptError, match="meta.json") as info:
         load_snapshot(path)
     assert "\n" not in str(info.value)
 
@@ -211,8 +211,9 @@ def test_unknown_format_version_is_refused(tmp_path):
     record = json.loads((path / "meta.json").read_text())
     record["format_version"] = 99
     (path / "meta.json").write_text(json.dumps(record))
-    with pytest.raises(CheckpointError, match="format_version 99"):
+    with pytest.raises(CheckpointError, match="format_version 99") as info:
         load_snapshot(path)
+    assert not isinstance(info.value, SnapshotCorruptError)
 
 
 def test_missing_directory_and_files(tmp_path):
@@ -220,10 +221,10 @@ def test_missing_directory_and_files(tmp_path):
         load_snapshot(tmp_path / "nowhere")
     path = save_snapshot(tmp_path / "snap", _state(), {})
     (path / "state.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="state.safetensors: missing"):
+    with pytest.raises(SnapshotCorruptError, match="state.safetensors: missing"):
         load_snapshot(path)
     (path / "meta.json").unlink()
-    with pytest.raises(CheckpointError, match="meta.json: missing"):
+    with pytest.raises(SnapshotCorruptError, match="meta.json: missing"):
         load_snapshot(path)
 
 
@@ -231,8 +232,9 @@ def test_like_shape_mismatch_names_key_and_both_shapes(tmp_path):
     path = save_snapshot(tmp_path / "snap", _state(), {})
     like = _state()
     like["actor", "net", "weight"] = torch.zeros(4, 5)
-    with pytest.raises(CheckpointError, match=r"'actor\.net\.weight'.*\[4, 3\] float32.*\[4, 5\] float32"):
+    with pytest.raises(CheckpointError, match=r"'actor\.net\.weight'.*\[4, 3\] float32.*\[4, 5\] float32") as info:
         load_snapshot(path, like=like)
+    assert not isinstance(info.value, SnapshotCorruptError)  # a sound snapshot of another run, not damage
 
 
 def test_like_dtype_mismatch(tmp_path):

@@ -80,6 +80,8 @@ def test_corrupt_snapshot_is_refused(tmp_path, run_dir, capsys):
         assert main(command) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("rlfunc: error:") and "sha256" in err[-1]
+    # resume names the older snapshot, and that this run's versions may take it further
+    assert f"--snapshot step_000000000128 (this run keeps versions" in err[-1]
     assert (broken / "metrics.jsonl").read_text() == before
 
 
