@@ -171,7 +171,8 @@ def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked
     For a small network applied once per env step (a rollout policy), module-call and key-lookup
     overheads dominate; this resolves the layers once and returns ``x -> y`` built from
     ``torch.addmm`` (one member) or ``torch.baddbmm`` (``stacked``: all members in one batched
-    matmul per layer). The weights are read as views, so in-place optimizer steps are seen. Equal to
+    matmul per layer); Tanh, ReLU and Sigmoid run as torch functions, so module hooks do not run.
+    The weights are read as views, so in-place optimizer steps are seen. Equal to
     ``apply(module, params, x)`` (per member) up to float rounding. Not differentiable.
 
     Args:
