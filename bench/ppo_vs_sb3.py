@@ -105,7 +105,33 @@ def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: in
     clock = Clock()
     t = time.perf_counter()
     model.learn(total_timesteps=total_steps or zoo["n_timesteps"], callback=clock)
-    return {"wall": time.perf_counter() - t, "curve": clock.curve}
+    wall = time.perf_counter() - t
+    normalize = venv.normalize_obs if zoo["normalize"] else (lambda o: o)
+    return {"wall": wall, "curve": clock.curve, "same_episodes": same_episodes(env, seed, episodes, model, normalize)}
+
+
+def same_episodes(env: str, seed: int, episodes: int, model, normalize) -> float:
+    """Mean deterministic return of the final SB3 policy on the very episodes (reset seeds) that
+    ``rlfunc.train.evaluate`` gives our run of the same seed: a paired comparison, free of the
+    episode-sampling noise between two evaluation sets (a Pusher policy's 50-episode means move by
+    1-3 between sets)."""
+    import gymnasium as gym
+
+    from rlfunc.collect import env_seeds
+    from rlfunc.train import EVAL_SEED_OFFSET
+
+    e = gym.make(env)
+    total = 0.0
+    for s in env_seeds(seed + EVAL_SEED_OFFSET, episodes):
+        obs, _ = e.reset(seed=s)
+        done = False
+        while not done:
+            action, _ = model.predict(normalize(obs[None]), deterministic=True)
+            obs, reward, terminated, truncated, _ = e.step(action[0])
+            total += float(reward)
+            done = terminated or truncated
+    e.close()
+    return total / episodes
 
 
 def first_reach(curve, threshold):
@@ -156,6 +182,8 @@ def main() -> None:
             finals.append(final)
             times.append(secs if secs is not None else float("inf"))
             print(f"{row['seed']:>4} {who:>6} {final:>12.1f} {str(steps):>12} {secs if secs is None else round(secs, 1)!s:>9} {r['wall']:>12.1f}")
+            if "same_episodes" in r:
+                print(f"{'':>4} {'':>6} {r['same_episodes']:>12.1f}  (final policy on our evaluation episodes of this seed)")
         if finals:
             summary[who] = (statistics.median(finals), statistics.median(times))
     for who, (final, secs) in summary.items():
