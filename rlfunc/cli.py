@@ -247,10 +247,10 @@ def _resume(argv: list[str]) -> int:
         # refused (these are raised before anything is run or saved): 'latest' names what it named
         if before is not None and before != snap and checkpoint.latest_snapshot(a.run_dir) == snap:
             checkpoint.use_snapshot(a.run_dir, before.name)
-        if not isinstance(e, SnapshotCorruptError):
+        if not isinstance(e, SnapshotCorruptError) or snap is None or str(snap) not in str(e):
             raise
-        older = [p.name for p in checkpoint.run_snapshots(a.run_dir) if snap is not None and p.name < snap.name]
-        if snap is None or str(snap) not in str(e) or not older:
+        older = [p.name for p in checkpoint.run_snapshots(a.run_dir) if p.name < snap.name]
+        if not older:
             raise
         from rlfunc import versions
 
