@@ -63,6 +63,7 @@ META_FILE = "meta.json"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 
+CPU_GENERATOR_STATE_BYTES = 5056  # torch.Generator("cpu").get_state().numel(): the mt19937 state
 _STEP_DIR = re.compile(r"step_(\d{12,})")
 _CHUNK = 1 << 20
 
@@ -153,7 +154,8 @@ def save_snapshot(path: str | os.PathLike, state: TensorDictBase, meta: Mapping)
 
 
 def load_snapshot(
-    path: str | os.PathLike, *, device: str | torch.device | None = None, like: TensorDictBase | None = None
+    path: str | os.PathLike, *, device: str | torch.device | None = None, like: TensorDictBase | None = None,
+    generators: str = "exact",
 ) -> tuple[TensorDict, dict]:
     """Read and verify a snapshot written by ``save_snapshot``; never unpickles.
 
@@ -165,7 +167,12 @@ def load_snapshot(
         path: the snapshot directory.
         device: where the tensors go ("auto", "cpu", "cuda:1", a torch.device ...); None is the CPU.
         like: a state of the run being resumed (e.g. the output of ``init``); the snapshot must hold
-            exactly its keys, with the same shapes and dtypes. Its values are not read.
+            exactly its keys, with the same shapes and dtypes. Its values are not read, except as below.
+        generators: what to do, given ``like``, with random-generator states (:func:`is_generator_state`)
+            saved on another device type than ``like``'s (a CPU generator's state is 5056 bytes, a
+            CUDA/NPU one's 16, so only their last dim differs): "exact" refuses them (a run continues
+            exactly only on the device type it ran on); "fresh" loads ``like``'s values in their place,
+            for callers that draw nothing from them (evaluation).
 
     Returns:
         ``(state, meta)``: the nested TensorDict with batch_size [] on ``device``, and the ``meta``
@@ -175,9 +182,14 @@ def load_snapshot(
         CheckpointError: a one-line message naming the file and the problem: a missing directory or
             file, meta.json that is not valid JSON or not an rlfunc record, an unknown format version,
             a size or sha256 mismatch (truncated or corrupt file), a file safetensors cannot parse, or
-            the first key whose shape/dtype differs from meta.json or ``like`` (both sides named).
-        ConfigError: ``device`` is not a device this machine has.
+            the first key whose shape/dtype differs from meta.json or ``like`` (both sides named); with
+            ``generators="exact"``, generator states saved on another device type (the type to resume
+            on named).
+        ConfigError: ``device`` is not a device this machine has, or ``generators`` is neither
+            "exact" nor "fresh".
     """
+    if generators not in ("exact", "fresh"):
+        raise ConfigError(f"generators={generators!r}: expected 'exact' or 'fresh'")
     path = Path(path)
     record = _read_record(path)
     state_path = path / STATE_FILE
@@ -207,18 +219,63 @@ def load_snapshot(
     problem = _first_difference(found, recorded, "state.safetensors", "meta.json")
     if problem:
         raise SnapshotCorruptError(f"{state_path}: does not match the table in meta.json: {problem}")
+    target = torch.device("cpu") if device is None else resolve_device(device)
     if like is not None:
-        expected = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in _flatten(like, "like").items()}
-        problem = _first_difference(found, expected, "snapshot", "the run being loaded")
+        like_flat = _flatten(like, "like")
+        expected = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in like_flat.items()}
+        other_device = _generators_of_another_device(found, expected)
+        rest = {**found, **{name: expected[name] for name in other_device}}
+        problem = _first_difference(rest, expected, "snapshot", "the run being loaded")
         if problem:
             raise CheckpointError(f"{path}: snapshot does not match the structure its config gives "
                                   f"(an edited meta.json, or another version of the run?): {problem}")
+        if other_device and generators == "exact":
+            n = found[other_device[0]][0][-1]
+            ran_on = "cpu" if n == CPU_GENERATOR_STATE_BYTES else "cuda or npu"
+            raise CheckpointError(
+                f"{path}: its random-generator states ({', '.join(other_device)}) were saved on another device "
+                f"type than {like_flat[other_device[0]].device.type} ({n} bytes each; a CPU generator's are "
+                f"{CPU_GENERATOR_STATE_BYTES}), and a run continues exactly only on the device type it ran on: "
+                f"resume it with --device {ran_on}")
+        for name in other_device:
+            tensors[name] = like_flat[name].detach().to("cpu").clone()
 
-    target = torch.device("cpu") if device is None else resolve_device(device)
+
     state = TensorDict({}, batch_size=[], device=target)
     for name in sorted(tensors):
         state.set(tuple(name.split(".")), tensors[name].to(target))
     return state, record["meta"]
+
+
+def is_generator_state(name: str) -> bool:
+    """Whether snapshot key ``name`` ("."-joined) holds ``torch.Generator`` states (uint8 from
+    ``get_state()``), by the library's naming: its last part is "rng" or ends in "_rng". Their
+    length depends on the generator's device type (CPU: 5056 bytes, CUDA: 16)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf == "rng" or leaf.endswith("_rng")
+
+
+def adopt_generator_states(loaded: TensorDictBase, like: TensorDictBase) -> list[str]:
+    """Put ``like``'s values, in place, into the generator-state leaves of ``loaded`` that were saved on
+    another device type (same keys and leading dims, uint8, another length); returns their
+    "."-joined names. For loads that draw nothing from them (evaluating a run on another device)."""
+    got, want = _flatten(loaded, "loaded"), _flatten(like, "like")
+    table = lambda flat: {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in flat.items()}  # noqa: E731
+    names = _generators_of_another_device(table(got), table(want))
+    for name in names:
+        loaded.set(tuple(name.split(".")), want[name].detach().to(got[name].device).clone())
+    return names
+
+
+def _generators_of_another_device(found: dict, expected: dict) -> list[str]:
+    """Generator-state keys whose (shape, dtype) tables differ only in the last dim, both uint8."""
+    names = []
+    for name in sorted(set(found) & set(expected)):
+        (gs, gd), (ws, wd) = found[name], expected[name]
+        if (is_generator_state(name) and gd == wd == "uint8" and len(gs) == len(ws) >= 1 and gs[:-1] == ws[:-1]
+                and gs[-1] != ws[-1]):
+            names.append(name)
+    return names
 
 
 def load_meta(path: str | os.PathLike) -> dict:

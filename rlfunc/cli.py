@@ -233,6 +233,9 @@ def _resume(argv: list[str]) -> int:
     p.add_argument("--snapshot", default=None, metavar="NAME",
                    help="continue from this snapshot of RUN_DIR/checkpoints (e.g. step_000000008192) instead of the latest (points 'latest' at it); "
                         "a ppo run with versions continues from its branch's head version when that is further along")
+    p.add_argument("--device", default=None,
+                   help="run on this device (auto | cpu | cuda | npu) instead of the run's own; a run continues exactly "
+                        "only on the device type it ran on")
     a = p.parse_args(argv)
     from rlfunc import checkpoint
 
@@ -268,20 +271,20 @@ def _resume_from(a, snap) -> int:
     if algo == "mappo":
         from rlfunc.train_mappo import resume_mappo
 
-        return report_run(resume_mappo(a.run_dir, a.total_steps))
+        return report_run(resume_mappo(a.run_dir, a.total_steps, device=a.device))
     if algo in ("grpo", "gspo"):
         from rlfunc.train_grpo import resume_grpo
 
-        return report_run(resume_grpo(a.run_dir, a.total_steps))
+        return report_run(resume_grpo(a.run_dir, a.total_steps, device=a.device))
     if algo in ("bc", "dppo", "td3-diffusion"):
         from rlfunc.train_diffusion import resume_diffusion
 
-        return report_run(resume_diffusion(a.run_dir, a.total_steps))
+        return report_run(resume_diffusion(a.run_dir, a.total_steps, device=a.device))
     if algo == "ppo-encoder":  # Gaussian PPO through the multimodal encoder (Dict observations)
         from rlfunc.train_encoder import resume_encoder
 
-        return report_run(resume_encoder(a.run_dir, a.total_steps))
-    return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps))
+        return report_run(resume_encoder(a.run_dir, a.total_steps, device=a.device))
+    return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps, device=a.device))
 
 
 def _versions(argv: list[str]) -> int:

@@ -39,6 +39,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc import checkpoint, versions
+from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.log import MetricsLogger, read_metrics
 from rlfunc.optim import load_optimizer_state
@@ -148,13 +149,16 @@ def check_budget_covers(total_steps: int, count: int, done: int, steps, unit: st
 
 
 def begin_run(run_dir: str | Path, config, config_type: type, *, resume: bool, total_steps: int | None,
-              from_meta: Callable[[dict, Path], Any], **budget) -> tuple[Path, ResumePoint | None, Any]:
+              from_meta: Callable[[dict, Path], Any], device: str | None = None,
+              **budget) -> tuple[Path, ResumePoint | None, Any]:
     """(run_dir as a Path, what a resumed run continues from or None, the config to run): the checks
     every ``train_X(config, run_dir, *, resume, total_steps)`` makes before it builds anything.
 
     Args:
         config: the caller's config (ignored on resume: :func:`resume_point`'s is used).
         config_type: what ``config`` must be for a new run.
+        device: on resume, the device to run on in place of the snapshot config's ``device``
+            (None: keep it); for a new run it must be None (set ``config.device``).
         budget: ``budget_field``, ``num_iterations``, ``unit``, ``require_format`` of :func:`resume_point`.
 
     Raises:
@@ -166,10 +170,15 @@ def begin_run(run_dir: str | Path, config, config_type: type, *, resume: bool, t
     if not resume:
         if total_steps is not None:
             raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
+        if device is not None:
+            raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
         if not isinstance(config, config_type):
             raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
         return run_dir, None, config
     point = resume_point(run_dir, total_steps, from_meta, **budget)
+    if device is not None:
+        resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
+        point = point._replace(config=dataclasses.replace(point.config, device=str(device)))
     return run_dir, point, point.config
 
 

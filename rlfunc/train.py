@@ -231,6 +231,7 @@ def train(
     progress: bool = True,
     tensorboard: bool = True,
     total_steps: int | None = None,
+    device: str | None = None,
 ) -> TrainResult:
     """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``).
 
@@ -244,6 +245,9 @@ def train(
         progress: show a tqdm bar.
         total_steps: on resume, a new budget (env steps per seed) to extend or shorten the run;
             the learning-rate schedule is then stretched over the new budget.
+        device: on resume, run on this device instead of the snapshot config's (None: the config's);
+            a run continues exactly only on the device type it ran on (its generator states are
+            device-specific).
 
     Returns:
         TrainResult(state, run_dir, interrupted): interrupted names the signal (SIGINT/SIGTERM) that
@@ -272,6 +276,11 @@ def train(
         done = meta.get("iteration")
         if total_steps is not None and isinstance(done, int):
             check_budget_covers(total_steps, config.num_iterations, done, done * config.batch_size, "env steps per seed")
+        if device is not None:
+            resolve_device(device)  # ConfigError for a device this machine lacks
+            config = dataclasses.replace(config, device=str(device))
+    elif device is not None:
+        raise ConfigError(f"device={device!r}: is for resume=True; set config.device instead")
     device = resolve_device(config.device)
 
     venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
@@ -415,7 +424,8 @@ def evaluate(
         like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
         carry = collect.empty_carry(trained.num_seeds * trained.num_envs, spec.obs_dim)
         freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
-        loaded, _ = checkpoint.load_snapshot(path, device=dev, like=_like(like, carry, freeze))
+        # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
+        loaded, _ = checkpoint.load_snapshot(path, device=dev, like=_like(like, carry, freeze), generators="fresh")
         algo = make_ppo(config, spec, dev)
         state = algo.init()
         with torch.no_grad():

@@ -254,11 +254,12 @@ def _num_iterations(config) -> int:
     return config.num_iterations()
 
 
-def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None) -> tuple[Path, ResumePoint | None, object]:
+def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None,
+            device: str | None = None) -> tuple[Path, ResumePoint | None, object]:
     """(run_dir, what a resumed run continues from or None, the config to run): on resume the latest
     snapshot of ``run_dir`` (one of ``algo``) and its config with ``total_steps`` (the new budget) in
-    ``BUDGET_FIELD[algo]`` (:func:`rlfunc.resume.begin_run`)."""
-    return begin_run(run_dir, config, _CONFIGS[algo], resume=resume, total_steps=total_steps,
+    ``BUDGET_FIELD[algo]`` and ``device`` (when given) as its device (:func:`rlfunc.resume.begin_run`)."""
+    return begin_run(run_dir, config, _CONFIGS[algo], resume=resume, total_steps=total_steps, device=device,
                      from_meta=lambda meta, snap: config_from_meta(meta, snap, algo), budget_field=BUDGET_FIELD[algo],
                      num_iterations=_num_iterations, unit="updates" if algo == "bc" else "env steps",
                      require_format=False)
@@ -320,7 +321,7 @@ def _scaler_meta(prec) -> dict:
 
 
 def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-             progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+             progress: bool = True, tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
     """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc` and
     :func:`rlfunc.demos.expert_demonstrations`); the expert's success rate goes into demos.json.
 
@@ -330,6 +331,8 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
         resume: continue from the latest snapshot in ``run_dir`` (the demonstrations are collected
             again from the config's seed).
         total_steps: on resume, a new budget in updates (``num_updates``), at least those done.
+        device: on resume, run on this device instead of the snapshot config's (None: the config's);
+            a run continues exactly only on the device type it ran on.
 
     SIGINT/SIGTERM stop the run after the current update with a snapshot (no final evaluation).
 
@@ -339,7 +342,7 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
     """
     from rlfunc.demos import EXPERT_ENVS, expert_demonstrations
 
-    run_dir, source, config = _source(run_dir, "bc", config, resume, total_steps)
+    run_dir, source, config = _source(run_dir, "bc", config, resume, total_steps, device)
     device = _setup(config)
     if config.env not in EXPERT_ENVS:
         raise EnvError(f"env={config.env!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
@@ -425,7 +428,7 @@ def _episode_metrics(batch: TensorDict) -> dict:
 
 
 def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-               progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+               progress: bool = True, tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
     """DPPO fine-tuning (see :mod:`rlfunc.algos.dppo`), usually from a bc run (``init_from``).
 
     Args:
@@ -434,6 +437,8 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
         resume: continue from the latest snapshot in ``run_dir`` (``init_from`` is not read again:
             the snapshot holds the actor, its frozen base and the observation statistics).
         total_steps: on resume, a new budget in env steps, at least those done.
+        device: on resume, run on this device instead of the snapshot config's (None: the config's);
+            a run continues exactly only on the device type it ran on.
 
     config.json records the actor spec actually used (that of ``init_from`` when given).
     SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation).
@@ -442,7 +447,7 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
         ConfigError: a bad run dir or budget. EnvError: an env the actor cannot run on.
         CheckpointError: ``init_from`` or, on resume, ``run_dir``'s snapshot is missing, corrupt or does not fit.
     """
-    run_dir, source, config = _source(run_dir, "dppo", config, resume, total_steps)
+    run_dir, source, config = _source(run_dir, "dppo", config, resume, total_steps, device)
     device = _setup(config)
     config, info, actor_params, obs_stats, encoder = _init_actor(config, device, resumed=source is not None)
     spec = config.actor
@@ -483,7 +488,8 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
 
 
 def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
-                        total_steps: int | None = None, progress: bool = True, tensorboard: bool = True) -> DiffusionResult:
+                        total_steps: int | None = None, progress: bool = True, tensorboard: bool = True,
+                        device: str | None = None) -> DiffusionResult:
     """TD3 with a diffusion actor (see :mod:`rlfunc.algos.td3_diffusion`); a device-resident
     TorchRL replay buffer holds the transitions. config.json records the actor spec actually used.
 
@@ -493,6 +499,8 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
         resume: continue from the latest snapshot in ``run_dir``, replay buffer included when the
             run saved it (``checkpoint_buffer``; else a warning, and the buffer starts empty).
         total_steps: on resume, a new budget in env steps, at least those done.
+        device: on resume, run on this device instead of the snapshot config's (None: the config's);
+            a run continues exactly only on the device type it ran on.
 
     SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation).
 
@@ -502,7 +510,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
     """
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-    run_dir, source, config = _source(run_dir, "td3-diffusion", config, resume, total_steps)
+    run_dir, source, config = _source(run_dir, "td3-diffusion", config, resume, total_steps, device)
     device = _setup(config)
     # a new run's config is re-validated with init_from's spec: horizon == act_steps
     config, info, actor_params, obs_stats, encoder = _init_actor(config, device, resumed=source is not None)
@@ -554,7 +562,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
 
 
 def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                     tensorboard: bool = True) -> DiffusionResult:
+                     tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
     """Continue the bc, dppo or td3-diffusion run in ``run_dir`` from its latest snapshot (the
     algorithm and config are the snapshot's); see the module docstring for what is restored.
 
@@ -563,6 +571,8 @@ def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, pro
         total_steps: a new budget: updates for bc (``num_updates``), env steps for dppo and
             td3-diffusion (``total_steps``); at least what the run has done. None keeps the run's.
         progress: show a tqdm bar. tensorboard: also log to TensorBoard when installed.
+        device: run on this device instead of the snapshot config's (None: the config's); a run
+            continues exactly only on the device type it ran on.
 
     Returns:
         :class:`DiffusionResult`, as training: the final evaluation (also in eval.json) once the
@@ -583,7 +593,7 @@ def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, pro
     fn = {"bc": train_bc, "dppo": train_dppo, "td3-diffusion": train_td3_diffusion}.get(algo)
     if fn is None:
         raise CheckpointError(f"{snap}: algo={algo!r}: expected a bc, dppo or td3-diffusion snapshot")
-    return fn(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
+    return fn(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
 
 
 def _plot(run_dir: Path) -> None:

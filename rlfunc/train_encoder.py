@@ -109,7 +109,7 @@ def _restore(point: ResumePoint, like: TensorDict, state: TensorDict, optimizer,
 
 def train_ppo_encoder(
     config: PPOEncoderConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-    progress: bool = True, tensorboard: bool = True, evaluate_at_end: bool = True,
+    progress: bool = True, tensorboard: bool = True, evaluate_at_end: bool = True, device: str | None = None,
 ) -> DiffusionResult:
     """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``).
 
@@ -122,6 +122,8 @@ def train_ppo_encoder(
             schedule is then stretched over the new budget.
         progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
         evaluate_at_end: run :func:`evaluate_run` once the budget is done.
+        device: with ``resume``, run on this device instead of the snapshot config's (None: the
+            config's); a run continues exactly only on the device type it ran on.
 
     Returns:
         (state, run_dir, evaluation, interrupted): ``evaluation`` is :func:`evaluate_run`'s dict on
@@ -138,7 +140,7 @@ def train_ppo_encoder(
         UserWarning: on resume, when the snapshot holds no state of the envs' episodes (new episodes).
     """
     run_dir, point, config = begin_run(run_dir, config, PPOEncoderConfig, resume=resume, total_steps=total_steps,
-                                       from_meta=config_from_meta)
+                                       from_meta=config_from_meta, device=device)
     device = _setup(config)
     info = env_info(config.env)
     check_dict_info(info, config.env)
@@ -201,12 +203,14 @@ def train_ppo_encoder(
 
 
 def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                   tensorboard: bool = True) -> DiffusionResult:
+                   tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
     """Continue a ppo-encoder run from its latest snapshot: ``train_ppo_encoder(None, run_dir, resume=True, ...)``.
 
     Args:
         run_dir: a run directory written by :func:`train_ppo_encoder`.
         total_steps: a new budget in env steps (None: the run's own).
+        device: run on this device instead of the snapshot config's (None: the config's); a run
+            continues exactly only on the device type it ran on.
 
     Returns:
         (state, run_dir, evaluation, interrupted), as :func:`train_ppo_encoder` (a run that had
@@ -221,7 +225,8 @@ def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progr
     Warns:
         UserWarning: the envs' episodes could not be captured (the resumed run starts new ones).
     """
-    return train_ppo_encoder(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
+    return train_ppo_encoder(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
+                             device=device)
 
 
 def config_from_meta(meta: dict, path) -> PPOEncoderConfig:
@@ -267,6 +272,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     algo = make_ppo_encoder(config, info, dev)
     state = algo.init()
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
+    if "learner" in loaded.keys():  # evaluation draws no randomness: a run trained on another device type loads
+        checkpoint.adopt_generator_states(loaded["learner"], state)
     want = {k: (tuple(v.shape), v.dtype) for k, v in state.flatten_keys(".").items()}
     got = {k: (tuple(v.shape), v.dtype) for k, v in loaded["learner"].flatten_keys(".").items()} if "learner" in loaded.keys() else {}
     if got != want:

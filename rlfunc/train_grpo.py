@@ -182,6 +182,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     spec = _spec(config.env)
     like = make_grpo(config, spec, dev).init()
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
+    checkpoint.adopt_generator_states(loaded["learner"], like)  # evaluation draws nothing from them
     with torch.no_grad():
         like.update_(loaded["learner"])
     return evaluate_policy(config, like, spec, dev, episodes, config.seed if seed is None else seed)
@@ -195,6 +196,7 @@ def train_grpo(
     total_steps: int | None = None,
     progress: bool = True,
     tensorboard: bool = True,
+    device: str | None = None,
 ) -> GRPOResult:
     """Train GRPO or GSPO (``config.loss``) per ``config`` into ``run_dir``, or continue it (``resume``).
 
@@ -207,6 +209,8 @@ def train_grpo(
         total_steps: with ``resume``, a new budget (env steps per seed) to extend the run; the
             learning-rate schedule is then stretched over the new budget.
         progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
+        device: with ``resume``, run on this device instead of the snapshot config's (None: the
+            config's); a run continues exactly only on the device type it ran on.
 
     Returns:
         GRPOResult(state, run_dir, evaluation, interrupted): the final deterministic evaluation
@@ -218,7 +222,7 @@ def train_grpo(
             snapshot in ``run_dir``, or a corrupt one or one that does not match its config. Nothing
             is written then.
     """
-    run_dir, point, config = begin_run(run_dir, config, GRPOConfig, resume=resume, total_steps=total_steps,
+    run_dir, point, config = begin_run(run_dir, config, GRPOConfig, resume=resume, total_steps=total_steps, device=device,
                                        from_meta=config_from_meta)
     collect.check_env_id(config.env)
     device = resolve_device(config.device)
@@ -242,12 +246,14 @@ def train_grpo(
 
 
 def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                tensorboard: bool = True) -> GRPOResult:
+                tensorboard: bool = True, device: str | None = None) -> GRPOResult:
     """Continue a grpo/gspo run from its latest snapshot: ``train_grpo(None, run_dir, resume=True, ...)``.
 
     Args:
         run_dir: a run directory written by :func:`train_grpo`.
         total_steps: a new budget in env steps per seed (None: the run's own).
+        device: run on this device instead of the snapshot config's (None: the config's); a run
+            continues exactly only on the device type it ran on.
 
     Returns:
         GRPOResult(state, run_dir, evaluation, interrupted), as :func:`train_grpo`.
@@ -258,7 +264,8 @@ def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress
             written before grpo/gspo runs were resumable.
         ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
     """
-    return train_grpo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
+    return train_grpo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
+                      device=device)
 
 
 def _train(config, run_dir, device, spec, algo, state, optimizer, env: RolloutEnv, time_offset, progress,

@@ -197,6 +197,7 @@ def train_mappo(
     total_steps: int | None = None,
     progress: bool = True,
     tensorboard: bool = True,
+    device: str | None = None,
 ) -> MAPPOResult:
     """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``,
     or continue it (``resume``).
@@ -209,6 +210,8 @@ def train_mappo(
         total_steps: with ``resume``, a new budget (env steps, one step of one env) to extend the
             run; the learning-rate schedule is then stretched over the new budget.
         progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
+        device: with ``resume``, run on this device instead of the snapshot config's (None: the
+            config's); a run continues exactly only on the device type it ran on.
 
     Returns:
         MAPPOResult(state, run_dir, evaluation, interrupted): eval.json's content, or None with the
@@ -223,7 +226,7 @@ def train_mappo(
     Warns:
         UserWarning: resuming an rware run (new episodes; not bit-identical).
     """
-    run_dir, point, config = begin_run(run_dir, config, MAPPOConfig, resume=resume, total_steps=total_steps,
+    run_dir, point, config = begin_run(run_dir, config, MAPPOConfig, resume=resume, total_steps=total_steps, device=device,
                                        from_meta=config_from_meta)
     device = resolve_device(config.device)
     if config.torch_threads:
@@ -326,12 +329,14 @@ def train_mappo(
 
 
 def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                 tensorboard: bool = True) -> MAPPOResult:
+                 tensorboard: bool = True, device: str | None = None) -> MAPPOResult:
     """Continue a mappo run from its latest snapshot: ``train_mappo(None, run_dir, resume=True, ...)``.
 
     Args:
         run_dir: a run directory written by :func:`train_mappo`.
         total_steps: a new budget in env steps (None: the run's own).
+        device: run on this device instead of the snapshot config's (None: the config's); a run
+            continues exactly only on the device type it ran on.
 
     Returns:
         MAPPOResult(state, run_dir, evaluation, interrupted), as :func:`train_mappo`.
@@ -345,4 +350,5 @@ def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progres
     Warns:
         UserWarning: an rware run (its env state cannot be captured: new episodes).
     """
-    return train_mappo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard)
+    return train_mappo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
+                       device=device)

@@ -398,3 +398,53 @@ def test_run_snapshot_argument_checks(tmp_path):
     with pytest.raises(ConfigError, match="step"):
         save_run_snapshot(tmp_path, _state(), {}, -1)
     assert latest_snapshot(tmp_path) is None
+
+
+def _with_generators(rng_bytes: int, seeds: int = 2) -> TensorDict:
+    """A learner-like state whose "rng" holds ``seeds`` generator states of ``rng_bytes`` bytes (5056:
+    the CPU's mt19937, 16: a CUDA/NPU Philox seed and offset) and an env "env_rng" of one."""
+    return TensorDict({"learner": {"w": torch.arange(3.0), "rng": torch.full((seeds, rng_bytes), 7, dtype=torch.uint8)},
+                       "env_rng": torch.full((rng_bytes,), 9, dtype=torch.uint8)}, batch_size=[])
+
+
+def test_generator_states_of_another_device_type_are_named_on_resume_and_replaced_for_evaluation(tmp_path):
+    # a run saved on a GPU (16-byte generator states) loaded where the run's generators are the CPU's:
+    # this broke `rlfunc eval` of a CPU run on a GPU machine (the structure check refused it)
+    path = save_snapshot(tmp_path / "snap", _with_generators(16), {})
+    like = _with_generators(5056)
+    like["learner", "w"] = torch.zeros(3)
+    with pytest.raises(CheckpointError, match=r"env_rng, learner\.rng\) were saved on another device type than cpu "
+                                              r"\(16 bytes each.*resume it with --device cuda or npu"):
+        load_snapshot(path, like=like)
+    state, _ = load_snapshot(path, like=like, generators="fresh")
+    assert torch.equal(state["learner", "w"], torch.arange(3.0))  # the rest is the snapshot's
+    assert torch.equal(state["learner", "rng"], like["learner", "rng"]) and torch.equal(state["env_rng"], like["env_rng"])
+    cpu_run = save_snapshot(tmp_path / "cpu", _with_generators(5056), {})  # and the other way round
+    with pytest.raises(CheckpointError, match="resume it with --device cpu"):
+        load_snapshot(cpu_run, like=_with_generators(16))
+
+
+def test_generator_states_differing_in_more_than_their_length_are_a_structure_error(tmp_path):
+    path = save_snapshot(tmp_path / "snap", _with_generators(16, seeds=3), {})
+    with pytest.raises(CheckpointError, match=r"structure.*'learner\.rng'.*\[3, 16\].*\[2, 5056\]"):
+        load_snapshot(path, like=_with_generators(5056, seeds=2), generators="fresh")
+    renamed = _with_generators(16)
+    renamed["learner", "seed_bytes"] = renamed["learner"].pop("rng")  # not a generator state by its name
+    path = save_snapshot(tmp_path / "other", renamed, {})
+    like = _with_generators(5056)
+    like["learner", "seed_bytes"] = like["learner"].pop("rng")
+    with pytest.raises(CheckpointError, match="structure"):
+        load_snapshot(path, like=like, generators="fresh")
+    with pytest.raises(ConfigError, match="generators='keep': expected 'exact' or 'fresh'"):
+        load_snapshot(path, like=like, generators="keep")
+
+
+def test_adopt_generator_states_replaces_only_those_of_another_device_type():
+    loaded, like = _with_generators(16), _with_generators(5056)
+    like["learner", "w"] = torch.zeros(3)
+    like["learner", "rng"] = torch.zeros(2, 5056, dtype=torch.uint8)
+    assert ckpt.adopt_generator_states(loaded, like) == ["env_rng", "learner.rng"]
+    assert torch.equal(loaded["learner", "rng"], like["learner", "rng"]) and torch.equal(loaded["learner", "w"], torch.arange(3.0))
+    same = _with_generators(16)
+    assert ckpt.adopt_generator_states(same, _with_generators(16)) == []
+    assert torch.equal(same["env_rng"], torch.full((16,), 9, dtype=torch.uint8))

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rlfunc.cli import main
 
@@ -262,3 +263,40 @@ def test_interrupted_runs_say_how_to_continue(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("interrupted (SIGTERM): snapshot saved; continue with `rlfunc resume runs/x`; "
                        "or evaluate it with `rlfunc eval runs/x`")
+
+
+def test_a_run_saved_on_another_device_type_evaluates_the_same_and_resume_names_the_device(tmp_path, run_dir, capsys):
+    # `rlfunc eval` of a CPU-trained run on a GPU machine (device auto -> cuda) failed on the generator
+    # states' shapes; here the other way round: the snapshot's states made 16-byte, as CUDA saves them
+    import shutil
+
+    from rlfunc import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert main(["eval", str(run), "--episodes", "3", "--device", "cpu"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["learner", "rng"] = torch.zeros(state["learner", "rng"].shape[0], 16, dtype=torch.uint8)
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(run), "--episodes", "3", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out) == before
+    assert main(["resume", str(run), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "saved on another device type than cpu" in err and "resume it with --device cuda or npu" in err
+
+
+def test_resume_on_a_named_device(tmp_path, run_dir, capsys):
+    import shutil
+
+    from rlfunc import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    if not torch.cuda.is_available():
+        assert main(["resume", str(run), "--device", "cuda"]) == 2
+        assert "cuda" in capsys.readouterr().err
+    assert main(["resume", str(run), "--device", "cpu", "--total-steps", "384"]) == 0
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
+    assert meta["env_steps"] == 384 and meta["config"]["device"] == "cpu"

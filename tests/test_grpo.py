@@ -498,6 +498,19 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
     assert main(["resume", str(run)]) == 0  # a finished run: nothing left to train, evaluated again
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert resumed["mean"] == pytest.approx(out["mean"])
+    # as if saved on the other device type (CPU generator states are 5056 bytes, CUDA ones 16): evaluation
+    # loads it (it failed on the states' shapes), resume names the device type to resume on
+    from rlfunc import checkpoint
+
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    rng = state["learner", "rng"]
+    other = 16 if rng.shape[-1] == checkpoint.CPU_GENERATOR_STATE_BYTES else checkpoint.CPU_GENERATOR_STATE_BYTES
+    state["learner", "rng"] = torch.zeros(*rng.shape[:-1], other, dtype=torch.uint8)
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(run), "--episodes", "3"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean"] == pytest.approx(out["mean"])
+    assert main(["resume", str(run)]) == 2 and "saved on another device type" in capsys.readouterr().err
 
 
 def test_train_grpo_gym_backend_and_seeds(tmp_path):

@@ -176,11 +176,19 @@ def test_cli_trains_push_with_images_and_evaluates(tmp_path, capsys):
     assert summary["env"] == "Push-v0" and summary["episodes"] == 2 and 0.0 <= summary["success_rate"] <= 1.0
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
     assert meta["algo"] == "ppo-encoder" and meta["env_steps"] == 16
-    assert main(["eval", str(run), "--episodes", "2"]) == 0
+    assert main(["eval", str(run), "--episodes", "2", "--device", "cpu"]) == 0
     again = json.loads(capsys.readouterr().out.strip())
     assert again["mean"] == pytest.approx(summary["mean"])  # same eval seeds, deterministic actions
     assert main(["resume", str(run)]) == 0  # finished: nothing left to train, evaluated again
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean"] == pytest.approx(summary["mean"])
+    # as if saved on a GPU (a 16-byte generator state): evaluating it here failed on the state's shape
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["learner", "rng"] = torch.zeros(16, dtype=torch.uint8)
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(run), "--episodes", "2", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out.strip()) == again
+    assert main(["resume", str(run)]) == 2 and "resume it with --device cuda or npu" in capsys.readouterr().err
     assert main(["train", "ppo", "--env", "Push-v0", "--run-dir", str(tmp_path / "bad"), *flags, "--minibatch-size", "7"]) == 2
     assert "minibatch_size=7" in capsys.readouterr().err
 
