@@ -7,7 +7,10 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -208,20 +211,31 @@ def _writer(run: Path, start: int) -> None:
 
 
 def _fork(target, *args) -> int:
-    """Run ``target(*args)`` in a forked child (no re-import of torch); returns its pid."""
+    """Run ``target(*args)`` in a forked child (no re-import of torch); returns its pid. The child
+    exits with 0 when ``target`` returns, with 1 (its traceback on the inherited stderr) when it raises."""
     pid = os.fork()
     if pid == 0:  # child
+        code = 1
         try:
             torch.set_num_threads(1)
             target(*args)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
-            os._exit(0)
+            os._exit(code)
     return pid
 
 
 def _kill_when(pid: int, manifests: Path, count: int, extra_s: float) -> None:
+    """SIGKILL the child process ``pid`` ``extra_s`` after ``count`` manifests exist (or after 60 s); a child
+    that died of an error before that fails the test (its traceback is in the captured stderr)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(manifests.glob("v*.json"))) < count:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the forked run failed (status {status})"
+            return
         time.sleep(0.01)
     time.sleep(extra_s)
     os.kill(pid, signal.SIGKILL)
@@ -261,8 +275,15 @@ def test_sigkill_at_random_moments_leaves_only_complete_versions(tmp_path):
 
 def test_sigkill_during_training_then_resume(tmp_path):
     run = tmp_path / "run"
-    config = preset("Pendulum-v1", **dict(TINY, num_epochs=1, checkpoint_every=3, total_steps=100_000))
-    pid = _fork(lambda: train(config, run, progress=False, tensorboard=False))
+    overrides = dict(TINY, num_epochs=1, checkpoint_every=3, total_steps=100_000)
+    config = preset("Pendulum-v1", **overrides)
+    # a fresh interpreter, not a fork: once this process has run a backward pass on an accelerator
+    # (a GPU machine's test session, device auto), autograd refuses to run in a forked child
+    # (https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork); the child's traceback goes to stderr
+    code = ("from rlfunc.algos.ppo import preset; from rlfunc.train import train; "
+            f"train(preset('Pendulum-v1', **{overrides!r}), {str(run)!r}, progress=False, tensorboard=False)")
+    pid = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}).pid
     _kill_when(pid, run / "versions" / "manifests", 4, random.Random(1).uniform(0.0, 0.1))
     listed = _check_store(run)
     assert len(listed) >= 4
