@@ -7,6 +7,10 @@ sampling of the chunks, tensor conversion) and the update (GAE, chain log-likeli
 optimizer; the encoder's forwards in it are counted as encoder).
 
     python -m bench.push_pixels --envs 8 --iterations 2
+    python -m bench.push_pixels --envs 16 --iterations 3 --device cuda   # the GPU row
+
+Times on an accelerator are taken after a synchronize at each phase's edge (rendering, env step,
+encoder, rollout, update), so a share is the wall time of that phase, not of its queued kernels.
 """
 
 from __future__ import annotations
@@ -25,30 +29,37 @@ from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
 from rlfunc.amp import precision
+from rlfunc.device import resolve_device, synchronize
 from rlfunc.train_diffusion import _init_actor, train_bc
 
 TIMES: dict[str, float] = defaultdict(float)
+SYNC = lambda: None  # noqa: E731  (set to the accelerator's synchronize in main)
+
+
+def _now() -> float:
+    SYNC()
+    return time.perf_counter()
 
 
 def _timed(cls, name: str, key: str) -> None:
     original = getattr(cls, name)
 
     def wrapper(self, *args, **kwargs):
-        t = time.perf_counter()
+        t = _now()
         try:
             return original(self, *args, **kwargs)
         finally:
-            TIMES[key] += time.perf_counter() - t
+            TIMES[key] += _now() - t
 
     setattr(cls, name, wrapper)
 
 
 def _hook_encoder(module: torch.nn.Module) -> None:
     start: list[float] = []
-    module.register_forward_pre_hook(lambda *_: start.append(time.perf_counter()))
+    module.register_forward_pre_hook(lambda *_: start.append(_now()))
 
     def post(*_):
-        TIMES["encoder"] += time.perf_counter() - start.pop()
+        TIMES["encoder"] += _now() - start.pop()
 
     module.register_forward_hook(post)
 
@@ -60,26 +71,29 @@ def main() -> None:
     p.add_argument("--demos", type=int, default=4)
     p.add_argument("--bc-updates", type=int, default=20)
     p.add_argument("--out", default="bench/out/push_pixels")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, npu or auto (rlfunc.device.resolve_device)")
     a = p.parse_args()
+    global SYNC
     torch.set_num_threads(1)
+    device = resolve_device(a.device)
+    SYNC = lambda: synchronize(device)  # noqa: E731
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     spec = ActorSpec(horizon=4, act_steps=4)
     t = time.perf_counter()
     bc = train_bc(BCConfig(env="Push-v0", actor=spec, num_demos=a.demos, num_updates=a.bc_updates, batch_size=64,
-                           eval_episodes=2, device="cpu"), out / "bc", progress=False, tensorboard=False)
+                           eval_episodes=2, device=str(device)), out / "bc", progress=False, tensorboard=False)
     bc_s = time.perf_counter() - t
     chunks = 25
     config = DPPOConfig(env="Push-v0", init_from=str(out / "bc"), num_envs=a.envs, num_steps=chunks,
-                        minibatch_size=a.envs * chunks // 5, num_epochs=2, device="cpu")
-    device = torch.device("cpu")
+                        minibatch_size=a.envs * chunks // 5, num_epochs=2, device=str(device))
     config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
     algo = make_dppo(config, config.actor, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
     optimizer = make_optimizer(state, config)
     prec = precision(device, config.precision)
     env = make_env("Push-v0", a.envs, spec.act_steps, device, 0)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     _timed(push_env.PushEnv, "_images", "render")
     _timed(push_env.PushEnv, "step", "env_step")
     _timed(push_env.PushEnv, "reset", "env_step")
@@ -87,13 +101,13 @@ def main() -> None:
     collect_s = update_s = 0.0
     steps = 0
     for _ in range(a.iterations):
-        t = time.perf_counter()
+        t = _now()
         batch = algo.rollout(state, env, gen)
-        collect_s += time.perf_counter() - t
+        collect_s += _now() - t
         enc_collect = TIMES["encoder"]
-        t = time.perf_counter()
+        t = _now()
         state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
-        update_s += time.perf_counter() - t
+        update_s += _now() - t
         TIMES["encoder_update"] += TIMES["encoder"] - enc_collect
         TIMES["encoder"] = enc_collect
         steps += batch.numel() * spec.act_steps
@@ -109,7 +123,7 @@ def main() -> None:
         "update_other": update_s - TIMES["encoder_update"],
     }
     row = {
-        "envs": a.envs, "iterations": a.iterations, "env_steps": steps, "bc_s": bc_s,
+        "device": str(device), "envs": a.envs, "iterations": a.iterations, "env_steps": steps, "bc_s": bc_s,
         "env_steps_per_s": steps / total, "collect_steps_per_s": steps / collect_s,
         **{f"share_{k}": v / total for k, v in shares.items()},
         "bc_success_rate": bc.evaluation["success_rate"], "approx_kl": float(metrics["approx_kl"]),

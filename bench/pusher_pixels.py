@@ -9,6 +9,8 @@ steps, with steps/s and the final deterministic evaluation of each.
 
     python -m bench.pusher_pixels --steps 8192 --push-steps 2048
     python -m bench.pusher_pixels --only push      # just the Push-v0 part
+    python -m bench.pusher_pixels --only pusher --no-state --device cuda --envs 16 --encoder default \
+        --steps 65536 --bin 4096                     # the pixel curve on a GPU
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from rlfunc.log import read_metrics
 SMALL_ENCODER = dict(encoder_widths=(16, 32), encoder_blocks=(1, 1), encoder_d_model=64, hidden=(64,))
 
 
-def pixel_config(env: str, steps: int, seed: int) -> PPOEncoderConfig:
+def pixel_config(env: str, steps: int, seed: int, device: str = "cpu", envs: int = 8,
+                 encoder: str = "small") -> PPOEncoderConfig:
+    """``encoder``: "small" (SMALL_ENCODER) or "default" (the library's PPOEncoderConfig widths)."""
     return PPOEncoderConfig(
-        env=env, total_steps=steps, num_envs=8, num_steps=64, num_epochs=2, minibatch_size=256,
-        lr=3e-4, gamma=0.99, lmbda=0.95, seed=seed, device="cpu", torch_threads=2, checkpoint_every=0,
-        eval_episodes=10, **SMALL_ENCODER,
+        env=env, total_steps=steps, num_envs=envs, num_steps=64, num_epochs=2, minibatch_size=min(256, envs * 64),
+        lr=3e-4, gamma=0.99, lmbda=0.95, seed=seed, device=device, torch_threads=2, checkpoint_every=0,
+        eval_episodes=10, **(SMALL_ENCODER if encoder == "small" else {}),
     )
 
 
@@ -57,15 +61,25 @@ def _speed(run_dir: Path) -> float:
     return records[-1]["step"] / records[-1]["time"] if records else float("nan")
 
 
-def run_pusher(out: Path, steps: int, seed: int, bin_steps: int) -> dict:
+def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = True, **pixel_kw) -> dict:
+    """``pixel_kw``: device, envs, encoder of :func:`pixel_config`; ``state=False`` skips the state run."""
     from rlfunc.train import evaluate, train
     from rlfunc.train_encoder import train_ppo_encoder
 
     results = {}
     t = time.perf_counter()
-    pix = train_ppo_encoder(pixel_config("PusherPixels-v5", steps, seed), out / "pusher-pixels", progress=False, tensorboard=False)
+    pix = train_ppo_encoder(pixel_config("PusherPixels-v5", steps, seed, **pixel_kw), out / "pusher-pixels",
+                            progress=False, tensorboard=False)
     results["pixels"] = {"eval": pix.evaluation, "wall_s": time.perf_counter() - t, "steps_per_s": _speed(out / "pusher-pixels"),
                          "curve": _curve(out / "pusher-pixels", bin_steps)}
+    if not state:
+        print(f"\nPusher-v5 from pixels, {steps} env steps, seed {seed}, {pixel_kw}: mean return of the episodes "
+              f"ended per {bin_steps}-step bin")
+        for b, v in results["pixels"]["curve"].items():
+            print(f"{b:>10} | {v:>8.1f}")
+        print(f"pixels: {results['pixels']['steps_per_s']:.1f} env steps/s (collect + update), final eval "
+              f"(10 episodes, deterministic) {pix.evaluation['mean']:.1f}")
+        return results
     t = time.perf_counter()
     state_cfg = preset("Pusher-v5", total_steps=steps, seed=seed, device="cpu", version_every=0, checkpoint_every=0)
     train(state_cfg, out / "pusher-state", progress=False, tensorboard=False)
@@ -84,10 +98,10 @@ def run_pusher(out: Path, steps: int, seed: int, bin_steps: int) -> dict:
     return results
 
 
-def run_push(out: Path, steps: int, seed: int) -> dict:
+def run_push(out: Path, steps: int, seed: int, **pixel_kw) -> dict:
     from rlfunc.train_encoder import train_ppo_encoder
 
-    cfg = dataclasses.replace(pixel_config("Push-v0", steps, seed), eval_episodes=20)
+    cfg = dataclasses.replace(pixel_config("Push-v0", steps, seed, **pixel_kw), eval_episodes=20)
     t = time.perf_counter()
     res = train_ppo_encoder(cfg, out / "push-images", progress=False, tensorboard=False)
     records = read_metrics(out / "push-images" / "metrics.jsonl")
@@ -111,11 +125,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("pusher", "push", "all"), default="all")
     p.add_argument("--out", default="bench/out/pusher_pixels")
+    p.add_argument("--device", default="cpu", help="of the pixel runs: cpu, cuda, npu or auto")
+    p.add_argument("--envs", type=int, default=8, help="envs of the pixel runs (64 steps each per iteration)")
+    p.add_argument("--encoder", choices=("small", "default"), default="small",
+                   help="small: widths 16-32, d_model 64 (CPU-sized); default: the library's 32-64-128-256, 128")
+    p.add_argument("--no-state", action="store_true", help="skip the state-vector Pusher run")
     a = p.parse_args()
     torch.set_num_threads(2)
     out = Path(a.out)
     results = {}
-    for name, fn in (("pusher", lambda d: run_pusher(d, a.steps, a.seed, a.bin)), ("push", lambda d: run_push(d, a.push_steps, a.seed))):
+    kw = dict(device=a.device, envs=a.envs, encoder=a.encoder)
+    for name, fn in (("pusher", lambda d: run_pusher(d, a.steps, a.seed, a.bin, state=not a.no_state, **kw)),
+                     ("push", lambda d: run_push(d, a.push_steps, a.seed, **kw))):
         if a.only in (name, "all"):
             d = out / name
             shutil.rmtree(d, ignore_errors=True)
