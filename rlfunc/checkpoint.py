@@ -229,17 +229,10 @@ def load_snapshot(
         if problem:
             raise CheckpointError(f"{path}: snapshot does not match the structure its config gives "
                                   f"(an edited meta.json, or another version of the run?): {problem}")
-        if other_device and generators == "exact":
-            n = found[other_device[0]][0][-1]
-            ran_on = "cpu" if n == CPU_GENERATOR_STATE_BYTES else "cuda or npu"
-            raise CheckpointError(
-                f"{path}: its random-generator states ({', '.join(other_device)}) were saved on another device "
-                f"type than {like_flat[other_device[0]].device.type} ({n} bytes each; a CPU generator's are "
-                f"{CPU_GENERATOR_STATE_BYTES}), and a run continues exactly only on the device type it ran on: "
-                f"resume it with --device {ran_on}")
+        if generators == "exact":
+            _refuse_generators_of_another_device(str(path), other_device, found, like_flat)
         for name in other_device:
             tensors[name] = like_flat[name].detach().to("cpu").clone()
-
 
     state = TensorDict({}, batch_size=[], device=target)
     for name in sorted(tensors):
@@ -265,6 +258,19 @@ def adopt_generator_states(loaded: TensorDictBase, like: TensorDictBase) -> list
     for name in names:
         loaded.set(tuple(name.split(".")), want[name].detach().to(got[name].device).clone())
     return names
+
+
+def _refuse_generators_of_another_device(where: str, names: list[str], found: dict, like_flat: dict) -> None:
+    """CheckpointError naming the device type to resume on when ``names`` (generator-state keys whose
+    saved length, in the (shape, dtype) table ``found``, is another device type's) is not empty."""
+    if not names:
+        return
+    n = found[names[0]][0][-1]
+    ran_on = "cpu" if n == CPU_GENERATOR_STATE_BYTES else "cuda or npu"
+    raise CheckpointError(
+        f"{where}: its random-generator states ({', '.join(names)}) were saved on another device type than "
+        f"{like_flat[names[0]].device.type} ({n} bytes each; a CPU generator's are {CPU_GENERATOR_STATE_BYTES}), "
+        f"and a run continues exactly only on the device type it ran on: resume it with --device {ran_on}")
 
 
 def _generators_of_another_device(found: dict, expected: dict) -> list[str]:

@@ -59,7 +59,9 @@ from rlfunc.checkpoint import (
     _first_difference,
     _flatten,
     _fsync_dir,
+    _generators_of_another_device,
     _one_line,
+    _refuse_generators_of_another_device,
     _write_synced,
 )
 from rlfunc.device import resolve_device
@@ -341,18 +343,24 @@ def load_version(
         manifest dict (``manifest["meta"]`` is the ``meta`` given to ``save_version``).
 
     Raises:
-        CheckpointError: unknown version, a missing or corrupt blob (named, with the tensor key), or
-            a structure that differs from ``like``.
+        CheckpointError: unknown version, a missing or corrupt blob (named, with the tensor key), a
+            structure that differs from ``like``, or random-generator states saved on another device
+            type than ``like``'s (the device type to resume on named; a run continues exactly only on
+            the device type it ran on).
     """
     root = _existing_root(run_dir)
     manifest = read_manifest(run_dir, version)
     tensors = _read_blobs(root, manifest["tensors"], version)
     if like is not None:
         found = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items()}
-        expected = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in _flatten(like, "like").items()}
-        problem = _first_difference(found, expected, "version", "the run being loaded")
+        like_flat = _flatten(like, "like")
+        expected = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in like_flat.items()}
+        other_device = _generators_of_another_device(found, expected)  # named apart, below
+        problem = _first_difference({**found, **{n: expected[n] for n in other_device}}, expected, "version",
+                                    "the run being loaded")
         if problem:
             raise CheckpointError(f"{version} of {run_dir}: does not match the run: {problem}")
+        _refuse_generators_of_another_device(f"{version} of {run_dir}", other_device, found, like_flat)
     target = torch.device("cpu") if device is None else resolve_device(device)
     state = TensorDict({}, batch_size=[], device=target)
     for name in sorted(tensors):

@@ -300,3 +300,27 @@ def test_resume_on_a_named_device(tmp_path, run_dir, capsys):
     assert main(["resume", str(run), "--device", "cpu", "--total-steps", "384"]) == 0
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
     assert meta["env_steps"] == 384 and meta["config"]["device"] == "cpu"
+
+
+def test_a_version_saved_on_another_device_type_names_the_device_on_resume(tmp_path, run_dir, capsys):
+    # after `rlfunc versions rollback`, resume loads a version, not a snapshot: its generator states of
+    # the other device type gave "does not match the run: key 'learner.rng' ..." without the device to use
+    import shutil
+
+    from rlfunc import versions
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    state, manifest = versions.load_version(run, "v000001")
+    state["learner", "rng"] = torch.zeros(state["learner", "rng"].shape[0], 16, dtype=torch.uint8)  # as CUDA saves them
+    saved = versions.save_version(run, state, manifest["meta"], iteration=manifest["iteration"], step=manifest["step"],
+                                  metrics=manifest["metrics"])
+    assert main(["versions", "rollback", str(run), saved["id"]]) == 0
+    metrics = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["resume", str(run), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rlfunc: error: {saved['id']} of {run}: its random-generator states "
+                                               "(learner.rng) were saved on another device type than cpu")
+    assert err[0].endswith("resume it with --device cuda or npu")
+    assert (run / "metrics.jsonl").read_text() == metrics  # refused before anything was cut or written
