@@ -448,3 +448,15 @@ def test_adopt_generator_states_replaces_only_those_of_another_device_type():
     same = _with_generators(16)
     assert ckpt.adopt_generator_states(same, _with_generators(16)) == []
     assert torch.equal(same["env_rng"], torch.full((16,), 9, dtype=torch.uint8))
+
+
+def test_check_generator_device_names_the_device_type_to_resume_on():
+    loaded, like = _with_generators(16), _with_generators(5056)
+    assert ckpt.generators_of_another_device(loaded, like) == ["env_rng", "learner.rng"]
+    with pytest.raises(CheckpointError, match=r"^snap: its random-generator states \(env_rng, learner\.rng\) were saved "
+                                              r"on another device type than cpu .*resume it with --device cuda or npu$"):
+        ckpt.check_generator_device("snap", loaded, like)
+    with pytest.raises(CheckpointError, match="resume it with --device cpu$"):
+        ckpt.check_generator_device("snap", like, loaded)
+    ckpt.check_generator_device("snap", like, _with_generators(5056))  # same device type: nothing to refuse
+    assert ckpt.generators_of_another_device(_with_generators(16, seeds=3), like) == ["env_rng"]  # [3, 16] vs [2, 5056]

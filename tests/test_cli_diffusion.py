@@ -83,3 +83,32 @@ def test_bad_diffusion_input_is_one_line_exit_2(tmp_path, capsys, argv, message)
     assert code == 2, err
     assert err[-1].startswith("rlfunc: error:") and message in err[-1], err
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_a_diffusion_run_saved_on_another_device_type(bc_dir, tmp_path, capsys):
+    # evaluation loads it (load_actor reads no generator state); resume said "resume it on the device it
+    # ran on" without naming that device, and took any other difference of "rng" for another device type
+    import torch
+
+    from rlfunc import checkpoint
+
+    d = tmp_path / "bc"
+    shutil.copytree(bc_dir, d)
+    assert main(["eval", str(d), "--episodes", "3", "--device", "cpu"]) == 0
+    before = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    snap = checkpoint.latest_snapshot(d)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["learner", "rng"] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's state
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(d), "--episodes", "3", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == before
+    metrics = (d / "metrics.jsonl").read_text()
+    assert main(["resume", str(d), "--total-steps", "30"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its random-generator states (rng) were saved on another device type than cpu" in err[0]
+    assert err[0].endswith("resume it with --device cuda or npu")
+    assert (d / "metrics.jsonl").read_text() == metrics and checkpoint.latest_snapshot(d) == snap
+    state["learner", "rng"] = torch.zeros(2, 5056, dtype=torch.uint8)  # not another device's: a structure error
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["resume", str(d)]) == 2
+    assert "learner key 'rng' is ((2, 5056), torch.uint8) in the snapshot" in capsys.readouterr().err
