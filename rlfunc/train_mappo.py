@@ -169,6 +169,52 @@ def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.d
             "median": {"team_return": statistics.median(r["team_return"] for r in rows)}}
 
 
+def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None,
+                 device: str = "auto") -> dict:
+    """eval.json's content (see the module docstring) for the latest snapshot of ``run_dir`` (or a
+    snapshot directory), on any device: the snapshot's generator states are not read, so a run
+    trained on another device type evaluates too. With the run's ``eval_episodes`` and ``eval_seeds``
+    it repeats the run's eval.json (sampled actions on the device type it ran on; greedy ones anywhere).
+
+    Args:
+        episodes: warehouses (rware: episodes) per eval seed (None: the run's ``eval_episodes``).
+        seed: evaluate on this one env seed (None: the run's ``eval_seeds``).
+        device: where to run ("auto", "cpu", "cuda" ...).
+
+    Raises:
+        CheckpointError: no snapshot, not a mappo one, or a learner state that does not match its config.
+        ConfigError: ``episodes`` < 1, ``seed`` outside [0, 2**31), or a device this machine lacks.
+    """
+    path = Path(run_dir)
+    snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
+    if snap is None or not (Path(snap) / checkpoint.META_FILE).is_file():
+        raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
+    meta = checkpoint.load_meta(snap)
+    config = config_from_meta(meta, snap)
+    if episodes is not None and (isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1):
+        raise ConfigError(f"episodes={episodes!r}: expected an int >= 1")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
+        raise ConfigError(f"seed={seed!r}: expected an integer in [0, 2**31)")
+    dims = {k: meta.get(k) for k in ("obs_dim", "n_agents", "n_actions")}
+    if not all(type(v) is int and v >= 1 for v in dims.values()):
+        raise CheckpointError(f"{snap}: meta.json {dims}: expected ints >= 1")
+    dev = resolve_device(device)
+    config = dataclasses.replace(config, device=str(dev),
+                                 eval_episodes=config.eval_episodes if episodes is None else episodes,
+                                 eval_seeds=config.eval_seeds if seed is None else (seed,))
+    algo = make_mappo(config, dims["obs_dim"], dims["n_agents"], dims["n_actions"], dev)
+    state = algo.init()
+    loaded, _ = checkpoint.load_snapshot(snap, device=dev)
+    table = lambda td: {k: (tuple(v.shape), v.dtype) for k, v in td.flatten_keys(".").items()}  # noqa: E731
+    got = table(loaded["learner"]) if "learner" in loaded.keys() else {}
+    if got != table(state):
+        diff = sorted(set(map(str, got.items())) ^ set(map(str, table(state).items())))[:3]
+        raise CheckpointError(f"{snap}: the learner state does not match its config (first differences: {diff})")
+    with torch.no_grad():
+        state.update_(loaded["learner"])
+    return evaluate_state(config, algo, state, dev)
+
+
 def config_from_meta(meta: dict, path: Path | str = "snapshot") -> MAPPOConfig:
     """The MAPPOConfig of a mappo snapshot's meta; CheckpointError naming ``path`` if invalid."""
     if meta.get("algo") != "mappo":

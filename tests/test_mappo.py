@@ -239,3 +239,30 @@ def test_rware_rng_state_round_trip():
     torch.testing.assert_close(other.reset()["agents", "observation"], first)
     with pytest.raises(EnvError, match="rng_state"):
         other.set_rng_state({"resets": 1})
+
+
+def test_cli_eval_of_a_mappo_run_on_any_device_type(tmp_path, capsys):
+    # `rlfunc eval` of a mappo run was refused ("snapshot algo='mappo': expected 'ppo'"), so a run trained
+    # on a GPU could not be evaluated on a CPU machine at all: its resume, which evaluates, is refused there
+    from rlfunc import checkpoint
+    from rlfunc.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "mappo", "--env", "Warehouse-v0", "--n-agents", "2", "--num-envs", "2", "--rollout-steps", "5",
+                 "--total-steps", "10", "--eval-episodes", "1", "--eval-seeds", "0", "--hidden", "8", "--device", "cpu",
+                 "--run-dir", str(run)]) == 0
+    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["eval", str(run), "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out) == trained  # the run's eval seeds and episodes: its eval.json
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["rng"], state["env", "rng"] = torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)  # as CUDA's
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(run), "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out) == trained
+    assert main(["eval", str(run), "--device", "cpu", "--episodes", "2", "--seed", "5"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["n_agents"] == 2 and other["median"]["env_steps"] == 400.0  # 2 warehouses x 200 steps, one seed
+    assert main(["eval", str(run), "--episodes", "0"]) == 2 and "episodes=0" in capsys.readouterr().err
+    assert main(["resume", str(run), "--total-steps", "20"]) == 2
+    assert capsys.readouterr().err.strip().endswith("resume it with --device cuda or npu")
