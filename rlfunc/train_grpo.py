@@ -167,8 +167,11 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot") -> GRPOConfig:
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
     """:func:`evaluate_policy` of the latest snapshot of a grpo/gspo run (or of a snapshot dir).
 
+    Generator states saved on another device type are not read (evaluation draws nothing from them).
+
     Raises:
-        CheckpointError: no snapshot, or not a grpo/gspo one. ConfigError: ``episodes < 1``.
+        CheckpointError: no snapshot, not a grpo/gspo one, or a learner state that does not match its
+            config (a missing, extra or reshaped key). ConfigError: ``episodes < 1``.
     """
     path = Path(run_dir)
     snap = path if (path / "meta.json").is_file() else checkpoint.latest_snapshot(path)
@@ -182,9 +185,16 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     spec = _spec(config.env)
     like = make_grpo(config, spec, dev).init()
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
-    checkpoint.adopt_generator_states(loaded["learner"], like)  # evaluation draws nothing from them
+    learner = loaded["learner"] if "learner" in loaded.keys() else TensorDict({}, batch_size=[])
+    checkpoint.adopt_generator_states(learner, like)  # evaluation draws nothing from them
+    table = lambda td: {k: (tuple(v.shape), v.dtype) for k, v in td.flatten_keys(".").items()}  # noqa: E731
+    got, want = table(learner), table(like)
+    if got != want:  # update_ would fail on a shape, and leave a missing leaf (say a layer) at its init silently
+        key = min(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+        raise CheckpointError(f"{snap}: learner key {key!r} is {got.get(key, 'missing')} in the snapshot, "
+                              f"{want.get(key, 'absent')} in the run its config builds")
     with torch.no_grad():
-        like.update_(loaded["learner"])
+        like.update_(learner)
     return evaluate_policy(config, like, spec, dev, episodes, config.seed if seed is None else seed)
 
 

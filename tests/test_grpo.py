@@ -511,6 +511,21 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "3"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean"] == pytest.approx(out["mean"])
     assert main(["resume", str(run)]) == 2 and "saved on another device type" in capsys.readouterr().err
+    # a learner that does not fit its config: evaluation raised a RuntimeError (a traceback) on the shape, and
+    # evaluated a missing leaf at its initial values without a word
+    state["learner", "rng"] = torch.zeros(rng.shape[0] + 1, other, dtype=torch.uint8)  # another seed count as well
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(run), "--episodes", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "learner key 'rng' is" in err[0] and f"({rng.shape[0] + 1}, {other})" in err[0]
+    state["learner", "rng"] = rng
+    params = state["learner", "params"].flatten_keys(".")
+    leaf = sorted(params.keys())[0]
+    del params[leaf]
+    state["learner", "params"] = params.unflatten_keys(".")
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["eval", str(run), "--episodes", "3"]) == 2
+    assert "is missing in the snapshot" in capsys.readouterr().err
 
 
 def test_train_grpo_gym_backend_and_seeds(tmp_path):
