@@ -239,8 +239,8 @@ def _resume(argv: list[str]) -> int:
                    help="continue from this snapshot of RUN_DIR/checkpoints (e.g. step_000000008192) instead of the latest (points 'latest' at it); "
                         "a ppo run with versions continues from its branch's head version when that is further along")
     p.add_argument("--device", default=None,
-                   help="run on this device (auto | cpu | cuda | npu) instead of the run's own; a run continues exactly "
-                        "only on the device type it ran on")
+                   help="run on this device (auto | cpu | cuda | npu) instead of the run's own, from now on (later snapshots "
+                        "record it); a run continues exactly only on the device type it ran on")
     a = p.parse_args(argv)
     from rlfunc import checkpoint
 

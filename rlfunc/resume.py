@@ -162,8 +162,9 @@ def begin_run(run_dir: str | Path, config, config_type: type, *, resume: bool, t
         budget: ``budget_field``, ``num_iterations``, ``unit``, ``require_format`` of :func:`resume_point`.
 
     Raises:
-        ConfigError: a bad ``run_dir`` (:func:`check_run_dir`); for a new run, ``total_steps`` given
-            or ``config`` not a ``config_type``. On resume, as :func:`resume_point`.
+        ConfigError: a bad ``run_dir`` (:func:`check_run_dir`); for a new run, ``total_steps`` or
+            ``device`` given, or ``config`` not a ``config_type``. On resume, as :func:`resume_point`,
+            or ``device`` is not a device this machine has (:func:`rlfunc.device.resolve_device`).
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)

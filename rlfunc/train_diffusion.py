@@ -581,9 +581,10 @@ def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, pro
 
     Raises:
         CheckpointError: ``run_dir`` holds no snapshot (the message names it), or a corrupt one, or
-            one of another algorithm, or one that does not fit the run its config builds.
+            one of another algorithm, or one that does not fit the run its config builds (generator
+            states saved on another device type: the message names the one to resume on).
         ConfigError: ``total_steps`` is not an int >= 1, or less than the run has done; ``run_dir``
-            is not a directory.
+            is not a directory; ``device`` is not a device this machine has.
         EnvError: the snapshot's env cannot be made here.
     """
     snap = checkpoint.latest_snapshot(run_dir)

@@ -219,8 +219,10 @@ def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progr
     Raises:
         CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot, a
             config in meta.json that is not a PPOEncoderConfig, or a snapshot written before
-            ppo-encoder runs were resumable.
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
+            ppo-encoder runs were resumable, or one whose generator states were saved on another
+            device type (the message names the one to resume on).
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
+            ``device`` is not a device this machine has.
 
     Warns:
         UserWarning: the envs' episodes could not be captured (the resumed run starts new ones).

@@ -271,8 +271,10 @@ def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress
     Raises:
         CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
             sha256, keys or shapes), a config in meta.json that is not a GRPOConfig, or a snapshot
-            written before grpo/gspo runs were resumable.
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
+            written before grpo/gspo runs were resumable, or one whose generator states were saved
+            on another device type (the message names the one to resume on).
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
+            ``device`` is not a device this machine has.
     """
     return train_grpo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
                       device=device)

@@ -390,8 +390,10 @@ def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progres
     Raises:
         CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
             sha256, keys or shapes), a config in meta.json that is not a MAPPOConfig, or a snapshot
-            written before mappo runs were resumable.
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done.
+            written before mappo runs were resumable, or one whose generator states were saved on
+            another device type (the message names the one to resume on).
+        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
+            ``device`` is not a device this machine has.
 
     Warns:
         UserWarning: an rware run (its env state cannot be captured: new episodes).
