@@ -324,3 +324,24 @@ def test_a_version_saved_on_another_device_type_names_the_device_on_resume(tmp_p
                                                "(learner.rng) were saved on another device type than cpu")
     assert err[0].endswith("resume it with --device cuda or npu")
     assert (run / "metrics.jsonl").read_text() == metrics  # refused before anything was cut or written
+
+
+def test_resume_on_a_bad_device_writes_nothing(tmp_path, run_dir, capsys):
+    import shutil
+
+    from rlfunc import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    files = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    older = checkpoint.run_snapshots(run)[-1].name
+    cases = [(["--device", "gpu"], "device='gpu': expected one of auto, cpu, cuda, npu"),
+             (["--device", "cpu:x"], "device='cpu:x'"),
+             (["--device", "cuda", "--snapshot", older], "device='cuda'" if not torch.cuda.is_available() else None)]
+    for args, message in cases:
+        if message is None:
+            continue
+        assert main(["resume", str(run), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], args
+        assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == files, args  # latest included
