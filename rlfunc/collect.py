@@ -133,6 +133,8 @@ def rollout(
             observations and actions of any shape; both are flattened (obs_dim, act_dim).
         policy: ``observation [N, obs_dim] (device) -> (action [N, act_dim], sample_log_prob [N, 1])``;
             the env receives the action clipped to its bounds (NaN -> 0), the batch stores it as drawn.
+            A policy that returns None for the log-probability (every step) leaves "sample_log_prob"
+            out of the batch, for a learner that computes it over the whole batch afterwards.
         carry: the previous rollout's carry (or :func:`reset`'s); host tensors.
         num_steps: T, steps per env.
         device: where the batch goes, in one copy at the end.
@@ -146,6 +148,7 @@ def rollout(
     observation = torch.empty(num_steps + 1, n, obs_dim)  # [t] observed at t; [T] the next carry
     action = torch.empty(num_steps, n, act_dim)
     log_prob = torch.empty(num_steps, n, 1)
+    with_log_prob = True
     reward = np.empty((num_steps, n), np.float32)
     terminated = np.empty((num_steps, n), bool)
     truncated = np.empty((num_steps, n), bool)
@@ -157,7 +160,10 @@ def rollout(
         for t in range(num_steps):
             act, logp = policy(observation[t].to(device, non_blocking=True))
             action[t] = act
-            log_prob[t] = logp
+            if logp is None:
+                with_log_prob = False
+            else:
+                log_prob[t] = logp
             next_obs, rew, term, trunc, info = venv.step(_env_action(action[t], bounds, space.shape))
             reward[t], terminated[t], truncated[t] = rew, term, trunc
             observation[t + 1] = _flat_obs(next_obs, n)
@@ -191,7 +197,7 @@ def rollout(
         {
             "observation": observation[:-1],
             "action": action,
-            "sample_log_prob": log_prob,
+            **({"sample_log_prob": log_prob} if with_log_prob else {}),
             "next": {
                 "observation": next_observation,
                 "reward": reward_t,

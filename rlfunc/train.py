@@ -346,7 +346,8 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
                 t0 = time.perf_counter()
                 set_lr(optimizer, linear_lr(config.lr, it, config.num_iterations, config.anneal_lr))
                 gens = _generators(state, device)
-                batch, carry = collect.rollout(venv, algo.policy(state, gens), carry, T, device=device)
+                # log_prob=False: iteration computes the batch's log-probabilities in one pass
+                batch, carry = collect.rollout(venv, algo.policy(state, gens, log_prob=False), carry, T, device=device)
                 batch = batch.reshape(S, N, T)
                 t1 = time.perf_counter()
                 frozen = [] if freeze is None else [i for i, u in enumerate(freeze["frozen_until"].tolist()) if u > it]

@@ -127,6 +127,41 @@ def test_rollout_log_prob_matches_the_loss_log_prob():
         torch.testing.assert_close(batch["sample_log_prob"][s], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("exploration", ["gaussian", "gsde"])
+def test_iteration_computes_the_log_prob_the_trainers_rollout_leaves_out(exploration):
+    # The trainer's rollout uses policy(..., log_prob=False) (ten fewer ops per env step); iteration
+    # then computes the batch's log-probabilities in one pass. Same actions, same update as with the
+    # per-step log-probabilities, up to float rounding.
+    from rlfunc import collect
+    from rlfunc.algos.ppo import make_ppo
+    from rlfunc.normalize import update_running_stats
+    from rlfunc.optim import make_adam
+    from rlfunc.train import _generators, env_spec
+
+    config = preset("Pendulum-v1", num_envs=4, num_steps=32, minibatch_size=64, num_epochs=2, num_seeds=2, device="cpu",
+                    exploration=exploration, sde_sample_freq=4, normalize_observations=True, normalize_rewards=True)
+    venv = collect.make_vec_env("Pendulum-v1", 8)
+    algo = make_ppo(config, env_spec(venv), torch.device("cpu"))
+    start = algo.init()
+    stats = func.vmap(update_running_stats)(start["obs_stats"], torch.randn(2, 50, 3) * 3 + 1)
+    out = {}
+    for with_log_prob in (True, False):
+        state = algo.init()  # the same parameters (seeded), as leaves the optimizer can step
+        state["obs_stats"] = stats.clone()
+        gens = _generators(state, torch.device("cpu"))
+        batch, _ = collect.rollout(venv, algo.policy(state, gens, log_prob=with_log_prob), collect.reset(venv, range(8)), 32,
+                                   device=torch.device("cpu"))
+        assert ("sample_log_prob" in batch.keys()) is with_log_prob
+        optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+        new, metrics = algo.iteration(state, batch.reshape(2, 4, 32), gens, optimizer)
+        out[with_log_prob] = batch["action"], new["params"], metrics["approx_kl"]
+    torch.testing.assert_close(out[True][0], out[False][0], atol=0, rtol=0)  # the same draws
+    for a, b in zip(func.leaves(out[True][1]), func.leaves(out[False][1])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[True][2], out[False][2], atol=1e-5, rtol=1e-3)
+    assert not torch.equal(func.leaves(out[False][1])[0], func.leaves(start["params"])[0])  # it did update
+
+
 def test_resume_after_a_crash_drops_metrics_written_after_the_snapshot(tmp_path):
     # A crash (SIGKILL) after iteration 3 but before its snapshot: resume restarts from iteration 2,
     # and metrics.jsonl must not list iteration 3 twice, nor restart its clock.

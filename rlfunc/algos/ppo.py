@@ -267,8 +267,14 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             return obs
         return normalize(stats, obs, clip=config.obs_clip)
 
-    def policy(state: TensorDict, generators: list[torch.Generator], deterministic: bool = False):
+    def policy(state: TensorDict, generators: list[torch.Generator], deterministic: bool = False,
+               log_prob: bool = True):
         """The collector's policy: observation [S*N', obs_dim] -> (action, sample_log_prob [S*N', 1]).
+
+        ``log_prob=False`` returns (action, None): the trainer's rollout leaves "sample_log_prob"
+        out of the batch and ``iteration`` computes it for the whole batch at once from the
+        observations and actions (same parameters, so the same density up to float rounding),
+        which takes about ten small ops out of every env step.
 
         The actor runs through ``func.sequential_forward`` (weights resolved once as views; all
         seeds in one batched matmul per layer). The normaliser is (mean, 1/sqrt(var + eps))
@@ -302,7 +308,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
             std, log_norm = log_std.exp(), -(log_std + half_log_2pi).sum(-1, keepdim=True)
 
-        def act(observation: Tensor) -> tuple[Tensor, Tensor]:
+        def act(observation: Tensor) -> tuple[Tensor, Tensor | None]:
             x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass 64-bit floats
             if config.normalize_observations:
                 x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
@@ -321,19 +327,23 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                         ).flatten(0, 1)  # [S * N', L, A]
                 rollout["step"] += 1
                 noise = torch.bmm(latent.reshape(-1, 1, latent.shape[-1]), rollout["theta"]).view_as(loc)  # z @ theta, [S, N', A]
+                if not log_prob:
+                    return loc.add_(noise).reshape(-1, spec.act_dim), None
                 variance = torch.bmm(latent.square(), variance_scale).add_(SDE_EPSILON)
                 if not config.full_std:
                     variance = variance.expand_as(noise)
-                log_prob = noise.square().div_(variance).add_(variance.log()).sum(-1, keepdim=True)
-                log_prob = torch.add(sde_log_norm, log_prob, alpha=-0.5)
-                return loc.add_(noise).reshape(-1, spec.act_dim), log_prob.reshape(-1, 1)
+                logp = noise.square().div_(variance).add_(variance.log()).sum(-1, keepdim=True)
+                logp = torch.add(sde_log_norm, logp, alpha=-0.5)
+                return loc.add_(noise).reshape(-1, spec.act_dim), logp.reshape(-1, 1)
             if S == 1:
                 noise = torch.randn(loc.shape, generator=generators[0], device=loc.device)
             else:
                 noise = torch.stack([torch.randn(loc.shape[1:], generator=g, device=loc.device) for g in generators])
             action = torch.addcmul(loc, std, noise)
-            log_prob = noise.square().sum(-1, keepdim=True).mul_(-0.5).add_(log_norm)
-            return action.reshape(-1, spec.act_dim), log_prob.reshape(-1, 1)
+            if not log_prob:
+                return action.reshape(-1, spec.act_dim), None
+            logp = noise.square().sum(-1, keepdim=True).mul_(-0.5).add_(log_norm)
+            return action.reshape(-1, spec.act_dim), logp.reshape(-1, 1)
 
         return act
 
@@ -378,6 +388,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             normalize_advantages=config.normalize_advantages, sample_weight=mb.get("sample_weight", None),
         )
 
+    def member_log_prob(params: TensorDict, obs: Tensor, action: Tensor) -> Tensor:
+        """log pi(action | obs) [*B, 1] of one member, as member_loss computes it (obs normalised)."""
+        loc, log_std, _, latent = actor_critic_apply(net, params, obs)
+        if gsde:
+            return sde_log_prob(action, loc, latent, log_std)
+        return gaussian_log_prob(action, loc, log_std)
+
     def member_values(params: TensorDict, obs: Tensor) -> Tensor:
         return sequential_apply(net.critic, params["critic"], obs)
 
@@ -408,12 +425,16 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         with torch.no_grad():
             value = vmap(member_values)(state["params"], obs)
             next_value = vmap(member_values)(state["params"], next_obs)
+            if "sample_log_prob" in batch.keys():
+                behaviour_log_prob = batch["sample_log_prob"]
+            else:  # a rollout of policy(..., log_prob=False): the parameters that acted are these
+                behaviour_log_prob = vmap(member_log_prob)(state["params"], obs, batch["action"])
         advantage, value_target = generalized_advantage_estimate(
             config.gamma, config.lmbda, value, next_value, reward, done, batch["next", "terminated"]
         )
         flat = TensorDict(
             {
-                "observation": obs, "action": batch["action"], "sample_log_prob": batch["sample_log_prob"],
+                "observation": obs, "action": batch["action"], "sample_log_prob": behaviour_log_prob,
                 "advantage": advantage, "value_target": value_target, "state_value": value,
             },
             batch_size=batch.batch_size,
