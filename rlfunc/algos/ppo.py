@@ -152,8 +152,8 @@ PRESETS: dict[str, dict] = {
     # Pendulum: RL-Zoo's gSDE exploration (matrix resampled every 4 steps), gamma 0.9, constant lr,
     # no observation/reward normalisation, 100k steps; 16 envs x 256 steps (RL-Zoo: 4 x 1024) and
     # minibatches of 256 at 3x RL-Zoo's lr: a quarter of its gradient steps per sample.
-    # bench/RESULTS.md "Pendulum-v1": -200 after 24.6k / 24.6k / 57.3k samples on seeds 0-2 (SB3
-    # RL-Zoo: 30.7k / 41.0k / 30.7k; the Gaussian preset before: 80-190k), 0.28x SB3's time.
+    # bench/RESULTS.md "Pendulum-v1": -200 after 24.6k / 24.6k / 49.2k samples on seeds 0-2 (SB3
+    # RL-Zoo: 30.7k / 41.0k / 30.7k; the Gaussian preset before: 80-190k), 0.25x SB3's time.
     "Pendulum-v1": dict(
         total_steps=100_000, num_envs=16, num_steps=256, num_epochs=10, minibatch_size=256,
         lr=3e-3, anneal_lr=False, gamma=0.9, lmbda=0.95, clip_epsilon=0.2, entropy_coef=0.0, max_grad_norm=0.5,
@@ -161,9 +161,9 @@ PRESETS: dict[str, dict] = {
     ),
     # HalfCheetah: RL-Zoo's gamma/lambda/grad clip and 256x256 ReLU nets, with fewer and larger
     # minibatches than RL-Zoo's 20 epochs of 64 (the bulk of its wall-clock). 16 envs x 128 steps
-    # (the same 2048-sample batch as 4 x 512 before): 7122 / 6345 / 5784 at 1M on seeds 0-2 against
-    # 5454 / 5911 / 5457, in ~405 s (bench/RESULTS.md "HalfCheetah-v5"), and collection at 0.75 of
-    # the bare env instead of 0.60.
+    # (the same 2048-sample batch as 4 x 512 before): 6066 / 6823 / 6364 at 1M on seeds 0-2 (SB3
+    # RL-Zoo in the same bench: 6250 / 4777 / 5519), in 400-490 s (bench/RESULTS.md "HalfCheetah-v5"),
+    # and collection at 0.81-0.86 of the bare env (4 x 512: 0.60).
     "HalfCheetah-v5": dict(
         total_steps=1_000_000, num_envs=16, num_steps=128, num_epochs=10, minibatch_size=256,
         lr=3e-4, gamma=0.98, lmbda=0.92, clip_epsilon=0.2, max_grad_norm=0.8,
