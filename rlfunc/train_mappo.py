@@ -179,7 +179,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     Args:
         episodes: warehouses (rware: episodes) per eval seed (None: the run's ``eval_episodes``).
         seed: evaluate on this one env seed (None: the run's ``eval_seeds``).
-        device: where to run ("auto", "cpu", "cuda" ...).
+        device: where to run, a name for :func:`rlfunc.device.resolve_device` ("auto", "cpu", "npu:0" ...).
 
     Raises:
         CheckpointError: no snapshot, not a mappo one, or a learner state that does not match its config.
