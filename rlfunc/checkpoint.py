@@ -214,25 +214,15 @@ def load_snapshot(
     except Exception as e:  # SafetensorError, OSError ...: one line, never a deep traceback
         raise SnapshotCorruptError(f"{state_path}: not a readable safetensors file ({_one_line(e)})") from e
 
-    found = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items()}
+    found = _table(tensors)
     recorded = {name: (spec["shape"], spec["dtype"]) for name, spec in record["tensors"].items()}
     problem = _first_difference(found, recorded, "state.safetensors", "meta.json")
     if problem:
         raise SnapshotCorruptError(f"{state_path}: does not match the table in meta.json: {problem}")
     target = torch.device("cpu") if device is None else resolve_device(device)
     if like is not None:
-        like_flat = _flatten(like, "like")
-        expected = {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in like_flat.items()}
-        other_device = _generators_of_another_device(found, expected)
-        rest = {**found, **{name: expected[name] for name in other_device}}
-        problem = _first_difference(rest, expected, "snapshot", "the run being loaded")
-        if problem:
-            raise CheckpointError(f"{path}: snapshot does not match the structure its config gives "
-                                  f"(an edited meta.json, or another version of the run?): {problem}")
-        if generators == "exact":
-            _refuse_generators_of_another_device(str(path), other_device, found, like_flat)
-        for name in other_device:
-            tensors[name] = like_flat[name].detach().to("cpu").clone()
+        _match_like(str(path), tensors, like, "snapshot", "snapshot does not match the structure its config gives "
+                    "(an edited meta.json, or another version of the run?)", generators)
 
     state = TensorDict({}, batch_size=[], device=target)
     for name in sorted(tensors):
@@ -252,8 +242,8 @@ def adopt_generator_states(loaded: TensorDictBase, like: TensorDictBase) -> list
     """Put ``like``'s values, in place, into the generator-state leaves of ``loaded`` that were saved on
     another device type (:func:`generators_of_another_device`); returns their "."-joined names. For
     loads that draw nothing from them (evaluating a run on another device)."""
-    names = generators_of_another_device(loaded, like)
     got, want = _flatten(loaded, "loaded"), _flatten(like, "like")
+    names = _generators_of_another_device(_table(got), _table(want))
     for name in names:
         loaded.set(tuple(name.split(".")), want[name].detach().to(got[name].device).clone())
     return names
@@ -263,8 +253,7 @@ def generators_of_another_device(loaded: TensorDictBase, like: TensorDictBase) -
     """The "."-joined keys, sorted, of the generator-state leaves (:func:`is_generator_state`) of
     ``loaded`` saved on another device type than ``like``'s: uint8 on both sides, the same leading
     dims, another length (CPU: 5056 bytes, CUDA/NPU: 16). Other differences are not counted."""
-    table = lambda td: {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in _flatten(td, "state").items()}  # noqa: E731
-    return _generators_of_another_device(table(loaded), table(like))
+    return _generators_of_another_device(_table(_flatten(loaded, "loaded")), _table(_flatten(like, "like")))
 
 
 def check_generator_device(where: str, loaded: TensorDictBase, like: TensorDictBase) -> None:
@@ -280,9 +269,64 @@ def check_generator_device(where: str, loaded: TensorDictBase, like: TensorDictB
         CheckpointError: naming ``where``, the keys, and the device type to resume on
             ("--device cpu", or "--device cuda or npu").
     """
-    names = generators_of_another_device(loaded, like)
-    got = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in _flatten(loaded, "loaded").items()}
-    _refuse_generators_of_another_device(where, names, got, _flatten(like, "like"))
+    found, like_flat = _table(_flatten(loaded, "loaded")), _flatten(like, "like")
+    _refuse_generators_of_another_device(where, _generators_of_another_device(found, _table(like_flat)), found, like_flat)
+
+
+def check_learner(where: str, loaded: TensorDictBase | None, like: TensorDictBase, *,
+                  generators: str = "exact") -> TensorDictBase:
+    """``loaded`` (a snapshot's learner state; None: the snapshot has none) checked against ``like``
+    (the fresh learner state of the run its config builds): the same keys, shapes and dtypes, so
+    that ``like.update_(loaded)`` neither fails nor leaves a leaf at its initial value.
+
+    Args:
+        where: what was loaded (a snapshot path ...), put first in the message.
+        generators: for generator states saved on another device type (:func:`load_snapshot`'s
+            argument): "exact" refuses them, after the rest of the structure is checked; "fresh" puts
+            ``like``'s values in their place (in ``loaded``), for evaluation.
+
+    Returns:
+        ``loaded`` (an empty TensorDict for None).
+
+    Raises:
+        CheckpointError: the first (sorted) key that is missing, extra, or of another shape or dtype,
+            both sides named; with "exact", generator states of another device type (the type to
+            resume on named).
+    """
+    loaded = TensorDict({}, batch_size=[]) if loaded is None else loaded
+    if generators == "fresh":
+        adopt_generator_states(loaded, like)
+    table = lambda td: {n: (tuple(t.shape), t.dtype) for n, t in _flatten(td, "state").items()}  # noqa: E731
+    got, want = table(loaded), table(like)
+    other_device = generators_of_another_device(loaded, like)  # named after the rest is checked
+    for key in sorted(set(got) | set(want)):
+        if key not in other_device and got.get(key) != want.get(key):
+            raise CheckpointError(f"{where}: learner key {key!r} is {got.get(key, 'missing')} in the snapshot, "
+                                  f"{want.get(key, 'absent')} in the run its config builds")
+    check_generator_device(where, loaded, like)
+    return loaded
+
+
+def _table(flat: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], str]]:
+    """{name: (shape as a list, dtype name)}: the form meta.json records and the checks compare."""
+    return {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in flat.items()}
+
+
+def _match_like(where: str, tensors: dict[str, torch.Tensor], like: TensorDictBase, label: str, mismatch: str,
+                generators: str) -> None:
+    """Check the flat ``tensors`` (a snapshot's or a version's, called ``label``) against ``like``:
+    CheckpointError "{where}: {mismatch}: <the first difference>"; generator states saved on another
+    device type are refused ("exact") or replaced in ``tensors`` by ``like``'s ("fresh")."""
+    found, like_flat = _table(tensors), _flatten(like, "like")
+    expected = _table(like_flat)
+    other_device = _generators_of_another_device(found, expected)
+    problem = _first_difference({**found, **{n: expected[n] for n in other_device}}, expected, label, "the run being loaded")
+    if problem:
+        raise CheckpointError(f"{where}: {mismatch}: {problem}")
+    if generators == "exact":
+        _refuse_generators_of_another_device(where, other_device, found, like_flat)
+    for name in other_device:
+        tensors[name] = like_flat[name].detach().to("cpu").clone()
 
 
 def _refuse_generators_of_another_device(where: str, names: list[str], found: dict, like_flat: dict) -> None:

@@ -265,20 +265,6 @@ def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None,
                      require_format=False)
 
 
-def _check_structure(got: TensorDict, want: TensorDict, snap) -> None:
-    """CheckpointError naming the first learner key whose presence, shape or dtype differs, or the
-    device type to resume on when only the generator states' length differs (saved on another)."""
-    table = lambda td: {".".join(k) if isinstance(k, tuple) else k: (tuple(v.shape), v.dtype)  # noqa: E731
-                        for k, v in td.items(include_nested=True, leaves_only=True)}
-    got_t, want_t = table(got), table(want)
-    other_device = checkpoint.generators_of_another_device(got, want)  # named after the rest is checked
-    for key in sorted(set(got_t) | set(want_t)):
-        if key not in other_device and got_t.get(key) != want_t.get(key):
-            raise CheckpointError(f"{snap}: learner key {key!r} is {got_t.get(key, 'missing')} in the snapshot, "
-                                  f"{want_t.get(key, 'absent')} in the run its config builds")
-    checkpoint.check_generator_device(str(snap), got, want)
-
-
 def _restore(source: ResumePoint | None, run_dir: Path, device: torch.device, state: TensorDict, info: EnvInfo,
              optimizers: dict, prec, generator: torch.Generator, env=None) -> tuple[TensorDict | None, float]:
     """Load ``source`` into a freshly built run, in place: the learner ``state`` (its leaves stay the
@@ -298,7 +284,7 @@ def _restore(source: ResumePoint | None, run_dir: Path, device: torch.device, st
     loaded, _ = checkpoint.load_snapshot(snap, device=device)
     if "learner" not in loaded.keys():
         raise CheckpointError(f"{snap}: holds no learner state")
-    _check_structure(loaded["learner"], state, snap)
+    checkpoint.check_learner(str(snap), loaded["learner"], state)
     try:
         check_schedule(loaded["learner", "schedule"], state["schedule"])
     except CheckpointError as e:

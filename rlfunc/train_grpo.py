@@ -185,14 +185,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     spec = _spec(config.env)
     like = make_grpo(config, spec, dev).init()
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
-    learner = loaded["learner"] if "learner" in loaded.keys() else TensorDict({}, batch_size=[])
-    checkpoint.adopt_generator_states(learner, like)  # evaluation draws nothing from them
-    table = lambda td: {k: (tuple(v.shape), v.dtype) for k, v in td.flatten_keys(".").items()}  # noqa: E731
-    got, want = table(learner), table(like)
-    if got != want:  # update_ would fail on a shape, and leave a missing leaf (say a layer) at its init silently
-        key = min(k for k in set(got) | set(want) if got.get(k) != want.get(k))
-        raise CheckpointError(f"{snap}: learner key {key!r} is {got.get(key, 'missing')} in the snapshot, "
-                              f"{want.get(key, 'absent')} in the run its config builds")
+    # evaluation draws nothing from the generator states: those of another device type are replaced
+    learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), like, generators="fresh")
     with torch.no_grad():
         like.update_(learner)
     return evaluate_policy(config, like, spec, dev, episodes, config.seed if seed is None else seed)

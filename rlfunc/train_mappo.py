@@ -205,13 +205,9 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     algo = make_mappo(config, dims["obs_dim"], dims["n_agents"], dims["n_actions"], dev)
     state = algo.init()
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
-    table = lambda td: {k: (tuple(v.shape), v.dtype) for k, v in td.flatten_keys(".").items()}  # noqa: E731
-    got = table(loaded["learner"]) if "learner" in loaded.keys() else {}
-    if got != table(state):
-        diff = sorted(set(map(str, got.items())) ^ set(map(str, table(state).items())))[:3]
-        raise CheckpointError(f"{snap}: the learner state does not match its config (first differences: {diff})")
+    learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
     with torch.no_grad():
-        state.update_(loaded["learner"])
+        state.update_(learner)
     return evaluate_state(config, algo, state, dev)
 
 

@@ -56,13 +56,10 @@ from rlfunc.checkpoint import (
     _check_meta,
     _cpu_tensors,
     _dtype_name,
-    _first_difference,
     _flatten,
     _fsync_dir,
-    _generators_of_another_device,
+    _match_like,
     _one_line,
-    _refuse_generators_of_another_device,
-    _write_synced,
 )
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
@@ -352,15 +349,7 @@ def load_version(
     manifest = read_manifest(run_dir, version)
     tensors = _read_blobs(root, manifest["tensors"], version)
     if like is not None:
-        found = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items()}
-        like_flat = _flatten(like, "like")
-        expected = {n: (list(t.shape), _dtype_name(t.dtype)) for n, t in like_flat.items()}
-        other_device = _generators_of_another_device(found, expected)  # named apart, below
-        problem = _first_difference({**found, **{n: expected[n] for n in other_device}}, expected, "version",
-                                    "the run being loaded")
-        if problem:
-            raise CheckpointError(f"{version} of {run_dir}: does not match the run: {problem}")
-        _refuse_generators_of_another_device(f"{version} of {run_dir}", other_device, found, like_flat)
+        _match_like(f"{version} of {run_dir}", tensors, like, "version", "does not match the run", "exact")
     target = torch.device("cpu") if device is None else resolve_device(device)
     state = TensorDict({}, batch_size=[], device=target)
     for name in sorted(tensors):

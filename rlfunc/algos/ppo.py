@@ -388,12 +388,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             normalize_advantages=config.normalize_advantages, sample_weight=mb.get("sample_weight", None),
         )
 
-    def member_log_prob(params: TensorDict, obs: Tensor, action: Tensor) -> Tensor:
-        """log pi(action | obs) [*B, 1] of one member, as member_loss computes it (obs normalised)."""
-        loc, log_std, _, latent = actor_critic_apply(net, params, obs)
+    def member_log_prob_and_value(params: TensorDict, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
+        """(log pi(action | obs), V(obs)), each [*B, 1], of one member in one pass, as member_loss
+        computes them (obs normalised)."""
+        loc, log_std, value, latent = actor_critic_apply(net, params, obs)
         if gsde:
-            return sde_log_prob(action, loc, latent, log_std)
-        return gaussian_log_prob(action, loc, log_std)
+            return sde_log_prob(action, loc, latent, log_std), value
+        return gaussian_log_prob(action, loc, log_std), value
 
     def member_values(params: TensorDict, obs: Tensor) -> Tensor:
         return sequential_apply(net.critic, params["critic"], obs)
@@ -423,12 +424,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             new["discounted_return"] = z[:, :, -1] * (~done[:, :, -1]).float()
             reward = vmap(scale_reward)(reward, new["return_stats"]).clamp(-config.reward_clip, config.reward_clip)
         with torch.no_grad():
-            value = vmap(member_values)(state["params"], obs)
-            next_value = vmap(member_values)(state["params"], next_obs)
             if "sample_log_prob" in batch.keys():
                 behaviour_log_prob = batch["sample_log_prob"]
+                value = vmap(member_values)(state["params"], obs)
             else:  # a rollout of policy(..., log_prob=False): the parameters that acted are these
-                behaviour_log_prob = vmap(member_log_prob)(state["params"], obs, batch["action"])
+                behaviour_log_prob, value = vmap(member_log_prob_and_value)(state["params"], obs, batch["action"])
+            next_value = vmap(member_values)(state["params"], next_obs)
         advantage, value_target = generalized_advantage_estimate(
             config.gamma, config.lmbda, value, next_value, reward, done, batch["next", "terminated"]
         )
