@@ -9,6 +9,8 @@ return, and the training wall-clock until the evaluation return first reaches --
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-steps 200000 --sb3-steps 200000 --eval-every 50000 --threshold -40
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 10 --sb3-seeds --set "hidden=(64, 64)" ...   # ours only, a preset variant
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-seeds ...   # SB3 only (one side of a comparison split over processes)
+    python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 1 2 3 --sb3-seeds --ours-batched ...   # ours only, seeds as one batch
+    python -m bench.ppo_vs_sb3 --env Pusher-v5 --eval-episodes 100 --merge OURS.json SB3.json   # report the two halves together
 """
 
 from __future__ import annotations
@@ -68,7 +70,33 @@ def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, tot
     return {"wall": wall, "curve": curve}
 
 
-def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: int | None) -> dict:
+def run_ours_batched(env: str, seeds: list[int], eval_every: int, episodes: int, out: Path, total_steps: int | None,
+                     **overrides) -> dict[int, dict]:
+    """Our seeds trained as one batch (``num_seeds``, stacked parameters; seeds must be consecutive),
+    each evaluated on the same episodes as a run of that seed alone. Returns {seed: run_ours-like dict}
+    (the wall-clock is the batch's, shared by every seed)."""
+    if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
+        raise SystemExit(f"--ours-batched needs consecutive seeds, got {seeds}")
+    run_dir = out / f"rlfunc-{env}-s{seeds[0]}x{len(seeds)}-{abs(hash(str(overrides)))}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if total_steps is not None:
+        overrides["total_steps"] = total_steps
+    base = dict(seed=seeds[0], num_seeds=len(seeds), device="cpu", version_every=0, keep_checkpoints=0)
+    config = preset(env, **base, **overrides)
+    config = preset(env, **base, checkpoint_every=max(1, eval_every // config.batch_size), **overrides)
+    t = time.perf_counter()
+    train(config, run_dir, progress=False, tensorboard=False)
+    wall = time.perf_counter() - t
+    times = {r["step"]: r["time"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    curves = {s: [] for s in seeds}
+    for snap in sorted((run_dir / "checkpoints").glob("step_*")):
+        result = evaluate(run_dir, episodes, device="cpu", snapshot=snap)
+        for s, mean in zip(seeds, result["per_seed_mean"]):
+            curves[s].append((result["env_steps"], times[result["env_steps"]], mean))
+    return {s: {"wall": wall, "curve": curves[s], "batched": len(seeds)} for s in seeds}
+
+
+def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: int | None, out: Path | None = None) -> dict:
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
@@ -106,6 +134,10 @@ def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: in
     t = time.perf_counter()
     model.learn(total_timesteps=total_steps or zoo["n_timesteps"], callback=clock)
     wall = time.perf_counter() - t
+    if out is not None:  # the final policy and its normaliser, to evaluate again on other episodes later
+        model.save(out / f"sb3-{env}-s{seed}.zip")
+        if zoo["normalize"]:
+            venv.save(str(out / f"sb3-{env}-s{seed}-vecnormalize.pkl"))
     normalize = venv.normalize_obs if zoo["normalize"] else (lambda o: o)
     return {"wall": wall, "curve": clock.curve, "same_episodes": same_episodes(env, seed, episodes, model, normalize)}
 
@@ -154,21 +186,35 @@ def main() -> None:
     p.add_argument("--sb3-seeds", type=int, nargs="*", default=None, help="default: --seeds; fewer saves time")
     p.add_argument("--ours-seeds", type=int, nargs="*", default=None,
                    help="default: --seeds; `--ours-seeds` alone runs SB3 only (to split one comparison over processes)")
+    p.add_argument("--ours-batched", action="store_true",
+                   help="train our seeds as one batch (num_seeds, stacked parameters) before SB3's; faster on few cores")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of our preset (python literals), e.g. hidden='(64, 64)' anneal_lr=False")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="only report: merge these result files (one row per seed)")
     a = p.parse_args()
+    if a.merge:
+        return report(merge(a.merge), a.env, a.threshold, a.eval_every, a.eval_episodes)
     torch.set_num_threads(1)  # both sides: one intra-op thread (our trainer's default)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    ours_seeds = a.seeds if a.ours_seeds is None else a.ours_seeds
+    batched = run_ours_batched(a.env, ours_seeds, a.eval_every, a.eval_episodes, out, a.ours_steps,
+                               **parse_overrides(a.set)) if a.ours_batched and ours_seeds else None
     for seed in a.seeds:  # interleaved per seed
-        ours_seeds = a.seeds if a.ours_seeds is None else a.ours_seeds
-        ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps, **parse_overrides(a.set)) if seed in ours_seeds else None
+        if batched is not None:
+            ours = batched.get(seed)
+        else:
+            ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps, **parse_overrides(a.set)) if seed in ours_seeds else None
         sb3_seeds = a.seeds if a.sb3_seeds is None else a.sb3_seeds
-        sb3 = run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps) if seed in sb3_seeds else None
+        sb3 = run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps, out) if seed in sb3_seeds else None
         rows.append({"seed": seed, "ours": ours, "sb3": sb3})
         (out / f"ppo_vs_sb3-{a.env}.json").write_text(json.dumps(rows, indent=1))
-    print(f"env={a.env} threshold={a.threshold} eval every {a.eval_every} steps, {a.eval_episodes} episodes, torch threads=1")
+    report(rows, a.env, a.threshold, a.eval_every, a.eval_episodes)
+
+
+def report(rows: list[dict], env: str, threshold: float, eval_every: int, episodes: int) -> None:
+    print(f"env={env} threshold={threshold} eval every {eval_every} steps, {episodes} episodes, torch threads=1")
     print(f"{'seed':>4} {'who':>6} {'final return':>12} {'steps to thr':>12} {'s to thr':>9} {'train wall s':>12}")
     summary = {}
     for who in ("ours", "sb3"):
@@ -177,7 +223,7 @@ def main() -> None:
             r = row[who]
             if r is None:
                 continue
-            steps, secs = first_reach(r["curve"], a.threshold)
+            steps, secs = first_reach(r["curve"], threshold)
             final = r["curve"][-1][2] if r["curve"] else float("nan")
             finals.append(final)
             times.append(secs if secs is not None else float("inf"))
@@ -191,6 +237,25 @@ def main() -> None:
     if "ours" in summary and "sb3" in summary:
         print(f"time-to-threshold ratio ours/sb3 = {summary['ours'][1] / summary['sb3'][1]:.2f}")
 
+    paired = [(row["seed"], row["ours"]["curve"][-1][2], row["sb3"]["same_episodes"]) for row in rows
+              if row["ours"] and row["ours"]["curve"] and row["sb3"] and "same_episodes" in row["sb3"]]
+    if paired:  # both final policies on the very same episodes of each seed
+        ours, sb3 = [p[1] for p in paired], [p[2] for p in paired]
+        print(f"paired, same {episodes} episodes per seed, seeds {[p[0] for p in paired]}: ours - sb3 per seed "
+              f"{[round(o - b, 2) for _, o, b in paired]}; median ours {statistics.median(ours):.2f} sb3 "
+              f"{statistics.median(sb3):.2f}; mean ours {statistics.mean(ours):.2f} sb3 {statistics.mean(sb3):.2f}; "
+              f"ours ahead on {sum(o >= b for _, o, b in paired)} of {len(paired)}")
+
+
+def merge(paths: list[str]) -> list[dict]:
+    """Rows of several runs' JSON files (e.g. ours-only and SB3-only halves of one comparison), one per seed."""
+    rows: dict[int, dict] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            merged = rows.setdefault(row["seed"], {"seed": row["seed"], "ours": None, "sb3": None})
+            for who in ("ours", "sb3"):
+                merged[who] = row[who] or merged[who]
+    return [rows[s] for s in sorted(rows)]
 
 if __name__ == "__main__":
     main()
