@@ -227,14 +227,15 @@ def report(rows: list[dict], env: str, threshold: float, eval_every: int, episod
             final = r["curve"][-1][2] if r["curve"] else float("nan")
             finals.append(final)
             times.append(secs if secs is not None else float("inf"))
-            print(f"{row['seed']:>4} {who:>6} {final:>12.1f} {str(steps):>12} {secs if secs is None else round(secs, 1)!s:>9} {r['wall']:>12.1f}")
+            batch = f"  (one batch of {r['batched']} seeds: times are the batch's)" if r.get("batched") else ""
+            print(f"{row['seed']:>4} {who:>6} {final:>12.1f} {str(steps):>12} {secs if secs is None else round(secs, 1)!s:>9} {r['wall']:>12.1f}{batch}")
             if "same_episodes" in r:
                 print(f"{'':>4} {'':>6} {r['same_episodes']:>12.1f}  (final policy on our evaluation episodes of this seed)")
         if finals:
             summary[who] = (statistics.median(finals), statistics.median(times))
     for who, (final, secs) in summary.items():
         print(f"median {who}: final return {final:.1f}, seconds to threshold {secs:.1f}")
-    if "ours" in summary and "sb3" in summary:
+    if "ours" in summary and "sb3" in summary and not any(row["ours"] and row["ours"].get("batched") for row in rows):
         print(f"time-to-threshold ratio ours/sb3 = {summary['ours'][1] / summary['sb3'][1]:.2f}")
 
     paired = [(row["seed"], row["ours"]["curve"][-1][2], row["sb3"]["same_episodes"]) for row in rows
