@@ -237,7 +237,6 @@ def report(rows: list[dict], env: str, threshold: float, eval_every: int, episod
         print(f"median {who}: final return {final:.1f}, seconds to threshold {secs:.1f}")
     if "ours" in summary and "sb3" in summary and not any(row["ours"] and row["ours"].get("batched") for row in rows):
         print(f"time-to-threshold ratio ours/sb3 = {summary['ours'][1] / summary['sb3'][1]:.2f}")
-
     paired = [(row["seed"], row["ours"]["curve"][-1][2], row["sb3"]["same_episodes"]) for row in rows
               if row["ours"] and row["ours"]["curve"] and row["sb3"] and "same_episodes" in row["sb3"]]
     if paired:  # both final policies on the very same episodes of each seed
@@ -257,6 +256,7 @@ def merge(paths: list[str]) -> list[dict]:
             for who in ("ours", "sb3"):
                 merged[who] = row[who] or merged[who]
     return [rows[s] for s in sorted(rows)]
+
 
 if __name__ == "__main__":
     main()
