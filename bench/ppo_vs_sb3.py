@@ -51,33 +51,16 @@ ZOO = {
 }
 
 
-def run_ours(env: str, seed: int, eval_every: int, episodes: int, out: Path, total_steps: int | None, **overrides) -> dict:
-    run_dir = out / f"rlfunc-{env}-s{seed}" if not overrides else out / f"rlfunc-{env}-s{seed}-{abs(hash(str(overrides)))}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if total_steps is not None:
-        overrides["total_steps"] = total_steps
-    config = preset(env, seed=seed, device="cpu", **overrides)
-    config = preset(env, seed=seed, device="cpu", keep_checkpoints=0,
-                    checkpoint_every=max(1, eval_every // config.batch_size), **overrides)
-    t = time.perf_counter()
-    train(config, run_dir, progress=False, tensorboard=False)
-    wall = time.perf_counter() - t
-    times = {r["step"]: r["time"] for r in read_metrics(run_dir / "metrics.jsonl")}
-    curve = []
-    for snap in sorted((run_dir / "checkpoints").glob("step_*")):
-        result = evaluate(run_dir, episodes, device="cpu", snapshot=snap)
-        curve.append((result["env_steps"], times[result["env_steps"]], result["mean"]))
-    return {"wall": wall, "curve": curve}
-
-
-def run_ours_batched(env: str, seeds: list[int], eval_every: int, episodes: int, out: Path, total_steps: int | None,
-                     **overrides) -> dict[int, dict]:
-    """Our seeds trained as one batch (``num_seeds``, stacked parameters; seeds must be consecutive),
-    each evaluated on the same episodes as a run of that seed alone. Returns {seed: run_ours-like dict}
-    (the wall-clock is the batch's, shared by every seed)."""
+def run_ours(env: str, seeds: list[int], eval_every: int, episodes: int, out: Path, total_steps: int | None,
+             **overrides) -> dict[int, dict]:
+    """Our PPO on ``seeds`` (consecutive), trained as one batch (``num_seeds``, stacked parameters) when
+    there are several, each seed evaluated on the same episodes as a run of that seed alone. Returns
+    {seed: {"wall", "curve": [(env steps, train s, mean return)], and "batched": N for a batch of N}};
+    a batch's wall-clock and times are the batch's, shared by every seed."""
     if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
         raise SystemExit(f"--ours-batched needs consecutive seeds, got {seeds}")
-    run_dir = out / f"rlfunc-{env}-s{seeds[0]}x{len(seeds)}-{abs(hash(str(overrides)))}"
+    name = f"rlfunc-{env}-s{seeds[0]}" + (f"x{len(seeds)}" if len(seeds) > 1 else "")
+    run_dir = out / (f"{name}-{abs(hash(str(overrides)))}" if overrides else name)
     shutil.rmtree(run_dir, ignore_errors=True)
     if total_steps is not None:
         overrides["total_steps"] = total_steps
@@ -93,7 +76,8 @@ def run_ours_batched(env: str, seeds: list[int], eval_every: int, episodes: int,
         result = evaluate(run_dir, episodes, device="cpu", snapshot=snap)
         for s, mean in zip(seeds, result["per_seed_mean"]):
             curves[s].append((result["env_steps"], times[result["env_steps"]], mean))
-    return {s: {"wall": wall, "curve": curves[s], "batched": len(seeds)} for s in seeds}
+    batched = {"batched": len(seeds)} if len(seeds) > 1 else {}
+    return {s: {"wall": wall, "curve": curves[s], **batched} for s in seeds}
 
 
 def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: int | None, out: Path | None = None) -> dict:
@@ -199,13 +183,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     ours_seeds = a.seeds if a.ours_seeds is None else a.ours_seeds
-    batched = run_ours_batched(a.env, ours_seeds, a.eval_every, a.eval_episodes, out, a.ours_steps,
-                               **parse_overrides(a.set)) if a.ours_batched and ours_seeds else None
+    batched = run_ours(a.env, ours_seeds, a.eval_every, a.eval_episodes, out, a.ours_steps,
+                       **parse_overrides(a.set)) if a.ours_batched and ours_seeds else None
     for seed in a.seeds:  # interleaved per seed
         if batched is not None:
             ours = batched.get(seed)
+        elif seed in ours_seeds:
+            ours = run_ours(a.env, [seed], a.eval_every, a.eval_episodes, out, a.ours_steps, **parse_overrides(a.set))[seed]
         else:
-            ours = run_ours(a.env, seed, a.eval_every, a.eval_episodes, out, a.ours_steps, **parse_overrides(a.set)) if seed in ours_seeds else None
+            ours = None
         sb3_seeds = a.seeds if a.sb3_seeds is None else a.sb3_seeds
         sb3 = run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps, out) if seed in sb3_seeds else None
         rows.append({"seed": seed, "ours": ours, "sb3": sb3})
