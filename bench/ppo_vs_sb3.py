@@ -1,22 +1,29 @@
-"""PPO on a gymnasium env: rlfunc vs stable-baselines3 with RL-Zoo settings, same script, interleaved.
+"""PPO on a gymnasium env: rlfunc vs stable-baselines3 with RL-Zoo settings, same script, interleaved,
+under the evaluation protocol of bench/protocol.py.
 
-For each seed, both train; every --eval-every env steps the policy is evaluated with deterministic
-actions on --eval-episodes episodes (evaluation time excluded from both clocks). Reports the final
-return, and the training wall-clock until the evaluation return first reaches --threshold.
+For each seed, both train; every --eval-every env steps each side's policy is evaluated with
+deterministic actions on the same --eval-episodes episodes (the reset seeds ``rlfunc.train.evaluate``
+uses for that seed; evaluation time is excluded from both clocks). Reports, per seed, the final
+policy's return (mean and 95% CI over the episodes), the first evaluation >= --threshold ("first
+touch") and the first one after which every later evaluation stays >= --threshold ("reach and
+stay"), in env steps and training seconds; across seeds the median and IQM of the final returns
+with stratified-bootstrap CIs (rliable), and the per-seed ratio of the reach-and-stay times. Learning
+curves (mean and 95% CI band over seeds, against env steps and wall-clock) go to --figure.
 
-    python -m bench.ppo_vs_sb3 --env Pendulum-v1 --seeds 0 1 2 --threshold -200
+    python -m bench.ppo_vs_sb3 --env Pendulum-v1 --seeds 0 1 2 3 4 --threshold -200 --figure bench/figures/pendulum_ppo_vs_sb3.png
     python -m bench.ppo_vs_sb3 --env HalfCheetah-v5 --seeds 0 1 2 --sb3-seeds 0 --eval-every 100000 --threshold 6941
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-steps 200000 --sb3-steps 200000 --eval-every 50000 --threshold -40
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 10 --sb3-seeds --set "hidden=(64, 64)" ...   # ours only, a preset variant
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 --ours-seeds ...   # SB3 only (one side of a comparison split over processes)
     python -m bench.ppo_vs_sb3 --env Pusher-v5 --seeds 0 1 2 3 --sb3-seeds --ours-batched ...   # ours only, seeds as one batch
-    python -m bench.ppo_vs_sb3 --env Pusher-v5 --eval-episodes 100 --merge OURS.json SB3.json   # report the two halves together
+    python -m bench.ppo_vs_sb3 --env Pusher-v5 --merge OURS.json SB3.json   # report the two halves together
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import time
@@ -25,9 +32,12 @@ from pathlib import Path
 import torch
 
 from bench.halfcheetah_gsde import parse_overrides
+from bench.protocol import aggregate, fmt_aggregate, median_or_none, plot_curves, thresholds
+from rlfunc import collect
 from rlfunc.algos.ppo import preset
 from rlfunc.log import read_metrics
-from rlfunc.train import evaluate, train
+from rlfunc.stats import summarize_returns
+from rlfunc.train import EVAL_SEED_OFFSET, evaluate, train
 
 # RL-Zoo (rl-baselines3-zoo, hyperparams/ppo.yml) settings.
 ZOO = {
@@ -76,23 +86,23 @@ def run_ours(env: str, seeds: list[int], eval_every: int, episodes: int, out: Pa
         result = evaluate(run_dir, episodes, device="cpu", snapshot=snap)
         for s, mean in zip(seeds, result["per_seed_mean"]):
             curves[s].append((result["env_steps"], times[result["env_steps"]], mean))
+    final = result  # the last snapshot is the final policy
+    cis = final.get("per_seed_ci95", [final["ci95"]])
     batched = {"batched": len(seeds)} if len(seeds) > 1 else {}
-    return {s: {"wall": wall, "curve": curves[s], **batched} for s in seeds}
+    return {s: {"wall": wall, "curve": curves[s], "final_ci95": ci, **batched} for s, ci in zip(seeds, cis)}
 
 
 def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: int | None, out: Path | None = None) -> dict:
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.evaluation import evaluate_policy
     from stable_baselines3.common.vec_env import VecNormalize
 
     zoo = ZOO[env]
     venv = make_vec_env(env, n_envs=zoo["n_envs"], seed=seed)
-    eval_env = make_vec_env(env, n_envs=1, seed=seed + 10_000)
     if zoo["normalize"]:
         venv = VecNormalize(venv, gamma=zoo["kwargs"]["gamma"])
-        eval_env = VecNormalize(eval_env, training=False, norm_reward=False)
+    normalize = (lambda o: venv.normalize_obs(o)) if zoo["normalize"] else (lambda o: o)  # the current statistics
     policy_kwargs = dict(zoo.get("policy_kwargs", {}))
     if policy_kwargs.get("activation_fn") == "relu":
         policy_kwargs["activation_fn"] = torch.nn.ReLU
@@ -107,54 +117,43 @@ def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: in
             if self.num_timesteps >= self.next_eval:
                 self.train_time += time.perf_counter() - self.last
                 self.next_eval += eval_every
-                if zoo["normalize"]:
-                    eval_env.obs_rms = venv.obs_rms
-                mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=episodes, deterministic=True)
-                self.curve.append((self.num_timesteps, self.train_time, float(mean)))
+                returns = same_episode_returns(env, seed, episodes, model, normalize)
+                self.curve.append((self.num_timesteps, self.train_time, float(returns.mean())))
                 self.last = time.perf_counter()
             return True
 
     clock = Clock()
-    t = time.perf_counter()
     model.learn(total_timesteps=total_steps or zoo["n_timesteps"], callback=clock)
-    wall = time.perf_counter() - t
+    clock.train_time += time.perf_counter() - clock.last
+    wall = clock.train_time  # training only, as ours: the evaluations are left out
     if out is not None:  # the final policy and its normaliser, to evaluate again on other episodes later
         model.save(out / f"sb3-{env}-s{seed}.zip")
         if zoo["normalize"]:
             venv.save(str(out / f"sb3-{env}-s{seed}-vecnormalize.pkl"))
-    normalize = venv.normalize_obs if zoo["normalize"] else (lambda o: o)
-    return {"wall": wall, "curve": clock.curve, "same_episodes": same_episodes(env, seed, episodes, model, normalize)}
+    final = same_episode_returns(env, seed, episodes, model, normalize)
+    summary = summarize_returns(final)
+    if not clock.curve or clock.curve[-1][0] < model.num_timesteps:  # the final policy ends the curve
+        clock.curve.append((model.num_timesteps, clock.train_time, summary["mean"]))
+    return {"wall": wall, "curve": clock.curve, "same_episodes": summary["mean"], "final_ci95": summary["ci95"]}
 
 
-def same_episodes(env: str, seed: int, episodes: int, model, normalize) -> float:
-    """Mean deterministic return of the final SB3 policy on the very episodes (reset seeds) that
-    ``rlfunc.train.evaluate`` gives our run of the same seed: a paired comparison, free of the
-    episode-sampling noise between two evaluation sets (a Pusher policy's 50-episode means move by
-    1-3 between sets)."""
-    import gymnasium as gym
+def same_episode_returns(env: str, seed: int, episodes: int, model, normalize) -> torch.Tensor:
+    """[episodes] deterministic returns of an SB3 policy on the very episodes (reset seeds) that
+    ``rlfunc.train.evaluate`` gives our run of the same seed, run by the same vectorised loop
+    (``rlfunc.collect.episode_outcomes``): a paired comparison, free of the episode-sampling noise
+    between two evaluation sets (a Pusher policy's 50-episode means move by 1-3 between sets)."""
 
-    from rlfunc.collect import env_seeds
-    from rlfunc.train import EVAL_SEED_OFFSET
+    def policy(obs: torch.Tensor):
+        action, _ = model.predict(normalize(obs.numpy()), deterministic=True)
+        return torch.as_tensor(action), None
 
-    e = gym.make(env)
-    total = 0.0
-    for s in env_seeds(seed + EVAL_SEED_OFFSET, episodes):
-        obs, _ = e.reset(seed=s)
-        done = False
-        while not done:
-            action, _ = model.predict(normalize(obs[None]), deterministic=True)
-            obs, reward, terminated, truncated, _ = e.step(action[0])
-            total += float(reward)
-            done = terminated or truncated
-    e.close()
-    return total / episodes
-
-
-def first_reach(curve, threshold):
-    for steps, seconds, ret in curve:
-        if ret >= threshold:
-            return steps, seconds
-    return None, None
+    venv = collect.make_vec_env(env, episodes)
+    try:
+        returns, _ = collect.episode_outcomes(venv, policy, collect.env_seeds(seed + EVAL_SEED_OFFSET, episodes),
+                                              device=torch.device("cpu"))
+    finally:
+        venv.close()
+    return returns
 
 
 def main() -> None:
@@ -163,7 +162,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--threshold", type=float, default=-200.0)
     p.add_argument("--eval-every", type=int, default=10_240)
-    p.add_argument("--eval-episodes", type=int, default=10)
+    p.add_argument("--eval-episodes", type=int, default=100, help="per evaluation and side (the protocol: >= 50)")
+    p.add_argument("--figure", default=None, help="write the learning curves (PNG) here")
     p.add_argument("--ours-steps", type=int, default=None, help="default: the preset's total_steps")
     p.add_argument("--sb3-steps", type=int, default=None, help="default: RL-Zoo's n_timesteps")
     p.add_argument("--out", default="bench/out")
@@ -177,7 +177,7 @@ def main() -> None:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="only report: merge these result files (one row per seed)")
     a = p.parse_args()
     if a.merge:
-        return report(merge(a.merge), a.env, a.threshold, a.eval_every, a.eval_episodes)
+        return report(merge(a.merge), a.env, a.threshold, a.eval_every, a.eval_episodes, a.figure)
     torch.set_num_threads(1)  # both sides: one intra-op thread (our trainer's default)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,41 +196,53 @@ def main() -> None:
         sb3 = run_sb3(a.env, seed, a.eval_every, a.eval_episodes, a.sb3_steps, out) if seed in sb3_seeds else None
         rows.append({"seed": seed, "ours": ours, "sb3": sb3})
         (out / f"ppo_vs_sb3-{a.env}.json").write_text(json.dumps(rows, indent=1))
-    report(rows, a.env, a.threshold, a.eval_every, a.eval_episodes)
+    report(rows, a.env, a.threshold, a.eval_every, a.eval_episodes, a.figure)
 
 
-def report(rows: list[dict], env: str, threshold: float, eval_every: int, episodes: int) -> None:
-    print(f"env={env} threshold={threshold} eval every {eval_every} steps, {episodes} episodes, torch threads=1")
-    print(f"{'seed':>4} {'who':>6} {'final return':>12} {'steps to thr':>12} {'s to thr':>9} {'train wall s':>12}")
-    summary = {}
+def report(rows: list[dict], env: str, threshold: float, eval_every: int, episodes: int, figure: str | None = None) -> None:
+    """Print the per-seed table and the across-seed summary of ``rows`` (see the module docstring)."""
+    print(f"env={env} threshold={threshold} eval every {eval_every} steps, {episodes} episodes per evaluation "
+          "(the same reset seeds for both sides), torch threads=1")
+    print(f"{'seed':>4} {'who':>5} {'final return [95% CI]':>26} {'first touch steps / s':>22} "
+          f"{'reach+stay steps / s':>22} {'train wall s':>12}")
+    finals, stays = {}, {}
     for who in ("ours", "sb3"):
-        finals, times = [], []
         for row in rows:
             r = row[who]
-            if r is None:
+            if r is None or not r["curve"]:
                 continue
-            steps, secs = first_reach(r["curve"], threshold)
-            final = r["curve"][-1][2] if r["curve"] else float("nan")
-            finals.append(final)
-            times.append(secs if secs is not None else float("inf"))
+            t = thresholds(r["curve"], threshold)
+            final = r["curve"][-1][2]
+            finals.setdefault(who, {})[row["seed"]] = final
+            stays.setdefault(who, {})[row["seed"]] = None if t["reach_and_stay"] is None else t["reach_and_stay"]["seconds"]
+            ci = r.get("final_ci95")
+            ci_text = f"{final:.1f} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else f"{final:.1f}"
+            cell = {k: "never" if v is None else f"{v['steps']} / {v['seconds']:.1f}" for k, v in t.items()}
+            if t["first_touch"] is not None and t["reach_and_stay"] is None:
+                cell["reach_and_stay"] = "does not stay"
             batch = f"  (one batch of {r['batched']} seeds: times are the batch's)" if r.get("batched") else ""
-            print(f"{row['seed']:>4} {who:>6} {final:>12.1f} {str(steps):>12} {secs if secs is None else round(secs, 1)!s:>9} {r['wall']:>12.1f}{batch}")
-            if "same_episodes" in r:
-                print(f"{'':>4} {'':>6} {r['same_episodes']:>12.1f}  (final policy on our evaluation episodes of this seed)")
-        if finals:
-            summary[who] = (statistics.median(finals), statistics.median(times))
-    for who, (final, secs) in summary.items():
-        print(f"median {who}: final return {final:.1f}, seconds to threshold {secs:.1f}")
-    if "ours" in summary and "sb3" in summary and not any(row["ours"] and row["ours"].get("batched") for row in rows):
-        print(f"time-to-threshold ratio ours/sb3 = {summary['ours'][1] / summary['sb3'][1]:.2f}")
-    paired = [(row["seed"], row["ours"]["curve"][-1][2], row["sb3"]["same_episodes"]) for row in rows
-              if row["ours"] and row["ours"]["curve"] and row["sb3"] and "same_episodes" in row["sb3"]]
-    if paired:  # both final policies on the very same episodes of each seed
-        ours, sb3 = [p[1] for p in paired], [p[2] for p in paired]
-        print(f"paired, same {episodes} episodes per seed, seeds {[p[0] for p in paired]}: ours - sb3 per seed "
-              f"{[round(o - b, 2) for _, o, b in paired]}; median ours {statistics.median(ours):.2f} sb3 "
-              f"{statistics.median(sb3):.2f}; mean ours {statistics.mean(ours):.2f} sb3 {statistics.mean(sb3):.2f}; "
-              f"ours ahead on {sum(o >= b for _, o, b in paired)} of {len(paired)}")
+            print(f"{row['seed']:>4} {who:>5} {ci_text:>26} {cell['first_touch']:>22} {cell['reach_and_stay']:>22} "
+                  f"{r['wall']:>12.1f}{batch}")
+    for who, per_seed in finals.items():
+        if len(per_seed) >= 2:
+            print(f"{who}: final return {fmt_aggregate(aggregate(list(per_seed.values())))}; "
+                  f"reach-and-stay seconds, median over seeds: {median_or_none(list(stays[who].values()))}")
+    batched = any(row[w] and row[w].get("batched") for row in rows for w in ("ours", "sb3"))
+    common = sorted(set(stays.get("ours", {})) & set(stays.get("sb3", {})))
+    if common and not batched:
+        ratios = [math.inf if stays["ours"][s] is None else (0.0 if stays["sb3"][s] is None else stays["ours"][s] / stays["sb3"][s])
+                  for s in common]  # SB3 never staying: 0 (ours better); ours never staying: inf
+        print(f"reach-and-stay time ours/sb3 per seed {[round(x, 2) for x in ratios]}, median {statistics.median(ratios):.2f}")
+    if "ours" in finals and "sb3" in finals:
+        paired = sorted(set(finals["ours"]) & set(finals["sb3"]))
+        diffs = [finals["ours"][s] - finals["sb3"][s] for s in paired]
+        print(f"paired final returns (same {episodes} episodes per seed), ours - sb3 per seed {[round(d, 2) for d in diffs]}; "
+              f"ours ahead on {sum(d >= 0 for d in diffs)} of {len(diffs)}")
+    if figure:
+        sides = {label: [row[who]["curve"] for row in rows if row[who]] for who, label in (("ours", "rlfunc"), ("sb3", "SB3 (RL-Zoo)"))}
+        plot_curves({k: v for k, v in sides.items() if v}, Path(figure),
+                    f"PPO on {env}: mean and 95% CI over seeds, {episodes} episodes per evaluation", threshold)
+        print(f"figure: {figure}")
 
 
 def merge(paths: list[str]) -> list[dict]:

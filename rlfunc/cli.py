@@ -10,8 +10,9 @@
     rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes
     rlfunc train mappo [--env Warehouse-v0|rware-tiny-2ag-v2] [--loss ppo|grpo|gspo] [--critic local|mean|concat]
                                             shared-parameter multi-agent policy (agents as a batch dim)
-    rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean and std of the return (ppo), success rate
-                                            and goal shares (bc, dppo, td3-diffusion), eval.json's rates (mappo)
+    rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean, std, episodes and 95% CI of the return (ppo),
+                                            success rate with its CI and goal shares (bc, dppo, td3-diffusion),
+                                            eval.json's rates (mappo)
     rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME]
                                             continue a run from its latest snapshot (N: a new budget; NAME: an older snapshot)
     rlfunc versions list|show|diff|rollback RUN_DIR ...   a ppo run's versions (rlfunc versions --help)
@@ -195,7 +196,7 @@ def _eval(argv: list[str]) -> int:
     p = Parser(prog="rlfunc eval", description="Evaluate a run's latest snapshot.")
     p.add_argument("run_dir")
     p.add_argument("--episodes", type=int, default=None,
-                   help="episodes to run (default: 10 for ppo, the run's eval_episodes for other runs; per eval seed for mappo)")
+                   help="episodes to run (default: the run's eval_episodes; per eval seed for mappo)")
     p.add_argument("--seed", type=int, default=None, help="evaluation seed (default: derived from the run's seed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
     a = p.parse_args(argv)
@@ -224,7 +225,6 @@ def _eval(argv: list[str]) -> int:
 
         print(json.dumps(evaluate_grpo(snap, a.episodes, seed=a.seed, device=a.device)))
         return 0
-    a.episodes = 10 if a.episodes is None else a.episodes
     if a.seed is not None and not 0 <= a.seed < 2**31:
         raise ConfigError(f"seed={a.seed}: expected an integer in [0, 2**31)")
     print(json.dumps(evaluate(a.run_dir, a.episodes, seed=a.seed, device=a.device)))

@@ -37,6 +37,7 @@ from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
 from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
+from rlfunc.stats import mean_interval, success_interval, summarize_returns
 from rlfunc.resume import StopOnSignal, check_budget, check_budget_covers, check_run_dir, generator_from_state, truncate_metrics
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
@@ -399,24 +400,31 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
 
 
 def evaluate(
-    run_dir: str | Path, episodes: int = 10, *, seed: int | None = None, device: str = "auto", snapshot: str | Path | None = None
+    run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto",
+    snapshot: str | Path | None = None,
 ) -> dict:
-    """Deterministic-action returns of the latest snapshot in ``run_dir`` (or of ``snapshot``).
+    """Deterministic-action returns of the latest snapshot in ``run_dir`` (or of ``snapshot``) on
+    ``episodes`` episodes per seed (None: the run's ``eval_episodes``).
 
     Returns:
-        {"env", "episodes", "mean", "std", "per_seed_mean", "env_steps"}: mean and std over all
-        episodes of all seeds (env reward units), the mean per seed, and the snapshot's env steps;
-        "success_rate" too when the env reports ``info["is_success"]``.
+        {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
+        Student-t 95% interval of the mean over all episodes of all seeds (env reward units,
+        :func:`rlfunc.stats.summarize_returns`), the episodes per seed, the mean per seed (and with
+        several seeds "per_seed_ci95"), and the snapshot's env steps; "success_rate" and its Wilson
+        interval "success_ci95" too when the env reports ``info["is_success"]``. Actions are
+        deterministic; the episodes' reset seeds (from ``seed`` + EVAL_SEED_OFFSET) are disjoint
+        from the training envs'.
 
     Raises:
         CheckpointError: no readable snapshot in ``run_dir``. ConfigError: ``episodes < 1``.
     """
-    if episodes < 1:
+    if episodes is not None and episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     path = Path(snapshot) if snapshot is not None else checkpoint.latest_snapshot(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
     trained = config_from_meta(checkpoint.load_meta(path), path)
+    episodes = trained.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
     config = dataclasses.replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
     venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
@@ -440,12 +448,14 @@ def evaluate(
     per_seed = returns.view(config.num_seeds, episodes)
     out = {
         "env": config.env,
+        **summarize_returns(returns),
         "episodes": episodes,
-        "mean": float(per_seed.mean()),
-        "std": float(per_seed.std(correction=0)),
         "per_seed_mean": per_seed.mean(1).tolist(),
         "env_steps": int(loaded["learner", "env_steps"]),
     }
+    if config.num_seeds > 1:
+        out["per_seed_ci95"] = [list(mean_interval(r)) for r in per_seed]
     if success is not None:  # envs that report info["is_success"] (Push-v0, PushState-v0, ...)
         out["success_rate"] = float(success.float().mean())
+        out["success_ci95"] = list(success_interval(int(success.sum()), success.numel()))
     return out

@@ -37,6 +37,7 @@ from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
 from rlfunc.resume import (ResumePoint, begin_run, env_rng_snapshot, open_run, restore_env_rng, restore_learner,
                            resume_meta, run_iterations, set_generator_state, truncate_metrics)
+from rlfunc.stats import success_interval, summarize_returns
 from rlfunc.train import EVAL_SEED_OFFSET
 from rlfunc.train_diffusion import DiffusionResult, _setup
 
@@ -250,12 +251,14 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
             envs; round r's envs are seeded ``seed + r`` (default seed: the run's + 1_000_003).
 
     Returns:
-        {"env", "episodes", "mean" (mean return of the episodes, env units), "env_steps"}, and
-        "success_rate" when the env reports ``info["is_success"]`` (:func:`reports_success`).
+        {"env", "mean", "std", "episodes", "ci95", "env_steps"}: the episodes' returns (env units)
+        summarised by :func:`rlfunc.stats.summarize_returns`, and "success_rate" with its Wilson
+        interval "success_ci95" when the env reports ``info["is_success"]`` (:func:`reports_success`).
 
     Raises:
         CheckpointError: no snapshot, not an encoder-PPO one, or weights that do not match its config.
-        ConfigError: ``episodes < 1``.
+        ConfigError: ``episodes < 1``. EnvError: no episode ended within the env's time limit (the
+            statistics cover the episodes that ended; "unfinished" counts the others).
     """
     path = Path(run_dir)
     snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
@@ -289,10 +292,16 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
             out = evaluate(algo, state, env, limit)
         finally:
             env.close()
-        returns.append(out["episode_return"] * n)
-        successes.append(out["success_rate"] * n)
+        returns.append(out["returns"])
+        successes.append(out["successes"])
         done += n
-    out = {"env": config.env, "episodes": episodes, "mean": sum(returns) / episodes, "env_steps": int(meta.get("env_steps", 0))}
+    returns = torch.cat(returns)
+    if returns.numel() == 0:
+        raise EnvError(f"{config.env}: none of {episodes} evaluation episodes ended within {limit} steps")
+    out = {"env": config.env, **summarize_returns(returns), "env_steps": int(meta.get("env_steps", 0))}
+    if returns.numel() < episodes:  # the statistics are over the episodes that ended
+        out["unfinished"] = episodes - returns.numel()
     if reports_success(config.env):
         out["success_rate"] = sum(successes) / episodes
+        out["success_ci95"] = list(success_interval(sum(successes), episodes))
     return out

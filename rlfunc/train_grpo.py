@@ -36,6 +36,7 @@ from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
 from rlfunc.resume import begin_run, open_run, restore_learner, resume_meta, run_iterations, truncate_metrics
+from rlfunc.stats import summarize_returns
 from rlfunc.train import EVAL_SEED_OFFSET, _generators, env_spec
 
 
@@ -132,7 +133,8 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
     """Deterministic-action returns of ``state``'s actor on ``episodes`` gymnasium envs per seed.
 
     Returns:
-        {"env", "episodes", "mean", "std", "per_seed_mean", "env_steps"} (env reward units).
+        {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"} (env reward units):
+        :func:`rlfunc.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed.
     """
     algo = make_grpo(config, spec, device)
     venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
@@ -144,9 +146,8 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
     per_seed = returns.view(config.num_seeds, episodes)
     return {
         "env": config.env,
+        **summarize_returns(returns),
         "episodes": episodes,
-        "mean": float(per_seed.mean()),
-        "std": float(per_seed.std(correction=0)),
         "per_seed_mean": per_seed.mean(1).tolist(),
         "env_steps": int(state["env_steps"]),
     }

@@ -39,6 +39,7 @@ from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.grouped import grouped_reset
 from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
+from rlfunc.stats import summarize_returns
 from rlfunc.resume import (begin_run, open_run, restore_learner, resume_meta, run_iterations, set_generator_state,
                            truncate_metrics)
 
@@ -164,7 +165,7 @@ def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.d
                 td.set(("agents", "action"), act(td["agents", "observation"], None))
                 stepped, td = env.step_and_maybe_reset(td)
                 total += stepped["next", "agents", "reward"].sum((-2, -1))
-        rows.append({"seed": seed, "team_return": float(total.mean()), "episodes": config.eval_episodes})
+        rows.append({"seed": seed, **{k if k != "mean" else "team_return": v for k, v in summarize_returns(total).items()}})
     return {"env": config.env, "greedy": config.eval_greedy, "per_seed": rows,
             "median": {"team_return": statistics.median(r["team_return"] for r in rows)}}
 

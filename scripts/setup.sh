@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import rlfunc, torchrl, pytest, stable_baselines3" 2>/dev/null; then
+if ! .venv/bin/python -c "import rlfunc, torchrl, pytest, stable_baselines3, scipy, rliable.library" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -c constraints.txt -e ".[dev,tb]"
 fi

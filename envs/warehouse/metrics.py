@@ -17,6 +17,7 @@ from envs.warehouse.core import N_ACTIONS, STEP_KEYS
 from envs.warehouse.env import WarehouseEnv
 from envs.warehouse.layout import WarehouseConfig
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.stats import mean_interval
 
 Policy = Callable[[TensorDictBase], Tensor]
 
@@ -101,7 +102,9 @@ def evaluate(
         device: where the env runs.
 
     Returns:
-        {"per_seed": [{"seed": s, **rollout_metrics}], "median": {metric: median over seeds}}.
+        {"per_seed": [{"seed": s, **rollout_metrics}], "median": {metric: median over seeds}}; with
+        ``num_episodes > 1`` each seed's row also has "deliveries_per_100_steps_ci95", the Student-t
+        95% interval of the mean over its warehouses (:func:`rlfunc.stats.mean_interval`).
 
     Raises:
         ConfigError: no seeds, or ``num_steps`` < 1.
@@ -121,6 +124,10 @@ def evaluate(
 
         with torch.no_grad():
             td = env.rollout(num_steps, act, break_when_any_done=False)
-        rows.append({"seed": seed, **rollout_metrics(td)})
-    median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "seed"}
+        row = {"seed": seed, **rollout_metrics(td)}
+        if num_episodes > 1:  # the spread over this seed's warehouses (the evaluation protocol's interval)
+            per_warehouse = td["next", "deliveries"].reshape(num_episodes, -1).float().mean(-1) * 100.0
+            row["deliveries_per_100_steps_ci95"] = list(mean_interval(per_warehouse))
+        rows.append(row)
+    median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "seed" and not k.endswith("_ci95")}
     return {"per_seed": rows, "median": median}

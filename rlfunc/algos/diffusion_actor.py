@@ -27,6 +27,7 @@ from rlfunc.diffusion.ddim import sample
 from rlfunc.diffusion.schedule import make_schedule
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.normalize import init_running_stats, normalize
+from rlfunc.stats import success_interval, summarize_returns
 
 
 def require_finite(config) -> None:
@@ -339,9 +340,11 @@ def evaluate_chunks(
     :func:`make_env`) with the actor sampling by DDIM (``eta = 0``: deterministic given the initial noise).
 
     Returns:
-        "episode_return" (mean over envs of their first episode's return), "success_rate" (share of
-        first episodes that ended in success: ("next", "success") at their end), "num_episodes"; for
-        PointReach-v0 also its mode statistics (share_goal_a, share_goal_b, share_neither).
+        "episode_return" (mean over envs of their first episode's return), "returns" ([n] float, the
+        return of each first episode that ended), "success_rate" (share of first episodes that ended
+        in success: ("next", "success") at their end), "successes" (their count), "num_episodes";
+        for PointReach-v0 its mode statistics (share_goal_a, share_goal_b, share_neither) instead of
+        the last three ("successes" None).
     """
     from envs.point_reach import mode_statistics
 
@@ -357,13 +360,14 @@ def evaluate_chunks(
     done = td["next", "done"].squeeze(-1)  # [N, T]
     first = done & (done.long().cumsum(-1) == 1)
     ret = (td["next", "reward"].squeeze(-1) * (done.long().cumsum(-1) - done.long() == 0)).sum(-1)
-    out = {"episode_return": float(ret.mean())}
+    ended = first.any(-1)
+    out = {"episode_return": float(ret.mean()), "returns": ret[ended], "successes": None}
     if "goal_index" in td["next"].keys():
         out.update(mode_statistics(td["next", "goal_index"].squeeze(-1)[first], first[first]))
     else:
-        ended = int(first.sum())
-        out["num_episodes"] = float(ended)
-        out["success_rate"] = float(td["next", "success"].squeeze(-1)[first].float().mean()) if ended else float("nan")
+        out["num_episodes"] = float(ended.sum())
+        out["success_rate"] = float(td["next", "success"].squeeze(-1)[first].float().mean()) if bool(ended.any()) else float("nan")
+        out["successes"] = int(td["next", "success"].squeeze(-1)[first].sum())
     return out
 
 
@@ -383,11 +387,14 @@ def evaluate_episodes(
     """:func:`evaluate_chunks` over ``episodes`` episodes of ``env_id``, run in rounds of at most
     ``max_envs`` parallel envs (default: all at once for PointReach-v0, 50 for gymnasium envs,
     which step on the host and may hold a renderer each); round r seeds its env and noise with
-    ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers."""
+    ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers, with the
+    evaluation protocol's spread: "episode_return_std" and "episode_return_ci95" (Student-t 95%
+    interval of the mean return, :func:`rlfunc.stats.summarize_returns`) and "success_ci95" (Wilson
+    interval of the success rate)."""
     if max_envs is None:
         max_envs = episodes if env_id in TORCH_ENVS else 50
     totals: dict[str, float] = {}
-    done = 0
+    done, returns = 0, []
     for r in range(-(-episodes // max_envs)):
         n = min(max_envs, episodes - done)
         env = make_env(env_id, n, actor.spec.act_steps, actor.device, seed + r)
@@ -396,10 +403,18 @@ def evaluate_episodes(
             out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params)
         finally:
             env.close()
+        returns.append(out.pop("returns"))
+        out.pop("successes")
         for k, v in out.items():
             if k != "num_episodes":
                 totals[k] = totals.get(k, 0.0) + v * n
         done += n
     summary = {k: v / episodes for k, v in totals.items()}
     summary["num_episodes"] = float(episodes)
+    returns = torch.cat(returns)
+    if returns.numel():
+        stats = summarize_returns(returns)
+        summary["episode_return_std"], summary["episode_return_ci95"] = stats["std"], stats["ci95"]
+    if math.isfinite(summary.get("success_rate", float("nan"))):  # a weighted mean of counts / n: a count again
+        summary["success_ci95"] = list(success_interval(round(summary["success_rate"] * episodes), episodes))
     return summary

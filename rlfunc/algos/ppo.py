@@ -90,7 +90,7 @@ class PPOConfig:
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     freeze_threshold: float = 0.0  # skip updates of a param leaf whose relative change over a window is below this (0: off)
     freeze_window: int = 10  # iterations per measuring window, and per frozen spell, of freeze_threshold
-    eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
+    eval_episodes: int = 100  # episodes of the final evaluation (deterministic actions; the protocol asks >= 50)
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lmbda"):

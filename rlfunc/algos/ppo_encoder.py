@@ -381,7 +381,8 @@ def evaluate(algo: PPOEncoder, state: TensorDict, env, max_steps: int) -> dict[s
     """One episode per env of ``env`` (N Dict-observation envs, fresh from construction) with the
     deterministic action mu(s). Returns "episode_return" (mean of the first episodes' returns, env
     units), "success_rate" (share of them that ended in success) and "num_episodes" (those that
-    ended within ``max_steps``, normally the time limit)."""
+    ended within ``max_steps``, normally the time limit); "returns" ([num_episodes] float, each
+    ended episode's return) and "successes" (their count of successes) for the caller's statistics."""
     act = algo.policy(state, None, deterministic=True)
     td = env.reset()
     n = env.batch_size[0]
@@ -401,4 +402,6 @@ def evaluate(algo: PPOEncoder, state: TensorDict, env, max_steps: int) -> dict[s
         "episode_return": float(returns[finished].mean()) if ended else float("nan"),
         "success_rate": float(success[finished].float().mean()) if ended else float("nan"),
         "num_episodes": float(ended),
+        "returns": returns[finished],
+        "successes": int(success[finished].sum()),
     }

@@ -1,0 +1,130 @@
+"""The evaluation protocol's statistics: what one policy's evaluation episodes say, and when a
+learning curve reached a threshold for good.
+
+- :func:`summarize_returns`: mean, std, number of episodes and the Student-t 95% confidence
+  interval of the mean over one policy's episodes (what ``rlfunc eval`` and every run's final
+  evaluation report).
+- :func:`success_interval`: the Wilson interval of a success rate.
+- :func:`first_touch` / :func:`reach_and_stay`: the first evaluation at or above a threshold, and
+  the first one after which the curve never falls below it again.
+
+Claims across seeds (median and IQM with stratified-bootstrap CIs, Agarwal et al. 2021) belong to
+bench/ and use rliable there. The quantiles come from scipy (``scipy.stats``), imported when needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from rlfunc.errors import ConfigError, ShapeError
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ConfigError(f"confidence={confidence}: expected a value in (0, 1)")
+
+
+def mean_interval(values: Tensor | Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Student-t confidence interval of the mean, mean -+ t_{(1+c)/2, n-1} * s / sqrt(n).
+
+    Args:
+        values: [n] float, one number per episode (e.g. its return, in the env's reward units).
+        confidence: coverage of the interval, in (0, 1).
+
+    Returns:
+        (low, high) floats; (mean, mean) when every value is equal, (nan, nan) when n == 1 (one
+        episode says nothing about the spread).
+
+    Raises:
+        ShapeError: ``values`` is not one-dimensional or is empty, or holds a NaN / inf.
+        ConfigError: ``confidence`` outside (0, 1).
+
+    Reference: Student (1908); the interval of e.g. Wasserman (2004), "All of Statistics", sec. 6.3.2.
+    """
+    _check_confidence(confidence)
+    x = _as_vector(values, "values")
+    n = x.numel()
+    mean = float(x.mean())
+    if n == 1:
+        return float("nan"), float("nan")
+    from scipy.stats import t
+
+    half = float(t.ppf(0.5 + confidence / 2, n - 1)) * float(x.std(correction=1)) / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95) -> dict:
+    """What one policy's evaluation episodes say: ``{"mean", "std", "episodes", "ci95"}``.
+
+    Args:
+        values: [n] float, one return per episode (env reward units).
+        confidence: coverage of "ci95" (keep 0.95 so the key means what it says).
+
+    Returns:
+        "mean" and "std" (population std, ``correction=0``) over the episodes, "episodes" (n) and
+        "ci95" = [low, high], the Student-t interval of the mean (:func:`mean_interval`).
+
+    Raises:
+        ShapeError: empty, not one-dimensional, or non-finite ``values``.
+    """
+    x = _as_vector(values, "values")
+    low, high = mean_interval(x, confidence)
+    return {"mean": float(x.mean()), "std": float(x.std(correction=0)), "episodes": x.numel(), "ci95": [low, high]}
+
+
+def success_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a success rate ``successes / trials`` (scipy's ``binomtest``).
+
+    Raises:
+        ConfigError: ``trials < 1`` or ``successes`` outside [0, trials], or ``confidence`` outside (0, 1).
+
+    Reference: Wilson (1927), "Probable inference, the law of succession, and statistical inference".
+    """
+    _check_confidence(confidence)
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ConfigError(f"successes={successes}, trials={trials}: expected trials >= 1 and 0 <= successes <= trials")
+    from scipy.stats import binomtest
+
+    ci = binomtest(int(successes), int(trials)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def first_touch(curve: Sequence[float], threshold: float) -> int | None:
+    """Index of the first evaluation with return >= ``threshold``; None if there is none.
+
+    Args:
+        curve: evaluation returns of one run, in the order they were measured.
+    """
+    for i, value in enumerate(curve):
+        if value >= threshold:
+            return i
+    return None
+
+
+def reach_and_stay(curve: Sequence[float], threshold: float) -> int | None:
+    """Index of the first evaluation with return >= ``threshold`` such that every later evaluation
+    of the run is >= ``threshold`` as well; None if the run does not end at or above it.
+
+    A run that touches the threshold, falls below and comes back has reached it at its last
+    return above it; one whose final evaluation is below the threshold has not reached it.
+    """
+    reached = None
+    for i, value in enumerate(curve):
+        if value >= threshold:
+            reached = i if reached is None else reached
+        else:
+            reached = None
+    return reached
+
+
+def _as_vector(values: Tensor | Sequence[float], name: str) -> Tensor:
+    x = values.detach().to("cpu", torch.float32) if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.float32)
+    if x.dim() != 1 or x.numel() == 0:
+        raise ShapeError(f"{name}: expected a non-empty 1-D sequence of numbers, got shape {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise ShapeError(f"{name}: holds a NaN or inf ({int((~torch.isfinite(x)).sum())} of {x.numel()} values)")
+    return x
