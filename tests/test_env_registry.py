@@ -1,4 +1,8 @@
-"""The env registry (rlfunc.envs.registry): lookups, errors, registration and our envs' entries."""
+"""The env registry (rlfunc.envs.registry): lookups, errors, registration, our envs' entries, and that
+rlfunc reaches our environments only through it."""
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +11,8 @@ from tensordict import TensorDict
 from rlfunc.envs import registry
 from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import EnvError
+
+RLFUNC = Path(__file__).resolve().parents[1] / "rlfunc"
 
 
 @pytest.fixture
@@ -99,3 +105,14 @@ def test_episode_metrics_of_first_episodes_match_mode_statistics():
     ours = {k: float(v) for k, v in registry.lookup("PointReach-v0").episode_metrics(masked).items()}
     assert ours == pr.mode_statistics(goal.squeeze(-1)[first], first[first])
 
+
+def test_rlfunc_reaches_our_envs_only_through_the_registry():
+    imports, by_name = [], []
+    for path in sorted(RLFUNC.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(RLFUNC.parent)}:{n}"
+            if re.match(r"\s*(import envs\b|from envs\b)", line) and path != RLFUNC / "envs" / "registry.py":
+                imports.append(where)
+            if re.search(r'env_id == "|TORCH_ENVS', line):
+                by_name.append(where)
+    assert imports == [] and by_name == []
