@@ -18,3 +18,6 @@ if "PushState-v0" not in gym.registry:
 # mujoco and sets MUJOCO_GL only when the env is made); 100 steps as Pusher-v5.
 if "PusherPixels-v5" not in gym.registry:
     gym.register(id="PusherPixels-v5", entry_point="envs.pixels:make_pusher_pixels", max_episode_steps=100)
+
+# rlfunc's env registry: torch-batched builders, experts, metrics, multi-agent envs (envs/registry_entries.py).
+from envs import registry_entries  # noqa: E402,F401

@@ -385,6 +385,8 @@ class PointReachEnv(EnvBase):
         EnvError: ``num_envs`` or ``act_steps`` is not an int >= 1.
     """
 
+    max_episode_steps = MAX_STEPS  # sub-steps per episode at most (as gymnasium's spec; read by chunked evaluation)
+
     def __init__(self, num_envs: int = 1, *, act_steps: int = 1, device: torch.device | str | None = None, seed: int | None = None):
         _check_count("num_envs", num_envs)
         _check_count("act_steps", act_steps)

@@ -33,6 +33,7 @@ from torch import Tensor
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
+from rlfunc.envs import registry
 from rlfunc.errors import EnvError
 
 # host-side numpy observations -> tensors; double-precision observations become float32 here
@@ -126,7 +127,7 @@ def env_instructions(env_id: str) -> tuple[str, ...]:
     """The instruction corpus an env declares (``INSTRUCTIONS`` of its module), else ()."""
     import importlib
 
-    import envs  # noqa: F401  (registers rlfunc's envs)
+    registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
     entry = gym.spec(env_id).entry_point
     if isinstance(entry, str):
@@ -157,7 +158,7 @@ class GymChunkEnv(EnvBase):
         for name, value in (("num_envs", num_envs), ("act_steps", act_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EnvError(f"{name}={value!r}: expected an int >= 1")
-        import envs  # noqa: F401
+        registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
         if env_id not in gym.registry:
             raise EnvError(f"env={env_id!r}: not a registered gymnasium id")
@@ -282,7 +283,7 @@ class GymChunkEnv(EnvBase):
 
 def check_chunk_env_id(env_id: str) -> None:
     """EnvError unless ``env_id`` is registered with gymnasium (after rlfunc's envs register)."""
-    import envs  # noqa: F401
+    registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
     if not isinstance(env_id, str) or env_id not in gym.registry:
         close = [k for k in gym.registry if isinstance(env_id, str) and env_id.lower()[:4] in k.lower()][:5]

@@ -28,6 +28,7 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.envs import registry
 from rlfunc.errors import EnvError
 from rlfunc.returns import forward_discounted_sum
 
@@ -36,7 +37,7 @@ Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 def check_env_id(env_id: str) -> None:
     """Raise EnvError (with close matches) when ``env_id`` is not registered with gymnasium."""
-    import envs  # noqa: F401  (registers rlfunc's own environments)
+    registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
     if env_id not in gym.registry:
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3)

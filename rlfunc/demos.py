@@ -5,19 +5,29 @@ env gives, see :mod:`rlfunc.chunk_env`) and the chunk a_t .. a_{t+H-1} of the ex
 [-1, 1] (scaled from the action space's bounds), the last action repeated past the episode's end
 (Chi et al. 2023, "Diffusion Policy", edge padding of the action sequence).
 
-Experts: PointReach-v0 (:func:`envs.point_reach.collect_demonstrations`, torch-batched) and the Push
-envs (:func:`envs.push.expert.collect_demonstrations`, two routes round the block).
+The experts are the env registry's (:attr:`rlfunc.envs.registry.EnvEntry.demonstrations`): an env
+with a torch-batched expert builds the dataset itself; one whose expert plays gymnasium episodes hands
+them to :func:`gym_demonstrations`, which encodes them here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
+from rlfunc.envs import registry
 from rlfunc.errors import EnvError
 
-EXPERT_ENVS = ("PointReach-v0", "PushState-v0", "Push-v0")
+
+def check_expert(env_id: str) -> None:
+    """EnvError unless ``env_id`` has a scripted expert in the env registry (the message lists those that do)."""
+    entry = registry.find(env_id)
+    if entry is None or entry.demonstrations is None:
+        experts = ", ".join(registry.ids("demonstrations"))
+        raise EnvError(f"env={env_id!r}: no scripted expert to learn from; bc runs on {experts}")
 
 
 def chunk_indices(length: int, horizon: int) -> np.ndarray:
@@ -31,12 +41,12 @@ def expert_demonstrations(
     """The scripted expert's episodes of ``env_id`` as a BC dataset.
 
     Args:
-        env_id: one of :data:`EXPERT_ENVS`.
+        env_id: an id with a scripted expert in the env registry (``registry.ids("demonstrations")``).
         num_episodes: E >= 1 expert episodes.
         horizon: H >= 1, the chunk length stored with every step.
         seed: seed of the episodes (resets, route coins, noise).
-        noise_std: std of the noise on the executed actions, in [-1, 1] action units (PointReach:
-            recorded as executed; Push: DART-style, the clean expert action is recorded).
+        noise_std: std of the noise on the executed actions, in [-1, 1] action units (the expert says
+            whether the noisy action or, DART-style, the clean one is recorded).
         device: where the dataset lives (images stay uint8).
 
     Returns:
@@ -47,24 +57,34 @@ def expert_demonstrations(
     Raises:
         EnvError: ``env_id`` has no scripted expert.
     """
-    if env_id == "PointReach-v0":
-        from envs.point_reach import collect_demonstrations
+    check_expert(env_id)
+    return registry.lookup(env_id).demonstrations(env_id, num_episodes, horizon, seed=seed, noise_std=noise_std, device=device)
 
-        gen = torch.Generator(device=device).manual_seed(seed)
-        data = collect_demonstrations(num_episodes, horizon, generator=gen, device=device, noise_std=noise_std)
-        return data.select("observation", "action", "episode"), {"num_episodes": num_episodes, "num_samples": data.batch_size[0]}
-    if env_id not in EXPERT_ENVS:
-        raise EnvError(f"env={env_id!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
+
+def gym_demonstrations(
+    env_id: str, expert: Callable[..., dict], num_episodes: int, horizon: int, *, seed: int, noise_std: float,
+    device: torch.device,
+) -> tuple[TensorDict, dict]:
+    """:func:`expert_demonstrations` for an expert that plays gymnasium episodes of ``env_id``.
+
+    Args:
+        expert: ``expert(env_id, num_episodes, seed, noise_std=...)`` -> {"episodes": [{"observations":
+            [L + 1] gymnasium observations, "actions": [L, A] in the action space's units}], "success_rate"};
+            its ``noise_std`` is in action-space units (``noise_std`` times half the action range).
+        the others: as :func:`expert_demonstrations`.
+
+    Returns:
+        As :func:`expert_demonstrations`, with the expert's "success_rate" in the summary.
+    """
     import gymnasium as gym
 
-    from envs.push.expert import collect_demonstrations as push_demonstrations
     from rlfunc.chunk_env import ObservationCodec, action_bounds, env_instructions, unscale_action
 
     env = gym.make(env_id)
     codec = ObservationCodec(env.observation_space, env_id, env_instructions(env_id))
     low, high = action_bounds(env.action_space, env_id)
     env.close()
-    result = push_demonstrations(env_id, num_episodes, seed, noise_std=noise_std * float(high[0] - low[0]) / 2.0)
+    result = expert(env_id, num_episodes, seed, noise_std=noise_std * float(high[0] - low[0]) / 2.0)
     parts = []
     for i, ep in enumerate(result["episodes"]):
         length = len(ep["actions"])

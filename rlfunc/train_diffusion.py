@@ -51,7 +51,8 @@ from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.amp import precision
 from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
-from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.envs import registry
+from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.log import plot_learning_curve
 from rlfunc.optim import load_optimizer_state, optimizer_state
 from rlfunc.resume import (NO_SNAPSHOT, ResumePoint, begin_run, buffer_snapshot, env_rng_snapshot, open_run, restore_buffer,
@@ -327,12 +328,11 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
         ConfigError: a bad run dir or budget. EnvError: an env without a scripted expert.
         CheckpointError: on resume, no snapshot in ``run_dir``, or one that is corrupt or does not fit its config.
     """
-    from rlfunc.demos import EXPERT_ENVS, expert_demonstrations
+    from rlfunc.demos import check_expert, expert_demonstrations
 
     run_dir, source, config = _source(run_dir, "bc", config, resume, total_steps, device)
     device = _setup(config)
-    if config.env not in EXPERT_ENVS:
-        raise EnvError(f"env={config.env!r}: no scripted expert to learn from; bc runs on {', '.join(EXPERT_ENVS)}")
+    check_expert(config.env)
     info = env_info(config.env)
     algo = make_bc(config, info, info.act_dim, device)  # checks the encoder settings before the demos are collected
     dataset, demos = expert_demonstrations(
@@ -396,17 +396,16 @@ def _init_actor(config, device, resumed: bool = False):
     return dataclasses.replace(config, actor=loaded.spec), info, loaded.params, loaded.obs_stats, loaded.encoder
 
 
-def _episode_metrics(batch: TensorDict) -> dict:
-    """Episodes that ended in ``batch`` [N, T]: their count, success rate and mean return (and
-    PointReach's mode statistics)."""
-    from envs.point_reach import rollout_mode_statistics
-
+def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
+    """Episodes that ended in ``batch`` [N, T]: their count and the env's own statistics of them
+    (its registry entry's ``episode_metrics``), else their success rate and mean return."""
     done = batch["next", "done"]
     ended = int(done.sum())
     if not ended:
         return {"episodes": 0}
-    if "goal_index" in batch["next"].keys():
-        return {"episodes": ended, **rollout_mode_statistics(batch)}
+    entry = registry.find(env_id)
+    if entry is not None and entry.episode_metrics is not None:
+        return {"episodes": ended, **entry.episode_metrics(batch)}
     return {
         "episodes": ended,
         "success_rate": float(batch["next", "success"][done].float().mean()),
@@ -460,7 +459,7 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
         state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
         return {
             "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
-            **_episode_metrics(batch), **metrics.to_dict(),
+            **_episode_metrics(batch, config.env), **metrics.to_dict(),
         }
 
     stopped = run_iterations(int(state["iteration"]), config.num_iterations(spec.act_steps), "dppo", step, logger=logger,
@@ -529,7 +528,7 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
         batch = algo.rollout(state, env, gen)
         buffer.extend(algo.transitions(state, batch))
         state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
-        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch)}
+        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, config.env)}
         if int(state["env_steps"]) >= config.warmup_steps:
             state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
             record.update(metrics.to_dict())

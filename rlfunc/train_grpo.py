@@ -31,6 +31,7 @@ from rlfunc import checkpoint, collect
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.device import resolve_device
+from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.log import plot_learning_curve
@@ -70,9 +71,7 @@ class RolloutEnv(NamedTuple):
 def _rollout_env(config: GRPOConfig, device: torch.device) -> RolloutEnv:
     S, n, G, T = config.num_seeds, config.num_groups, config.group_size, config.max_episode_steps
     if config.use_torch_env:
-        from envs.point_reach import PointReachEnv
-
-        env = PointReachEnv(S * n * G, device=device, seed=config.seed)
+        env = registry.torch_builder(config.env)(S * n * G, device=device, seed=config.seed)
 
         def rollout(policy, iteration: int) -> TensorDict:
             return grouped_rollout_torchrl(env, policy, G, T).reshape(S, n, G, -1)

@@ -2,7 +2,8 @@
 
 ``train_mappo(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration:
 losses, training deliveries/conflicts per 100 steps on Warehouse-v0, completed-episode team returns),
-checkpoints/ (safetensors snapshots), learning_curve.png and eval.json: on Warehouse-v0 the
+checkpoints/ (safetensors snapshots), learning_curve.png and eval.json, the env registry entry's
+``multi_agent_eval`` (:mod:`rlfunc.envs.registry`): on Warehouse-v0 the
 :func:`envs.warehouse.metrics.evaluate` rates (deliveries and conflicts per 100 steps, idle
 fraction) of the trained policy on the default-reward warehouse with ``config.n_agents`` AGVs, on
 rware the mean team return (sum over agents) of ``eval_episodes`` episodes per eval seed.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import time
 import warnings
 from pathlib import Path
@@ -35,15 +35,15 @@ from tensordict import TensorDict
 from rlfunc import checkpoint
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo
 from rlfunc.device import resolve_device
+from rlfunc.envs import registry
+from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.grouped import grouped_reset
 from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.stats import summarize_returns
 from rlfunc.resume import (begin_run, open_run, restore_learner, resume_meta, run_iterations, set_generator_state,
                            truncate_metrics)
 
-WAREHOUSE = "Warehouse-v0"
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
 
 
@@ -54,34 +54,32 @@ class MAPPOResult(NamedTuple):
     interrupted: str | None = None
 
 
-def warehouse_config(config: MAPPOConfig, *, train: bool):
-    """The Warehouse-v0 config of training (episode length and reward terms from ``config``) or evaluation (defaults)."""
-    from envs.warehouse import WarehouseConfig
+def env_entry(config: MAPPOConfig) -> EnvEntry:
+    """The env registry's entry of ``config.env``, checked to be a multi-agent env.
 
-    if not train:
-        return WarehouseConfig(n_agents=config.n_agents)
-    return WarehouseConfig(n_agents=config.n_agents, max_steps=config.episode_steps,
-                           shaping_scale=config.shaping_scale, conflict_penalty=config.conflict_penalty)
+    Raises:
+        EnvError: ``config.env`` has no multi-agent entry (the message lists those that do).
+    """
+    entry = registry.find(config.env)
+    if entry is None or entry.multi_agent_env is None:
+        raise EnvError(f"env={config.env!r}: expected a multi-agent env of the env registry "
+                       f"({', '.join(registry.ids('multi_agent_env'))})")
+    return entry
 
 
 def make_env(config: MAPPOConfig, num_envs: int, device: torch.device, seed: int):
-    """The batched multi-agent env of ``config.env``: WarehouseEnv on ``device`` or RwareEnv (host).
+    """The batched multi-agent env of ``config.env`` (its registry entry's ``multi_agent_env``).
 
     Raises:
-        EnvError: an unknown env id (neither Warehouse-v0 nor an "rware-" id), or rware missing.
+        EnvError: ``config.env`` is not a multi-agent env of the registry, or cannot be built.
+        ConfigError: a grouped loss (grpo, gspo) on an env whose state cannot be set.
     """
-    if config.env == WAREHOUSE:
-        from envs.warehouse import WarehouseEnv
-
-        return WarehouseEnv(num_envs, warehouse_config(config, train=True), device=device, seed=seed)
-    if config.env.startswith("rware"):
-        if config.loss != "ppo":
-            raise ConfigError(f"loss={config.loss!r} on {config.env}: grouped rollouts need a settable env state "
-                              "(Warehouse-v0); use loss='ppo' on rware")
-        from envs.rware_env import RwareEnv
-
-        return RwareEnv(config.env, num_envs, seed=seed)
-    raise EnvError(f"env={config.env!r}: expected {WAREHOUSE!r} or an rware id such as 'rware-tiny-2ag-v2'")
+    entry = env_entry(config)
+    if config.loss != "ppo" and not entry.settable_state:
+        settable = ", ".join(registry.ids("settable_state"))
+        raise ConfigError(f"loss={config.loss!r} on {config.env}: grouped rollouts need a settable env state "
+                          f"({settable}); use loss='ppo' on {config.env}")
+    return entry.multi_agent_env(config, num_envs, device, seed)
 
 
 def collect(env, policy, carry: TensorDict, num_steps: int) -> tuple[TensorDict, TensorDict]:
@@ -146,28 +144,7 @@ def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.d
     def act(obs, mask):
         return algo.act(state, obs, mask, gen, config.eval_greedy)[0]
 
-    if config.env == WAREHOUSE:
-        from envs.warehouse.metrics import evaluate
-
-        result = evaluate(lambda env: lambda td: act(td["agents", "observation"], td["agents", "action_mask"]),
-                          warehouse_config(config, train=False), seeds=config.eval_seeds,
-                          num_episodes=config.eval_episodes, device=device)
-        return {"env": config.env, "n_agents": config.n_agents, "greedy": config.eval_greedy, **result}
-    from envs.rware_env import RwareEnv
-
-    rows = []
-    for seed in config.eval_seeds:
-        env = RwareEnv(config.env, config.eval_episodes, seed=seed)
-        td = env.reset()
-        total = torch.zeros(config.eval_episodes)
-        with torch.no_grad():
-            for _ in range(env.envs[0].unwrapped.max_steps):
-                td.set(("agents", "action"), act(td["agents", "observation"], None))
-                stepped, td = env.step_and_maybe_reset(td)
-                total += stepped["next", "agents", "reward"].sum((-2, -1))
-        rows.append({"seed": seed, **{k if k != "mean" else "team_return": v for k, v in summarize_returns(total).items()}})
-    return {"env": config.env, "greedy": config.eval_greedy, "per_seed": rows,
-            "median": {"team_return": statistics.median(r["team_return"] for r in rows)}}
+    return env_entry(config).multi_agent_eval(config, act, device)
 
 
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None,
@@ -226,8 +203,9 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot") -> MAPPOConfig:
 
 
 def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
-    """Warehouse-v0's core state and generator (uint8); None for rware (host gymnasium envs)."""
-    if config.env != WAREHOUSE:
+    """The env's state and generator (uint8) when its entry says they capture it; None otherwise
+    (e.g. rware's host gymnasium envs)."""
+    if not env_entry(config).settable_state:
         return None
     return TensorDict({"state": env.state.clone(), "rng": env.rng_state()}, batch_size=[])
 
@@ -282,7 +260,8 @@ def train_mappo(
     state = algo.init()
     optimizer = make_adam(state["params"], config.lr)
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    if point is not None and config.env != WAREHOUSE:  # rware: new episodes, not the first ones again
+    settable = env_entry(config).settable_state
+    if point is not None and not settable:  # e.g. rware: new episodes, not the first ones again
         env.set_rng_state({**env.rng_state(), "resets": int(point.meta.get("rware_resets", 0))})
     carry = env.reset()
     carry_keys = list(carry.keys(True, True))  # what the loop reads of the carry (not the stale action)
@@ -318,7 +297,7 @@ def train_mappo(
         meta = {"algo": "mappo", "config": dataclasses.asdict(config), "obs_dim": obs_dim, "n_agents": n_agents,
                 "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"]),
                 **resume_meta(optimizer)}
-        if config.env != WAREHOUSE:
+        if not settable:
             meta["rware_resets"] = env.rng_state()["resets"]
         return checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(state["env_steps"]), keep_last=2)
 
@@ -359,7 +338,7 @@ def train_mappo(
 
     stopped = run_iterations(int(state["iteration"]), num_iterations, f"mappo-{config.loss}", step, logger=logger,
                              save=save, checkpoint_every=config.checkpoint_every, progress=progress)
-    key = "deliveries_per_100_steps" if config.env == WAREHOUSE else "episode_return"
+    key = "deliveries_per_100_steps" if "deliveries" in env.observation_spec.keys() else "episode_return"
     try:
         plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=key)
     except Exception:  # noqa: BLE001 - a missing plot must not lose the run

@@ -134,6 +134,7 @@ def _small(loss: str, **kw) -> MAPPOConfig:
 
 def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch):
     """A few PPO iterations on a 3 x 8 warehouse with 2 AGVs deliver more than the random policy."""
+    from envs import registry_entries
     from envs.warehouse import WarehouseConfig
     from envs.warehouse.metrics import evaluate, random_policy
     from rlfunc import train_mappo as tm
@@ -144,7 +145,7 @@ def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch
     def wh_config(config, *, train):
         return small if train else WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=100)
 
-    monkeypatch.setattr(tm, "warehouse_config", wh_config)
+    monkeypatch.setattr(registry_entries, "warehouse_config", wh_config)
     config = MAPPOConfig(loss="ppo", n_agents=2, num_envs=16, rollout_steps=25, total_steps=16 * 25 * 12,
                          hidden=(32,), lr=3e-3, num_epochs=4, entropy_coef=0.0, eval_episodes=16, eval_seeds=(5,),
                          device="cpu", critic="mean")
@@ -162,11 +163,12 @@ def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("loss", ["grpo", "gspo"])
 def test_grouped_losses_run(tmp_path, monkeypatch, loss):
+    from envs import registry_entries
     from envs.warehouse import WarehouseConfig
     from rlfunc import train_mappo as tm
 
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=10)
-    monkeypatch.setattr(tm, "warehouse_config", lambda config, train: small)
+    monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
     config = MAPPOConfig(loss=loss, n_agents=2, num_envs=8, group_size=4, episode_steps=10, total_steps=160,
                          hidden=(8,), eval_episodes=2, eval_seeds=(0,), device="cpu")
     result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)

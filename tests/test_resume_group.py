@@ -31,11 +31,12 @@ TIMING = {"time", "steps_per_s", "collect_s", "update_s"}  # wall-clock fields: 
 @pytest.fixture
 def small_warehouse(monkeypatch):
     """A 3 x 8 warehouse with 2 AGVs and 6-step episodes (so rollouts cross episode ends)."""
+    from envs import registry_entries
     from envs.warehouse import WarehouseConfig
     from rlfunc import train_mappo as tm
 
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=6, shaping_scale=0.1)
-    monkeypatch.setattr(tm, "warehouse_config", lambda config, train: small)
+    monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
     return tm
 
 

@@ -7,13 +7,15 @@ K DDIM steps (Song et al. 2021) of a denoiser eps_theta(x_k, k, s) from Gaussian
 normalised observation vector (a Box observation), or for a Dict observation (cameras, proprio,
 instruction) the CLS feature of a :class:`rlfunc.nets.encoders.MultimodalEncoder`.
 
-Envs: PointReach-v0 runs torch-batched on the device; any other gymnasium id with a bounded Box
-action space runs through :class:`rlfunc.chunk_env.GymChunkEnv`, which scales [-1, 1] to its bounds.
+Envs: an env with a torch-batched builder in the env registry (:mod:`rlfunc.envs.registry`) runs on
+the device; any other gymnasium id with a bounded Box action space runs through
+:class:`rlfunc.chunk_env.GymChunkEnv`, which scales [-1, 1] to its bounds.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple
 
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 from rlfunc import func
 from rlfunc.diffusion.ddim import sample
 from rlfunc.diffusion.schedule import make_schedule
+from rlfunc.envs import registry
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.normalize import init_running_stats, normalize
 from rlfunc.stats import success_interval, summarize_returns
@@ -111,9 +114,6 @@ def schedule_for(spec: ActorSpec, device: torch.device) -> TensorDict:
     return make_schedule(spec.schedule, spec.num_train_steps, device=device)
 
 
-TORCH_ENVS = ("PointReach-v0",)
-
-
 class EnvInfo(NamedTuple):
     """What the actor needs to know of an env: ``obs_dim`` (D of a Box observation, 0 for a Dict),
     ``act_dim``, ``stats_key`` (the observation key normalised with running statistics: "observation"
@@ -144,12 +144,13 @@ class EnvInfo(NamedTuple):
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
+# what a diffusion snapshot written before "env_info" was saved describes (those runs were all PointReach-v0's)
 POINT_REACH_INFO = EnvInfo(obs_dim=6, act_dim=2, stats_key="observation", stats_dim=6, obs_keys=("observation",))
 
 
 def check_env(env_id: str) -> None:
-    """EnvError unless ``env_id`` is PointReach-v0 or a registered gymnasium id."""
-    if env_id not in TORCH_ENVS:
+    """EnvError unless ``env_id`` has a torch-batched builder in the env registry or is a registered gymnasium id."""
+    if registry.torch_builder(env_id) is None:
         from rlfunc.chunk_env import check_chunk_env_id
 
         check_chunk_env_id(env_id)
@@ -162,8 +163,17 @@ def env_info(env_id: str) -> EnvInfo:
         EnvError: an unknown id, an unbounded or non-Box action space, an observation the actor cannot read.
     """
     check_env(env_id)
-    if env_id == "PointReach-v0":
-        return POINT_REACH_INFO
+    build = registry.torch_builder(env_id)
+    if build is not None:  # a torch-batched env: its Box "observation" and action specs
+        env = build(1, device="cpu", seed=0)
+        try:
+            obs_shape, act_shape = env.observation_spec["observation"].shape, env.action_spec.shape
+        finally:
+            env.close()
+        if len(obs_shape) != 2 or len(act_shape) != 2:
+            raise EnvError(f"env={env_id!r}: observation {tuple(obs_shape)}, action {tuple(act_shape)}: "
+                           "expected [1, D] and [1, A] from a torch-batched env of one")
+        return EnvInfo(obs_shape[-1], act_shape[-1], "observation", obs_shape[-1], ("observation",))
     import gymnasium as gym
 
     from rlfunc.chunk_env import ObservationCodec, action_bounds, env_instructions
@@ -219,17 +229,17 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
 
 
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
-    """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: PointReach-v0
-    torch-batched on ``device``, any other gymnasium id as a :class:`rlfunc.chunk_env.GymChunkEnv`.
+    """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
+    registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
+    :class:`rlfunc.chunk_env.GymChunkEnv`.
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
     """
     check_env(env_id)
-    if env_id == "PointReach-v0":
-        from envs.point_reach import PointReachEnv
-
-        return PointReachEnv(num_envs, act_steps=act_steps, device=device, seed=seed)
+    build = registry.torch_builder(env_id)
+    if build is not None:
+        return build(num_envs, act_steps=act_steps, device=device, seed=seed)
     from rlfunc.chunk_env import GymChunkEnv
 
     return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed)
@@ -315,11 +325,13 @@ class DiffusionActor:
         )
 
 
-def episode_chunks(env, act_steps: int) -> int:
-    """Chunk steps that cover one whole episode of ``env`` (its time limit / ``act_steps``, rounded up)."""
-    from envs.point_reach import MAX_STEPS
+UNLIMITED_EPISODE_STEPS = 30  # env steps evaluated of an env that declares no time limit
 
-    limit = getattr(env, "max_episode_steps", None) or MAX_STEPS
+
+def episode_chunks(env, act_steps: int) -> int:
+    """Chunk steps that cover one whole episode of ``env`` (its ``max_episode_steps`` time limit, else
+    :data:`UNLIMITED_EPISODE_STEPS`, over ``act_steps``, rounded up)."""
+    limit = getattr(env, "max_episode_steps", None) or UNLIMITED_EPISODE_STEPS
     return -(-limit // act_steps)
 
 
@@ -335,19 +347,21 @@ def evaluate_chunks(
     eta: float = 0.0,
     max_chunks: int | None = None,
     encoder_params: TensorDict | None = None,
+    episode_metrics: Callable[[TensorDictBase], TensorDictBase] | None = None,
 ) -> dict[str, float]:
     """One episode per env of ``env`` (a TorchRL env taking [N, act_steps, A] chunks, from
     :func:`make_env`) with the actor sampling by DDIM (``eta = 0``: deterministic given the initial noise).
 
-    Returns:
-        "episode_return" (mean over envs of their first episode's return), "returns" ([n] float, the
-        return of each first episode that ended), "success_rate" (share of first episodes that ended
-        in success: ("next", "success") at their end), "successes" (their count), "num_episodes";
-        for PointReach-v0 its mode statistics (share_goal_a, share_goal_b, share_neither) instead of
-        the last three ("successes" None).
-    """
-    from envs.point_reach import mode_statistics
+    Args:
+        episode_metrics: the env's own statistics of ended episodes (its registry entry's
+            :attr:`EnvEntry.episode_metrics`), or None.
 
+    Returns:
+        "episode_return" (mean over envs of their first episode's return), "returns" ([n] float,
+        the return of each first episode that ended); with ``episode_metrics``, its statistics of
+        the first episodes (as floats), else "success_rate" (share of first episodes that ended in
+        success: ("next", "success") at their end) and "num_episodes".
+    """
     chunks = max_chunks or episode_chunks(env, actor.spec.act_steps)
 
     def policy(td: TensorDict) -> TensorDict:
@@ -361,13 +375,13 @@ def evaluate_chunks(
     first = done & (done.long().cumsum(-1) == 1)
     ret = (td["next", "reward"].squeeze(-1) * (done.long().cumsum(-1) - done.long() == 0)).sum(-1)
     ended = first.any(-1)
-    out = {"episode_return": float(ret.mean()), "returns": ret[ended], "successes": None}
-    if "goal_index" in td["next"].keys():
-        out.update(mode_statistics(td["next", "goal_index"].squeeze(-1)[first], first[first]))
+    out = {"episode_return": float(ret.mean()), "returns": ret[ended]}
+    if episode_metrics is not None:  # the first episodes: their ends are the only dones
+        firsts = TensorDict({"next": td["next"].exclude("done").set("done", first.unsqueeze(-1))}, batch_size=td.batch_size)
+        out.update({k: float(v) for k, v in episode_metrics(firsts).items()})
     else:
         out["num_episodes"] = float(ended.sum())
         out["success_rate"] = float(td["next", "success"].squeeze(-1)[first].float().mean()) if bool(ended.any()) else float("nan")
-        out["successes"] = int(td["next", "success"].squeeze(-1)[first].sum())
     return out
 
 
@@ -385,14 +399,16 @@ def evaluate_episodes(
     max_envs: int | None = None,
 ) -> dict[str, float]:
     """:func:`evaluate_chunks` over ``episodes`` episodes of ``env_id``, run in rounds of at most
-    ``max_envs`` parallel envs (default: all at once for PointReach-v0, 50 for gymnasium envs,
+    ``max_envs`` parallel envs (default: all at once for a torch-batched env, 50 for gymnasium envs,
     which step on the host and may hold a renderer each); round r seeds its env and noise with
     ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers, with the
     evaluation protocol's spread: "episode_return_std" and "episode_return_ci95" (Student-t 95%
     interval of the mean return, :func:`rlfunc.stats.summarize_returns`) and "success_ci95" (Wilson
     interval of the success rate)."""
+    entry = registry.find(env_id)
+    metrics = None if entry is None else entry.episode_metrics
     if max_envs is None:
-        max_envs = episodes if env_id in TORCH_ENVS else 50
+        max_envs = episodes if registry.torch_builder(env_id) is not None else 50
     totals: dict[str, float] = {}
     done, returns = 0, []
     for r in range(-(-episodes // max_envs)):
@@ -400,11 +416,11 @@ def evaluate_episodes(
         env = make_env(env_id, n, actor.spec.act_steps, actor.device, seed + r)
         try:
             gen = torch.Generator(device=actor.device).manual_seed(seed + r)
-            out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params)
+            out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params,
+                                  episode_metrics=metrics)
         finally:
             env.close()
         returns.append(out.pop("returns"))
-        out.pop("successes")
         for k, v in out.items():
             if k != "num_episodes":
                 totals[k] = totals.get(k, 0.0) + v * n

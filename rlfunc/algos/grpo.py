@@ -29,6 +29,7 @@ from rlfunc import func
 from rlfunc.algos import shaped
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.distributions import gaussian_log_prob
+from rlfunc.envs import registry
 from rlfunc.errors import ConfigError
 from rlfunc.grouped import sequence_return
 from rlfunc.losses.grpo import grpo_loss
@@ -38,8 +39,6 @@ from rlfunc.normalize import normalize, update_running_stats
 from rlfunc.optim import clip_grads_, masked_step, member_grad_norms
 from rlfunc.returns import group_relative_advantage
 
-TORCH_ENVS = ("PointReach-v0",)  # env ids with a torch-batched TorchRL env (backend "auto" uses it)
-
 
 @dataclass(frozen=True)
 class GRPOConfig:
@@ -47,7 +46,7 @@ class GRPOConfig:
 
     env: str = "PointReach-v0"  # gymnasium env id (Box observations and actions)
     loss: Literal["grpo", "gspo"] = "grpo"  # per-step ratio (GRPO) or one ratio per episode (GSPO)
-    backend: Literal["auto", "gym", "torch"] = "auto"  # auto: torch-batched env for PointReach-v0, else gymnasium
+    backend: Literal["auto", "gym", "torch"] = "auto"  # auto: the torch-batched env where the env registry has one, else gymnasium
     total_steps: int = 200_000  # env steps per seed, counted as num_groups * group_size * max_episode_steps per iteration
     num_groups: int = 16  # start states per iteration
     group_size: int = 8  # episodes from each start state (G)
@@ -98,8 +97,8 @@ class GRPOConfig:
             raise ConfigError(f"loss={self.loss!r}: expected 'grpo' or 'gspo'")
         if self.backend not in ("auto", "gym", "torch"):
             raise ConfigError(f"backend={self.backend!r}: expected 'auto', 'gym' or 'torch'")
-        if self.backend == "torch" and self.env not in TORCH_ENVS:
-            raise ConfigError(f"backend='torch': env={self.env!r} has no torch-batched env (those that do: {', '.join(TORCH_ENVS)})")
+        if self.backend == "torch" and registry.torch_builder(self.env) is None:
+            raise ConfigError(f"backend='torch': env={self.env!r} has no torch-batched env (those that do: {', '.join(registry.ids('torch_env'))})")
         if self.episodes_per_iteration % self.minibatch_size:
             raise ConfigError(
                 f"minibatch_size={self.minibatch_size} does not divide num_groups*group_size={self.episodes_per_iteration}"
@@ -149,7 +148,7 @@ class GRPOConfig:
 
     @property
     def use_torch_env(self) -> bool:
-        return self.backend == "torch" or (self.backend == "auto" and self.env in TORCH_ENVS)
+        return self.backend == "torch" or (self.backend == "auto" and registry.torch_builder(self.env) is not None)
 
     def actor_config(self) -> PPOConfig:
         """The PPOConfig whose actor, initialisation and rollout policy GRPO shares."""

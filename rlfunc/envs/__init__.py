@@ -1,0 +1,1 @@
+"""Environment adapters (not environments): the env registry, :mod:`rlfunc.envs.registry`."""
