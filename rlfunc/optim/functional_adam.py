@@ -1,0 +1,103 @@
+"""Adam as a gradient transform whose moments and step counts live in the caller's TensorDict."""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as torch_adam  # the functional form torch.optim.Adam.step calls
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.optim.base import GradientTransform, _items, aligned, tree_leaves, tree_like
+
+
+def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> GradientTransform:
+    """Adam (Kingma & Ba 2015, Algorithm 1): per leaf, with t the leaf's step count,
+    m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2,
+    update = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+
+    The arithmetic is torch.optim's own, ``torch.optim.adam.adam(..., foreach=True)`` (the
+    multi-tensor kernels ``torch.optim.Adam(foreach=True)`` runs; capturable on accelerators, so the
+    step counts stay on the device and no step reads them back), over the TensorDict's leaves.
+
+    Args:
+        lr: > 0, the learning rate when ``update`` is given none.
+        betas: (b1, b2), each in [0, 1).
+        eps: >= 0, added to the bias-corrected RMS.
+
+    State: ``{"step": {leaf: 0-dim float32}, "exp_avg": like params, "exp_avg_sq": like params}``,
+    zeros from ``init`` (torch.optim's initial state). ``update`` writes the moments and steps of the
+    leaves present in ``grads`` into these tensors in place (as torch.optim does: a copy per step
+    would double the optimizer's memory traffic) and returns the same state; clone it to keep the old.
+
+    ``update(grads, state, params=None, *, lr=None, mask=None)``:
+        lr: this step's learning rate (a schedule's value); None: the ``lr`` above.
+        mask: [S] bool, the members (leading dim of every leaf) whose step is valid. A member with
+            False keeps its moments and gets a zero update, so its parameters stay bit for bit (its
+            non-finite gradients never reach them). The step count is one per leaf, shared by the
+            members, and still advances for a skipped member while another steps (its later bias
+            correction is that of one more step); with a single member (S = 1) a skipped step
+            leaves everything, the count included, untouched. The same rule as
+            :func:`rlfunc.optim.masked_step` over torch.optim.Adam.
+
+    Raises:
+        ConfigError: ``lr``, ``betas`` or ``eps`` out of range.
+        ShapeError (update): a key of ``grads`` not in the state, or of another shape.
+    """
+    if not lr > 0:
+        raise ConfigError(f"lr={lr}: expected a positive learning rate")
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"betas={betas}: expected two values in [0, 1)")
+    if not eps >= 0:
+        raise ConfigError(f"eps={eps}: expected >= 0")
+    base_lr = lr
+
+    def init(params: TensorDictBase) -> TensorDict:
+        leaves = [p.detach() for p in tree_leaves(params)]
+        return TensorDict(
+            {
+                "step": tree_like(params, [torch.zeros((), dtype=torch.float32, device=p.device) for p in leaves]),
+                "exp_avg": tree_like(params, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]),
+                "exp_avg_sq": tree_like(params, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]),
+            },
+            batch_size=[],
+            device=params.device,
+        )
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None, *,
+               lr: float | Tensor | None = None, mask: Tensor | None = None, **extra):
+        parts = dict(_items(state))
+        g = tree_leaves(grads)
+        m = aligned(grads, parts["exp_avg"], "adam")
+        v = aligned(grads, parts["exp_avg_sq"], "adam")
+        steps = _steps(grads, parts["step"], len(g))
+        updates = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g]
+        kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,
+                  lr=float(base_lr if lr is None else lr), weight_decay=0.0, eps=eps, maximize=False)
+        with torch.no_grad():
+            if mask is None or bool(mask.all()):
+                torch_adam(updates, g, m, v, [], steps, **kw)
+            elif mask.numel() > 1:
+                bad = (~mask).nonzero().squeeze(-1)
+                saved = [(a.index_select(0, bad), b.index_select(0, bad)) for a, b in zip(m, v)]
+                g = [x.nan_to_num(0.0, 0.0, 0.0) for x in g]
+                torch_adam(updates, g, m, v, [], steps, **kw)
+                for a, b, (sa, sb), u in zip(m, v, saved, updates):
+                    a.index_copy_(0, bad, sa)
+                    b.index_copy_(0, bad, sb)
+                    u.index_fill_(0, bad, 0.0)
+            # else: one member, skipped: nothing moves
+        return tree_like(grads, updates), state
+
+    return GradientTransform(init, update)
+
+
+def _steps(grads: TensorDictBase, step: TensorDictBase, n: int) -> list[Tensor]:
+    """The step counters of the leaves of ``grads`` (all of them, or those at its keys)."""
+    steps = tree_leaves(step)
+    if len(steps) != n:
+        steps = tree_leaves(step.select(*grads.keys(include_nested=True, leaves_only=True)))
+    if len(steps) != n:
+        raise ShapeError(f"adam: the state counts {len(steps)} step counters for the {n} gradient leaves")
+    return steps
