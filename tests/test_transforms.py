@@ -225,7 +225,7 @@ def test_tree_leaves_ignores_insertion_order_and_tree_like_rebuilds():
     assert [id(t) for t in tree_leaves(params)] == [id(t) for t in leaves(params)]  # func.leaves' order
     rebuilt = tree_like(b, [torch.full((3,), 7.0), torch.full((2,), 8.0), torch.full((1,), 9.0)])
     assert float(rebuilt["n", "a"][0]) == 7.0 and float(rebuilt["x"][0]) == 9.0
-    with pytest.raises(ShapeError, match="fewer tensors"):
+    with pytest.raises(ShapeError, match="1 tensors for the template.s 3 leaves"):
         tree_like(a, [torch.zeros(3)])
 
 
@@ -246,3 +246,32 @@ def test_gradients_of_another_shape_are_named():
         update.update(grads, state, params)
     with pytest.raises(ShapeError, match="nope"):
         update.update(TensorDict({"nope": torch.zeros(3)}, batch_size=[]), state, params)
+
+
+def test_torch_optim_state_converts_and_continues_identically():
+    from rlfunc.optim import adam_state_from_torch, optimizer_state
+
+    ours, theirs = stacked_params(), stacked_params()
+    opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
+    for t in range(3):
+        for p, g in zip(leaves(theirs), random_grads(theirs, t)):
+            p.grad = g
+        opt.step()
+    with torch.no_grad():
+        for p, q in zip(leaves(ours), leaves(theirs)):
+            p.copy_(q)
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    state = adam_state_from_torch(optimizer_state(opt), update.init(ours), ours)
+    for t in range(3, 6):
+        grads = random_grads(ours, t)
+        for p, g in zip(leaves(theirs), grads):
+            p.grad = g.clone()
+        clip_grads_([p.grad for p in leaves(theirs)], MAX_NORM, stacked=True)
+        opt.step()
+        updates, state = update.update(as_td(ours, grads), state, ours)
+        apply_updates(ours, updates)
+    for p, q in zip(leaves(ours), leaves(theirs)):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+    assert float(state["1", "step", "log_std"]) == 6.0
+    with pytest.raises(ValueError, match="4 torch.optim entries for 5 parameter leaves"):
+        adam_state_from_torch(optimizer_state(opt).exclude("4"), update.init(ours), ours)

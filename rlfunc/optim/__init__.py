@@ -3,8 +3,8 @@
 Transforms (the learner state owns the optimizer's state):
 
 - :class:`GradientTransform` (``init(params) -> state``, ``update(grads, state, params, **extra) ->
-  (updates, state)``), :func:`chain`, :func:`apply_updates`, :func:`tree_leaves`, :func:`tree_like`
-  (rlfunc/optim/base.py);
+  (updates, state)``), :func:`chain`, :func:`apply_updates`, :func:`tree_leaves`, :func:`tree_like`, :func:`flatten` /
+  :func:`unflatten` (the leaf lists ``update_leaves`` works on), :func:`from_leaves` (rlfunc/optim/base.py);
 - :func:`clip_by_global_norm`, :func:`global_norm`: per seed member (rlfunc/optim/clipping.py);
 - :func:`adam`: torch.optim's foreach Adam over the leaves, with a per-step ``lr`` and a per-member
   skip ``mask`` (rlfunc/optim/functional_adam.py).
@@ -22,9 +22,9 @@ Example::
     apply_updates(params, updates)               # in place
 """
 
-from rlfunc.optim.base import GradientTransform, apply_updates, chain, tree_leaves, tree_like
+from rlfunc.optim.base import GradientTransform, apply_updates, chain, flatten, from_leaves, tree_leaves, tree_like, unflatten
 from rlfunc.optim.clipping import clip_by_global_norm, global_norm
-from rlfunc.optim.functional_adam import adam
+from rlfunc.optim.functional_adam import adam, adam_state_from_torch
 from rlfunc.optim.torch_optim import (
     clip_grads_,
     linear_lr,
@@ -38,7 +38,7 @@ from rlfunc.optim.torch_optim import (
 )
 
 __all__ = [
-    "GradientTransform", "adam", "apply_updates", "chain", "clip_by_global_norm", "clip_grads_", "global_norm",
+    "GradientTransform", "adam", "adam_state_from_torch", "apply_updates", "chain", "clip_by_global_norm", "clip_grads_", "global_norm",
     "linear_lr", "load_optimizer_state", "make_adam", "masked_step", "member_grad_norms", "minibatch_epochs",
-    "optimizer_state", "set_lr", "tree_leaves", "tree_like",
+    "optimizer_state", "set_lr", "tree_leaves", "tree_like", "flatten", "unflatten", "from_leaves",
 ]

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from rlfunc.errors import ConfigError
 from rlfunc.optim.torch_optim import member_grad_norms
-from rlfunc.optim.base import GradientTransform, tree_leaves, tree_like
+from rlfunc.optim.base import GradientTransform, from_leaves, tree_leaves
 
 
 def global_norm(grads: TensorDictBase, stacked: bool) -> Tensor:
@@ -45,9 +45,8 @@ def clip_by_global_norm(max_norm: float, stacked: bool = True) -> GradientTransf
         members = first.shape[0] if stacked else 1
         return TensorDict({"norm": torch.zeros(members, device=first.device)}, batch_size=[], device=params.device)
 
-    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None, *,
-               grad_norm: Tensor | None = None, **extra):
-        g = tree_leaves(grads)
+    def update_leaves(g: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None, *,
+                      grad_norm: Tensor | None = None, **extra):
         norms = member_grad_norms(g, stacked) if grad_norm is None else grad_norm
         scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
         scale = torch.where(norms.isfinite(), scale, torch.ones_like(scale))
@@ -56,6 +55,6 @@ def clip_by_global_norm(max_norm: float, stacked: bool = True) -> GradientTransf
         else:
             out = [x * scale.reshape(()) for x in g]
         new_state = TensorDict._new_unsafe({"norm": norms.detach()}, batch_size=torch.Size([]), device=state.device)
-        return tree_like(grads, out), new_state
+        return out, new_state
 
-    return GradientTransform(init, update)
+    return from_leaves(init, update_leaves)

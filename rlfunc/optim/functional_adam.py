@@ -7,8 +7,8 @@ from torch.optim.adam import adam as torch_adam  # the functional form torch.opt
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.optim.base import GradientTransform, _items, aligned, tree_leaves, tree_like
+from rlfunc.errors import ConfigError
+from rlfunc.optim.base import GradientTransform, _dict, check_shapes, from_leaves, leaves_at_each, tree_leaves, tree_like
 
 
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> GradientTransform:
@@ -65,13 +65,11 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
             device=params.device,
         )
 
-    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None, *,
-               lr: float | Tensor | None = None, mask: Tensor | None = None, **extra):
-        parts = dict(_items(state))
-        g = tree_leaves(grads)
-        m = aligned(grads, parts["exp_avg"], "adam")
-        v = aligned(grads, parts["exp_avg_sq"], "adam")
-        steps = _steps(grads, parts["step"], len(g))
+    def update_leaves(g: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None, *,
+                      lr: float | Tensor | None = None, mask: Tensor | None = None, **extra):
+        parts = _dict(state)
+        m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
+        check_shapes(g, m, treedef, "adam")  # v and the steps come with m from init (or a checked snapshot)
         updates = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g]
         kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,
                   lr=float(base_lr if lr is None else lr), weight_decay=0.0, eps=eps, maximize=False)
@@ -88,16 +86,42 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
                     b.index_copy_(0, bad, sb)
                     u.index_fill_(0, bad, 0.0)
             # else: one member, skipped: nothing moves
-        return tree_like(grads, updates), state
+        return updates, state
 
-    return GradientTransform(init, update)
+    return from_leaves(init, update_leaves)
 
 
-def _steps(grads: TensorDictBase, step: TensorDictBase, n: int) -> list[Tensor]:
-    """The step counters of the leaves of ``grads`` (all of them, or those at its keys)."""
-    steps = tree_leaves(step)
-    if len(steps) != n:
-        steps = tree_leaves(step.select(*grads.keys(include_nested=True, leaves_only=True)))
-    if len(steps) != n:
-        raise ShapeError(f"adam: the state counts {len(steps)} step counters for the {n} gradient leaves")
-    return steps
+
+def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> TensorDict:
+    """``state`` (an :func:`adam` state, or a :func:`rlfunc.optim.chain` state holding one) with its
+    Adam part filled from ``torch_state``, torch.optim.Adam's state as :func:`rlfunc.optim.optimizer_state`
+    writes it: ``{"<i>": {"step", "exp_avg", "exp_avg_sq"}}``, i numbering ``params``' leaves in
+    :func:`rlfunc.func.leaves` order. For snapshots written before the optimizer's state moved into the
+    learner state. Returns a new TensorDict; the other links' states are copied from ``state``.
+
+    Raises:
+        ValueError: ``state`` holds no Adam state, ``torch_state`` has other entries than one per leaf
+            of ``params``, or an entry another shape than its leaf (the key named).
+        KeyError: an entry lacks "step", "exp_avg" or "exp_avg_sq".
+    """
+    out = state.clone()
+    names = ("exp_avg", "exp_avg_sq", "step")
+    if set(names) <= set(out.keys()):
+        target = out
+    else:
+        parts = [v for v in out.values() if isinstance(v, TensorDictBase) and set(names) <= set(v.keys())]
+        if len(parts) != 1:
+            raise ValueError(f"the state holds {len(parts)} Adam states, expected one")
+        target = parts[0]
+    keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
+    if set(torch_state.keys()) != {str(i) for i in range(len(keys))}:
+        raise ValueError(f"{len(list(torch_state.keys()))} torch.optim entries for {len(keys)} parameter leaves")
+    for i, key in enumerate(keys):
+        entry = torch_state[str(i)]
+        for name in names:
+            value = entry[name]
+            want = target[name].get(key)
+            if value.shape != want.shape:
+                raise ValueError(f"{name} of {key!r} (entry {i}) has shape {list(value.shape)}, expected {list(want.shape)}")
+            target[name].set(key, value.to(want.dtype))
+    return out
