@@ -13,7 +13,7 @@ write only the state of the leaves present, and :func:`apply_updates` moves only
 Leaves are matched by key, in the order of :func:`tree_leaves` (that of :func:`rlfunc.func.leaves`), so
 the insertion order of a TensorDict (a loaded snapshot's is alphabetical) never matters.
 
-Each link also has ``update_leaves(grads, treedef, state, params=None, **extra) -> (updates,
+The links of rlfunc.optim also have ``update_leaves(grads, treedef, state, params=None, **extra) -> (updates,
 new_state)`` over the flat list of gradient leaves (``grads, treedef = flatten(grads_td)``): the same
 function, without building the nested TensorDicts of every intermediate result. :func:`chain` runs its
 links that way, and a training loop may call it directly (PPO does: a 13-leaf TensorDict costs about
@@ -91,6 +91,16 @@ def _is_node(v) -> bool:
     return isinstance(v, TensorDictBase)
 
 
+_NO_BATCH = torch.Size([])
+
+
+def node(d: dict, device=None) -> TensorDict:
+    """``TensorDict(d, batch_size=[], device=device)`` without the constructor's checks (the values
+    are tensors or TensorDicts already on ``device``): 4 us instead of 15 per node."""
+    new = getattr(TensorDict, "_new_unsafe", None)  # a tensordict without it gets the checked constructor
+    return new(d, batch_size=_NO_BATCH, device=device) if new is not None else TensorDict(d, batch_size=[], device=device)
+
+
 def _dict(td: TensorDictBase) -> dict:
     return td._tensordict if type(td) is TensorDict else {k: td.get(k) for k in td.keys()}
 
@@ -155,7 +165,7 @@ def unflatten(treedef: tuple, tensors: Sequence[Tensor], device=None) -> TensorD
 
 def _unflatten(treedef: tuple, it, device) -> TensorDict:
     d = {k: (next(it) if sub is None else _unflatten(sub, it, device)) for k, sub in treedef}
-    return TensorDict._new_unsafe(d, batch_size=torch.Size([]), device=device)
+    return node(d, device)
 
 
 def check_shapes(got: Sequence[Tensor], want: Sequence[Tensor], treedef: tuple, what: str) -> None:
@@ -194,7 +204,7 @@ def chain(*transforms: GradientTransform) -> GradientTransform:
         parts = _dict(state)
         for i, t in enumerate(transforms):
             grads, new[str(i)] = t.update(grads, parts[str(i)], params, **extra)
-        return grads, TensorDict._new_unsafe(new, batch_size=torch.Size([]), device=state.device)
+        return grads, node(new, state.device)
 
     def update_leaves(grads: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None,
                       **extra):
@@ -202,7 +212,7 @@ def chain(*transforms: GradientTransform) -> GradientTransform:
         parts = _dict(state)
         for i, t in enumerate(transforms):
             grads, new[str(i)] = t.update_leaves(grads, treedef, parts[str(i)], params, **extra)
-        return grads, TensorDict._new_unsafe(new, batch_size=torch.Size([]), device=state.device)
+        return grads, node(new, state.device)
 
     if all(t.update_leaves is not None for t in transforms):
         return from_leaves(init, update_leaves)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from rlfunc.errors import ConfigError
 from rlfunc.optim.torch_optim import member_grad_norms
-from rlfunc.optim.base import GradientTransform, from_leaves, tree_leaves
+from rlfunc.optim.base import GradientTransform, from_leaves, node, tree_leaves
 
 
 def global_norm(grads: TensorDictBase, stacked: bool) -> Tensor:
@@ -54,7 +54,7 @@ def clip_by_global_norm(max_norm: float, stacked: bool = True) -> GradientTransf
             out = [x * scale.view(-1, *([1] * (x.dim() - 1))) for x in g]
         else:
             out = [x * scale.reshape(()) for x in g]
-        new_state = TensorDict._new_unsafe({"norm": norms.detach()}, batch_size=torch.Size([]), device=state.device)
+        new_state = node({"norm": norms.detach()}, state.device)
         return out, new_state
 
     return from_leaves(init, update_leaves)
