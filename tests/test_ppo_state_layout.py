@@ -121,3 +121,30 @@ def test_eval_refuses_a_snapshot_of_another_structure(tmp_path, capsys, layout):
     assert main(["eval", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(snap) in err[0]
+
+
+def _layout_1(state: TensorDict) -> TensorDict:
+    learner = state["learner"].clone(recurse=False)
+    adam = learner.pop("optim")["1"]
+    keys = sorted(learner["params"].keys(include_nested=True, leaves_only=True), key=str)
+    optim = {str(i): {name: adam[name].get(k) for name in ("step", "exp_avg", "exp_avg_sq")} for i, k in enumerate(keys)}
+    return TensorDict({**state.exclude("learner").to_dict(), "learner": learner, "optim": optim}, batch_size=[])
+
+
+def test_a_version_of_layout_1_resumes_exactly_after_a_rollback(tmp_path):
+    from rlfunc import versions
+
+    config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, version_every=1))
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    run = tmp_path / "run"
+    train(config, run, max_iterations=2, progress=False, tensorboard=False)
+    state, manifest = versions.load_version(run, "v000002")
+    meta = {k: v for k, v in manifest["meta"].items() if k != "state_layout"}
+    old = versions.save_version(run, _layout_1(state), meta, iteration=manifest["iteration"], step=manifest["step"],
+                                metrics=manifest["metrics"])
+    assert main(["versions", "rollback", str(run), old["id"]]) == 0
+    resumed = train(config, run, resume=True, progress=False, tensorboard=False)
+    a, b = _leaves(full.state), _leaves(resumed.state)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
