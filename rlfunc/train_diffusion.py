@@ -194,7 +194,8 @@ def evaluate_run(
 
     Returns:
         {"algo", "episodes", "episode_return", "success_rate", "share_goal_a", "share_goal_b",
-        "share_neither", "num_episodes", "episode_return_std", "episode_return_ci95", "success_ci95"}
+        "share_neither", "num_episodes", "episode_return_std", "episode_return_ci95_low" / "_high",
+        "success_ci95_low" / "_high"}
         (:func:`rlfunc.algos.diffusion_actor.evaluate_episodes`).
 
     Raises:
@@ -218,7 +219,7 @@ def evaluate_run(
     env_id = config.get("env", "PointReach-v0")
     summary = evaluate_episodes(actor, params, obs_stats, schedule_for(spec, dev), env_id, episodes,
                                 seed=seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder)
-    return {"algo": meta["algo"], "episodes": episodes, **{k: v if isinstance(v, list) else float(v) for k, v in summary.items()}}
+    return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
 
 
 # ------------------------------------------------------------------------------------------ resume

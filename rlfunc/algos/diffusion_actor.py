@@ -402,9 +402,9 @@ def evaluate_episodes(
     ``max_envs`` parallel envs (default: all at once for a torch-batched env, 50 for gymnasium envs,
     which step on the host and may hold a renderer each); round r seeds its env and noise with
     ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers, with the
-    evaluation protocol's spread: "episode_return_std" and "episode_return_ci95" (Student-t 95%
-    interval of the mean return, :func:`rlfunc.stats.summarize_returns`) and "success_ci95" (Wilson
-    interval of the success rate)."""
+    evaluation protocol's spread, as floats: "episode_return_std", "episode_return_ci95_low" /
+    "_high" (Student-t 95% interval of the mean return, :func:`rlfunc.stats.summarize_returns`) and
+    "success_ci95_low" / "_high" (Wilson interval of the success rate)."""
     entry = registry.find(env_id)
     metrics = None if entry is None else entry.episode_metrics
     if max_envs is None:
@@ -430,7 +430,9 @@ def evaluate_episodes(
     returns = torch.cat(returns)
     if returns.numel():
         stats = summarize_returns(returns)
-        summary["episode_return_std"], summary["episode_return_ci95"] = stats["std"], stats["ci95"]
+        summary["episode_return_std"] = stats["std"]
+        summary["episode_return_ci95_low"], summary["episode_return_ci95_high"] = stats["ci95"]
     if math.isfinite(summary.get("success_rate", float("nan"))):  # a weighted mean of counts / n: a count again
-        summary["success_ci95"] = list(success_interval(round(summary["success_rate"] * episodes), episodes))
+        low, high = success_interval(round(summary["success_rate"] * episodes), episodes)
+        summary["success_ci95_low"], summary["success_ci95_high"] = low, high
     return summary
