@@ -60,7 +60,6 @@ def update_timing(methods: list[str], repeats: int, num_seeds: int) -> dict[str,
     """Median seconds of one learner update (``iteration``) per method on the same synthetic
     Pendulum-sized batch ([num_seeds, 8, 256], obs 3, action 1), methods interleaved per repeat."""
     from rlfunc.algos.ppo import EnvSpec, make_ppo
-    from rlfunc.optim import make_adam
     from tensordict import TensorDict
     import time
 
@@ -76,12 +75,12 @@ def update_timing(methods: list[str], repeats: int, num_seeds: int) -> dict[str,
         config = preset("Pendulum-v1", shaping="ppo-shaped", num_seeds=S, device="cpu", **METHODS[m])
         algo = make_ppo(config, spec, torch.device("cpu"))
         state = algo.init()
-        runs[m] = [algo, state, make_adam(state["params"], config.lr), [torch.Generator().manual_seed(s) for s in config.seeds]]
+        runs[m] = [algo, state, [torch.Generator().manual_seed(s) for s in config.seeds]]
     for _ in range(repeats + 1):  # the first round warms up
         for m in methods:
-            algo, state, opt, gens = runs[m]
+            algo, state, gens = runs[m]
             t = time.perf_counter()
-            runs[m][1], _ = algo.iteration(state, batch, gens, opt)
+            runs[m][1], _ = algo.iteration(state, batch, gens)
             times[m].append(time.perf_counter() - t)
     return {m: statistics.median(v[1:]) for m, v in times.items()}
 

@@ -116,7 +116,6 @@ def update_step(repeats: int) -> dict[str, float]:
 
     from rlfunc import collect, func
     from rlfunc.algos.ppo import make_ppo
-    from rlfunc.optim import make_adam
     from rlfunc.train import _generators, env_spec
 
     config = preset("Pendulum-v1", device="cpu")
@@ -125,7 +124,6 @@ def update_step(repeats: int) -> dict[str, float]:
     device = torch.device("cpu")
     algo = make_ppo(config, env_spec(venv), device)
     state = algo.init()
-    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
     carry = collect.reset(venv, collect.env_seeds(0, config.num_envs))
     batch, _ = collect.rollout(venv, algo.policy(state, _generators(state, device)), carry, config.num_steps, device=device)
     venv.close()
@@ -144,7 +142,7 @@ def update_step(repeats: int) -> dict[str, float]:
             for i in frozen:
                 leaves[i].requires_grad_(False)
             t0 = time.perf_counter()
-            state, _ = algo.iteration(state, batch, _generators(state, device), optimizer)
+            state, _ = algo.iteration(state, batch, _generators(state, device))
             times[case].append(time.perf_counter() - t0)
             for i in frozen:
                 leaves[i].requires_grad_(True)

@@ -2,8 +2,12 @@
 
 ``train(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
 checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), learning_curve.png and eval.json.
-Resume is exact on CPU: the learner state, optimizer state, RNG states, rollout carry and the
-gymnasium envs' own state (RNG, time limit, physics) all go into each snapshot.
+Resume is exact on CPU: the learner state (Adam's moments and steps included, ``state["optim"]``),
+RNG states, rollout carry and the gymnasium envs' own state (RNG, time limit, physics) all go into
+each snapshot. A snapshot is ``{"learner": state, "carry": carry[, "freeze": tracker]}``; a load is
+checked against the same structure built from ``algo.init()``. Snapshots and versions written before
+the optimizer's state moved into the learner (state layout 1: a separate "optim" entry of torch.optim
+state) are converted on load.
 
 With ``version_every`` > 0 the same state also goes, every that many iterations, into the run's
 version store (RNG, rlfunc.versions): content-addressed, with the iteration's metrics and each
@@ -36,7 +40,7 @@ from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
-from rlfunc.optim import linear_lr, load_optimizer_state, make_adam, optimizer_state, set_lr
+from rlfunc.optim import adam_state_from_torch, linear_lr
 from rlfunc.stats import mean_interval, success_interval, summarize_returns
 from rlfunc.resume import StopOnSignal, check_budget, check_budget_covers, check_run_dir, generator_from_state, truncate_metrics
 
@@ -72,21 +76,56 @@ def _member_seeds(config: PPOConfig) -> list[int]:
     return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
 
 
-def _like(state: TensorDict, carry: TensorDict, freeze: TensorDict | None = None) -> TensorDict:
-    """The structure a snapshot of this run must have (keys, shapes, dtypes) for load validation;
-    the optimizer holds Adam state for each leaf of ``state["params"]``, in ``func.leaves`` order."""
-    params = func.leaves(state["params"])
-    opt = TensorDict(
-        {
-            str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-            for i, p in enumerate(params)
-        },
-        batch_size=[],
-    )
-    like = TensorDict({"learner": state, "optim": opt, "carry": carry}, batch_size=[])
+STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner; 1 (no key): beside it, as "optim"
+
+
+def _saved_state(state: TensorDict, carry: TensorDict, freeze: TensorDict | None = None) -> TensorDict:
+    """What a snapshot or version of the run holds. Of ``algo.init()``, a fresh carry and tracker, it is
+    the structure (keys, shapes, dtypes) a load is checked against."""
+    saved = TensorDict({"learner": state, "carry": carry}, batch_size=[])
     if freeze is not None:
-        like["freeze"] = freeze
-    return like
+        saved["freeze"] = freeze
+    return saved
+
+
+def _load(source: tuple[str, Path | str], like: TensorDict, *, device, run_dir=None, generators: str = "exact"):
+    """Read ``source`` (("snapshot", path) or ("version", id) of ``run_dir``) checked against ``like``
+    (:func:`_saved_state` of the fresh run). Returns (state, meta).
+
+    A snapshot or version of state layout 1 (meta without "state_layout": the optimizer's torch.optim
+    state as a separate "optim" entry, ``{"<i>": {"step", "exp_avg", "exp_avg_sq"}}`` over the leaves in
+    ``func.leaves`` order) is converted: its Adam state goes into ``learner.optim``, the clip link's last
+    norms start at zero (they are a report, read by nothing), and the result is checked as a new one.
+
+    Raises:
+        CheckpointError: the structure differs from ``like`` (the first key named), an unknown state
+            layout, or a layout-1 optimizer state that does not fit the run's parameters.
+    """
+    kind, where = source
+    name = str(where) if kind == "snapshot" else f"{run_dir} version {where}"
+    meta = checkpoint.load_meta(where) if kind == "snapshot" else versions.read_manifest(run_dir, where)["meta"]
+    layout = meta.get("state_layout", 1)
+    if layout not in (1, STATE_LAYOUT):
+        raise CheckpointError(f"{name}: state_layout={layout!r}: this rlfunc reads PPO state layouts 1 and {STATE_LAYOUT}; "
+                              "it was written by a newer rlfunc")
+    check = like if layout == STATE_LAYOUT else None
+    if kind == "snapshot":
+        loaded, meta = checkpoint.load_snapshot(where, device=device, like=check, generators=generators)
+    else:
+        loaded, manifest = versions.load_version(run_dir, where, device=device, like=check)
+        meta = manifest["meta"]
+    if layout == 1:
+        if "optim" not in loaded.keys():
+            raise CheckpointError(f"{name}: no optimizer state: a PPO snapshot of state layout 1 (meta without "
+                                  "'state_layout') holds one as 'optim' beside 'learner'")
+        try:
+            loaded["learner", "optim"] = adam_state_from_torch(loaded.pop("optim"), like["learner", "optim"],
+                                                               like["learner", "params"]).to(loaded.device)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{name}: its optimizer state (state layout 1, torch.optim's) does not fit the run's "
+                                  f"parameters ({e}); train anew, or resume it with rlfunc of commit c0e6595") from e
+        checkpoint.check_learner(name, loaded, like, generators=generators)
+    return loaded, meta
 
 
 def init_freeze(params: TensorDict) -> TensorDict:
@@ -135,13 +174,6 @@ def _episode_stats(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan"))), count
 
 
-def _saved_state(state, optimizer, carry, freeze) -> TensorDict:
-    saved = TensorDict({"learner": state, "optim": optimizer_state(optimizer), "carry": carry}, batch_size=[])
-    if freeze is not None:
-        saved["freeze"] = freeze
-    return saved
-
-
 def _meta(state, venv, config, spec, branch) -> dict:
     return {
         "algo": "ppo",
@@ -151,17 +183,18 @@ def _meta(state, venv, config, spec, branch) -> dict:
         "iteration": int(state["iteration"]),
         "env_steps": int(state["env_steps"]),
         "branch": branch,
+        "state_layout": STATE_LAYOUT,
     }
 
 
-def _save(run_dir, state, optimizer, carry, venv, config, spec, freeze=None, branch=versions.MAIN) -> Path:
+def _save(run_dir, state, carry, venv, config, spec, freeze=None, branch=versions.MAIN) -> Path:
     return checkpoint.save_run_snapshot(
-        run_dir, _saved_state(state, optimizer, carry, freeze), _meta(state, venv, config, spec, branch),
+        run_dir, _saved_state(state, carry, freeze), _meta(state, venv, config, spec, branch),
         step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None,
     )
 
 
-def _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch, record) -> dict:
+def _save_version(run_dir, state, carry, venv, config, spec, freeze, branch, record) -> dict:
     """A version of the run (rlfunc.versions): the snapshot's state and meta, plus the env's id,
     registration and wrapper chain, every env's seed, and ``record`` (the iteration's metrics)."""
     meta = _meta(state, venv, config, spec, branch)
@@ -178,7 +211,7 @@ def _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, 
     meta["seeds"] = {"agents": config.seeds, "envs": _member_seeds(config)}
     metrics = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in record.items()}
     return versions.save_version(
-        run_dir, _saved_state(state, optimizer, carry, freeze), meta,
+        run_dir, _saved_state(state, carry, freeze), meta,
         iteration=int(state["iteration"]), step=int(state["env_steps"]), metrics=metrics,
         keep_last=config.version_keep_last or None, keep_every=config.version_keep_every,
     )
@@ -296,21 +329,14 @@ def train(
 def _train(config, run_dir, device, venv, source, max_iterations, progress, tensorboard) -> TrainResult:
     spec = env_spec(venv)
     algo: PPO = make_ppo(config, spec, device)
-    state = algo.init()
-    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+    state = algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
     carry = collect.reset(venv, _member_seeds(config))
     freeze = init_freeze(state["params"]) if config.freeze_threshold > 0 else None
     branch = versions.current_branch(run_dir)
     if source is not None:
-        like = _like(state, carry, freeze)
-        if source[0] == "snapshot":
-            loaded, meta = checkpoint.load_snapshot(source[1], device=device, like=like)
-        else:
-            loaded, manifest = versions.load_version(run_dir, source[1], device=device, like=like)
-            meta = manifest["meta"]
-        with torch.no_grad():  # in place: the optimizer keeps stepping the same leaves
+        loaded, meta = _load(source, _saved_state(state, carry, freeze), device=device, run_dir=run_dir)
+        with torch.no_grad():  # in place: the freeze tracker's leaves below are these
             state.update_(loaded["learner"])
-        load_optimizer_state(optimizer, loaded["optim"])
         carry = loaded["carry"].to("cpu")
         if freeze is not None:
             freeze = loaded["freeze"]
@@ -345,7 +371,6 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
         try:
             for it in range(start_iteration, end):
                 t0 = time.perf_counter()
-                set_lr(optimizer, linear_lr(config.lr, it, config.num_iterations, config.anneal_lr))
                 gens = _generators(state, device)
                 # log_prob=False: iteration computes the batch's log-probabilities in one pass
                 batch, carry = collect.rollout(venv, algo.policy(state, gens, log_prob=False), carry, T, device=device)
@@ -355,7 +380,7 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
                 for i in frozen:
                     leaves[i].requires_grad_(False)
                 try:
-                    state, metrics = algo.iteration(state, batch, gens, optimizer)
+                    state, metrics = algo.iteration(state, batch, gens)
                 finally:
                     for i in frozen:
                         leaves[i].requires_grad_(True)
@@ -374,7 +399,7 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
                     "steps_per_s": S * N * T / (t2 - t0),
                     "collect_s": t1 - t0,
                     "update_s": t2 - t1,
-                    "lr": optimizer.param_groups[0]["lr"],
+                    "lr": linear_lr(config.lr, it, config.num_iterations, config.anneal_lr),  # iteration's
                     "episode_return": ep_return if S > 1 else ep_return[0],
                     "episodes": ep_count if S > 1 else ep_count[0],
                     **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
@@ -385,9 +410,9 @@ def _train(config, run_dir, device, venv, source, max_iterations, progress, tens
                     bar.set_postfix(ret=f"{ep_return.nanmean().item():.1f}", sps=f"{record['steps_per_s']:.0f}")
                 last = it + 1 == end
                 if config.version_every and (stop.signal or last or (it + 1) % config.version_every == 0):
-                    _save_version(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch, record)
+                    _save_version(run_dir, state, carry, venv, config, spec, freeze, branch, record)
                 if stop.signal or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
-                    _save(run_dir, state, optimizer, carry, venv, config, spec, freeze, branch)
+                    _save(run_dir, state, carry, venv, config, spec, freeze, branch)
                 if stop.signal:
                     interrupted = stop.signal
                     break
@@ -434,7 +459,7 @@ def evaluate(
         carry = collect.empty_carry(trained.num_seeds * trained.num_envs, spec.obs_dim)
         freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
         # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
-        loaded, _ = checkpoint.load_snapshot(path, device=dev, like=_like(like, carry, freeze), generators="fresh")
+        loaded, _ = _load(("snapshot", path), _saved_state(like, carry, freeze), device=dev, generators="fresh")
         algo = make_ppo(config, spec, dev)
         state = algo.init()
         with torch.no_grad():

@@ -232,10 +232,12 @@ def test_actor_critic_apply_equals_functional_call():
 def test_short_pendulum_run_with_gsde_improves(tmp_path):
     from rlfunc.train import evaluate, train
 
-    config = preset("Pendulum-v1", total_steps=16_384, checkpoint_every=0, device="cpu")
+    # the preset, but at a constant lr: the preset's decay to 0 over a 4-iteration budget would leave
+    # too few steps at a useful lr to show learning (the full budget's test: test_train.py)
+    config = preset("Pendulum-v1", total_steps=16_384, checkpoint_every=0, device="cpu", anneal_lr=False)
     assert config.exploration == "gsde"  # the preset
     train(config, tmp_path / "r", progress=False, tensorboard=False)
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    first = records[0]["episode_return"]  # -1289 here; the eval after 16k steps gives -653
+    first = records[0]["episode_return"]  # -1289 here
     trained = evaluate(tmp_path / "r", episodes=10, device="cpu")
     assert trained["mean"] > first + 500, (first, trained)

@@ -1,8 +1,10 @@
 """PPO with a Gaussian actor, as ``make_ppo(config, env_spec) -> (init, iteration)`` over stacked seeds.
 
-Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but the
-optimizer object, whose Adam update is elementwise, so S seeds train exactly as S separate runs
-would (each has its own env seeds, noise generator, normalisers and minibatch order).
+Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but
+Adam's per-leaf step counts (Adam is elementwise), so S seeds train exactly as S separate runs
+would (each has its own env seeds, noise generator, normalisers and minibatch order). The
+optimizer's state is part of the learner state: the update is ``chain(clip_by_global_norm, adam)``
+of :mod:`rlfunc.optim`, its state ``state["optim"]``.
 
 Reference: Schulman et al. (2017) "Proximal Policy Optimization Algorithms"; the implementation
 details (observation/reward normalisation, advantage normalisation, orthogonal init, LR annealing,
@@ -24,11 +26,11 @@ from rlfunc import func
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import ppo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
-from rlfunc.optim import clip_grads_, masked_step, member_grad_norms
+from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
 from rlfunc.normalize import init_running_stats, normalize, scale_reward, update_running_stats
 from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.sde import EPSILON as SDE_EPSILON
@@ -150,14 +152,16 @@ class PPOConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # Pendulum: RL-Zoo's gSDE exploration (matrix resampled every 4 steps), gamma 0.9, constant lr,
-    # no observation/reward normalisation, 100k steps; 16 envs x 256 steps (RL-Zoo: 4 x 1024) and
-    # minibatches of 256 at 3x RL-Zoo's lr: a quarter of its gradient steps per sample.
-    # bench/RESULTS.md "Pendulum-v1": -200 after 24.6k / 24.6k / 49.2k samples on seeds 0-2 (SB3
-    # RL-Zoo: 30.7k / 41.0k / 30.7k; the Gaussian preset before: 80-190k), 0.25x SB3's time.
+    # Pendulum: RL-Zoo's gSDE exploration (matrix resampled every 4 steps), no observation/reward
+    # normalisation, 100k steps; 16 envs x 256 steps (RL-Zoo: 4 x 1024) and minibatches of 256 at
+    # 3x RL-Zoo's lr: a quarter of its gradient steps per sample. The lr decays linearly to 0 and
+    # gamma is 0.95 (RL-Zoo: constant lr, 0.9): with a constant 3e-3 the policy's KL per update grew
+    # as its noise shrank and the final policy declined with more training (-218 over 100 episodes at
+    # 100k, -277 at 200k on seed 0); gamma 0.9 with the decay still left seeds at -185 to -211.
+    # bench/RESULTS.md "Pendulum-v1 under the evaluation protocol" has the runs that chose it.
     "Pendulum-v1": dict(
         total_steps=100_000, num_envs=16, num_steps=256, num_epochs=10, minibatch_size=256,
-        lr=3e-3, anneal_lr=False, gamma=0.9, lmbda=0.95, clip_epsilon=0.2, entropy_coef=0.0, max_grad_norm=0.5,
+        lr=3e-3, anneal_lr=True, gamma=0.95, lmbda=0.95, clip_epsilon=0.2, entropy_coef=0.0, max_grad_norm=0.5,
         normalize_observations=False, normalize_rewards=False, exploration="gsde", sde_sample_freq=4,
     ),
     # HalfCheetah: RL-Zoo's gamma/lambda/grad clip and 256x256 ReLU nets, with fewer and larger
@@ -227,7 +231,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 
     The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
     "params" (actor, critic, log_std: [S, act_dim], or [S, L, act_dim or 1] with gSDE), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
-    "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64).
+    "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64), and "optim", the
+    state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr, eps=adam_eps))``:
+    "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
+    per-leaf step counts (0-dim float32) and moments (like "params"); "shaping" when a step transform is on.
     """
     S, N = config.num_seeds, config.num_envs
     make_net = lambda: GaussianActorCritic(  # noqa: E731
@@ -241,6 +248,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on
+    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=True), adam(config.lr, eps=config.adam_eps))
 
     def init() -> TensorDict:
         params = func.stack_params(
@@ -254,6 +262,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             {
                 **extra,
                 "params": params,
+                "optim": optimizer.init(params),
                 "obs_stats": torch.stack([stats] * S),
                 "return_stats": torch.stack([ret_stats] * S),
                 "discounted_return": torch.zeros(S, N, 1, device=device),
@@ -448,13 +457,27 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             new["obs_stats"] = vmap(update_running_stats)(obs_stats, raw)
         return flat, TensorDict(new, batch_size=[]), finite
 
-    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator], optimizer) -> tuple[TensorDict, TensorDict]:
-        """One PPO update on ``batch`` ([S, N, T] TorchRL keys), stepping ``optimizer`` over
-        ``state["params"]``' leaves. Returns the new state and per-seed metrics [S]."""
+    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator]) -> tuple[TensorDict, TensorDict]:
+        """One PPO update on ``batch`` ([S, N, T] TorchRL keys) at the learning rate
+        ``linear_lr(lr, state["iteration"], num_iterations, anneal_lr)``. Returns the new state and
+        per-seed metrics [S].
+
+        The parameters and Adam's moments are stepped in place (``state`` and the new state share
+        them, as with torch.optim); leaves with ``requires_grad`` off (train.py's freeze) are left out
+        of the gradients, so neither they nor their moments or step counts move. A seed whose data,
+        loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
+        adam's ``mask``: its parameters and moments stay bit for bit."""
         flat, new_stats, finite = prepare(state, batch)
         data_ok = finite.all(0)  # [S]
         params = state["params"]
-        leaves = [p for p in func.leaves(params) if p.requires_grad]  # frozen leaves (train.py) are left out
+        keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
+        trainable = [k for k in keys if params.get(k).requires_grad]  # frozen leaves (train.py) are left out
+        leaves = [params.get(k) for k in trainable]
+        flat_leaves, treedef = flatten(params if len(trainable) == len(keys) else params.select(*trainable))
+        if any(a is not b for a, b in zip(flat_leaves, leaves)):  # both are func.leaves' order
+            raise ShapeError("ppo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.func.leaves")
+        lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
+        optim_state = state["optim"]
         B = flat.batch_size[1]
         num_mb = B // config.minibatch_size
         rows = torch.arange(S, device=device).unsqueeze(1)
@@ -484,7 +507,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             for k in range(num_mb):
                 mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
                 loss, metrics = loss_fn(params, mb, *loss_args)
-                optimizer.zero_grad(set_to_none=True)
+                for p in leaves:
+                    p.grad = None
                 with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
                 graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
                 curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
@@ -497,11 +521,18 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                     skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1).long()
                     for g in grads:
                         g.nan_to_num_(0.0, 0.0, 0.0)
-                clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
+                mask = ok & active
+
+                def step(grads=grads, norms=norms, mask=mask):
+                    nonlocal optim_state  # the chain over the leaf lists (rlfunc.optim.base): no TensorDict per step
+                    delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params,
+                                                                 lr=lr, mask=mask, grad_norm=norms)
+                    with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
+                        torch._foreach_add_(leaves, delta)
+
                 if transform is None:
-                    masked_step(optimizer, leaves, ok & active)
+                    step()
                 else:
-                    step = lambda: masked_step(optimizer, leaves, ok & active)  # noqa: E731
                     shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature)
                     for key, value in shaping_metrics.items():
                         metrics[key] = value
@@ -519,6 +550,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         out = state.clone(recurse=False)
         for key, value in new_stats.items():
             out[key] = value
+        out["optim"] = optim_state
         if transform is not None:
             out["shaping"] = shaping_state
         out["iteration"] = state["iteration"] + 1

@@ -1,0 +1,130 @@
+"""Adam as a gradient transform whose moments and step counts live in the caller's TensorDict."""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as torch_adam  # the functional form torch.optim.Adam.step calls
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+
+from rlfunc.errors import ConfigError
+from rlfunc.optim.base import GradientTransform, _dict, check_shapes, from_leaves, leaves_at_each, tree_leaves, tree_like
+
+
+def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> GradientTransform:
+    """Adam (Kingma & Ba 2015, Algorithm 1): per leaf, with t the leaf's step count,
+    m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2,
+    update = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+
+    The arithmetic is torch.optim's own, ``torch.optim.adam.adam(..., foreach=True)`` (the
+    multi-tensor kernels ``torch.optim.Adam(foreach=True)`` runs) over the TensorDict's leaves, with
+    zeros in place of the params, so that it writes the update (added by ``apply_updates``; torch.optim
+    adds it in the same addcdiv, so the two agree to float rounding, and bit for bit on the CPU builds
+    tested). On an accelerator it runs capturable: the step counts are not read back to the host
+    (untested here for want of one).
+
+    Args:
+        lr: > 0, the learning rate when ``update`` is given none.
+        betas: (b1, b2), each in [0, 1).
+        eps: >= 0, added to the bias-corrected RMS.
+
+    State: ``{"step": {leaf: 0-dim float32}, "exp_avg": like params, "exp_avg_sq": like params}``,
+    zeros from ``init`` (torch.optim's initial state). ``update`` writes the moments and steps of the
+    leaves present in ``grads`` into these tensors in place (as torch.optim does: a copy per step
+    would double the optimizer's memory traffic) and returns the same state; clone it to keep the old.
+
+    ``update(grads, state, params=None, *, lr=None, mask=None)`` (and ``update_leaves``, the same over
+    the leaf lists):
+        lr: this step's learning rate (a schedule's value); None: the ``lr`` above.
+        mask: [S] bool, the members (leading dim of every leaf) whose step is valid. A member with
+            False keeps its moments and gets a zero update, so its parameters stay bit for bit (its
+            non-finite gradients never reach them). The step count is one per leaf, shared by the
+            members, and still advances for a skipped member while another steps (its later bias
+            correction is that of one more step); with a single member (S = 1) a skipped step
+            leaves everything, the count included, untouched. The same rule as
+            :func:`rlfunc.optim.masked_step` over torch.optim.Adam.
+
+    Raises:
+        ConfigError: ``lr``, ``betas`` or ``eps`` out of range.
+        ShapeError (update): a key of ``grads`` not in the state, or of another shape.
+    """
+    if not lr > 0:
+        raise ConfigError(f"lr={lr}: expected a positive learning rate")
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"betas={betas}: expected two values in [0, 1)")
+    if not eps >= 0:
+        raise ConfigError(f"eps={eps}: expected >= 0")
+    base_lr = lr
+
+    def init(params: TensorDictBase) -> TensorDict:
+        leaves = [p.detach() for p in tree_leaves(params)]
+        return TensorDict(
+            {
+                "step": tree_like(params, [torch.zeros((), dtype=torch.float32, device=p.device) for p in leaves]),
+                "exp_avg": tree_like(params, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]),
+                "exp_avg_sq": tree_like(params, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]),
+            },
+            batch_size=[],
+            device=params.device,
+        )
+
+    def update_leaves(g: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None, *,
+                      lr: float | Tensor | None = None, mask: Tensor | None = None, **extra):
+        parts = _dict(state)
+        m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
+        check_shapes(g, m, treedef, "adam")  # v and the steps come with m from init (or a checked snapshot)
+        updates = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g]
+        kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,
+                  lr=float(base_lr if lr is None else lr), weight_decay=0.0, eps=eps, maximize=False)
+        with torch.no_grad():
+            if mask is None or bool(mask.all()):
+                torch_adam(updates, g, m, v, [], steps, **kw)
+            elif mask.numel() > 1:
+                bad = (~mask).nonzero().squeeze(-1)
+                saved = [(a.index_select(0, bad), b.index_select(0, bad)) for a, b in zip(m, v)]
+                g = [x.nan_to_num(0.0, 0.0, 0.0) for x in g]
+                torch_adam(updates, g, m, v, [], steps, **kw)
+                for a, b, (sa, sb), u in zip(m, v, saved, updates):
+                    a.index_copy_(0, bad, sa)
+                    b.index_copy_(0, bad, sb)
+                    u.index_fill_(0, bad, 0.0)
+            # else: one member, skipped: nothing moves
+        return updates, state
+
+    return from_leaves(init, update_leaves)
+
+
+def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> TensorDict:
+    """``state`` (an :func:`adam` state, or a :func:`rlfunc.optim.chain` state holding one) with its
+    Adam part filled from ``torch_state``, torch.optim.Adam's state as :func:`rlfunc.optim.optimizer_state`
+    writes it: ``{"<i>": {"step", "exp_avg", "exp_avg_sq"}}``, i numbering ``params``' leaves in
+    :func:`rlfunc.func.leaves` order. For snapshots written before the optimizer's state moved into the
+    learner state. Returns a new TensorDict; the other links' states are copied from ``state``.
+
+    Raises:
+        ValueError: ``state`` holds no Adam state, ``torch_state`` has other entries than one per leaf
+            of ``params``, or an entry another shape than its leaf (the key named).
+        KeyError: an entry lacks "step", "exp_avg" or "exp_avg_sq".
+    """
+    out = state.clone()
+    names = ("exp_avg", "exp_avg_sq", "step")
+    if set(names) <= set(out.keys()):
+        target = out
+    else:
+        parts = [v for v in out.values() if isinstance(v, TensorDictBase) and set(names) <= set(v.keys())]
+        if len(parts) != 1:
+            raise ValueError(f"the state holds {len(parts)} Adam states, expected one")
+        target = parts[0]
+    keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
+    if set(torch_state.keys()) != {str(i) for i in range(len(keys))}:
+        raise ValueError(f"{len(list(torch_state.keys()))} torch.optim entries for {len(keys)} parameter leaves")
+    for i, key in enumerate(keys):
+        entry = torch_state[str(i)]
+        for name in names:
+            value = entry[name]
+            want = target[name].get(key)
+            if value.shape != want.shape:
+                raise ValueError(f"{name} of {key!r} (entry {i}) has shape {list(value.shape)}, expected {list(want.shape)}")
+            target[name].set(key, value.to(want.dtype))
+    return out

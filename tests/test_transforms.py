@@ -1,0 +1,277 @@
+"""rlfunc.optim's gradient transforms: chain(clip, adam) against torch.optim.Adam + clip_grads_, a
+float64 reference loop, the per-member skip mask, frozen leaves, and the state through a snapshot."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlfunc.checkpoint import load_snapshot, save_snapshot
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.func import as_leaves, leaves
+from rlfunc.optim import (
+    adam,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    clip_grads_,
+    global_norm,
+    linear_lr,
+    masked_step,
+    set_lr,
+    tree_leaves,
+    tree_like,
+)
+
+LR, EPS, BETAS, MAX_NORM = 0.01, 1e-5, (0.9, 0.999), 2.0
+
+
+def stacked_params(members: int = 3, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    td = TensorDict(
+        {
+            "net": {"0": {"weight": torch.randn(members, 4, 3, generator=g), "bias": torch.randn(members, 4, generator=g)},
+                    "2": {"weight": torch.randn(members, 2, 4, generator=g), "bias": torch.randn(members, 2, generator=g)}},
+            "log_std": torch.randn(members, 2, generator=g),
+        },
+        batch_size=[members],
+    )
+    return as_leaves(td)
+
+
+def random_grads(params: TensorDict, step: int) -> list[torch.Tensor]:
+    """Gradients in func.leaves order, of varied sizes so that some steps clip and some do not."""
+    g = torch.Generator().manual_seed(100 + step)
+    scale = 0.2 + 3.0 * (step % 3)
+    return [torch.randn(p.shape, generator=g) * scale for p in leaves(params)]
+
+
+def as_td(params: TensorDict, grads: list[torch.Tensor]) -> TensorDict:
+    keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
+    return TensorDict(dict(zip(keys, grads)), batch_size=[])
+
+
+def reference_float64(params: TensorDict, steps: int, lrs: list[float]) -> list[torch.Tensor]:
+    """Clip per member then Adam, written out in float64 for clarity."""
+    p = [x.detach().double().clone() for x in leaves(params)]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    b1, b2 = BETAS
+    for t in range(1, steps + 1):
+        g = [x.double() for x in random_grads(params, t - 1)]
+        for s in range(p[0].shape[0]):
+            norm = torch.cat([x[s].flatten() for x in g]).norm()
+            scale = min(1.0, MAX_NORM / (float(norm) + 1e-6))
+            for x in g:
+                x[s] *= scale
+        for i in range(len(p)):
+            m[i] = b1 * m[i] + (1 - b1) * g[i]
+            v[i] = b2 * v[i] + (1 - b2) * g[i] ** 2
+            m_hat, v_hat = m[i] / (1 - b1**t), v[i] / (1 - b2**t)
+            p[i] = p[i] - lrs[t - 1] * m_hat / (v_hat.sqrt() + EPS)
+    return p
+
+
+def test_chain_clip_adam_equals_torch_optim_adam_and_clip_grads_over_20_steps():
+    steps = 20
+    lrs = [linear_lr(LR, t, steps) for t in range(steps)]  # an annealed lr, set per step
+    ours = stacked_params()
+    theirs = stacked_params()
+    opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    state = update.init(ours)
+    seen = []
+    for t in range(steps):
+        grads = random_grads(ours, t)
+        for p, g in zip(leaves(theirs), grads):
+            p.grad = g.clone()
+        norms = clip_grads_([p.grad for p in leaves(theirs)], MAX_NORM, stacked=True)
+        set_lr(opt, lrs[t])
+        opt.step()
+        updates, state = update.update(as_td(ours, grads), state, ours, lr=lrs[t])
+        apply_updates(ours, updates)
+        torch.testing.assert_close(state["0", "norm"], norms, rtol=0, atol=0)  # the pre-clip norms, for metrics
+        seen.append(norms)
+    assert bool((torch.cat(seen) > MAX_NORM).any()) and bool((torch.cat(seen) < MAX_NORM).any())  # clipped and not
+    for p, q in zip(leaves(ours), leaves(theirs)):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+        assert p.dtype == torch.float32
+    # the moments and steps are torch.optim's, leaf for leaf
+    keys = sorted(ours.keys(include_nested=True, leaves_only=True), key=str)
+    for key, q in zip(keys, leaves(theirs)):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(state["1", name].get(key), opt.state[q][name], rtol=0, atol=1e-7)
+    # both float32 paths agree with the float64 reference
+    for p, r in zip(leaves(ours), reference_float64(stacked_params(), steps, lrs)):
+        torch.testing.assert_close(p.detach().double(), r, rtol=0, atol=1e-5)
+
+
+def test_skip_mask_leaves_a_member_bit_identical_and_matches_masked_step():
+    ours, theirs = stacked_params(), stacked_params()
+    opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    state = update.init(ours)
+    for t in range(6):
+        grads = random_grads(ours, t)
+        ok = torch.tensor([True, True, True])
+        if t in (0, 3):  # member 1 non-finite (on the first step too: its moments are still zeros)
+            ok = torch.tensor([True, False, True])
+            for g in grads:
+                g[1] = float("nan")
+                g[1].view(-1)[0] = float("inf")
+        norms = global_norm(as_td(ours, grads), stacked=True)
+        assert bool(norms.isfinite().eq(ok).all())
+        before = ours.detach().clone()
+        moments = state.clone()
+        # reference: torch.optim.Adam under masked_step, on sanitised gradients as PPO gives them
+        for p, g in zip(leaves(theirs), grads):
+            p.grad = g.nan_to_num(0.0, 0.0, 0.0)
+        clip_grads_([p.grad for p in leaves(theirs)], MAX_NORM, stacked=True, norms=norms)
+        masked_step(opt, leaves(theirs), ok)
+        updates, state = update.update(as_td(ours, grads), state, ours, mask=ok, grad_norm=norms)
+        apply_updates(ours, updates)
+        if not ok[1]:
+            for a, b in zip(tree_leaves(ours), tree_leaves(before)):
+                assert torch.equal(a.detach()[1], b[1])
+            for name in ("exp_avg", "exp_avg_sq"):
+                for a, b in zip(tree_leaves(state["1", name]), tree_leaves(moments["1", name])):
+                    assert torch.equal(a[1], b[1]), name
+        for a, b in zip(tree_leaves(ours), tree_leaves(before)):
+            assert not torch.equal(a.detach()[0], b[0]) and not torch.equal(a.detach()[2], b[2])
+        for p, q in zip(leaves(ours), leaves(theirs)):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+    assert all(torch.isfinite(x).all() for x in tree_leaves(state["1"]))
+
+
+def test_a_single_member_skipped_changes_nothing_not_even_the_step():
+    params = stacked_params(members=1)
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    state = update.init(params)
+    updates, state = update.update(as_td(params, random_grads(params, 0)), state, params)
+    apply_updates(params, updates)
+    before, saved = params.detach().clone(), state.clone()
+    grads = [g.fill_(float("nan")) for g in random_grads(params, 1)]
+    updates, state = update.update(as_td(params, grads), state, params, mask=torch.tensor([False]))
+    apply_updates(params, updates)
+    for a, b in zip(tree_leaves(params), tree_leaves(before)):
+        assert torch.equal(a.detach(), b)
+    for a, b in zip(tree_leaves(state["1"]), tree_leaves(saved["1"])):
+        assert torch.equal(a, b)
+
+
+def test_frozen_leaves_left_out_of_the_gradients_keep_their_state_as_torch_optim_does():
+    ours, theirs = stacked_params(), stacked_params()
+    opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
+    update = adam(LR, BETAS, EPS)
+    state = update.init(ours)
+    keys = sorted(ours.keys(include_nested=True, leaves_only=True), key=str)
+    frozen = keys.index(("net", "2", "weight"))
+    for t in range(4):
+        grads = random_grads(ours, t)
+        for i, (p, g) in enumerate(zip(leaves(theirs), grads)):
+            p.grad = None if (t >= 2 and i == frozen) else g.clone()
+        opt.step()
+        td = as_td(ours, grads)
+        if t >= 2:
+            td = td.exclude(("net", "2", "weight"))
+        updates, state = update.update(td, state, ours)
+        apply_updates(ours, updates)
+    for key, p, q in zip(keys, leaves(ours), leaves(theirs)):
+        assert torch.equal(p.detach(), q.detach()), key
+        assert float(state["step"].get(key)) == float(opt.state[q]["step"]), key
+    assert float(state["step", "net", "2", "weight"]) == 2.0 and float(state["step", "log_std"]) == 4.0
+
+
+def test_state_round_trips_through_a_snapshot(tmp_path):
+    params = stacked_params()
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    state = update.init(params)
+    for t in range(3):
+        updates, state = update.update(as_td(params, random_grads(params, t)), state, params)
+        apply_updates(params, updates)
+    save_snapshot(tmp_path / "snap", TensorDict({"params": params.detach(), "optim": state}, batch_size=[]), {"note": "t"})
+    like = TensorDict({"params": stacked_params().detach(), "optim": update.init(stacked_params())}, batch_size=[])
+    loaded, _ = load_snapshot(tmp_path / "snap", like=like)
+    restored = as_leaves(loaded["params"].clone())
+    restored_state = loaded["optim"]
+    for t in range(3, 6):
+        grads = random_grads(params, t)
+        updates, state = update.update(as_td(params, grads), state, params)
+        apply_updates(params, updates)
+        updates, restored_state = update.update(as_td(restored, grads), restored_state, restored)
+        apply_updates(restored, updates)
+    for a, b in zip(tree_leaves(params), tree_leaves(restored)):
+        assert torch.equal(a.detach(), b.detach())
+    for a, b in zip(tree_leaves(state), tree_leaves(restored_state)):
+        assert torch.equal(a, b)
+    assert float(state["1", "step", "log_std"]) == 6.0
+
+
+def test_unstacked_clip_is_the_global_norm():
+    # one member over two tensors: norm sqrt(1 + 4 + 4 + 16) = 5; max_norm 1 scales by 1/5
+    grads = TensorDict({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([[2.0], [4.0]])}, batch_size=[])
+    clip = clip_by_global_norm(1.0, stacked=False)
+    out, state = clip.update(grads, clip.init(grads))
+    torch.testing.assert_close(state["norm"], torch.tensor([5.0]))
+    torch.testing.assert_close(out["a"], torch.tensor([0.2, 0.4]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["b"], torch.tensor([[0.4], [0.8]]), rtol=1e-5, atol=1e-6)
+    assert torch.equal(grads["a"], torch.tensor([1.0, 2.0]))  # the input is not scaled in place
+
+
+def test_tree_leaves_ignores_insertion_order_and_tree_like_rebuilds():
+    a = TensorDict({"x": torch.zeros(1), "n": {"b": torch.ones(2), "a": torch.ones(3)}}, batch_size=[])
+    b = TensorDict({"n": {"a": torch.ones(3), "b": torch.ones(2)}, "x": torch.zeros(1)}, batch_size=[])
+    assert [t.shape for t in tree_leaves(a)] == [t.shape for t in tree_leaves(b)] == [(3,), (2,), (1,)]
+    params = stacked_params()
+    assert [id(t) for t in tree_leaves(params)] == [id(t) for t in leaves(params)]  # func.leaves' order
+    rebuilt = tree_like(b, [torch.full((3,), 7.0), torch.full((2,), 8.0), torch.full((1,), 9.0)])
+    assert float(rebuilt["n", "a"][0]) == 7.0 and float(rebuilt["x"][0]) == 9.0
+    with pytest.raises(ShapeError, match="1 tensors for the template.s 3 leaves"):
+        tree_like(a, [torch.zeros(3)])
+
+
+@pytest.mark.parametrize("make", [lambda: adam(0.0), lambda: adam(1e-3, betas=(1.0, 0.9)), lambda: adam(1e-3, eps=-1.0),
+                                  lambda: clip_by_global_norm(0.0)])
+def test_bad_hyperparameters_raise(make):
+    with pytest.raises(ConfigError):
+        make()
+
+
+def test_gradients_of_another_shape_are_named():
+    params = stacked_params()
+    update = adam(LR)
+    state = update.init(params)
+    grads = as_td(params, random_grads(params, 0))
+    grads["log_std"] = torch.zeros(3, 5)
+    with pytest.raises(ShapeError, match="log_std"):
+        update.update(grads, state, params)
+    with pytest.raises(ShapeError, match="nope"):
+        update.update(TensorDict({"nope": torch.zeros(3)}, batch_size=[]), state, params)
+
+
+def test_torch_optim_state_converts_and_continues_identically():
+    from rlfunc.optim import adam_state_from_torch, optimizer_state
+
+    ours, theirs = stacked_params(), stacked_params()
+    opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
+    for t in range(3):
+        for p, g in zip(leaves(theirs), random_grads(theirs, t)):
+            p.grad = g
+        opt.step()
+    with torch.no_grad():
+        for p, q in zip(leaves(ours), leaves(theirs)):
+            p.copy_(q)
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    state = adam_state_from_torch(optimizer_state(opt), update.init(ours), ours)
+    for t in range(3, 6):
+        grads = random_grads(ours, t)
+        for p, g in zip(leaves(theirs), grads):
+            p.grad = g.clone()
+        clip_grads_([p.grad for p in leaves(theirs)], MAX_NORM, stacked=True)
+        opt.step()
+        updates, state = update.update(as_td(ours, grads), state, ours)
+        apply_updates(ours, updates)
+    for p, q in zip(leaves(ours), leaves(theirs)):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+    assert float(state["1", "step", "log_std"]) == 6.0
+    with pytest.raises(ValueError, match="4 torch.optim entries for 5 parameter leaves"):
+        adam_state_from_torch(optimizer_state(opt).exclude("4"), update.init(ours), ours)
