@@ -1,15 +1,19 @@
-"""The ``rlfunc`` command.
+"""The ``rlfunc`` command: train | eval | resume | versions, dispatched through the algorithm
+registry (:mod:`rlfunc.algos.registry`); ``rlfunc --help`` lists the commands (each algorithm's
+``rlfunc train`` lines come from its registry entry)."""
 
-    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]
-                                            (an env with a Dict observation, e.g. Push-v0 or PusherPixels-v5:
-                                            Gaussian PPO through the multimodal encoder, rlfunc.algos.ppo_encoder)
-    rlfunc train bc [--env PointReach-v0|PushState-v0|Push-v0] [--demos N] [--actor.denoiser mlp|unet] [...]
-                                            diffusion BC on the env's scripted-expert demos
-    rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]
-    rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]
-    rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes
-    rlfunc train mappo [--env Warehouse-v0|rware-tiny-2ag-v2] [--loss ppo|grpo|gspo] [--critic local|mean|concat]
-                                            shared-parameter multi-agent policy (agents as a batch dim)
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlfunc.algos import registry
+from rlfunc.cli_common import Parser
+from rlfunc.errors import ConfigError, RLFuncError, SnapshotCorruptError
+
+_HEAD = "The ``rlfunc`` command.\n\n"
+_TAIL = """
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean, std, episodes and 95% CI of the return (ppo),
                                             success rate with its CI and goal shares (bc, dppo, td3-diffusion),
                                             eval.json's rates (mappo)
@@ -22,177 +26,21 @@ the env's preset. Errors print as one line on stderr with exit code 2; a run sto
 saves a snapshot and exits with 130/143.
 """
 
-from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import signal
-import sys
-import typing
-from pathlib import Path
-
-from rlfunc.algos.bc import BCConfig
-from rlfunc.algos.diffusion_actor import ActorSpec
-from rlfunc.algos.dppo import DPPOConfig
-from rlfunc.algos.ppo import PPOConfig
-from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
-from rlfunc.cli_common import Parser, default_run_dir, report_run
-from rlfunc.errors import ConfigError, RLFuncError, SnapshotCorruptError
-
-USAGE = __doc__
-ALGORITHMS = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unchecked(PPOConfig):
-    """PPOConfig parsed without validation (tyro would box a ValueError); validated right after."""
-
-    def __post_init__(self) -> None:
-        pass
+def usage() -> str:
+    """The text of ``rlfunc --help``."""
+    return _HEAD + registry.usage() + _TAIL
 
 
 def _train(argv: list[str]) -> int:
-    import tyro
-
-    from rlfunc.algos.ppo import preset
-    from rlfunc.collect import check_env_id
-    from rlfunc.train import train
-
-    if not argv or argv[0] not in ALGORITHMS:
+    known = registry.names()
+    if not argv or argv[0] not in known:
         got = repr(argv[0]) if argv else "nothing"
-        raise ConfigError(f"algorithm: expected one of {', '.join(ALGORITHMS)} after `rlfunc train`, got {got}")
-    if argv[0] == "mappo":  # shared-parameter multi-agent PPO / GRPO / GSPO (Warehouse-v0, rware)
-        from rlfunc import cli_mappo
-
-        return cli_mappo.train(argv[1:])
-    if argv[0] in ("grpo", "gspo"):
-        from rlfunc import cli_grpo
-
-        return cli_grpo.train(argv[0], argv[1:])
-    if argv[0] != "ppo":
-        return _train_diffusion(argv[0], argv[1:])
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--env", default=PPOConfig.env)
-    pre.add_argument("--run-dir", default=None)
-    pre.add_argument("--shaping", default=None)
-    known, rest = pre.parse_known_args(argv[1:])
-    if "-h" not in rest and "--help" not in rest:
-        check_env_id(known.env)
-    from rlfunc.train_encoder import is_dict_env
-
-    if is_dict_env(known.env):  # cameras / proprio / instruction: Gaussian PPO through the multimodal encoder
-        from rlfunc import cli_ppo_encoder
-
-        return cli_ppo_encoder.train(argv[1:])
-    default = _Unchecked(**dataclasses.asdict(preset(known.env, shaping=known.shaping)))
-    parsed = tyro.cli(
-        _Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
-        description="Train PPO with a Gaussian actor. Defaults: the env's preset. "
-        "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME); "
-        "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
-    )
-    config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
-    run_dir = known.run_dir or default_run_dir(config.env, "ppo", config.seed)
-    return _report(train(config, run_dir))
-
-
-def _convert(cls, obj):
-    """Rebuild dataclass ``obj`` as ``cls`` field by field (nested config dataclasses included)."""
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(obj, f.name)
-        values[f.name] = _convert(hints[f.name], value) if dataclasses.is_dataclass(hints[f.name]) else value
-    return cls(**values)
-
-
-@dataclasses.dataclass(frozen=True)
-class _LooseActorSpec(ActorSpec):
-    """Architecture and diffusion settings of the diffusion actor."""
-
-    def __post_init__(self) -> None:
-        pass
-
-
-# Unvalidated subclasses of the diffusion configs for tyro (which would box a ValueError); defined
-# here, in source, so that tyro finds the parents' field comments for --help.
-@dataclasses.dataclass(frozen=True)
-class _LooseBC(BCConfig):
-    actor: _LooseActorSpec = dataclasses.field(default_factory=_LooseActorSpec)  # the actor to train
-
-    def __post_init__(self) -> None:
-        pass
-
-
-@dataclasses.dataclass(frozen=True)
-class _LooseDPPO(DPPOConfig):
-    actor: _LooseActorSpec = dataclasses.field(default_factory=_LooseActorSpec)  # ignored with --init-from (the snapshot's spec is used)
-
-    def __post_init__(self) -> None:
-        pass
-
-
-@dataclasses.dataclass(frozen=True)
-class _LooseTD3(TD3DiffusionConfig):
-    actor: _LooseActorSpec = dataclasses.field(  # ignored with --init-from (the snapshot's spec is used)
-        default_factory=lambda: _convert(_LooseActorSpec, TD3DiffusionConfig().actor)
-    )
-
-    def __post_init__(self) -> None:
-        pass
-
-
-_LOOSE = {BCConfig: _LooseBC, DPPOConfig: _LooseDPPO, TD3DiffusionConfig: _LooseTD3}
-
-
-# Short forms of two diffusion flags: `rlfunc train bc --demos N`, `rlfunc train dppo --init RUN_DIR`.
-_ALIASES = {"--demos": "--num-demos", "--init": "--init-from"}
-
-
-def _train_diffusion(algo: str, argv: list[str]) -> int:
-    import tyro
-
-    from rlfunc import train_diffusion as td
-
-    cls, fn, what = {
-        "bc": (BCConfig, td.train_bc, "diffusion behaviour cloning on the env's scripted-expert demonstrations"),
-        "dppo": (DPPOConfig, td.train_dppo, "PPO over the denoising chain of a diffusion actor (DPPO)"),
-        "td3-diffusion": (TD3DiffusionConfig, td.train_td3_diffusion, "TD3 with a diffusion actor (Diffusion-QL)"),
-    }[algo]
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--run-dir", default=None)
-    known, rest = pre.parse_known_args(argv)
-    rest = [_ALIASES.get(a, a) for a in rest]
-    loose = _LOOSE[cls]
-    parsed = tyro.cli(
-        loose, args=rest, default=_convert(loose, cls()),
-        prog=f"rlfunc train {algo}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{algo}-sSEED-TIME).",
-    )
-    config = _convert(cls, parsed)  # validated here, so errors print as one line
-    result = fn(config, known.run_dir or default_run_dir(config.env, algo, config.seed))
-    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` or start a new run from it with "
-                              f"`--init-from {result.run_dir}`")
-
-
-def _report(result) -> int:
-    print(f"run dir: {result.run_dir}", file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted ({result.interrupted}): snapshot saved; continue with `rlfunc resume {result.run_dir}`",
-              file=sys.stderr)
-        return 128 + int(getattr(signal, result.interrupted))
-    from rlfunc.train import evaluate
-
-    config = json.loads((Path(result.run_dir) / "config.json").read_text())
-    summary = evaluate(result.run_dir, episodes=config["eval_episodes"], device=config["device"])
-    (Path(result.run_dir) / "eval.json").write_text(json.dumps(summary) + "\n")
-    print(json.dumps(summary))
-    return 0
+        raise ConfigError(f"algorithm: expected one of {', '.join(known)} after `rlfunc train`, got {got}")
+    return registry.resolve(registry.lookup(argv[0]).command)(argv[0], argv[1:])
 
 
 def _eval(argv: list[str]) -> int:
-    from rlfunc.train import evaluate
-
     p = Parser(prog="rlfunc eval", description="Evaluate a run's latest snapshot.")
     p.add_argument("run_dir")
     p.add_argument("--episodes", type=int, default=None,
@@ -205,29 +53,8 @@ def _eval(argv: list[str]) -> int:
     snap = checkpoint.latest_snapshot(a.run_dir)
     if snap is None and (Path(a.run_dir) / "meta.json").is_file():
         snap = Path(a.run_dir)  # a snapshot directory
-    if snap is not None and checkpoint.load_meta(snap).get("algo") in ("bc", "dppo", "td3-diffusion"):
-        from rlfunc.train_diffusion import evaluate_run
-
-        print(json.dumps(evaluate_run(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
-        return 0
-    if snap is not None and checkpoint.load_meta(snap).get("algo") == "ppo-encoder":
-        from rlfunc.train_encoder import evaluate_run as evaluate_encoder
-
-        print(json.dumps(evaluate_encoder(snap, a.episodes, seed=a.seed, device=a.device)))
-        return 0
-    if snap is not None and checkpoint.load_meta(snap).get("algo") == "mappo":
-        from rlfunc.train_mappo import evaluate_run as evaluate_mappo
-
-        print(json.dumps(evaluate_mappo(snap, a.episodes, seed=a.seed, device=a.device)))
-        return 0
-    if snap is not None and checkpoint.load_meta(snap).get("algo") in ("grpo", "gspo"):
-        from rlfunc.train_grpo import evaluate_run as evaluate_grpo
-
-        print(json.dumps(evaluate_grpo(snap, a.episodes, seed=a.seed, device=a.device)))
-        return 0
-    if a.seed is not None and not 0 <= a.seed < 2**31:
-        raise ConfigError(f"seed={a.seed}: expected an integer in [0, 2**31)")
-    print(json.dumps(evaluate(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
+    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
+    print(json.dumps(registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
     return 0
 
 
@@ -270,26 +97,10 @@ def _resume(argv: list[str]) -> int:
 
 def _resume_from(a, snap) -> int:
     from rlfunc import checkpoint
-    from rlfunc.train import train
 
-    algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
-    if algo == "mappo":
-        from rlfunc.train_mappo import resume_mappo
-
-        return report_run(resume_mappo(a.run_dir, a.total_steps, device=a.device))
-    if algo in ("grpo", "gspo"):
-        from rlfunc.train_grpo import resume_grpo
-
-        return report_run(resume_grpo(a.run_dir, a.total_steps, device=a.device))
-    if algo in ("bc", "dppo", "td3-diffusion"):
-        from rlfunc.train_diffusion import resume_diffusion
-
-        return report_run(resume_diffusion(a.run_dir, a.total_steps, device=a.device))
-    if algo == "ppo-encoder":  # Gaussian PPO through the multimodal encoder (Dict observations)
-        from rlfunc.train_encoder import resume_encoder
-
-        return report_run(resume_encoder(a.run_dir, a.total_steps, device=a.device))
-    return _report(train(PPOConfig(), a.run_dir, resume=True, total_steps=a.total_steps, device=a.device))
+    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
+    result = registry.resolve(entry.resume)(a.run_dir, a.total_steps, device=a.device)
+    return registry.resolve(entry.report)(result)
 
 
 def _versions(argv: list[str]) -> int:
@@ -304,7 +115,7 @@ COMMANDS = {"train": _train, "eval": _eval, "resume": _resume, "versions": _vers
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0
     if not argv or argv[0] not in COMMANDS:
         got = f"unknown command {argv[0]!r}" if argv else "no command"

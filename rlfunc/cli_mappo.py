@@ -16,8 +16,9 @@ class _LooseMAPPO(MAPPOConfig):
         pass
 
 
-def train(argv: list[str]) -> int:
-    """Parse ``argv`` into a MAPPOConfig, train, print the evaluation as one JSON line."""
+def train(name: str, argv: list[str]) -> int:
+    """Parse ``argv`` (the flags after ``rlfunc train NAME``) into a MAPPOConfig, train, print the
+    evaluation as one JSON line."""
     import argparse
 
     import tyro
@@ -38,5 +39,5 @@ def train(argv: list[str]) -> int:
         "Warehouse-v0 or an rware id. Also: --run-dir DIR (default runs/ENV-mappo-LOSS-sSEED-TIME).",
     )
     config = MAPPOConfig(**dataclasses.asdict(parsed))  # validated here: errors print as one line
-    result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"mappo-{config.loss}", config.seed))
+    result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"{name}-{config.loss}", config.seed))
     return report_run(result)

@@ -19,9 +19,10 @@ class _LoosePPOEncoder(PPOEncoderConfig):
         pass
 
 
-def train(argv: list[str]) -> int:
-    """Parse ``argv`` (the flags after ``rlfunc train ppo``) into a PPOEncoderConfig, train, print
-    the evaluation as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped the run."""
+def train(name: str, argv: list[str]) -> int:
+    """Parse ``argv`` (the flags after ``rlfunc train ppo``) into a PPOEncoderConfig, train as
+    ``name`` ("ppo-encoder"), print the evaluation as one JSON line (exit 0), or 130/143 when
+    SIGINT/SIGTERM stopped the run."""
     import tyro
 
     from rlfunc.train_encoder import train_ppo_encoder
@@ -35,5 +36,5 @@ def train(argv: list[str]) -> int:
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-encoder-sSEED-TIME).",
     )
     config = PPOEncoderConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
-    result = train_ppo_encoder(config, known.run_dir or default_run_dir(config.env, "ppo-encoder", config.seed))
+    result = train_ppo_encoder(config, known.run_dir or default_run_dir(config.env, name, config.seed))
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

@@ -42,6 +42,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc import checkpoint, func
+from rlfunc.algos import registry as algorithms
 from rlfunc.algos.bc import BCConfig, make_bc
 from rlfunc.algos.diffusion_actor import (
     POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
@@ -145,13 +146,12 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     if snap is None:
         raise CheckpointError(f"{path}: holds no complete snapshot")
     meta = checkpoint.load_meta(snap)
-    if meta.get("algo") not in ("bc", "dppo", "td3-diffusion"):
-        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a bc, dppo or td3-diffusion snapshot")
+    if meta.get("algo") not in _algos():
+        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a {_algos_phrase()} snapshot")
     spec = actor_spec_from_meta(meta, snap)
     info = env_info_from_meta(meta, snap)
     loaded, _ = checkpoint.load_snapshot(snap, device=device)
-    key = ("learner", "ema") if meta["algo"] == "bc" else ("learner", "params", "actor")
-    enc_key = ("learner", "encoder_ema") if meta["algo"] == "bc" else ("learner", "encoder")
+    key, enc_key = (("learner", *k) for k in algorithms.lookup(meta["algo"]).deploy)  # the actor's, the encoder's
     needed = (key, ("learner", "schedule"), ("learner", "obs_stats")) + ((enc_key,) if info.is_dict else ())
     for k in needed:
         if k not in loaded.keys(include_nested=True):
@@ -224,8 +224,15 @@ def evaluate_run(
 
 # ------------------------------------------------------------------------------------------ resume
 
-_CONFIGS = {"bc": BCConfig, "dppo": DPPOConfig, "td3-diffusion": TD3DiffusionConfig}
-BUDGET_FIELD = {"bc": "num_updates", "dppo": "total_steps", "td3-diffusion": "total_steps"}  # what ``total_steps`` sets on resume
+def _algos() -> tuple[str, ...]:
+    """The algorithms of this module's snapshots: the registry's "diffusion" family (bc, dppo, td3-diffusion)."""
+    return algorithms.names(family="diffusion", commands=False)
+
+
+def _algos_phrase() -> str:
+    """"bc, dppo or td3-diffusion", from :func:`_algos`."""
+    *first, last = _algos()
+    return f"{', '.join(first)} or {last}" if first else last
 
 
 def config_from_meta(meta: dict, path, algo: str | None = None) -> BCConfig | DPPOConfig | TD3DiffusionConfig:
@@ -236,15 +243,15 @@ def config_from_meta(meta: dict, path, algo: str | None = None) -> BCConfig | DP
             valid config in its meta (the message names ``path``).
     """
     got = meta.get("algo")
-    if got not in _CONFIGS or (algo is not None and got != algo):
-        expected = "a bc, dppo or td3-diffusion" if algo is None else f"a {algo}"
+    if got not in _algos() or (algo is not None and got != algo):
+        expected = f"a {_algos_phrase()}" if algo is None else f"a {algo}"
         raise CheckpointError(f"{path}: algo={got!r}: expected {expected} snapshot")
     try:
         raw = dict(meta["config"])
         raw["actor"] = ActorSpec(**dict(raw["actor"]))
         if "critic_hidden" in raw:
             raw["critic_hidden"] = tuple(raw["critic_hidden"])
-        return _CONFIGS[got](**raw)
+        return algorithms.resolve(algorithms.lookup(got).config)(**raw)
     except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
         raise CheckpointError(f"{path}: meta.json holds no valid {got} config ({e})") from None
 
@@ -261,11 +268,12 @@ def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None,
             device: str | None = None) -> tuple[Path, ResumePoint | None, object]:
     """(run_dir, what a resumed run continues from or None, the config to run): on resume the latest
     snapshot of ``run_dir`` (one of ``algo``) and its config with ``total_steps`` (the new budget) in
-    ``BUDGET_FIELD[algo]`` and ``device`` (when given) as its device (:func:`rlfunc.resume.begin_run`)."""
-    return begin_run(run_dir, config, _CONFIGS[algo], resume=resume, total_steps=total_steps, device=device,
-                     from_meta=lambda meta, snap: config_from_meta(meta, snap, algo), budget_field=BUDGET_FIELD[algo],
-                     num_iterations=_num_iterations, unit="updates" if algo == "bc" else "env steps",
-                     require_format=False)
+    the field ``budget`` of ``algo``'s registry entry and ``device`` (when given) as its device
+    (:func:`rlfunc.resume.begin_run`)."""
+    entry = algorithms.lookup(algo)
+    return begin_run(run_dir, config, algorithms.resolve(entry.config), resume=resume, total_steps=total_steps, device=device,
+                     from_meta=lambda meta, snap: config_from_meta(meta, snap, algo), budget_field=entry.budget,
+                     num_iterations=_num_iterations, unit=entry.unit, require_format=False)
 
 
 def _restore(source: ResumePoint | None, run_dir: Path, device: torch.device, state: TensorDict, info: EnvInfo,
@@ -578,9 +586,9 @@ def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, pro
     if snap is None:
         raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
     algo = checkpoint.load_meta(snap).get("algo")
-    fn = {"bc": train_bc, "dppo": train_dppo, "td3-diffusion": train_td3_diffusion}.get(algo)
-    if fn is None:
-        raise CheckpointError(f"{snap}: algo={algo!r}: expected a bc, dppo or td3-diffusion snapshot")
+    if algo not in _algos():
+        raise CheckpointError(f"{snap}: algo={algo!r}: expected a {_algos_phrase()} snapshot")
+    fn = algorithms.resolve(algorithms.lookup(algo).train)
     return fn(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
 
 

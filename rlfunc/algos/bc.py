@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from rlfunc import func
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.amp import Precision, accumulate_gradients, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -157,3 +158,15 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
         return out, metrics
 
     return BC(init, iteration, actor, trainable)
+
+
+register("bc", AlgorithmEntry(
+    config="rlfunc.algos.bc:BCConfig", command="rlfunc.cli_diffusion:train_bc", train="rlfunc.train_diffusion:train_bc",
+    resume="rlfunc.train_diffusion:resume_diffusion", evaluate="rlfunc.train_diffusion:evaluate_run",
+    config_from_meta="rlfunc.train_diffusion:config_from_meta",
+    needs="expert",  # a scripted expert (envs.registry) and bounded Box actions
+    family="diffusion", budget="num_updates", unit="updates",
+    deploy=(("ema",), ("encoder_ema",)),  # the EMA weights (actor, encoder)
+    usage="    rlfunc train bc [--env PointReach-v0|PushState-v0|Push-v0] [--demos N] [--actor.denoiser mlp|unet] [...]\n"
+          "                                            diffusion BC on the env's scripted-expert demos",
+))

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from rlfunc import func
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.amp import Precision, accumulate_gradients, step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
@@ -297,3 +298,12 @@ def make_optimizer(state: TensorDict, config: DPPOConfig) -> torch.optim.Adam:
         {"params": func.leaves(state["params", "critic"]), "lr": config.critic_lr},
     ]
     return torch.optim.Adam(groups, eps=1e-5, foreach=True)
+
+
+register("dppo", AlgorithmEntry(
+    config="rlfunc.algos.dppo:DPPOConfig", command="rlfunc.cli_diffusion:train_dppo", train="rlfunc.train_diffusion:train_dppo",
+    resume="rlfunc.train_diffusion:resume_diffusion", evaluate="rlfunc.train_diffusion:evaluate_run",
+    config_from_meta="rlfunc.train_diffusion:config_from_meta",
+    needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
+    usage="    rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]",
+))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -28,6 +28,7 @@ from torch import Tensor
 from rlfunc import func
 from rlfunc.algos import shaped
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.distributions import gaussian_log_prob
 from rlfunc.envs import registry
 from rlfunc.errors import ConfigError
@@ -360,3 +361,15 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         return out, metrics
 
     return GRPO(init, iteration, ppo.policy, net)
+
+
+# grpo and gspo: one config (its ``loss`` is the name), one line in the usage text
+_GROUPED = AlgorithmEntry(
+    config="rlfunc.algos.grpo:GRPOConfig", command="rlfunc.cli_grpo:train", train="rlfunc.train_grpo:train_grpo",
+    resume="rlfunc.train_grpo:resume_grpo", evaluate="rlfunc.train_grpo:evaluate_run",
+    config_from_meta="rlfunc.train_grpo:config_from_meta",
+    needs="settable-start-state",  # G episodes from one start state (a torch-batched env of the env registry)
+    usage="    rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes",
+)
+register("grpo", _GROUPED)
+register("gspo", replace(_GROUPED, usage=""))

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from rlfunc import func
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.losses.ppo import ppo_loss
@@ -393,3 +394,13 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         return out, {k: v / updates for k, v in totals.items()}
 
     return MAPPO(init, act, iteration, nets)
+
+
+register("mappo", AlgorithmEntry(
+    config="rlfunc.algos.mappo:MAPPOConfig", command="rlfunc.cli_mappo:train", train="rlfunc.train_mappo:train_mappo",
+    resume="rlfunc.train_mappo:resume_mappo", evaluate="rlfunc.train_mappo:evaluate_run",
+    config_from_meta="rlfunc.train_mappo:config_from_meta",
+    needs="multi-agent",  # a multi-agent builder and evaluation in the env registry
+    usage="    rlfunc train mappo [--env Warehouse-v0|rware-tiny-2ag-v2] [--loss ppo|grpo|gspo] [--critic local|mean|concat]\n"
+          "                                            shared-parameter multi-agent policy (agents as a batch dim)",
+))

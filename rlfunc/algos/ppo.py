@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rlfunc import func
 from rlfunc.algos import shaped
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import ppo_loss
@@ -564,3 +565,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         return out, metrics
 
     return PPO(init, iteration, policy, net)
+
+
+register("ppo", AlgorithmEntry(
+    config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli_ppo:train", train="rlfunc.train:train",
+    resume="rlfunc.cli_ppo:resume", evaluate="rlfunc.cli_ppo:evaluate", config_from_meta="rlfunc.train:config_from_meta",
+    report="rlfunc.cli_ppo:report", needs="box-actions",  # gymnasium vector envs, Box observations and actions
+    usage="    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]",
+))

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from rlfunc import func
 from rlfunc.algos.diffusion_actor import EnvInfo, encoder_config, require_finite
 from rlfunc.amp import Precision, accumulate_gradients
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.amp import step as optimizer_step
 from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.errors import ConfigError, EnvError
@@ -405,3 +406,14 @@ def evaluate(algo: PPOEncoder, state: TensorDict, env, max_steps: int) -> dict[s
         "returns": returns[finished],
         "successes": int(success[finished].sum()),
     }
+
+
+register("ppo-encoder", AlgorithmEntry(
+    config="rlfunc.algos.ppo_encoder:PPOEncoderConfig", command="rlfunc.cli_ppo_encoder:train",
+    train="rlfunc.train_encoder:train_ppo_encoder", resume="rlfunc.train_encoder:resume_encoder",
+    evaluate="rlfunc.train_encoder:evaluate_run", config_from_meta="rlfunc.train_encoder:config_from_meta",
+    needs="dict-observation",  # cameras / proprio / instruction, Box actions
+    variant_of="ppo", accepts="rlfunc.train_encoder:is_dict_env",  # `rlfunc train ppo` on a Dict observation
+    usage="                                            (an env with a Dict observation, e.g. Push-v0 or PusherPixels-v5:\n"
+          "                                            Gaussian PPO through the multimodal encoder, rlfunc.algos.ppo_encoder)",
+))

@@ -24,6 +24,7 @@ from torch import Tensor
 from rlfunc import func
 from rlfunc.algos.bc import ema_update_
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.amp import Precision, backward, step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -242,3 +243,12 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
     return TD3Diffusion(init, rollout, iteration, transitions, actor)
 
+
+register("td3-diffusion", AlgorithmEntry(
+    config="rlfunc.algos.td3_diffusion:TD3DiffusionConfig", command="rlfunc.cli_diffusion:train_td3_diffusion",
+    train="rlfunc.train_diffusion:train_td3_diffusion",
+    resume="rlfunc.train_diffusion:resume_diffusion", evaluate="rlfunc.train_diffusion:evaluate_run",
+    config_from_meta="rlfunc.train_diffusion:config_from_meta",
+    needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
+    usage="    rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]",
+))

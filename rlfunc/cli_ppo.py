@@ -1,0 +1,96 @@
+"""``rlfunc train ppo --env ENV [...]``: every PPOConfig field is a flag, defaults from the env's preset
+(an env with a Dict observation goes to the entry that accepts it: "ppo-encoder"); and how
+``rlfunc eval`` / ``rlfunc resume`` evaluate, continue and report a ppo run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+from pathlib import Path
+
+from rlfunc.algos import registry
+from rlfunc.algos.ppo import PPOConfig
+from rlfunc.cli_common import default_run_dir
+from rlfunc.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unchecked(PPOConfig):
+    """PPOConfig parsed without validation (tyro would box a ValueError); validated right after."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+def train(name: str, argv: list[str]) -> int:
+    """Parse ``argv`` (the flags after ``rlfunc train NAME``) into a PPOConfig, train, evaluate,
+    print the evaluation as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped the run.
+    An env that a variant of ``name`` accepts (:func:`rlfunc.algos.registry.variant`) is that
+    variant's command's."""
+    import tyro
+
+    from rlfunc.algos.ppo import preset
+    from rlfunc.collect import check_env_id
+    from rlfunc.train import train
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env", default=PPOConfig.env)
+    pre.add_argument("--run-dir", default=None)
+    pre.add_argument("--shaping", default=None)
+    known, rest = pre.parse_known_args(argv)
+    if "-h" not in rest and "--help" not in rest:
+        check_env_id(known.env)
+    chosen = registry.variant(name, known.env)  # a Dict observation (cameras / proprio / instruction): ppo-encoder
+    if chosen != name:
+        return registry.resolve(registry.lookup(chosen).command)(chosen, argv)
+    default = _Unchecked(**dataclasses.asdict(preset(known.env, shaping=known.shaping)))
+    parsed = tyro.cli(
+        _Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
+        description="Train PPO with a Gaussian actor. Defaults: the env's preset. "
+        "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME); "
+        "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
+    )
+    config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
+    run_dir = known.run_dir or default_run_dir(config.env, name, config.seed)
+    return report(train(config, run_dir))
+
+
+def report(result) -> int:
+    """Print the run dir (stderr); then, for a finished run, evaluate its latest snapshot with its
+    ``eval_episodes``, write eval.json and print the evaluation as one JSON line (exit 0); for one
+    that SIGINT/SIGTERM stopped, say how to continue it (exit 130 / 143)."""
+    print(f"run dir: {result.run_dir}", file=sys.stderr)
+    if result.interrupted:
+        print(f"interrupted ({result.interrupted}): snapshot saved; continue with `rlfunc resume {result.run_dir}`",
+              file=sys.stderr)
+        return 128 + int(getattr(signal, result.interrupted))
+    from rlfunc.train import evaluate
+
+    config = json.loads((Path(result.run_dir) / "config.json").read_text())
+    summary = evaluate(result.run_dir, episodes=config["eval_episodes"], device=config["device"])
+    (Path(result.run_dir) / "eval.json").write_text(json.dumps(summary) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None):
+    """Continue the ppo run in ``run_dir`` (:func:`rlfunc.train.train` with ``resume=True``)."""
+    from rlfunc.train import train
+
+    return train(PPOConfig(), run_dir, resume=True, total_steps=total_steps, device=device)
+
+
+def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
+    """:func:`rlfunc.train.evaluate` of ``run_dir``'s latest snapshot.
+
+    Raises:
+        ConfigError: ``seed`` outside [0, 2**31), or as :func:`rlfunc.train.evaluate`.
+    """
+    from rlfunc.train import evaluate
+
+    if seed is not None and not 0 <= seed < 2**31:
+        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
+    return evaluate(run_dir, episodes, seed=seed, device=device)
