@@ -15,10 +15,19 @@ A resumable run (:mod:`rlfunc.train_grpo`, :mod:`rlfunc.train_mappo`, :mod:`rlfu
    cadence, and stops with a snapshot on SIGINT/SIGTERM.
 
 What a snapshot holds (rlfunc.checkpoint: ``state.safetensors`` + meta.json): "learner" (the
-learner state, its generator states included as uint8 tensors) and "optim" (Adam's state of the
-leaves that have had a gradient, keyed by their index in the optimizer; meta "optim_leaves" lists
-them), plus what each run carries between iterations (env state, collection carry, ...); meta
-"resume_format" (:data:`RESUME_FORMAT`) marks a snapshot that holds all of it.
+learner state, its generator states included as uint8 tensors) and "optim" (the optimizer's state),
+plus what each run carries between iterations (env state, collection carry, ...); meta
+"resume_format" (:data:`RESUME_FORMAT`) marks a snapshot that holds all of it. Two state layouts
+(meta "state_layout"):
+
+- 2 (:data:`STATE_LAYOUT`; grpo/gspo, mappo): the learner state owns its optimizer, ``state["optim"]``
+  (the state of its update chain, rlfunc.optim), which the snapshot keeps as its "optim" entry beside
+  the rest of the learner (:func:`learner_entries`); :func:`restore_state` loads it, and converts
+  snapshots of layout 1 written by those runs before (:func:`optim_from_layout_1`, which PPO's
+  rlfunc.train uses too);
+- 1 (no "state_layout"; bc, dppo, td3-diffusion, ppo-encoder): "optim" is torch.optim.Adam's state of
+  the leaves that have had a gradient, keyed by their index in the optimizer (meta "optim_leaves"
+  lists them), restored by :func:`restore_learner`.
 """
 
 from __future__ import annotations
@@ -42,9 +51,10 @@ from rlfunc import checkpoint, versions
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.log import MetricsLogger, read_metrics
-from rlfunc.optim import load_optimizer_state
+from rlfunc.optim import adam_state_from_torch, load_optimizer_state
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
+STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner state; 1 (no key): torch.optim's, beside it
 NO_SNAPSHOT = "no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end)"
 
 
@@ -246,6 +256,89 @@ def restore_learner(point: ResumePoint, like: TensorDict, state: TensorDict, opt
     with torch.no_grad():
         state.update_(loaded["learner"])
     load_optimizer_state(optimizer, loaded["optim"])
+    return loaded
+
+
+# ------------------------------------------------- learner states that own their optimizer (layout 2)
+
+
+def state_layout(name: str, meta: dict, algo: str) -> int:
+    """The state layout of a snapshot or version (meta "state_layout"; 1 when absent).
+
+    Raises:
+        CheckpointError: naming ``name``, a layout this rlfunc does not read (written by a newer one).
+    """
+    layout = meta.get("state_layout", 1)
+    if layout not in (1, STATE_LAYOUT):
+        raise CheckpointError(f"{name}: state_layout={layout!r}: this rlfunc reads {algo} state layouts 1 and {STATE_LAYOUT}; "
+                              "it was written by a newer rlfunc")
+    return layout
+
+
+def optim_from_layout_1(name: str, torch_state: TensorDict, like: TensorDict, params: TensorDict, *,
+                        indices: list[int] | None = None, commit: str) -> TensorDict:
+    """``like`` (the fresh run's ``state["optim"]``, a chain state holding one Adam state) with the Adam
+    part filled from a layout-1 snapshot's torch.optim state ``torch_state`` ({"<i>": {"step", "exp_avg",
+    "exp_avg_sq"}} over ``params``' leaves in ``func.leaves`` order; only the ``indices`` that had a
+    gradient, None: all). The other links' states keep ``like``'s values (a clip link's last norms: a
+    report, read by nothing). :func:`rlfunc.optim.adam_state_from_torch`, with its errors in one line.
+
+    Raises:
+        CheckpointError: naming ``name``, the state does not fit ``params``; the message says to train
+            anew or to resume with rlfunc of ``commit`` (the last to write that layout for the run).
+    """
+    try:
+        if indices is not None and not isinstance(indices, list):
+            raise ValueError(f"leaf indices {indices!r}: expected a list")
+        return adam_state_from_torch(torch_state, like, params, indices=indices)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{name}: its optimizer state (state layout 1, torch.optim's) does not fit the run's "
+                              f"parameters ({e}); train anew, or resume it with rlfunc of commit {commit}") from e
+
+
+def learner_entries(state: TensorDict) -> dict[str, TensorDict]:
+    """A snapshot's entries for a learner ``state`` that owns its optimizer: "learner" (all of it but
+    "optim") and "optim" (the update chain's state), where these runs' snapshots always kept Adam's state."""
+    return {"learner": state.exclude("optim"), "optim": state["optim"]}
+
+
+def state_meta() -> dict:
+    """The meta.json entries :func:`restore_state` reads: "resume_format" and "state_layout"."""
+    return {"resume_format": RESUME_FORMAT, "state_layout": STATE_LAYOUT}
+
+
+def restore_state(point: ResumePoint, like: TensorDict, state: TensorDict, device: torch.device, *, algo: str,
+                  commit: str) -> TensorDict:
+    """Load ``point``'s snapshot into a freshly built run whose learner ``state`` owns its optimizer
+    (``state["optim"]``), in place: its parameter leaves stay those the run's policy holds. Returns
+    every tensor of the snapshot, "optim" in layout 2.
+
+    Args:
+        like: the run's snapshot structure, with :func:`learner_entries` of the fresh ``state``.
+        algo: the run's kind, for messages. commit: the last rlfunc that wrote layout 1 for it.
+
+    A snapshot of state layout 1 (no meta "state_layout": torch.optim's state as "optim", for the
+    leaves meta "optim_leaves" lists) is converted (:func:`optim_from_layout_1`; the leaves without
+    torch.optim state keep the fresh, zero, Adam state, as torch.optim would), then checked as a new one.
+
+    Raises:
+        CheckpointError: the snapshot is corrupt, of an unknown layout, or its keys, shapes or dtypes
+            differ from ``like``'s; a layout-1 optimizer state that does not fit the run's parameters.
+    """
+    name = str(point.snapshot)
+    if state_layout(name, point.meta, algo) == STATE_LAYOUT:
+        loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device, like=like)
+    else:
+        loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device)
+        if "optim" not in loaded.keys():
+            raise CheckpointError(f"{name}: no optimizer state: a {algo} snapshot of state layout 1 (meta without "
+                                  "'state_layout') holds one as 'optim'")
+        loaded["optim"] = optim_from_layout_1(name, loaded["optim"], like["optim"], like["learner", "params"],
+                                              indices=point.meta.get("optim_leaves", []), commit=commit).to(loaded.device)
+        checkpoint.check_learner(name, loaded, like)
+    with torch.no_grad():
+        state.exclude("optim").update_(loaded["learner"])
+        state["optim"].update_(loaded["optim"])
     return loaded
 
 

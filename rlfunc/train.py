@@ -40,9 +40,10 @@ from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.log import MetricsLogger, plot_learning_curve
-from rlfunc.optim import adam_state_from_torch, linear_lr
+from rlfunc.optim import linear_lr
 from rlfunc.stats import mean_interval, success_interval, summarize_returns
-from rlfunc.resume import StopOnSignal, check_budget, check_budget_covers, check_run_dir, generator_from_state, truncate_metrics
+from rlfunc.resume import (STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, generator_from_state,
+                           optim_from_layout_1, state_layout, truncate_metrics)
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
 
@@ -76,9 +77,6 @@ def _member_seeds(config: PPOConfig) -> list[int]:
     return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
 
 
-STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner; 1 (no key): beside it, as "optim"
-
-
 def _saved_state(state: TensorDict, carry: TensorDict, freeze: TensorDict | None = None) -> TensorDict:
     """What a snapshot or version of the run holds. Of ``algo.init()``, a fresh carry and tracker, it is
     the structure (keys, shapes, dtypes) a load is checked against."""
@@ -104,10 +102,7 @@ def _load(source: tuple[str, Path | str], like: TensorDict, *, device, run_dir=N
     kind, where = source
     name = str(where) if kind == "snapshot" else f"{run_dir} version {where}"
     meta = checkpoint.load_meta(where) if kind == "snapshot" else versions.read_manifest(run_dir, where)["meta"]
-    layout = meta.get("state_layout", 1)
-    if layout not in (1, STATE_LAYOUT):
-        raise CheckpointError(f"{name}: state_layout={layout!r}: this rlfunc reads PPO state layouts 1 and {STATE_LAYOUT}; "
-                              "it was written by a newer rlfunc")
+    layout = state_layout(name, meta, "PPO")
     check = like if layout == STATE_LAYOUT else None
     if kind == "snapshot":
         loaded, meta = checkpoint.load_snapshot(where, device=device, like=check, generators=generators)
@@ -118,12 +113,8 @@ def _load(source: tuple[str, Path | str], like: TensorDict, *, device, run_dir=N
         if "optim" not in loaded.keys():
             raise CheckpointError(f"{name}: no optimizer state: a PPO snapshot of state layout 1 (meta without "
                                   "'state_layout') holds one as 'optim' beside 'learner'")
-        try:
-            loaded["learner", "optim"] = adam_state_from_torch(loaded.pop("optim"), like["learner", "optim"],
-                                                               like["learner", "params"]).to(loaded.device)
-        except (KeyError, ValueError) as e:
-            raise CheckpointError(f"{name}: its optimizer state (state layout 1, torch.optim's) does not fit the run's "
-                                  f"parameters ({e}); train anew, or resume it with rlfunc of commit c0e6595") from e
+        loaded["learner", "optim"] = optim_from_layout_1(name, loaded.pop("optim"), like["learner", "optim"],
+                                                         like["learner", "params"], commit="c0e6595").to(loaded.device)
         checkpoint.check_learner(name, loaded, like, generators=generators)
     return loaded, meta
 

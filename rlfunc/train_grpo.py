@@ -9,9 +9,11 @@ backend) or from the torch env's generator, seeded once with the run seed (torch
 
 Resume (:func:`resume_grpo`, ``train_grpo(..., resume=True)``) is exact on CPU: 2N iterations in
 one go equal N, stop, N more, parameter for parameter. A snapshot holds the learner state (its
-action-sampling generators included), Adam's state and, on the torch backend, the env's generator
-and state; the gymnasium backend needs no env state, since every iteration resets every env with
-seeds derived from (seed, iteration).
+action-sampling generators included; its Adam state, ``state["optim"]``, as the snapshot's "optim":
+:func:`rlfunc.resume.learner_entries`) and, on the torch backend, the env's generator and state; the
+gymnasium backend needs no env state, since every iteration resets every env with seeds derived from
+(seed, iteration). Snapshots written before the learner state owned its optimizer (state layout 1:
+torch.optim's state) are converted on load (:func:`rlfunc.resume.restore_state`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.log import plot_learning_curve
-from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.resume import begin_run, open_run, restore_learner, resume_meta, run_iterations, truncate_metrics
+from rlfunc.optim import linear_lr
+from rlfunc.resume import (begin_run, learner_entries, open_run, restore_state, run_iterations, state_layout, state_meta,
+                           truncate_metrics)
 from rlfunc.stats import summarize_returns
 from rlfunc.train import EVAL_SEED_OFFSET, _generators, env_spec
 
@@ -107,24 +110,28 @@ def _spec(env_id: str) -> EnvSpec:
         venv.close()
 
 
-def _saved_state(state: TensorDict, optimizer, env: RolloutEnv) -> TensorDict:
-    snapshot = TensorDict({"learner": state, "optim": optimizer_state(optimizer)}, batch_size=[])
+LAYOUT_1_COMMIT = "d98cef6"  # the last rlfunc that wrote grpo/gspo snapshots of state layout 1 (torch.optim's state)
+
+
+def _saved_state(state: TensorDict, env: RolloutEnv) -> TensorDict:
+    """What a snapshot holds; of ``algo.init()`` and a fresh env, the structure a load is checked against."""
+    snapshot = TensorDict(learner_entries(state), batch_size=[])
     captured = env.capture()
     if captured is not None:
         snapshot["env"] = captured
     return snapshot
 
 
-def _save(run_dir: Path, state: TensorDict, optimizer, config: GRPOConfig, spec: EnvSpec, env: RolloutEnv) -> Path:
+def _save(run_dir: Path, state: TensorDict, config: GRPOConfig, spec: EnvSpec, env: RolloutEnv) -> Path:
     meta = {
         "algo": config.loss,
         "config": dataclasses.asdict(config),
         "env_spec": spec._asdict(),
         "iteration": int(state["iteration"]),
         "env_steps": int(state["env_steps"]),
-        **resume_meta(optimizer),
+        **state_meta(),
     }
-    return checkpoint.save_run_snapshot(run_dir, _saved_state(state, optimizer, env), meta,
+    return checkpoint.save_run_snapshot(run_dir, _saved_state(state, env), meta,
                                         step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None)
 
 
@@ -177,13 +184,15 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     snap = path if (path / "meta.json").is_file() else checkpoint.latest_snapshot(path)
     if snap is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
-    config = config_from_meta(checkpoint.load_meta(snap), snap)
+    meta = checkpoint.load_meta(snap)
+    config = config_from_meta(meta, snap)
+    state_layout(str(snap), meta, "grpo/gspo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.eval_episodes if episodes is None else episodes
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     dev = resolve_device(device)
     spec = _spec(config.env)
-    like = make_grpo(config, spec, dev).init()
+    like = make_grpo(config, spec, dev).init().exclude("optim")
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
     # evaluation draws nothing from the generator states: those of another device type are replaced
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), like, generators="fresh")
@@ -234,17 +243,16 @@ def train_grpo(
         torch.set_num_threads(config.torch_threads)
     spec = _spec(config.env)
     algo = make_grpo(config, spec, device)
-    state = algo.init()
-    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
+    state = algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
     env = _rollout_env(config, device)
     try:
         time_offset = 0.0
         if point is not None:
-            loaded = restore_learner(point, _saved_state(state, optimizer, env), state, optimizer, device)
+            loaded = restore_state(point, _saved_state(state, env), state, device, algo="grpo/gspo", commit=LAYOUT_1_COMMIT)
             if "env" in loaded.keys():
                 env.restore(loaded["env"])
             time_offset = truncate_metrics(run_dir, int(state["iteration"]))
-        return _train(config, run_dir, device, spec, algo, state, optimizer, env, time_offset, progress, tensorboard)
+        return _train(config, run_dir, device, spec, algo, state, env, time_offset, progress, tensorboard)
     finally:
         env.close()
 
@@ -274,30 +282,28 @@ def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress
                       device=device)
 
 
-def _train(config, run_dir, device, spec, algo, state, optimizer, env: RolloutEnv, time_offset, progress,
-           tensorboard) -> GRPOResult:
+def _train(config, run_dir, device, spec, algo, state, env: RolloutEnv, time_offset, progress, tensorboard) -> GRPOResult:
     """The iterations left (from ``state["iteration"]``), then the final evaluation."""
     logger = open_run(config, run_dir, tensorboard)
     start = time.perf_counter() - time_offset
     S = config.num_seeds
 
     def save() -> Path:
-        return _save(run_dir, state, optimizer, config, spec, env)
+        return _save(run_dir, state, config, spec, env)
 
     def step(i: int, stopping: bool) -> dict:
         nonlocal state
         t0 = time.perf_counter()
-        set_lr(optimizer, linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr))
         gens = _generators(state, device)
         batch = env.rollout(algo.policy(state, gens), i - 1)
         t1 = time.perf_counter()
-        state, metrics = algo.iteration(state, batch, gens, optimizer)
+        state, metrics = algo.iteration(state, batch, gens)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
         steps = batch.batch_size[1] * batch.batch_size[2] * batch.batch_size[3]
         return {
             "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
             "steps_per_s": S * steps / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr),  # the iteration's
             **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
         }
 

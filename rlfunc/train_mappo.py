@@ -13,11 +13,14 @@ and every agent of every env, steps at once on the device; grpo/gspo reset all e
 :func:`rlfunc.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
 
 Resume (:func:`resume_mappo`, ``train_mappo(..., resume=True)``): a snapshot holds the learner
-state, Adam's state, the action-sampling / minibatch generator ("rng", uint8), the collection carry
+state (its Adam state, ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.resume.learner_entries`),
+the action-sampling / minibatch generator ("rng", uint8), the collection carry
 (the env output acted on next, the running team returns) and, on Warehouse-v0, the env's core state
 and generator, so on CPU 2N iterations in one go equal N, stop, N more, parameter for parameter.
 rware's gymnasium instances cannot be captured: a resumed rware run starts new episodes (with a
-warning), so it is not bit-identical to an uninterrupted one.
+warning), so it is not bit-identical to an uninterrupted one. Snapshots written before the learner
+state owned its optimizer (state layout 1: torch.optim's state) are converted on load
+(:func:`rlfunc.resume.restore_state`).
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.grouped import grouped_reset
 from rlfunc.log import plot_learning_curve
-from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.resume import (begin_run, open_run, restore_learner, resume_meta, run_iterations, set_generator_state,
-                           truncate_metrics)
+from rlfunc.optim import linear_lr
+from rlfunc.resume import (begin_run, learner_entries, open_run, restore_state, run_iterations, set_generator_state,
+                           state_layout, state_meta, truncate_metrics)
 
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
+LAYOUT_1_COMMIT = "d98cef6"  # the last rlfunc that wrote mappo snapshots of state layout 1 (torch.optim's state)
 
 
 class MAPPOResult(NamedTuple):
@@ -169,6 +173,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
         raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
     meta = checkpoint.load_meta(snap)
     config = config_from_meta(meta, snap)
+    state_layout(str(snap), meta, "mappo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     if episodes is not None and (isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1):
         raise ConfigError(f"episodes={episodes!r}: expected an int >= 1")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
@@ -181,7 +186,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
                                  eval_episodes=config.eval_episodes if episodes is None else episodes,
                                  eval_seeds=config.eval_seeds if seed is None else (seed,))
     algo = make_mappo(config, dims["obs_dim"], dims["n_agents"], dims["n_actions"], dev)
-    state = algo.init()
+    state = algo.init().exclude("optim")
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
     with torch.no_grad():
@@ -257,8 +262,7 @@ def train_mappo(
     n_actions = env.action_spec["agents", "action"].n
     n_agents = env.n_agents
     algo = make_mappo(config, obs_dim, n_agents, n_actions, device)
-    state = algo.init()
-    optimizer = make_adam(state["params"], config.lr)
+    state = algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
     gen = torch.Generator(device=device).manual_seed(config.seed)
     settable = env_entry(config).settable_state
     if point is not None and not settable:  # e.g. rware: new episodes, not the first ones again
@@ -268,7 +272,7 @@ def train_mappo(
     running = torch.zeros(config.num_envs, device=device)
 
     def saved_state() -> TensorDict:
-        saved = TensorDict({"learner": state, "optim": optimizer_state(optimizer), "rng": gen.get_state(),
+        saved = TensorDict({**learner_entries(state), "rng": gen.get_state(),
                             "carry": {"env": carry.select(*carry_keys), "running": running}}, batch_size=[])
         captured = _env_capture(config, env)
         if captured is not None:
@@ -277,7 +281,7 @@ def train_mappo(
 
     time_offset = 0.0
     if point is not None:
-        loaded = restore_learner(point, saved_state(), state, optimizer, device)
+        loaded = restore_state(point, saved_state(), state, device, algo="mappo", commit=LAYOUT_1_COMMIT)
         set_generator_state(gen, loaded["rng"])
         if "env" in loaded.keys():
             env.set_rng_state(loaded["env", "rng"])
@@ -296,7 +300,7 @@ def train_mappo(
     def save() -> Path:
         meta = {"algo": "mappo", "config": dataclasses.asdict(config), "obs_dim": obs_dim, "n_agents": n_agents,
                 "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"]),
-                **resume_meta(optimizer)}
+                **state_meta()}
         if not settable:
             meta["rware_resets"] = env.rng_state()["resets"]
         return checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(state["env_steps"]), keep_last=2)
@@ -307,7 +311,6 @@ def train_mappo(
     def step(i: int, stopping: bool) -> dict:
         nonlocal state, carry, running
         t0 = time.perf_counter()
-        set_lr(optimizer, linear_lr(config.lr, i - 1, num_iterations, config.anneal_lr))
         if config.loss == "ppo":
             batch, carry = collect(env, policy, carry, config.rollout_steps)
             with torch.no_grad():
@@ -321,11 +324,11 @@ def train_mappo(
             ended = batch["next", "agents", "reward"].sum((1, 2, 3)).tolist()
         del batch["next", "agents", "observation"]
         t1 = time.perf_counter()
-        state, metrics = algo.iteration(state, batch, optimizer, gen)
+        state, metrics = algo.iteration(state, batch, gen)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
         record = {"iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
                   "steps_per_s": config.steps_per_iteration / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
-                  "lr": optimizer.param_groups[0]["lr"], **metrics,
+                  "lr": linear_lr(config.lr, i - 1, num_iterations, config.anneal_lr), **metrics,
                   "train_reward_per_step": float(batch["next", "agents", "reward"].sum((-2, -1)).mean())}
         if ended:
             record["episode_return"] = sum(ended) / len(ended)

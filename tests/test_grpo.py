@@ -428,15 +428,13 @@ def _point_reach_setup(**overrides):
 def test_first_update_starts_at_ratio_one(loss):
     """One epoch, one minibatch: the update sees the log-probabilities the rollout recorded (same
     normaliser, same actor), so the ratio is exactly 1 and nothing is clipped."""
-    from rlfunc.optim import make_adam
     from rlfunc.train import _generators
 
     config, algo, state, rollout = _point_reach_setup(loss=loss, num_epochs=1, kl_coef=0.1)
-    optimizer = make_adam(state["params"], config.lr)
     gens = _generators(state, torch.device("cpu"))
     batch = rollout(algo.policy(state, gens), 0).reshape(1, 4, 4, -1)
     before = state["params", "actor"].clone()
-    state, metrics = algo.iteration(state, batch, gens, optimizer)
+    state, metrics = algo.iteration(state, batch, gens)
     assert metrics["approx_kl"].abs().item() < 1e-6 and abs(metrics["ratio_mean"].item() - 1) < 1e-5
     assert metrics["clip_fraction"].item() == 0 and metrics["kl_ref"].abs().item() < 1e-6
     # the actor moved, the frozen reference did not, and the normaliser saw the valid steps

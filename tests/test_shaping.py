@@ -12,7 +12,6 @@ from tensordict import TensorDict
 from rlfunc import shaping
 from rlfunc.algos.ppo import PPOConfig, EnvSpec, SHAPING_PRESETS, make_ppo, preset
 from rlfunc.errors import ConfigError
-from rlfunc.optim import make_adam
 
 td = lambda **kw: TensorDict(kw, batch_size=[])  # noqa: E731
 
@@ -333,10 +332,9 @@ def _run_grpo(config, iterations: int = 1):
     algo = make_grpo(config, SPEC, torch.device("cpu"))
     state = algo.init()
     start = state["params"].clone()
-    optimizer = make_adam(state["params"], config.lr, eps=config.adam_eps)
     gens = [torch.Generator().manual_seed(s) for s in config.seeds]
     for i in range(iterations):
-        state, m = algo.iteration(state, _grouped_batch(config.num_seeds, config.num_groups, config.group_size, 6, i), gens, optimizer)
+        state, m = algo.iteration(state, _grouped_batch(config.num_seeds, config.num_groups, config.group_size, 6, i), gens)
     return state, m, start
 
 

@@ -275,3 +275,28 @@ def test_torch_optim_state_converts_and_continues_identically():
     assert float(state["1", "step", "log_std"]) == 6.0
     with pytest.raises(ValueError, match="4 torch.optim entries for 5 parameter leaves"):
         adam_state_from_torch(optimizer_state(opt).exclude("4"), update.init(ours), ours)
+
+
+def test_torch_optim_state_of_some_leaves_converts_the_rest_kept_fresh():
+    # torch.optim holds no state for a leaf that never had a gradient; indices name those it holds
+    from rlfunc.optim import adam_state_from_torch, optimizer_state
+
+    params = stacked_params()
+    opt = torch.optim.Adam(leaves(params), lr=LR, eps=EPS, betas=BETAS, foreach=True)
+    for p, g in zip(leaves(params)[:2], random_grads(params, 0)[:2]):
+        p.grad = g
+    opt.step()
+    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    fresh = update.init(params)
+    state = adam_state_from_torch(optimizer_state(opt), fresh, params, indices=[0, 1])
+    keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)
+    for i, key in enumerate(keys):
+        want = opt.state.get(leaves(params)[i], {})  # .get: the state is a defaultdict
+        if i < 2:
+            assert torch.equal(state["1", "exp_avg"].get(key), want["exp_avg"]) and float(state["1", "step"].get(key)) == 1.0
+        else:
+            assert not want and float(state["1", "step"].get(key)) == 0.0 and not state["1", "exp_avg_sq"].get(key).any()
+    with pytest.raises(ValueError, match="2 torch.optim entries for 3 parameter leaves"):
+        adam_state_from_torch(optimizer_state(opt), fresh, params, indices=[0, 1, 2])
+    with pytest.raises(ValueError, match="outside the 5 parameter leaves"):
+        adam_state_from_torch(optimizer_state(opt), fresh, params, indices=[0, 5])

@@ -9,6 +9,8 @@ frozen reference: the initial actor ("ref_params").
 
 Every learner tensor carries a leading seed dim S, as in PPO; Adam is elementwise, so seeds train
 independently (their grouped rollouts are drawn from one env of S * num_groups * group_size envs).
+The optimizer's state is part of the learner state, as in PPO: the update is ``chain(clip_by_global_norm,
+adam)`` of :mod:`rlfunc.optim`, its state ``state["optim"]``.
 
 Reference: Shao et al. (2024), "DeepSeekMath", sec. 4.1 (GRPO); Zheng et al. (2025), "Group
 Sequence Policy Optimization" (GSPO); see :mod:`rlfunc.losses.grpo` and :mod:`rlfunc.losses.gspo`.
@@ -31,13 +33,13 @@ from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.distributions import gaussian_log_prob
 from rlfunc.envs import registry
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.grouped import sequence_return
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic
 from rlfunc.normalize import normalize, update_running_stats
-from rlfunc.optim import clip_grads_, masked_step, member_grad_norms
+from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
 from rlfunc.returns import group_relative_advantage
 
 
@@ -174,7 +176,7 @@ def preset(env: str, loss: str = "grpo", **overrides) -> GRPOConfig:
 
 
 class GRPO(NamedTuple):
-    """The algorithm: ``init() -> state``, ``iteration(state, batch, generators, optimizer) -> (state, metrics)``,
+    """The algorithm: ``init() -> state``, ``iteration(state, batch, generators) -> (state, metrics)``,
     and the rollout policy ``policy(state, generators, deterministic)`` (PPO's Gaussian actor)."""
 
     init: Callable[[], TensorDict]
@@ -188,7 +190,11 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
 
     The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
     "params" (actor, log_std), "ref_params" (a frozen copy of the initial params: the KL reference),
-    "obs_stats", "rng" (uint8 generator states [S, L]), "iteration" and "env_steps" (0-dim int64).
+    "obs_stats", "rng" (uint8 generator states [S, L]), "iteration" and "env_steps" (0-dim int64), and
+    "optim", the state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr,
+    eps=adam_eps))``: "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg",
+    "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and moments (like "params"); "shaping"
+    when a step transform is on.
 
     ``iteration`` takes a grouped batch [S, num_groups, group_size, T] with "observation" (raw),
     "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.grouped`), gathered
@@ -200,6 +206,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on (rlfunc.algos.shaped)
+    clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
+    optimizer = chain(clip, adam(config.lr, eps=config.adam_eps))
 
     def init() -> TensorDict:
         base = ppo.init()  # PPO's seeded actor init, normaliser and generators; the critic is dropped
@@ -210,6 +218,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
             {
                 "params": params,
                 "ref_params": ref,
+                "optim": optimizer.init(params),
                 **({"shaping": shaped.init_state(transform, params)} if transform is not None else {}),
                 "obs_stats": base["obs_stats"],
                 "rng": base["rng"],
@@ -293,12 +302,21 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
                 seq["ref_log_prob"] = vmap(member_log_prob)(state["ref_params"], seq["observation"], seq["action"])
         return seq, episode_return, advantage
 
-    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator], optimizer) -> tuple[TensorDict, TensorDict]:
-        """One update on a grouped ``batch`` [S, n, G, T], stepping ``optimizer`` over ``state["params"]``'
-        leaves. Returns the new state and per-seed metrics [S]."""
+    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator]) -> tuple[TensorDict, TensorDict]:
+        """One update on a grouped ``batch`` [S, n, G, T] at the learning rate ``linear_lr(lr,
+        state["iteration"], num_iterations, anneal_lr)``. Returns the new state and per-seed metrics [S].
+
+        The parameters and Adam's moments are stepped in place (``state`` and the new state share
+        them). A seed whose loss or gradients are not finite is skipped by adam's ``mask``: its
+        parameters and moments stay bit for bit."""
         seq, episode_return, advantage = prepare(state, batch)
         params = state["params"]
         leaves = func.leaves(params)
+        flat_leaves, treedef = flatten(params)
+        if any(a is not b for a, b in zip(flat_leaves, leaves)):  # the shaping names and the chain's state follow one order
+            raise ShapeError("grpo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.func.leaves")
+        lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
+        optim_state = state["optim"]
         grpo = config.loss == "grpo"
         low, high = (config.clip_epsilon, config.clip_epsilon_high) if grpo else (config.gspo_clip_epsilon, config.gspo_clip_epsilon_high)
         low = shaped.clip_epsilon(config, low, state["iteration"])  # decayed with adaptive_clip
@@ -316,7 +334,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
             for k in range(num_mb):
                 mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
                 loss, metrics = loss_fn(params, mb)
-                optimizer.zero_grad(set_to_none=True)
+                for p in leaves:
+                    p.grad = None
                 with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
                 graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
                 curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
@@ -328,12 +347,20 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
                     skipped += (~ok).long()
                     for g in grads:
                         g.nan_to_num_(0.0, 0.0, 0.0)
-                clip_grads_(grads, config.max_grad_norm, stacked=True, norms=norms)
+
+                def step(grads=grads, norms=norms, ok=ok):
+                    nonlocal optim_state  # the chain over the leaf lists (rlfunc.optim.base), as in PPO
+                    delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params,
+                                                                 lr=lr, mask=ok, grad_norm=norms)
+                    with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
+                        torch._foreach_add_(leaves, delta)
+
                 if transform is None:
-                    masked_step(optimizer, leaves, ok)
-                else:
-                    step = lambda: masked_step(optimizer, leaves, ok)  # noqa: E731
-                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature)
+                    step()
+                else:  # the transforms see the clipped gradients (the chain's first link), as Adam does
+                    clipped, _ = clip.update_leaves(grads, treedef, optim_state["0"], grad_norm=norms)
+                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature,
+                                                                        grads=clipped)
                     for key, value in shaping_metrics.items():
                         metrics[key] = value
                 if config.adaptive_clip:
@@ -342,6 +369,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
                 metric_sum = metrics if metric_sum is None else metric_sum + metrics
                 updates += 1
         out = state.clone(recurse=False)
+        out["optim"] = optim_state
         if transform is not None:
             out["shaping"] = shaping_state
         if config.normalize_observations:

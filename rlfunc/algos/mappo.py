@@ -20,7 +20,8 @@ Losses (``MAPPOConfig.loss``):
   other members, who start from the same cell with the same task draws). Each agent's episode is a
   sequence for :func:`rlfunc.losses.grpo.grpo_loss` / :func:`rlfunc.losses.gspo.gspo_loss`.
 
-The learner state is one TensorDict: "params" ("actor", "critic"), "iteration", "env_steps".
+The learner state is one TensorDict: "params" ("actor", "critic"), "optim" (the state of the update
+chain ``chain(clip_by_global_norm, adam)`` of :mod:`rlfunc.optim`), "iteration", "env_steps".
 
 Reference: Schulman et al. (2017), PPO; de Witt et al. (2020), "Is Independent Learning All You
 Need in the StarCraft Multi-Agent Challenge?" (IPPO); Yu et al. (2022), "The Surprising
@@ -45,7 +46,7 @@ from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.losses.ppo import ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import clip_grads_, member_grad_norms
+from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
 from rlfunc.returns import generalized_advantage_estimate, group_relative_advantage
 
 LOSSES = ("ppo", "grpo", "gspo")
@@ -301,7 +302,7 @@ def sequence_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: Tenso
 class MAPPO(NamedTuple):
     init: object  # () -> state TensorDict
     act: object  # (state, observation [*B, A, D], action_mask | None, generator, greedy) -> (action, log_prob, value)
-    iteration: object  # (state, batch, optimizer, generator) -> (state, metrics dict)
+    iteration: object  # (state, batch, generator) -> (state, metrics dict)
     nets: Nets
 
 
@@ -315,15 +316,24 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
     ("next", "agents", "reward") [N, T, A, 1], ("next", "state_value") [N, T, A, 1] (ppo),
     ("next", "done" | "terminated") [N, T, 1]; for grpo/gspo the N rollouts are groups of
     ``group_size`` from one start state, each exactly one episode.
+
+    The learner state: "params" ("actor", "critic"), "iteration" and "env_steps" (0-dim int64), and
+    "optim", the state of ``chain(clip_by_global_norm(max_grad_norm, stacked=False), adam(lr, eps=1e-5))``:
+    "0" {"norm": [1], the last pre-clip gradient norm}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
+    per-leaf step counts (0-dim float32) and moments (like "params"). grpo/gspo never use the critic:
+    it is left out of their gradients, so it and its Adam state stay at their initial values.
     """
     nets = make_nets(config, obs_dim, n_agents, n_actions)
     nets = Nets(nets.actor.to(device), nets.critic.to(device))
+    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=1e-5))
+    trained = ("actor", "critic") if config.loss == "ppo" else ("actor",)  # what the loss differentiates
 
     def init() -> TensorDict:
         params = TensorDict({"actor": func.params_from_module(nets.actor), "critic": func.params_from_module(nets.critic)},
                             batch_size=[], device=device)
+        params = func.as_leaves(params)
         zero = torch.zeros((), dtype=torch.int64, device=device)
-        return TensorDict({"params": func.as_leaves(params), "iteration": zero, "env_steps": zero.clone()},
+        return TensorDict({"params": params, "optim": optimizer.init(params), "iteration": zero, "env_steps": zero.clone()},
                           batch_size=[], device=device)
 
     @torch.no_grad()
@@ -359,9 +369,17 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         n, T, a = batch["agents", "action"].shape
         return TensorDict(seq, batch_size=[n, a]).reshape(-1)
 
-    def iteration(state: TensorDict, batch: TensorDict, optimizer, generator) -> tuple[TensorDict, dict]:
+    def iteration(state: TensorDict, batch: TensorDict, generator) -> tuple[TensorDict, dict]:
+        """One update on ``batch`` at the learning rate ``linear_lr(lr, state["iteration"],
+        num_iterations, anneal_lr)``; the parameters and Adam's moments are stepped in place.
+
+        Raises:
+            FloatingPointError: a non-finite loss or gradient norm.
+        """
         params = state["params"]
-        leaves = func.leaves(params)
+        leaves, treedef = flatten(params.select(*trained))  # the chain's leaf order (rlfunc.optim.base)
+        lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
+        optim_state = state["optim"]
         if config.loss == "ppo":
             data, loss_fn = _ppo_samples(batch), ppo_agent_loss
         else:
@@ -375,19 +393,22 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
             for k in range(config.num_minibatches):
                 mb = data[perm[k * mb_size:(k + 1) * mb_size]]
                 loss, metrics = loss_fn(nets, config, params, mb)
-                optimizer.zero_grad(set_to_none=True)
+                for p in leaves:
+                    p.grad = None
                 loss.backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in leaves]
                 norms = member_grad_norms(grads, stacked=False)
                 if not bool(loss.isfinite() & norms.isfinite().all()):
                     raise FloatingPointError(f"mappo: non-finite loss {float(loss)} or gradient norm at update {updates}")
-                clip_grads_(grads, config.max_grad_norm, stacked=False, norms=norms)
-                optimizer.step()
+                delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params, lr=lr, grad_norm=norms)
+                with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
+                    torch._foreach_add_(leaves, delta)
                 metrics["grad_norm"] = norms[0]
                 for key, v in metrics.items():
                     totals[key] = totals.get(key, 0.0) + float(v)
                 updates += 1
         out = state.clone(recurse=False)
+        out["optim"] = optim_state
         n, T = batch.batch_size[:2]
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + n * T

@@ -149,13 +149,16 @@ def curvature_due(config, shaping_state: TensorDictBase) -> bool:
 
 
 def shaped_step(step: Callable[[], None], transform: shaping.GradientTransformation, shaping_state: TensorDictBase,
-                names: Sequence[str], leaves: Sequence[Tensor], curvature_td: TensorDictBase | None) -> tuple[TensorDict, TensorDict]:
+                names: Sequence[str], leaves: Sequence[Tensor], curvature_td: TensorDictBase | None,
+                grads: Sequence[Tensor] | None = None) -> tuple[TensorDict, TensorDict]:
     """Run ``step()`` (the optimizer step), shape the step it took and write ``old + shaped`` back.
 
+    ``grads`` (one per leaf) are the gradients the transforms see; None: each leaf's ``.grad``.
     Returns the new shaping state and the transforms' metrics (per seed, ``[S]``)."""
     with torch.no_grad():
         before = [p.detach().clone() for p in leaves]
-        grads = TensorDict({n: p.grad.detach() for n, p in zip(names, leaves)}, batch_size=[])
+        grads = [p.grad for p in leaves] if grads is None else grads
+        grads = TensorDict({n: g.detach() for n, g in zip(names, grads)}, batch_size=[])
     step()
     with torch.no_grad():
         updates = TensorDict({n: p.detach() - b for n, p, b in zip(names, leaves, before)}, batch_size=[])

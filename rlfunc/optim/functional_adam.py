@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.optim.adam import adam as torch_adam  # the functional form torch.optim.Adam.step calls
 from tensordict import TensorDict, TensorDictBase
@@ -95,16 +97,22 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
     return from_leaves(init, update_leaves)
 
 
-def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> TensorDict:
+def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, params: TensorDictBase, *,
+                          indices: Sequence[int] | None = None) -> TensorDict:
     """``state`` (an :func:`adam` state, or a :func:`rlfunc.optim.chain` state holding one) with its
     Adam part filled from ``torch_state``, torch.optim.Adam's state as :func:`rlfunc.optim.optimizer_state`
     writes it: ``{"<i>": {"step", "exp_avg", "exp_avg_sq"}}``, i numbering ``params``' leaves in
     :func:`rlfunc.func.leaves` order. For snapshots written before the optimizer's state moved into the
     learner state. Returns a new TensorDict; the other links' states are copied from ``state``.
 
+    Args:
+        indices: the leaves ``torch_state`` holds entries for (torch.optim keeps none for a leaf that
+            never had a gradient); the others keep ``state``'s values (:func:`adam`'s ``init``: zero
+            moments and step count, torch.optim's state before a first step). None: every leaf.
+
     Raises:
         ValueError: ``state`` holds no Adam state, ``torch_state`` has other entries than one per leaf
-            of ``params``, or an entry another shape than its leaf (the key named).
+            of ``indices``, or an entry another shape than its leaf (the key named).
         KeyError: an entry lacks "step", "exp_avg" or "exp_avg_sq".
     """
     out = state.clone()
@@ -117,10 +125,14 @@ def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, pa
             raise ValueError(f"the state holds {len(parts)} Adam states, expected one")
         target = parts[0]
     keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
-    if set(torch_state.keys()) != {str(i) for i in range(len(keys))}:
-        raise ValueError(f"{len(list(torch_state.keys()))} torch.optim entries for {len(keys)} parameter leaves")
-    for i, key in enumerate(keys):
-        entry = torch_state[str(i)]
+    if indices is None:
+        indices = range(len(keys))
+    elif not all(type(i) is int and 0 <= i < len(keys) for i in indices):
+        raise ValueError(f"leaf indices {list(indices)} outside the {len(keys)} parameter leaves")
+    if set(torch_state.keys()) != {str(i) for i in indices}:
+        raise ValueError(f"{len(list(torch_state.keys()))} torch.optim entries for {len(indices)} parameter leaves")
+    for i in indices:
+        key, entry = keys[i], torch_state[str(i)]
         for name in names:
             value = entry[name]
             want = target[name].get(key)
