@@ -405,3 +405,21 @@ def test_ppo_loss_sample_weight():
     assert torch.allclose(mw["loss_critic"], 0.5 * 0.5 * (w * (v - tgt) ** 2).mean())
     with pytest.raises(ShapeError, match="sample_weight"):
         ppo_loss(lp, old, adv, v, tgt, sample_weight=torch.ones(8), **kw)
+
+
+def test_shaping_transforms_see_the_clipped_gradients(monkeypatch):
+    # Regression (found in review after PPO's optimizer moved into the learner): the shaping
+    # transforms must see the gradients after the per-seed global-norm clip, as they did when the
+    # clip was done in place before the step; with max_grad_norm 1e-3 every gradient is clipped.
+    from rlfunc.algos import shaped
+
+    seen = []
+    real = shaped.shaped_step
+
+    def recording(step, transform, state, names, leaves, curvature, grads=None):
+        seen.append(torch.stack([g.pow(2).flatten(1).sum(1) for g in (grads or [p.grad for p in leaves])]).sum(0).sqrt())
+        return real(step, transform, state, names, leaves, curvature, grads=grads)
+
+    monkeypatch.setattr(shaped, "shaped_step", recording)
+    _run(PPOConfig(**SMALL, num_seeds=2, max_grad_norm=1e-3, oscillation_damping=True, hessian_interval=2))
+    assert len(seen) == 8 and all(bool((n <= 1e-3 + 1e-7).all()) for n in seen), seen

@@ -248,7 +248,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on
-    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=True), adam(config.lr, eps=config.adam_eps))
+    clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
+    optimizer = chain(clip, adam(config.lr, eps=config.adam_eps))
 
     def init() -> TensorDict:
         params = func.stack_params(
@@ -532,8 +533,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 
                 if transform is None:
                     step()
-                else:
-                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature)
+                else:  # the transforms see the clipped gradients (the chain's first link), as Adam does
+                    clipped, _ = clip.update_leaves(grads, treedef, optim_state["0"], grad_norm=norms)
+                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature,
+                                                                        grads=clipped)
                     for key, value in shaping_metrics.items():
                         metrics[key] = value
                 if config.adaptive_clip:
