@@ -132,8 +132,11 @@ def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: in
             venv.save(str(out / f"sb3-{env}-s{seed}-vecnormalize.pkl"))
     final = same_episode_returns(env, seed, episodes, model, normalize)
     summary = summarize_returns(final)
-    if not clock.curve or clock.curve[-1][0] < model.num_timesteps:  # the final policy ends the curve
-        clock.curve.append((model.num_timesteps, clock.train_time, summary["mean"]))
+    # the final policy ends the curve: an evaluation the callback made at the last step ran before
+    # SB3's last update (it updates after each rollout), so the final one replaces it
+    if clock.curve and clock.curve[-1][0] >= model.num_timesteps:
+        clock.curve.pop()
+    clock.curve.append((model.num_timesteps, clock.train_time, summary["mean"]))
     return {"wall": wall, "curve": clock.curve, "same_episodes": summary["mean"], "final_ci95": summary["ci95"]}
 
 

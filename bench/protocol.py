@@ -87,6 +87,7 @@ def plot_curves(sides: dict[str, list[list[tuple[int, float, float]]]], path: Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
     for label, curves in sides.items():
@@ -109,6 +110,7 @@ def plot_curves(sides: dict[str, list[list[tuple[int, float, float]]]], path: Pa
         ax.set_xlabel(xlabel)
         ax.set_ylabel("evaluation return")
         ax.grid(alpha=0.3)
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
