@@ -17,6 +17,10 @@ class _LooseGRPO(GRPOConfig):
         pass
 
 
+# the two losses this command trains, as --help names them
+LOSS_TITLES = {"grpo": "GRPO (per-step ratio)", "gspo": "GSPO (one ratio per episode)"}
+
+
 def train(algo: str, argv: list[str]) -> int:
     """Parse ``argv`` into a GRPOConfig with ``loss=algo``, train, print the evaluation as one JSON line."""
     import tyro
@@ -33,7 +37,7 @@ def train(algo: str, argv: list[str]) -> int:
         check_env_id(known.env)
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     default = _LooseGRPO(**{k: v for k, v in dataclasses.asdict(preset(known.env, algo)).items() if k in fields})
-    name = "GRPO (per-step ratio)" if algo == "grpo" else "GSPO (one ratio per episode)"
+    name = LOSS_TITLES[algo]
     parsed = tyro.cli(
         _LooseGRPO, args=["--env", known.env, *rest], default=default, prog=f"rlfunc train {algo}",
         description=f"Train {name} with group-relative advantages over groups of episodes from one start state, "
