@@ -66,14 +66,15 @@ def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95
 
     Returns:
         "mean" and "std" (population std, ``correction=0``) over the episodes, "episodes" (n) and
-        "ci95" = [low, high], the Student-t interval of the mean (:func:`mean_interval`).
+        "ci95" = [low, high], the Student-t interval of the mean (:func:`mean_interval`), or None
+        for a single episode (so the dict stays valid JSON: no NaN).
 
     Raises:
         ShapeError: empty, not one-dimensional, or non-finite ``values``.
     """
     x = _as_vector(values, "values")
-    low, high = mean_interval(x, confidence)
-    return {"mean": float(x.mean()), "std": float(x.std(correction=0)), "episodes": x.numel(), "ci95": [low, high]}
+    ci = list(mean_interval(x, confidence)) if x.numel() > 1 else None
+    return {"mean": float(x.mean()), "std": float(x.std(correction=0)), "episodes": x.numel(), "ci95": ci}
 
 
 def success_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:

@@ -419,8 +419,9 @@ def evaluate(
     run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto",
     snapshot: str | Path | None = None,
 ) -> dict:
-    """Deterministic-action returns of the latest snapshot in ``run_dir`` (or of ``snapshot``) on
-    ``episodes`` episodes per seed (None: the run's ``eval_episodes``).
+    """Deterministic-action returns of the latest snapshot in ``run_dir`` (or of ``snapshot``, or of
+    ``run_dir`` itself when it is a snapshot directory) on ``episodes`` episodes per seed (None: the
+    run's ``eval_episodes``).
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
@@ -436,6 +437,8 @@ def evaluate(
     """
     if episodes is not None and episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
+    if snapshot is None and (Path(run_dir) / checkpoint.META_FILE).is_file():
+        snapshot = run_dir  # a snapshot directory, as `rlfunc eval` accepts for every algorithm
     path = Path(snapshot) if snapshot is not None else checkpoint.latest_snapshot(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
@@ -470,7 +473,7 @@ def evaluate(
         "env_steps": int(loaded["learner", "env_steps"]),
     }
     if config.num_seeds > 1:
-        out["per_seed_ci95"] = [list(mean_interval(r)) for r in per_seed]
+        out["per_seed_ci95"] = [list(mean_interval(r)) if episodes > 1 else None for r in per_seed]
     if success is not None:  # envs that report info["is_success"] (Push-v0, PushState-v0, ...)
         out["success_rate"] = float(success.float().mean())
         out["success_ci95"] = list(success_interval(int(success.sum()), success.numel()))

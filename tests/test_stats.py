@@ -46,6 +46,10 @@ def test_mean_interval_covers_the_mean_95_percent_of_the_time():
     assert 0.935 <= hits / 2000 <= 0.965
 
 
+def test_summarize_returns_of_one_episode_has_no_interval():
+    assert summarize_returns([-120.0]) == {"mean": -120.0, "std": 0.0, "episodes": 1, "ci95": None}
+
+
 def test_summarize_returns():
     out = summarize_returns(torch.tensor([-100.0, -200.0, -300.0, -400.0]))
     assert out["mean"] == -250.0 and out["episodes"] == 4
@@ -115,6 +119,15 @@ def test_train_and_evaluate_use_disjoint_reset_seeds(tmp_path, monkeypatch):
     eval_seeds = {s for c in calls for s in c}
     assert len(train_seeds) == 4 and len(eval_seeds) == 50 and not train_seeds & eval_seeds
     assert out["episodes"] == 50 and out["ci95"][0] <= out["mean"] <= out["ci95"][1]
+    # found by a new user: one episode printed "ci95": [NaN, NaN] (not JSON), and a snapshot
+    # directory was refused ("no snapshot found") although `rlfunc eval` takes one for other algorithms
+    import json
+
+    from rlfunc import checkpoint
+
+    one = evaluate(checkpoint.latest_snapshot(tmp_path / "r"), episodes=1, device="cpu")
+    assert one["episodes"] == 1 and one["ci95"] is None and one["env_steps"] == 64
+    json.dumps(one, allow_nan=False)  # raises on NaN
 
 
 def test_bench_protocol_aggregate_and_figure(tmp_path):

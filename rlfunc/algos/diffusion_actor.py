@@ -431,7 +431,8 @@ def evaluate_episodes(
     if returns.numel():
         stats = summarize_returns(returns)
         summary["episode_return_std"] = stats["std"]
-        summary["episode_return_ci95_low"], summary["episode_return_ci95_high"] = stats["ci95"]
+        if stats["ci95"] is not None:  # none for one episode
+            summary["episode_return_ci95_low"], summary["episode_return_ci95_high"] = stats["ci95"]
     if math.isfinite(summary.get("success_rate", float("nan"))):  # a weighted mean of counts / n: a count again
         low, high = success_interval(round(summary["success_rate"] * episodes), episodes)
         summary["success_ci95_low"], summary["success_ci95_high"] = low, high
