@@ -232,9 +232,9 @@ def test_actor_critic_apply_equals_functional_call():
 def test_short_pendulum_run_with_gsde_improves(tmp_path):
     from rlfunc.train import evaluate, train
 
-    # the preset, but at a constant lr: the preset's decay to 0 over a 4-iteration budget would leave
-    # too few steps at a useful lr to show learning (the full budget's test: test_train.py)
-    config = preset("Pendulum-v1", total_steps=16_384, checkpoint_every=0, device="cpu", anneal_lr=False)
+    # the preset, but at a constant lr of 3e-3: the preset's decay to 0 over a 4-iteration budget
+    # would leave too few steps at a useful lr to show learning (the full budget's test: test_train.py)
+    config = preset("Pendulum-v1", total_steps=16_384, checkpoint_every=0, device="cpu", anneal_lr=False, lr=3e-3)
     assert config.exploration == "gsde"  # the preset
     train(config, tmp_path / "r", progress=False, tensorboard=False)
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
