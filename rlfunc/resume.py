@@ -330,15 +330,31 @@ def restore_state(point: ResumePoint, like: TensorDict, state: TensorDict, devic
         loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device, like=like)
     else:
         loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device)
-        if "optim" not in loaded.keys():
-            raise CheckpointError(f"{name}: no optimizer state: a {algo} snapshot of state layout 1 (meta without "
-                                  "'state_layout') holds one as 'optim'")
-        loaded["optim"] = optim_from_layout_1(name, loaded["optim"], like["optim"], like["learner", "params"],
-                                              indices=point.meta.get("optim_leaves", []), commit=commit).to(loaded.device)
+        loaded = upgrade_layout_1(loaded, point.meta, name, like, algo=algo, commit=commit)
         checkpoint.check_learner(name, loaded, like)
     with torch.no_grad():
         state.exclude("optim").update_(loaded["learner"])
         state["optim"].update_(loaded["optim"])
+    return loaded
+
+
+def upgrade_layout_1(loaded: TensorDict, meta: dict, where: str, like: TensorDict, *, algo: str, commit: str) -> TensorDict:
+    """``loaded``, a snapshot of state layout 1 (no meta "state_layout": torch.optim's state as "optim",
+    for the leaves meta "optim_leaves" lists), with its "optim" converted to the chain state of
+    ``like`` (the fresh run's snapshot structure, :func:`learner_entries`): :func:`optim_from_layout_1`;
+    the leaves without torch.optim state keep the fresh, zero, Adam state, as torch.optim would.
+
+    Raises:
+        CheckpointError: naming ``where``: a snapshot written before ``algo`` runs were resumable (no
+            meta "resume_format"), one without an optimizer state, or one that does not fit the run's parameters.
+    """
+    if meta.get("resume_format") != RESUME_FORMAT:
+        raise CheckpointError(f"{where}: written before {algo} runs were resumable (no RNG / env state); start a new run")
+    if "optim" not in loaded.keys():
+        raise CheckpointError(f"{where}: no optimizer state: a {algo} snapshot of state layout 1 (meta without "
+                              "'state_layout') holds one as 'optim'")
+    loaded["optim"] = optim_from_layout_1(where, loaded["optim"], like["optim"], like["learner", "params"],
+                                          indices=meta.get("optim_leaves", []), commit=commit).to(loaded.device)
     return loaded
 
 

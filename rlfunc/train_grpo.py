@@ -19,7 +19,6 @@ torch.optim's state) are converted on load (:func:`rlfunc.resume.restore_state`)
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,19 +35,11 @@ from rlfunc.device import resolve_device
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
-from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr
-from rlfunc.resume import (begin_run, learner_entries, open_run, restore_state, run_iterations, state_layout, state_meta,
-                           truncate_metrics)
+from rlfunc.resume import learner_entries, state_layout, state_meta, upgrade_layout_1
+from rlfunc.run import Run, RunResult, train
 from rlfunc.stats import summarize_returns
 from rlfunc.train import EVAL_SEED_OFFSET, _generators, env_spec
-
-
-class GRPOResult(NamedTuple):
-    state: TensorDict
-    run_dir: Path
-    evaluation: dict | None  # None when a signal stopped the run
-    interrupted: str | None = None  # the signal's name ("SIGINT", "SIGTERM") when one stopped the run
 
 
 def group_seeds(seed: int, iteration: int, count: int) -> list[int]:
@@ -113,26 +104,68 @@ def _spec(env_id: str) -> EnvSpec:
 LAYOUT_1_COMMIT = "d98cef6"  # the last rlfunc that wrote grpo/gspo snapshots of state layout 1 (torch.optim's state)
 
 
-def _saved_state(state: TensorDict, env: RolloutEnv) -> TensorDict:
-    """What a snapshot holds; of ``algo.init()`` and a fresh env, the structure a load is checked against."""
-    snapshot = TensorDict(learner_entries(state), batch_size=[])
-    captured = env.capture()
-    if captured is not None:
-        snapshot["env"] = captured
-    return snapshot
+class GRPORun(Run):
+    """A grpo/gspo run as :func:`rlfunc.run.run_loop` drives it. A snapshot holds the learner
+    state (its Adam state as "optim", :func:`rlfunc.resume.learner_entries`) and, on the torch
+    backend, the env's generator and state ("env")."""
 
+    def __init__(self, config: GRPOConfig, device: torch.device) -> None:
+        collect.check_env_id(config.env)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config, self.device, self.name = config, device, config.loss
+        self.spec = _spec(config.env)
+        self.algo = make_grpo(config, self.spec, device)
+        self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+        self.total = config.num_iterations
+        self.env = _rollout_env(config, device)
 
-def _save(run_dir: Path, state: TensorDict, config: GRPOConfig, spec: EnvSpec, env: RolloutEnv) -> Path:
-    meta = {
-        "algo": config.loss,
-        "config": dataclasses.asdict(config),
-        "env_spec": spec._asdict(),
-        "iteration": int(state["iteration"]),
-        "env_steps": int(state["env_steps"]),
-        **state_meta(),
-    }
-    return checkpoint.save_run_snapshot(run_dir, _saved_state(state, env), meta,
-                                        step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None)
+    def step(self, i: int, stopping: bool) -> dict:
+        config, S = self.config, self.config.num_seeds
+        t0 = time.perf_counter()
+        gens = _generators(self.state, self.device)
+        batch = self.env.rollout(self.algo.policy(self.state, gens), i - 1)
+        t1 = time.perf_counter()
+        self.state, metrics = self.algo.iteration(self.state, batch, gens)  # at the lr of state["iteration"] = i - 1
+        t2 = time.perf_counter()
+        steps = batch.batch_size[1] * batch.batch_size[2] * batch.batch_size[3]
+        return {
+            "iteration": i, "step": int(self.state["env_steps"]),
+            "steps_per_s": S * steps / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
+            "lr": linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr),  # the iteration's
+            **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
+        }
+
+    def saved(self) -> tuple[TensorDict, dict]:
+        snapshot = TensorDict(learner_entries(self.state), batch_size=[])
+        captured = self.env.capture()
+        if captured is not None:
+            snapshot["env"] = captured
+        meta = {
+            "algo": self.config.loss,
+            "config": dataclasses.asdict(self.config),
+            "env_spec": self.spec._asdict(),
+            "iteration": int(self.state["iteration"]),
+            "env_steps": int(self.state["env_steps"]),
+            **state_meta(),
+        }
+        return snapshot, meta
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        with torch.no_grad():  # in place: the policy holds these leaves
+            self.state.exclude("optim").update_(loaded["learner"])
+            self.state["optim"].update_(loaded["optim"])
+        if "env" in loaded.keys():
+            self.env.restore(loaded["env"])
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        return upgrade_layout_1(loaded, meta, where, self.saved()[0], algo="grpo/gspo", commit=LAYOUT_1_COMMIT)
+
+    def evaluate(self) -> dict:
+        return evaluate_policy(self.config, self.state, self.spec, self.device, self.config.eval_episodes, self.config.seed)
+
+    def close(self) -> None:
+        self.env.close()
 
 
 def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device: torch.device, episodes: int, seed: int) -> dict:
@@ -210,7 +243,7 @@ def train_grpo(
     progress: bool = True,
     tensorboard: bool = True,
     device: str | None = None,
-) -> GRPOResult:
+) -> RunResult:
     """Train GRPO or GSPO (``config.loss``) per ``config`` into ``run_dir``, or continue it (``resume``).
 
     Args:
@@ -226,7 +259,7 @@ def train_grpo(
             config's); a run continues exactly only on the device type it ran on.
 
     Returns:
-        GRPOResult(state, run_dir, evaluation, interrupted): the final deterministic evaluation
+        RunResult(state, run_dir, evaluation, interrupted): the final deterministic evaluation
         (None when SIGINT/SIGTERM stopped the run after saving a snapshot).
 
     Raises:
@@ -235,30 +268,12 @@ def train_grpo(
             snapshot in ``run_dir``, or a corrupt one or one that does not match its config. Nothing
             is written then.
     """
-    run_dir, point, config = begin_run(run_dir, config, GRPOConfig, resume=resume, total_steps=total_steps, device=device,
-                                       from_meta=config_from_meta)
-    collect.check_env_id(config.env)
-    device = resolve_device(config.device)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    spec = _spec(config.env)
-    algo = make_grpo(config, spec, device)
-    state = algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
-    env = _rollout_env(config, device)
-    try:
-        time_offset = 0.0
-        if point is not None:
-            loaded = restore_state(point, _saved_state(state, env), state, device, algo="grpo/gspo", commit=LAYOUT_1_COMMIT)
-            if "env" in loaded.keys():
-                env.restore(loaded["env"])
-            time_offset = truncate_metrics(run_dir, int(state["iteration"]))
-        return _train(config, run_dir, device, spec, algo, state, env, time_offset, progress, tensorboard)
-    finally:
-        env.close()
+    return train(GRPORun, config_from_meta, config, run_dir, config_type=GRPOConfig, resume=resume,
+                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard)
 
 
 def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                tensorboard: bool = True, device: str | None = None) -> GRPOResult:
+                tensorboard: bool = True, device: str | None = None) -> RunResult:
     """Continue a grpo/gspo run from its latest snapshot: ``train_grpo(None, run_dir, resume=True, ...)``.
 
     Args:
@@ -268,7 +283,7 @@ def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress
             continues exactly only on the device type it ran on.
 
     Returns:
-        GRPOResult(state, run_dir, evaluation, interrupted), as :func:`train_grpo`.
+        RunResult(state, run_dir, evaluation, interrupted), as :func:`train_grpo`.
 
     Raises:
         CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
@@ -280,38 +295,3 @@ def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress
     """
     return train_grpo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
                       device=device)
-
-
-def _train(config, run_dir, device, spec, algo, state, env: RolloutEnv, time_offset, progress, tensorboard) -> GRPOResult:
-    """The iterations left (from ``state["iteration"]``), then the final evaluation."""
-    logger = open_run(config, run_dir, tensorboard)
-    start = time.perf_counter() - time_offset
-    S = config.num_seeds
-
-    def save() -> Path:
-        return _save(run_dir, state, config, spec, env)
-
-    def step(i: int, stopping: bool) -> dict:
-        nonlocal state
-        t0 = time.perf_counter()
-        gens = _generators(state, device)
-        batch = env.rollout(algo.policy(state, gens), i - 1)
-        t1 = time.perf_counter()
-        state, metrics = algo.iteration(state, batch, gens)  # at the lr of state["iteration"] = i - 1
-        t2 = time.perf_counter()
-        steps = batch.batch_size[1] * batch.batch_size[2] * batch.batch_size[3]
-        return {
-            "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
-            "steps_per_s": S * steps / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
-            "lr": linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr),  # the iteration's
-            **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
-        }
-
-    stopped = run_iterations(int(state["iteration"]), config.num_iterations, config.loss, step, logger=logger,
-                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
-    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
-    if stopped:
-        return GRPOResult(state, run_dir, None, stopped)
-    summary = evaluate_policy(config, state, spec, device, config.eval_episodes, config.seed)
-    (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
-    return GRPOResult(state, run_dir, summary)

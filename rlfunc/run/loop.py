@@ -1,0 +1,338 @@
+"""The one run loop every algorithm uses: build -> (restore) -> iterations -> snapshots, versions,
+metrics -> final evaluation.
+
+An algorithm's run is a :class:`Run`: built from its config (by the ``build`` of its registry entry,
+:func:`rlfunc.algos.registry.lookup`), it does one iteration per :meth:`Run.step`, says what a
+snapshot holds (:meth:`Run.saved`) and takes it back (:meth:`Run.restore`). Everything around that is
+here, once, for every algorithm:
+
+- the run directory: a new run needs an empty or absent one; ``resume`` continues the latest
+  snapshot or the current branch's head version, whichever is further along on the branch
+  (:func:`resume_source`; after ``rlfunc versions rollback RUN_DIR V`` that is V), with the
+  snapshot's config and optionally a new budget (:func:`train`);
+- each load is checked against the structure of the freshly built run (``run.saved()``), so a
+  snapshot is ``save(state)`` and the structure a load is checked against is ``algo.init(...)``;
+- ``config.json``, ``metrics.jsonl`` (+ TensorBoard), a tqdm bar, ``learning_curve.png``;
+- snapshots every ``checkpoint_every`` iterations and at the end, versions every ``version_every``
+  (:mod:`rlfunc.versions`: rollback and diff for every algorithm);
+- SIGINT/SIGTERM: a snapshot (and a version) after the current iteration, then stop
+  (:class:`StopOnSignal`);
+- the final evaluation into ``eval.json`` (:meth:`Run.evaluate`; skipped when a signal stopped it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tensordict import TensorDict
+
+from rlfunc import checkpoint, versions
+from rlfunc.device import resolve_device
+from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.log import MetricsLogger, plot_learning_curve, to_jsonable
+from rlfunc.resume import RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
+
+# the record keys the progress bar shows, when the record has them
+SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
+
+
+class Cadence(NamedTuple):
+    """When the loop writes: snapshots every ``checkpoint_every`` iterations (0: only at the end),
+    keeping ``keep_checkpoints`` (0: all); versions every ``version_every`` (0: none), retention
+    ``version_keep_last`` (0: all) and ``version_keep_every`` (see :func:`rlfunc.versions.apply_retention`)."""
+
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    version_every: int = 0
+    version_keep_last: int = 20
+    version_keep_every: int = 0
+
+
+def cadence(config: Any) -> Cadence:
+    """The :class:`Cadence` a config asks for: its fields of those names, the defaults for those it lacks."""
+    return Cadence(**{f: getattr(config, f) for f in Cadence._fields if hasattr(config, f)})
+
+
+class Run:
+    """One algorithm's run, built from its config, as :func:`run_loop` drives it. Subclasses set the
+    attributes and override :meth:`step`, :meth:`saved`, :meth:`restore`; the rest is optional.
+
+    Attributes:
+        config: the config it was built from (config.json; snapshots' meta "config").
+        state: the learner state TensorDict (``state["iteration"]``: iterations done).
+        total: iterations of the whole run (its budget).
+        name: the progress bar's label.
+    """
+
+    config: Any
+    state: TensorDict
+    total: int
+    name: str = "train"
+    requires_format: bool = True  # refuse snapshots without meta "resume_format" (written before the kind was resumable)
+
+    def done(self) -> int:
+        """Iterations done (0 for a fresh run, the snapshot's after :meth:`restore`)."""
+        return int(self.state["iteration"])
+
+    def step(self, i: int, stopping: bool) -> dict | None:
+        """Run iteration ``i`` (1-based); its metrics record ("iteration", "step", ... without "time",
+        which the loop adds), or None for an iteration that logs nothing. ``stopping``: a signal came,
+        this is the last iteration of this call."""
+        raise NotImplementedError
+
+    def saved(self) -> tuple[TensorDict, dict]:
+        """(tensors, meta) of a snapshot or version of the run now: the learner state and what else a
+        resume needs (env state, replay buffer ...); meta holds at least "algo", "config",
+        "iteration", "env_steps" and "state_layout". Of a fresh run, the structure loads are checked against."""
+        raise NotImplementedError
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        """Take back what :meth:`saved` gave (``loaded`` checked against it, on the run's device)."""
+        raise NotImplementedError
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        """``loaded`` (read unchecked) of an older state layout (meta "state_layout" absent or < the
+        current one), converted to :meth:`saved`'s structure; the loop then checks it. This default
+        refuses it.
+
+        Raises:
+            CheckpointError: naming ``where``, the layout cannot be converted.
+        """
+        raise CheckpointError(f"{where}: state_layout={meta.get('state_layout', 1)!r}: this rlfunc reads "
+                              f"{meta.get('algo')} state layout {STATE_LAYOUT}; train anew")
+
+    def open(self, run_dir: Path) -> None:
+        """Write the run's own files into ``run_dir`` (created, config.json written) before the iterations."""
+
+    def evaluate(self) -> dict | None:
+        """The final evaluation (the JSON of eval.json), or None for a run that has none."""
+        return None
+
+    def close(self) -> None:
+        """Release envs and worker processes."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run returns. ``evaluation``: :meth:`Run.evaluate`'s dict (None when a signal stopped
+    the run, or the run has none); ``interrupted``: the signal's name ("SIGINT", "SIGTERM") when one
+    stopped it after saving a snapshot, else None."""
+
+    state: TensorDict
+    run_dir: Path
+    evaluation: dict | None = None
+    interrupted: str | None = None
+
+    def __iter__(self):  # (state, run_dir, evaluation, interrupted), as the result tuples it replaces
+        return iter((self.state, self.run_dir, self.evaluation, self.interrupted))
+
+
+# ------------------------------------------------------------------------------ where a resume starts
+
+
+def resume_source(run_dir: str | Path) -> tuple[str, Path | str] | None:
+    """What a resume continues from: ("snapshot", path) or ("version", id), or None if neither.
+
+    The current branch's head version (after a rollback to V with no new version yet: V), unless the
+    latest snapshot is on the current branch and at least as far along (a snapshot without a
+    "branch" is on "main").
+
+    Raises:
+        CheckpointError: a version manifest fails its check.
+    """
+    snap = checkpoint.latest_snapshot(run_dir)
+    head = versions.head(run_dir)
+    if head is None:
+        return None if snap is None else ("snapshot", snap)
+    if snap is not None:
+        meta = checkpoint.load_meta(snap)
+        same_branch = meta.get("branch", versions.MAIN) == versions.current_branch(run_dir)
+        if same_branch and meta.get("env_steps", -1) >= head["step"]:
+            return "snapshot", snap
+    return "version", head["id"]
+
+
+def source_meta(run_dir: Path, source: tuple[str, Path | str]) -> tuple[dict, str]:
+    """(meta, a name for messages) of ``source`` (:func:`resume_source`)."""
+    kind, where = source
+    if kind == "snapshot":
+        return checkpoint.load_meta(where), str(where)
+    return versions.read_manifest(run_dir, where)["meta"], f"{run_dir} version {where}"
+
+
+def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tuple[TensorDict, dict]:
+    """Read ``source`` into ``run`` (freshly built from the source's config): checked against
+    ``run.saved()``, converted first by ``run.upgrade`` when of an older state layout. Returns
+    (the loaded tensors, meta).
+
+    Raises:
+        CheckpointError: corrupt, of an unknown (newer) layout, or of another structure (the first key
+            named); with ``run.requires_format``, without meta "resume_format".
+    """
+    kind, where = source
+    meta, name = source_meta(run_dir, source)
+    layout = meta.get("state_layout", 1)
+    if not isinstance(layout, int) or isinstance(layout, bool) or layout > STATE_LAYOUT:
+        raise CheckpointError(f"{name}: state_layout={layout!r}: this rlfunc reads {meta.get('algo')} state layouts up to "
+                              f"{STATE_LAYOUT}; it was written by a newer rlfunc")
+    if run.requires_format and meta.get("resume_format") != RESUME_FORMAT:
+        raise CheckpointError(f"{name}: written before {meta.get('algo')} runs were resumable (no RNG / env state); "
+                              "start a new run")
+    like = run.saved()[0]
+    check = like if layout == STATE_LAYOUT else None
+    if kind == "snapshot":
+        loaded, meta = checkpoint.load_snapshot(where, device=device, like=check)
+    else:
+        loaded, manifest = versions.load_version(run_dir, where, device=device, like=check)
+        meta = manifest["meta"]
+    if check is None:
+        loaded = run.upgrade(loaded, meta, name)
+        checkpoint.check_learner(name, loaded, like)
+    run.restore(loaded, meta)
+    return loaded, meta
+
+
+# --------------------------------------------------------------------------------------- the loop
+
+
+def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0, max_iterations: int | None = None,
+        progress: bool = True, tensorboard: bool = True) -> RunResult:
+    """The iterations left of ``run`` (from ``run.done()`` to ``run.total``, at most ``max_iterations``
+    of them), with its snapshots, versions and metrics in ``run_dir``, then its final evaluation.
+
+    A snapshot (and, with ``when.version_every``, a version) is written after the last iteration of
+    the call, when a signal stops it, and at ``when``'s cadence counted from iteration 0 (a resumed
+    run writes where the uninterrupted one would). A resumed run with nothing left writes nothing.
+
+    Returns:
+        :class:`RunResult`; eval.json is written when the budget was done and ``run.evaluate()`` gives one.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
+    run.open(run_dir)
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    start = min(run.done(), run.total)
+    end = run.total if max_iterations is None else min(run.total, start + max_iterations)
+    branch = versions.current_branch(run_dir)
+    clock = time.perf_counter() - time_offset
+    last_record: dict | None = None
+
+    def save(record: dict | None, version: bool) -> None:
+        tensors, meta = run.saved()
+        meta = {**meta, "branch": branch}
+        step = int(meta["env_steps"])
+        checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
+        if version:
+            versions.save_version(run_dir, tensors, meta, iteration=int(meta["iteration"]), step=step,
+                                  metrics=None if record is None else to_jsonable(record),
+                                  keep_last=when.version_keep_last or None, keep_every=when.version_keep_every)
+
+    interrupted = None
+    with StopOnSignal() as stop:
+        try:
+            from tqdm import tqdm
+
+            with tqdm(total=run.total, initial=start, desc=run.name, disable=not progress, dynamic_ncols=True) as bar:
+                for i in range(start + 1, end + 1):
+                    record = run.step(i, stop.signal is not None)
+                    if record is not None:
+                        record = {**record, "time": time.perf_counter() - clock}
+                        logger.log(record)
+                        last_record = record
+                        bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
+                    bar.update(1)
+                    final = stop.signal is not None or i == end
+                    version = bool(when.version_every) and (final or i % when.version_every == 0)
+                    if final or version or (when.checkpoint_every and i % when.checkpoint_every == 0):
+                        save(last_record if record is None else record, version)
+                    if stop.signal:
+                        interrupted = stop.signal
+                        break
+        finally:
+            logger.close()
+    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
+    evaluation = None
+    if interrupted is None and run.done() >= run.total:
+        evaluation = run.evaluate()
+        if evaluation is not None:
+            (run_dir / "eval.json").write_text(json.dumps(to_jsonable(evaluation)) + "\n")
+    return RunResult(run.state, run_dir, evaluation, interrupted)
+
+
+def _scalar(value) -> float:
+    value = to_jsonable(value)
+    if isinstance(value, list):
+        value = [v for v in value if v is not None]
+        return sum(value) / len(value) if value else float("nan")
+    return float("nan") if value is None else float(value)
+
+
+# ------------------------------------------------------------------------------- a whole run
+
+
+def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, resume: bool = False,
+          total_steps: int | None = None, device: str | None = None, budget_field: str = "total_steps",
+          unit: str = "env steps", max_iterations: int | None = None, progress: bool = True,
+          tensorboard: bool = True) -> RunResult:
+    """A whole run of one algorithm: check ``run_dir``, on resume find the source and its config,
+    ``build(config, device) -> Run``, load the source into it, then :func:`run_loop`.
+
+    Args:
+        build: ``(config, device: torch.device) -> Run``; builds without writing into ``run_dir``.
+        from_meta: ``(meta, path) -> config``, the config a snapshot's meta holds (CheckpointError
+            naming ``path`` when it holds none of this algorithm).
+        config: the config of a new run (ignored on resume: the source's is used; may be None then).
+        config_type: what ``config`` must be for a new run.
+        resume: continue from :func:`resume_source`.
+        total_steps: with ``resume``, a new budget (in ``unit``) put in ``budget_field``; it must
+            cover the iterations done. The schedule (lr decay ...) is then stretched over it.
+        device: with ``resume``, run on this device instead of the config's; a run continues
+            exactly only on the device type it ran on.
+
+    Raises:
+        ConfigError: a bad run dir or config; ``total_steps``/``device`` without ``resume``; a budget
+            below what the run has done; a device this machine lacks. CheckpointError: on resume, no
+            snapshot or version, or one that is corrupt or does not fit its config. Nothing is written then.
+    """
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume)
+    source = None
+    if resume:
+        source = resume_source(run_dir)
+        if source is None:
+            raise CheckpointError(f"{run_dir}: no snapshot or version to resume from (a run writes a snapshot every "
+                                  "checkpoint_every iterations and at its end)")
+        meta, name = source_meta(run_dir, source)
+        config = from_meta(meta, name)
+        if total_steps is not None:
+            check_budget(total_steps, unit)
+            config = dataclasses.replace(config, **{budget_field: total_steps})
+        if device is not None:
+            resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
+            config = dataclasses.replace(config, device=str(device))
+    else:
+        if total_steps is not None:
+            raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
+        if device is not None:
+            raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
+        if not isinstance(config, config_type):
+            raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
+    built = build(config, resolve_device(config.device))
+    try:
+        time_offset = 0.0
+        if source is not None:
+            done = meta.get("iteration")
+            if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+                raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
+            if total_steps is not None:
+                check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), unit)
+            load(built, run_dir, source, resolve_device(config.device))
+            time_offset = truncate_metrics(run_dir, built.done())
+        return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
+                   progress=progress, tensorboard=tensorboard)
+    finally:
+        built.close()
