@@ -196,3 +196,22 @@ def test_mappo_rware_resume_warns_and_starts_new_episodes(tmp_path):
     assert int(resumed.state["iteration"]) == 4
     assert checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "run"))["rware_resets"] == 2
     assert len(_metrics(tmp_path / "run")) == 4
+
+
+def test_grpo_versions_rollback_and_resume_continue_exactly(tmp_path):
+    # the one run loop writes versions for every algorithm: after a rollback to v2 of 4, resuming
+    # re-runs iterations 3-4 on a new branch and ends equal to the uninterrupted run
+    from rlfunc import versions
+    from rlfunc.train_grpo import resume_grpo, train_grpo
+
+    config = _grpo_config("PointReach-v0", 4, version_every=1)
+    run = tmp_path / "run"
+    full = train_grpo(config, run, progress=False, tensorboard=False)
+    assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
+    assert [m["iteration"] for m in versions.list_versions(run)] == [1, 2, 3, 4]
+    versions.rollback(run, "v000002", branch="retry")
+    resumed = resume_grpo(run)
+    assert int(resumed.state["iteration"]) == 4 and resumed.evaluation == full.evaluation
+    for key, value in full.state.items(True, True):
+        assert torch.equal(value, resumed.state.get(key)), key
+    assert versions.branch_heads(run) == {"main": "v000004", "retry": "v000006"}

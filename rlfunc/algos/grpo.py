@@ -88,6 +88,9 @@ class GRPOConfig:
     vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
 
     def __post_init__(self) -> None:
@@ -125,6 +128,9 @@ class GRPOConfig:
             raise ConfigError(f"advantage_std={self.advantage_std!r}: expected 'group', 'batch' or 'none'")
         if self.torch_threads < 0 or self.keep_checkpoints < 0 or self.checkpoint_every < 0:
             raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
+        for name in ("version_every", "version_keep_last", "version_keep_every"):
+            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected an int >= 0")
         if not 0 <= self.seed < 2**31 - self.num_seeds:
             raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
         shaped.check_config(self)
