@@ -1,0 +1,88 @@
+"""Does the run machinery cost speed? PPO env steps/s (Pendulum-v1, HalfCheetah-v5 presets) and the
+DPPO update time (PointReach-v0), measured on two source trees in the same run, interleaved.
+
+Each measurement is a fresh subprocess with PYTHONPATH set to one tree (BEFORE: e.g. a git worktree
+of the commit before a refactor; AFTER: this checkout), running a few iterations of the public
+training function; the figure is the median over iterations 2.. of the run's metrics.jsonl
+("steps_per_s" for PPO; for DPPO, whose lines have no update time, the wall-clock between
+consecutive lines: one iteration's collection and update). Trees alternate A B A B ... for --repeats rounds, and
+the result is the median over rounds of the per-round ratio after / before (for iteration time,
+before / after, so > 1 is faster after in both). The issue-15 target: every ratio within 5% (>= 0.95).
+
+    git worktree add /tmp/before 5ceac0f
+    python -m bench.architecture_speed --before /tmp/before --after . --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = {
+    # name: (python snippet run in the tree, metric key, higher_is_better)
+    "ppo Pendulum-v1 steps/s": ("""
+from rlfunc.algos.ppo import preset
+from rlfunc.train import train
+train(preset("Pendulum-v1", total_steps=16 * 256 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
+""", "steps_per_s", True),
+    "ppo HalfCheetah-v5 steps/s": ("""
+from rlfunc.algos.ppo import preset
+from rlfunc.train import train
+train(preset("HalfCheetah-v5", total_steps=16 * 128 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
+""", "steps_per_s", True),
+    "dppo PointReach-v0 iteration s": ("""
+from rlfunc.algos.dppo import DPPOConfig
+from rlfunc.train_diffusion import train_dppo
+train_dppo(DPPOConfig(env="PointReach-v0", total_steps=128 * 8 * 4 * {its}, eval_episodes=16, device="cpu"), RUN,
+           progress=False, tensorboard=False)
+""", "iteration_s", False),
+}
+
+
+def measure(tree: Path, snippet: str, key: str, iterations: int) -> float:
+    """Median of ``key`` over iterations 2.. of one run of ``snippet`` in ``tree``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        code = f"RUN = {str(run)!r}\n" + snippet.format(its=iterations)
+        env = {**os.environ, "PYTHONPATH": str(tree.resolve()), "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, check=True, stdout=subprocess.DEVNULL)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        if key == "iteration_s":  # wall-clock between consecutive lines: the collection and the update
+            times = [r["time"] for r in records]
+            values = [b - a for a, b in zip(times, times[1:])]
+        else:
+            values = [r[key] for r in records if key in r][1:]
+        return statistics.median(values)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", type=Path, required=True)
+    p.add_argument("--after", type=Path, default=Path("."))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    a = p.parse_args()
+    print(f"before={a.before} after={a.after} repeats={a.repeats} iterations={a.iterations}")
+    for name in a.cases:
+        snippet, key, higher = CASES[name]
+        ratios, pairs = [], []
+        for r in range(a.repeats):
+            order = (a.before, a.after) if r % 2 == 0 else (a.after, a.before)
+            got = {tree: measure(tree, snippet, key, a.iterations) for tree in order}
+            b, f = got[a.before], got[a.after]
+            pairs.append((b, f))
+            ratios.append(f / b if higher else b / f)
+        print(f"{name}: before/after per round {[(round(b, 4), round(f, 4)) for b, f in pairs]}; "
+              f"ratio (>1: after faster) median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
