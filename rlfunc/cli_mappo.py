@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from rlfunc.algos.mappo import PRESETS, MAPPOConfig
-from rlfunc.cli_common import default_run_dir, report_run
-
-
-@dataclasses.dataclass(frozen=True)
-class _LooseMAPPO(MAPPOConfig):
-    """MAPPOConfig parsed without validation (tyro would box a ValueError); validated right after."""
-
-    def __post_init__(self) -> None:
-        pass
+from rlfunc.cli_common import default_run_dir, parse_config, report_run
 
 
 def train(name: str, argv: list[str]) -> int:
     """Parse ``argv`` (the flags after ``rlfunc train NAME``) into a MAPPOConfig, train, print the
     evaluation as one JSON line."""
     import argparse
-
-    import tyro
 
     from rlfunc.train_mappo import train_mappo
 
@@ -31,13 +19,12 @@ def train(name: str, argv: list[str]) -> int:
     env_arg = argparse.ArgumentParser(add_help=False)
     env_arg.add_argument("--env", default=MAPPOConfig.env)
     known.env = env_arg.parse_known_args(rest)[0].env
-    defaults = _LooseMAPPO(**{**PRESETS.get(known.env, {}), "env": known.env})  # the env's preset (algos.mappo.PRESETS)
-    parsed = tyro.cli(
-        _LooseMAPPO, args=rest, default=defaults, prog="rlfunc train mappo",
+    defaults = MAPPOConfig(**{**PRESETS.get(known.env, {}), "env": known.env})  # the env's preset (algos.mappo.PRESETS)
+    config = parse_config(
+        MAPPOConfig, args=rest, default=defaults, prog="rlfunc train mappo",
         description="Shared-parameter multi-agent PPO (IPPO; --critic mean|concat: MAPPO's centralised critic) or "
         "its critic-free GRPO / GSPO variants (--loss grpo|gspo, grouped rollouts from one start state) on "
         "Warehouse-v0 or an rware id. Also: --run-dir DIR (default runs/ENV-mappo-LOSS-sSEED-TIME).",
     )
-    config = MAPPOConfig(**dataclasses.asdict(parsed))  # validated here: errors print as one line
     result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"{name}-{config.loss}", config.seed))
     return report_run(result)

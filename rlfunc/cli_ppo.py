@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import signal
 import sys
@@ -13,16 +12,8 @@ from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.algos.ppo import PPOConfig
-from rlfunc.cli_common import default_run_dir
+from rlfunc.cli_common import default_run_dir, parse_config
 from rlfunc.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unchecked(PPOConfig):
-    """PPOConfig parsed without validation (tyro would box a ValueError); validated right after."""
-
-    def __post_init__(self) -> None:
-        pass
 
 
 def train(name: str, argv: list[str]) -> int:
@@ -30,8 +21,6 @@ def train(name: str, argv: list[str]) -> int:
     print the evaluation as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped the run.
     An env that a variant of ``name`` accepts (:func:`rlfunc.algos.registry.variant`) is that
     variant's command's."""
-    import tyro
-
     from rlfunc.algos.ppo import preset
     from rlfunc.collect import check_env_id
     from rlfunc.train import train
@@ -46,14 +35,12 @@ def train(name: str, argv: list[str]) -> int:
     chosen = registry.variant(name, known.env)  # a Dict observation (cameras / proprio / instruction): ppo-encoder
     if chosen != name:
         return registry.resolve(registry.lookup(chosen).command)(chosen, argv)
-    default = _Unchecked(**dataclasses.asdict(preset(known.env, shaping=known.shaping)))
-    parsed = tyro.cli(
-        _Unchecked, args=["--env", known.env, *rest], default=default, prog="rlfunc train ppo",
+    config = parse_config(
+        PPOConfig, args=["--env", known.env, *rest], default=preset(known.env, shaping=known.shaping), prog="rlfunc train ppo",
         description="Train PPO with a Gaussian actor. Defaults: the env's preset. "
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME); "
         "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
     )
-    config = PPOConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
     run_dir = known.run_dir or default_run_dir(config.env, name, config.seed)
     return report(train(config, run_dir))
 

@@ -5,36 +5,24 @@ PPOEncoderConfig field is a flag."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
-from rlfunc.cli_common import default_run_dir, report_run
-
-
-@dataclasses.dataclass(frozen=True)
-class _LoosePPOEncoder(PPOEncoderConfig):
-    """PPOEncoderConfig parsed without validation (tyro would box a ValueError); validated right after."""
-
-    def __post_init__(self) -> None:
-        pass
+from rlfunc.cli_common import default_run_dir, parse_config, report_run
 
 
 def train(name: str, argv: list[str]) -> int:
     """Parse ``argv`` (the flags after ``rlfunc train ppo``) into a PPOEncoderConfig, train as
     ``name`` ("ppo-encoder"), print the evaluation as one JSON line (exit 0), or 130/143 when
     SIGINT/SIGTERM stopped the run."""
-    import tyro
-
     from rlfunc.train_encoder import train_ppo_encoder
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(argv)
-    parsed = tyro.cli(
-        _LoosePPOEncoder, args=rest, default=_LoosePPOEncoder(), prog="rlfunc train ppo",
+    config = parse_config(
+        PPOEncoderConfig, args=rest, default=PPOEncoderConfig(), prog="rlfunc train ppo",
         description="Train Gaussian PPO with a multimodal encoder (Dict observation: cameras, proprio, instruction). "
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-encoder-sSEED-TIME).",
     )
-    config = PPOEncoderConfig(**dataclasses.asdict(parsed))  # validated here, so errors print as one line
     result = train_ppo_encoder(config, known.run_dir or default_run_dir(config.env, name, config.seed))
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

@@ -345,3 +345,20 @@ def test_resume_on_a_bad_device_writes_nothing(tmp_path, run_dir, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], args
         assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == files, args  # latest included
+
+
+def test_parse_config_builds_the_library_classes_and_validates_once_outside_tyro():
+    # no validation-off subclasses: tyro parses the config dataclasses themselves, nested ones
+    # included, and the constructor's ConfigError comes out as itself (one line), not tyro's box
+    from rlfunc.algos.bc import BCConfig
+    from rlfunc.algos.diffusion_actor import ActorSpec
+    from rlfunc.cli_common import parse_config
+    from rlfunc.errors import ConfigError
+
+    config = parse_config(BCConfig, ["--lr", "0.01", "--actor.horizon", "8"], default=BCConfig(), prog="p", description="d")
+    assert type(config) is BCConfig and type(config.actor) is ActorSpec
+    assert config.lr == 0.01 and config.actor.horizon == 8 and config.actor.act_steps == BCConfig().actor.act_steps
+    with pytest.raises(ConfigError, match="act_steps=4: expected 1 <= act_steps <= horizon=2"):
+        parse_config(BCConfig, ["--actor.horizon", "2"], default=BCConfig(), prog="p", description="d")
+    with pytest.raises(ConfigError, match="lr and max_grad_norm must be > 0"):
+        parse_config(BCConfig, ["--lr", "-1"], default=BCConfig(), prog="p", description="d")
