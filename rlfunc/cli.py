@@ -5,6 +5,7 @@ registry (:mod:`rlfunc.algos.registry`); ``rlfunc --help`` lists the commands (e
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -112,8 +113,22 @@ def _versions(argv: list[str]) -> int:
 COMMANDS = {"train": _train, "eval": _eval, "resume": _resume, "versions": _versions}
 
 
+def _torchrl_logs_to_stderr() -> None:
+    """Send torchrl's console log (INFO lines such as "Initialized LazyTensorStorage", on stdout by
+    default) to stderr, so that a command's stdout is its one JSON line: through torchrl's own
+    TORCHRL_CONSOLE_STREAM for an import still to come, and by moving the handler of one done."""
+    import logging
+
+    os.environ.setdefault("TORCHRL_CONSOLE_STREAM", "stderr")
+    if "torchrl" in sys.modules:
+        for handler in logging.getLogger("torchrl").handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _torchrl_logs_to_stderr()
     if argv and argv[0] in ("-h", "--help"):
         print(usage())
         return 0

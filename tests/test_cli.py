@@ -362,3 +362,18 @@ def test_parse_config_builds_the_library_classes_and_validates_once_outside_tyro
         parse_config(BCConfig, ["--actor.horizon", "2"], default=BCConfig(), prog="p", description="d")
     with pytest.raises(ConfigError, match="lr and max_grad_norm must be > 0"):
         parse_config(BCConfig, ["--lr", "-1"], default=BCConfig(), prog="p", description="d")
+
+
+def test_torchrl_info_lines_go_to_stderr_so_stdout_is_the_json_line():
+    # found by a fresh-user pass: `rlfunc train td3-diffusion` printed torchrl's "Initialized
+    # LazyTensorStorage" INFO line on stdout before the evaluation's JSON line
+    import subprocess
+    import sys
+
+    code = ("from rlfunc.cli import _torchrl_logs_to_stderr; _torchrl_logs_to_stderr()\n"
+            "import torch; from tensordict import TensorDict; from torchrl.data import LazyTensorStorage, ReplayBuffer\n"
+            "ReplayBuffer(storage=LazyTensorStorage(4)).extend(TensorDict({'a': torch.zeros(2, 1)}, batch_size=[2]))\n"
+            "print('{}')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "{}\n"
+    assert "LazyTensorStorage" in out.stderr
