@@ -1,8 +1,10 @@
 """A whole shared-parameter multi-agent run (PPO / GRPO / GSPO) as one function of its config.
 
-``train_mappo(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration:
-losses, training deliveries/conflicts per 100 steps on Warehouse-v0, completed-episode team returns),
-checkpoints/ (safetensors snapshots), learning_curve.png and eval.json, the env registry entry's
+``train_mappo(config, run_dir)`` (a :class:`MAPPORun` through the one run loop, :mod:`rlfunc.run.loop`)
+writes RUN_DIR/config.json, metrics.jsonl (one line per iteration: losses, training
+deliveries/conflicts per 100 steps on Warehouse-v0, completed-episode team returns), checkpoints/
+(safetensors snapshots, the last ``keep_checkpoints``), versions/ every ``version_every`` iterations
+(:mod:`rlfunc.versions`; off by default), learning_curve.png and eval.json, the env registry entry's
 ``multi_agent_eval`` (:mod:`rlfunc.envs.registry`): on Warehouse-v0 the
 :func:`envs.warehouse.metrics.evaluate` rates (deliveries and conflicts per 100 steps, idle
 fraction) of the trained policy on the default-reward warehouse with ``config.n_agents`` AGVs, on
@@ -20,42 +22,33 @@ and generator, so on CPU 2N iterations in one go equal N, stop, N more, paramete
 rware's gymnasium instances cannot be captured: a resumed rware run starts new episodes (with a
 warning), so it is not bit-identical to an uninterrupted one. Snapshots written before the learner
 state owned its optimizer (state layout 1: torch.optim's state) are converted on load
-(:func:`rlfunc.resume.restore_state`).
+(:func:`rlfunc.resume.upgrade_layout_1`). A resume continues from the latest snapshot or the current
+branch's head version, whichever is further along (after ``rlfunc versions rollback RUN_DIR V``: V).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict
 
 from rlfunc import checkpoint
-from rlfunc.algos.mappo import MAPPOConfig, make_mappo
+from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
 from rlfunc.device import resolve_device
 from rlfunc.envs import registry
 from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.grouped import grouped_reset
-from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr
-from rlfunc.resume import (begin_run, learner_entries, open_run, restore_state, run_iterations, set_generator_state,
-                           state_layout, state_meta, truncate_metrics)
+from rlfunc.resume import learner_entries, set_generator_state, state_layout, state_meta, upgrade_layout_1
+from rlfunc.run import Run, RunResult, train
 
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
 LAYOUT_1_COMMIT = "d98cef6"  # the last rlfunc that wrote mappo snapshots of state layout 1 (torch.optim's state)
-
-
-class MAPPOResult(NamedTuple):
-    state: TensorDict
-    run_dir: Path
-    evaluation: dict | None  # None when a signal stopped the run
-    interrupted: str | None = None
 
 
 def env_entry(config: MAPPOConfig) -> EnvEntry:
@@ -215,120 +208,60 @@ def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
     return TensorDict({"state": env.state.clone(), "rng": env.rng_state()}, batch_size=[])
 
 
-def train_mappo(
-    config: MAPPOConfig | None,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    total_steps: int | None = None,
-    progress: bool = True,
-    tensorboard: bool = True,
-    device: str | None = None,
-) -> MAPPOResult:
-    """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``,
-    or continue it (``resume``).
+class MAPPORun(Run):
+    """A mappo run as :func:`rlfunc.run.run_loop` drives it. A snapshot holds the learner state (its
+    Adam state as "optim", :func:`rlfunc.resume.learner_entries`), the action-sampling / minibatch
+    generator ("rng", uint8), the collection carry ("carry": the env output acted on next, the
+    running team returns [num_envs]) and, on an env whose state can be set (Warehouse-v0), the env's
+    state and generator ("env"); on rware its meta "rware_resets" says where its episode seeds are.
 
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot (see the module docstring for what comes back);
-            metrics lines written after that snapshot are dropped.
-        total_steps: with ``resume``, a new budget (env steps, one step of one env) to extend the
-            run; the learning-rate schedule is then stretched over the new budget.
-        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
-        device: with ``resume``, run on this device instead of the snapshot config's (None: the
-            config's); a run continues exactly only on the device type it ran on.
-
-    Returns:
-        MAPPOResult(state, run_dir, evaluation, interrupted): eval.json's content, or None with the
-        signal's name when SIGINT/SIGTERM stopped the run after saving a snapshot.
-
-    Raises:
-        ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
-            below the steps the run has done. EnvError: a bad env. CheckpointError: on resume, no
-            snapshot in ``run_dir``, or a corrupt one or one that does not match its config.
-            Nothing is written then.
-
-    Warns:
-        UserWarning: resuming an rware run (new episodes; not bit-identical).
+    Raises (on construction):
+        EnvError: ``config.env`` is not a multi-agent env of the registry. ConfigError: a grouped
+            loss on an env whose state cannot be set.
     """
-    run_dir, point, config = begin_run(run_dir, config, MAPPOConfig, resume=resume, total_steps=total_steps, device=device,
-                                       from_meta=config_from_meta)
-    device = resolve_device(config.device)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    env = make_env(config, config.num_envs, device, config.seed)
-    obs_dim = env.observation_spec["agents", "observation"].shape[-1]
-    n_actions = env.action_spec["agents", "action"].n
-    n_agents = env.n_agents
-    algo = make_mappo(config, obs_dim, n_agents, n_actions, device)
-    state = algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
-    gen = torch.Generator(device=device).manual_seed(config.seed)
-    settable = env_entry(config).settable_state
-    if point is not None and not settable:  # e.g. rware: new episodes, not the first ones again
-        env.set_rng_state({**env.rng_state(), "resets": int(point.meta.get("rware_resets", 0))})
-    carry = env.reset()
-    carry_keys = list(carry.keys(True, True))  # what the loop reads of the carry (not the stale action)
-    running = torch.zeros(config.num_envs, device=device)
 
-    def saved_state() -> TensorDict:
-        saved = TensorDict({**learner_entries(state), "rng": gen.get_state(),
-                            "carry": {"env": carry.select(*carry_keys), "running": running}}, batch_size=[])
-        captured = _env_capture(config, env)
-        if captured is not None:
-            saved["env"] = captured
-        return saved
+    def __init__(self, config: MAPPOConfig, device: torch.device) -> None:
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config, self.device, self.name = config, device, f"mappo-{config.loss}"
+        self.settable = env_entry(config).settable_state
+        self.env = env = make_env(config, config.num_envs, device, config.seed)
+        self.obs_dim = env.observation_spec["agents", "observation"].shape[-1]
+        self.n_actions = env.action_spec["agents", "action"].n
+        self.n_agents = env.n_agents
+        # the learning curve: Warehouse-v0's deliveries, else the team return of the episodes that ended
+        self.curve = "deliveries_per_100_steps" if "deliveries" in env.observation_spec.keys() else "episode_return"
+        self.algo = make_mappo(config, self.obs_dim, self.n_agents, self.n_actions, device)
+        self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+        self.total = config.num_iterations
+        self.gen = torch.Generator(device=device).manual_seed(config.seed)
+        self.carry = env.reset()
+        self.carry_keys = list(self.carry.keys(True, True))  # what a step reads of the carry (not the stale action)
+        self.running = torch.zeros(config.num_envs, device=device)  # team return of each env's episode so far
 
-    time_offset = 0.0
-    if point is not None:
-        loaded = restore_state(point, saved_state(), state, device, algo="mappo", commit=LAYOUT_1_COMMIT)
-        set_generator_state(gen, loaded["rng"])
-        if "env" in loaded.keys():
-            env.set_rng_state(loaded["env", "rng"])
-            carry = env.set_state(TensorDict(loaded["env", "state"].to_dict(), batch_size=env.batch_size))
-            for key in carry_keys:
-                carry.set_(key, loaded["carry", "env"].get(key))
-            running = loaded["carry", "running"].clone()
-        else:
-            warnings.warn(f"{config.env}: the env's state cannot be captured, so the resumed run starts new episodes "
-                          "and is not bit-identical to an uninterrupted one", stacklevel=2)
-        time_offset = truncate_metrics(run_dir, int(state["iteration"]))
-    logger = open_run(config, run_dir, tensorboard)
-    start = time.perf_counter() - time_offset
-    num_iterations = config.num_iterations
+    def _policy(self, obs, mask):
+        return self.algo.act(self.state, obs, mask, self.gen)
 
-    def save() -> Path:
-        meta = {"algo": "mappo", "config": dataclasses.asdict(config), "obs_dim": obs_dim, "n_agents": n_agents,
-                "n_actions": n_actions, "iteration": int(state["iteration"]), "env_steps": int(state["env_steps"]),
-                **state_meta()}
-        if not settable:
-            meta["rware_resets"] = env.rng_state()["resets"]
-        return checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(state["env_steps"]), keep_last=2)
-
-    def policy(obs, mask):
-        return algo.act(state, obs, mask, gen)
-
-    def step(i: int, stopping: bool) -> dict:
-        nonlocal state, carry, running
+    def step(self, i: int, stopping: bool) -> dict:
+        config, env = self.config, self.env
         t0 = time.perf_counter()
         if config.loss == "ppo":
-            batch, carry = collect(env, policy, carry, config.rollout_steps)
+            batch, self.carry = collect(env, self._policy, self.carry, config.rollout_steps)
             with torch.no_grad():
-                from rlfunc.algos.mappo import state_value
-                batch["next", "state_value"] = state_value(algo.nets, state["params"], batch["next", "agents", "observation"],
-                                                           config.critic)
-            ended, running = _episode_returns(batch["next", "agents", "reward"], batch["next", "done"], running)
+                batch["next", "state_value"] = state_value(self.algo.nets, self.state["params"],
+                                                           batch["next", "agents", "observation"], config.critic)
+            ended, self.running = _episode_returns(batch["next", "agents", "reward"], batch["next", "done"], self.running)
         else:
-            carry = grouped_reset(env, config.group_size)
-            batch, carry = collect(env, policy, carry, config.episode_steps)
+            self.carry = grouped_reset(env, config.group_size)
+            batch, self.carry = collect(env, self._policy, self.carry, config.episode_steps)
             ended = batch["next", "agents", "reward"].sum((1, 2, 3)).tolist()
         del batch["next", "agents", "observation"]
         t1 = time.perf_counter()
-        state, metrics = algo.iteration(state, batch, gen)  # at the lr of state["iteration"] = i - 1
+        self.state, metrics = self.algo.iteration(self.state, batch, self.gen)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
-        record = {"iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
+        record = {"iteration": i, "step": int(self.state["env_steps"]),
                   "steps_per_s": config.steps_per_iteration / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
-                  "lr": linear_lr(config.lr, i - 1, num_iterations, config.anneal_lr), **metrics,
+                  "lr": linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr), **metrics,
                   "train_reward_per_step": float(batch["next", "agents", "reward"].sum((-2, -1)).mean())}
         if ended:
             record["episode_return"] = sum(ended) / len(ended)
@@ -339,22 +272,94 @@ def train_mappo(
                 batch["next", "vertex_conflicts"].sum() + batch["next", "swap_conflicts"].sum()) / steps
         return record
 
-    stopped = run_iterations(int(state["iteration"]), num_iterations, f"mappo-{config.loss}", step, logger=logger,
-                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
-    key = "deliveries_per_100_steps" if "deliveries" in env.observation_spec.keys() else "episode_return"
-    try:
-        plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=key)
-    except Exception:  # noqa: BLE001 - a missing plot must not lose the run
-        pass
-    if stopped:
-        return MAPPOResult(state, run_dir, None, stopped)
-    summary = evaluate_state(config, algo, state, device)
-    (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
-    return MAPPOResult(state, run_dir, summary)
+    def saved(self) -> tuple[TensorDict, dict]:
+        tensors = TensorDict({**learner_entries(self.state), "rng": self.gen.get_state(),
+                              "carry": {"env": self.carry.select(*self.carry_keys), "running": self.running}},
+                             batch_size=[])
+        captured = _env_capture(self.config, self.env)
+        if captured is not None:
+            tensors["env"] = captured
+        meta = {"algo": "mappo", "config": dataclasses.asdict(self.config), "obs_dim": self.obs_dim,
+                "n_agents": self.n_agents, "n_actions": self.n_actions, "iteration": int(self.state["iteration"]),
+                "env_steps": int(self.state["env_steps"]), **state_meta()}
+        if not self.settable:
+            meta["rware_resets"] = self.env.rng_state()["resets"]
+        return tensors, meta
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        """Warns (UserWarning) when the snapshot holds no env state (rware): the run starts new episodes."""
+        env = self.env
+        with torch.no_grad():  # in place: the policy holds these leaves
+            self.state.exclude("optim").update_(loaded["learner"])
+            self.state["optim"].update_(loaded["optim"])
+        set_generator_state(self.gen, loaded["rng"])
+        if "env" in loaded.keys():
+            env.set_rng_state(loaded["env", "rng"])
+            self.carry = env.set_state(TensorDict(loaded["env", "state"].to_dict(), batch_size=env.batch_size))
+            for key in self.carry_keys:
+                self.carry.set_(key, loaded["carry", "env"].get(key))
+            self.running = loaded["carry", "running"].clone()
+            return
+        if not self.settable:  # e.g. rware: new episodes, not the first ones again
+            env.set_rng_state({**env.rng_state(), "resets": int(meta.get("rware_resets", 0))})
+            self.carry = env.reset()
+        warnings.warn(f"{self.config.env}: the env's state cannot be captured, so the resumed run starts new episodes "
+                      "and is not bit-identical to an uninterrupted one", stacklevel=2)
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        return upgrade_layout_1(loaded, meta, where, self.saved()[0], algo="mappo", commit=LAYOUT_1_COMMIT)
+
+    def evaluate(self) -> dict:
+        return evaluate_state(self.config, self.algo, self.state, self.device)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def train_mappo(
+    config: MAPPOConfig | None,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    total_steps: int | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+    device: str | None = None,
+) -> RunResult:
+    """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``,
+    or continue it (``resume``): :class:`MAPPORun` through :func:`rlfunc.run.train`.
+
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot, or from the current branch's head version when it
+            is further along (:func:`rlfunc.run.resume_source`; after ``rlfunc versions rollback`` that
+            version); see the module docstring for what comes back. Metrics lines written after it are dropped.
+        total_steps: with ``resume``, a new budget (env steps, one step of one env) to extend the
+            run; the learning-rate schedule is then stretched over the new budget.
+        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
+        device: with ``resume``, run on this device instead of the snapshot config's (None: the
+            config's); a run continues exactly only on the device type it ran on.
+
+    Returns:
+        RunResult(state, run_dir, evaluation, interrupted): eval.json's content, or None with the
+        signal's name when SIGINT/SIGTERM stopped the run after saving a snapshot.
+
+    Raises:
+        ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
+            below the steps the run has done. EnvError: a bad env. CheckpointError: on resume, no
+            snapshot or version in ``run_dir``, or a corrupt one or one that does not match its config.
+            Nothing is written then.
+
+    Warns:
+        UserWarning: resuming an rware run (new episodes; not bit-identical).
+    """
+    return train(MAPPORun, config_from_meta, config, run_dir, config_type=MAPPOConfig, resume=resume,
+                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard)
 
 
 def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                 tensorboard: bool = True, device: str | None = None) -> MAPPOResult:
+                 tensorboard: bool = True, device: str | None = None) -> RunResult:
     """Continue a mappo run from its latest snapshot: ``train_mappo(None, run_dir, resume=True, ...)``.
 
     Args:
@@ -364,7 +369,7 @@ def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progres
             continues exactly only on the device type it ran on.
 
     Returns:
-        MAPPOResult(state, run_dir, evaluation, interrupted), as :func:`train_mappo`.
+        RunResult(state, run_dir, evaluation, interrupted), as :func:`train_mappo`.
 
     Raises:
         CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,

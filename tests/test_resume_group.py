@@ -130,6 +130,34 @@ def test_mappo_resume_extends_with_total_steps(tmp_path, small_warehouse):
     assert int(again.state["iteration"]) == 4 and again.evaluation == resumed.evaluation
 
 
+@pytest.mark.parametrize("loss", ["ppo", "grpo"])
+def test_mappo_rollback_to_a_version_resumes_exactly(tmp_path, small_warehouse, loss):
+    """version_every=1 writes a version per iteration; after a rollback to v000002 a resume continues
+    from it (not from the newer snapshot of the abandoned branch) and ends where the uninterrupted run did."""
+    from rlfunc import versions
+
+    tm = small_warehouse
+    config = _mappo_config(loss, 4, version_every=1, critic="mean")
+    run = tmp_path / "run"
+    full = tm.train_mappo(config, run, progress=False, tensorboard=False)  # the uninterrupted run
+    assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
+    assert len(list((run / "checkpoints").glob("step_*"))) == 2  # keep_checkpoints' default
+    before = _metrics(run)
+    assert versions.rollback(run, "v000002", branch="retry") == "retry"
+    resumed = tm.resume_mappo(run, progress=False, tensorboard=False)
+    assert int(resumed.state["iteration"]) == 4
+    a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    listed = versions.list_versions(run)
+    assert [(m["id"], m["branch"], m["parent"]) for m in listed[4:]] == [
+        ("v000005", "retry", "v000002"), ("v000006", "retry", "v000005")]
+    assert listed[2]["tensors"] == listed[4]["tensors"] and listed[3]["tensors"] == listed[5]["tensors"]
+    assert _metrics(run) == before and [r["iteration"] for r in before] == [1, 2, 3, 4]
+    assert resumed.evaluation == full.evaluation
+
+
 @pytest.mark.parametrize("env,loss", [("PointReach-v0", "grpo"), ("Pendulum-v1", "gspo")])
 def test_grpo_resume_after_a_crash_is_exact(tmp_path, env, loss):
     from rlfunc.train_grpo import resume_grpo, train_grpo

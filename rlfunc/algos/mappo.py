@@ -91,6 +91,10 @@ class MAPPOConfig:
     eval_seeds: tuple[int, ...] = (1000, 1001, 1002)  # env seeds of the final evaluation
     eval_greedy: bool = False  # evaluate the argmax action instead of sampling
     checkpoint_every: int = 0  # iterations between snapshots (0: only at the end)
+    keep_checkpoints: int = 2  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -104,6 +108,11 @@ class MAPPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
+        for name in ("torch_threads", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
+                     "version_keep_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name}={v!r}: expected an int >= 0")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lmbda <= 1):

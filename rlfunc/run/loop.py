@@ -66,12 +66,14 @@ class Run:
         state: the learner state TensorDict (``state["iteration"]``: iterations done).
         total: iterations of the whole run (its budget).
         name: the progress bar's label.
+        curve: the metrics key learning_curve.png plots.
     """
 
     config: Any
     state: TensorDict
     total: int
     name: str = "train"
+    curve: str = "episode_return"
     requires_format: bool = True  # refuse snapshots without meta "resume_format" (written before the kind was resumable)
 
     def done(self) -> int:
@@ -254,7 +256,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         break
         finally:
             logger.close()
-    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
+    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
     evaluation = None
     if interrupted is None and run.done() >= run.total:
         evaluation = run.evaluate()
