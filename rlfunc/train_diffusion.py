@@ -6,7 +6,7 @@ Each writes RUN_DIR/config.json, metrics.jsonl (one line per logged iteration), 
 (safetensors snapshots whose learner state includes the noise schedule, verified against the actor
 spec on every load; meta.json also records the env's observation layout), versions/ every
 ``version_every`` iterations (:mod:`rlfunc.versions`: list, diff, rollback), learning_curve.png
-(success rate) and eval.json (one episode per env with deterministic DDIM, eta = 0 unless dppo's
+(success rate; bc: denoising loss) and eval.json (one episode per env with deterministic DDIM, eta = 0 unless dppo's
 ``eval_eta``: return, success rate, and PointReach's mode statistics).
 
 Envs: PointReach-v0 (torch-batched) and any gymnasium id with bounded Box actions, through
@@ -371,6 +371,7 @@ class BCRun(DiffusionRun):
     summed since the last line ("pending_metrics"; meta "pending_metrics": how many)."""
 
     carry = ("pending_metrics",)
+    curve = "loss_denoise"  # against updates (a bc record's "step")
 
     def __init__(self, config: BCConfig, device: torch.device) -> None:
         from rlfunc.demos import check_expert, expert_demonstrations
