@@ -1,9 +1,13 @@
-"""Whole runs of the diffusion algorithms (bc, dppo, td3-diffusion), each one function of its config.
+"""Whole runs of the diffusion algorithms (bc, dppo, td3-diffusion), each one function of its config,
+driven by the one run loop (:mod:`rlfunc.run.loop`): :class:`BCRun`, :class:`DPPORun`,
+:class:`TD3DiffusionRun`, which share :class:`DiffusionRun`.
 
 Each writes RUN_DIR/config.json, metrics.jsonl (one line per logged iteration), checkpoints/
 (safetensors snapshots whose learner state includes the noise schedule, verified against the actor
-spec on every load; meta.json also records the env's observation layout) and eval.json (one episode
-per env with deterministic DDIM, eta = 0: return, success rate, and PointReach's mode statistics).
+spec on every load; meta.json also records the env's observation layout), versions/ every
+``version_every`` iterations (:mod:`rlfunc.versions`: list, diff, rollback), learning_curve.png
+(success rate; bc: denoising loss) and eval.json (one episode per env with deterministic DDIM, eta = 0 unless dppo's
+``eval_eta``: return, success rate, and PointReach's mode statistics).
 
 Envs: PointReach-v0 (torch-batched) and any gymnasium id with bounded Box actions, through
 :class:`rlfunc.chunk_env.GymChunkEnv`; bc needs a scripted expert (PointReach-v0, PushState-v0,
@@ -12,29 +16,29 @@ Push-v0). Dict observations (Push-v0: two cameras, proprio, an instruction) go t
 
 ``init_from`` (dppo, td3-diffusion) takes a bc run dir or snapshot and starts from its EMA weights,
 observation statistics and actor spec. A snapshot is written every ``checkpoint_every`` iterations
-and at the end.
+and at the end (the last ``keep_checkpoints`` kept).
 
-Resume: ``train_bc`` / ``train_dppo`` / ``train_td3_diffusion`` with ``resume=True`` (or
-:func:`resume_diffusion`, which reads the algorithm from the snapshot) continue a run from its latest
-snapshot with the snapshot's config, optionally with a new budget. On CPU the continuation is exact:
-N iterations, stop, resume to 2N give the same parameters, optimizer states and RNG states as 2N
-iterations in one go. Besides the learner state (whose "rng" is the generator of the noise and the
-minibatch order) and every optimizer's state, a snapshot holds what the loop carries between
-iterations: the env's RNG ("env_rng": PointReach-v0's torch generator state in the tensors, a
-:class:`~rlfunc.chunk_env.GymChunkEnv`'s numpy bit-generator state in meta.json; every rollout
-starts with a full reset seeded from it, so nothing else of the env survives an iteration), the
-fp16 grad scaler's state (meta), bc's metrics summed since the last metrics line, and td3-diffusion's
-replay buffer (its filled rows and the writer's cursor; ``checkpoint_buffer=False`` leaves it out,
-and a resumed run then refills an empty buffer, with a warning). bc's demonstrations are not saved:
-they are collected again from the config's seed. Metrics lines written after the snapshot (before a
-crash) are dropped on resume.
+Resume: ``train_X(None, run_dir, resume=True)`` (or :func:`resume_diffusion`, which reads the
+algorithm from the run) continues from the newer of the latest snapshot and the current branch's head
+version (:func:`rlfunc.run.resume_source`) with its config, optionally with a new budget. On CPU it is
+exact: N iterations, stop, resume to 2N give the same parameters, optimizer and RNG states as 2N in
+one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator), each
+torch.optim optimizer's state, and what the loop carries between iterations: the env's RNG (every
+rollout starts with a full reset seeded from it), the fp16 grad scaler's state, bc's metrics summed
+since the last metrics line, td3-diffusion's replay buffer (``checkpoint_buffer=False`` leaves it
+out: a resumed run refills an empty buffer, with a warning); :class:`DiffusionRun` says where. bc's
+demonstrations are collected again from the config's seed. Metrics lines written after the snapshot
+(before a crash) are dropped on resume.
+
+These runs write no meta "state_layout" (the loop's layout 1: torch.optim's state beside the
+learner), which is still their own: :meth:`DiffusionRun.upgrade` converts nothing, so every earlier
+snapshot loads as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,19 +58,15 @@ from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.log import plot_learning_curve
 from rlfunc.optim import load_optimizer_state, optimizer_state
-from rlfunc.resume import (NO_SNAPSHOT, ResumePoint, begin_run, buffer_snapshot, env_rng_snapshot, open_run, restore_buffer,
-                           restore_env_rng, run_iterations, set_generator_state, truncate_metrics)
+from rlfunc.resume import (NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot, optimizer_like,
+                           restore_buffer, restore_env_rng, set_generator_state)
+from rlfunc.run import Run, RunResult, resume_source, train
+from rlfunc.run.loop import source_meta
 
 EVAL_SEED_OFFSET = 1_000_003
 
-
-class DiffusionResult(NamedTuple):
-    state: TensorDict
-    run_dir: Path
-    evaluation: dict | None  # None when a signal stopped the run
-    interrupted: str | None = None  # the signal's name ("SIGINT", "SIGTERM") when one stopped the run
+DiffusionResult = RunResult  # what these runs returned before rlfunc.run: (state, run_dir, evaluation, interrupted)
 
 
 def _setup(config) -> torch.device:
@@ -76,29 +76,6 @@ def _setup(config) -> torch.device:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     return device
-
-
-def _save(run_dir: Path, algo: str, config, spec: ActorSpec, info: EnvInfo, state: TensorDict, optimizers, step: int,
-          *, extra: dict | None = None, extra_meta: dict | None = None) -> Path:
-    """Snapshot {"learner": state, "optim_<name>": each optimizer's state, **extra} with the run's
-    meta (and ``extra_meta``) as checkpoints/step_<step>."""
-    snapshot = TensorDict({"learner": state}, batch_size=[])
-    for name, opt in optimizers.items():
-        snapshot[f"optim_{name}"] = optimizer_state(opt)
-    for key, value in (extra or {}).items():
-        snapshot[key] = value
-    meta = {
-        "algo": algo,
-        "config": dataclasses.asdict(config),
-        "actor_spec": dataclasses.asdict(spec),
-        "obs_dim": info.obs_dim,
-        "act_dim": info.act_dim,
-        "env_info": info.to_meta(),
-        "iteration": int(state["iteration"]),
-        "step": int(step),
-        **(extra_meta or {}),
-    }
-    return checkpoint.save_run_snapshot(run_dir, snapshot, meta, step=step, keep_last=3)
 
 
 def actor_spec_from_meta(meta: dict, path) -> ActorSpec:
@@ -156,10 +133,7 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     for k in needed:
         if k not in loaded.keys(include_nested=True):
             raise CheckpointError(f"{snap}: a {meta['algo']} snapshot must hold {'/'.join(k)}; this one does not")
-    try:
-        check_schedule(loaded["learner", "schedule"], schedule_for(spec, device))
-    except CheckpointError as e:
-        raise CheckpointError(f"{snap}: {e}") from None
+    _check_schedule(snap, loaded["learner", "schedule"], schedule_for(spec, device))
     actor = DiffusionActor(spec, info, info.act_dim, torch.device("cpu"))
     _check_shapes(loaded[key], func.params_from_module(actor.net), snap, "actor")
     encoder = None
@@ -169,19 +143,20 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     return LoadedActor(spec, func.as_leaves(loaded[key].clone()), loaded["learner", "obs_stats"], meta, info, encoder)
 
 
+def _check_schedule(where, schedule: TensorDict, expected: TensorDict) -> None:
+    """:func:`rlfunc.diffusion.schedule.check_schedule`, its CheckpointError naming ``where``."""
+    try:
+        check_schedule(schedule, expected)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
 def _check_shapes(params: TensorDict, want: TensorDict, snap, what: str) -> None:
     got_shapes = {k: tuple(v.shape) for k, v in params.flatten_keys(".").items()}
     want_shapes = {k: tuple(v.shape) for k, v in want.flatten_keys(".").items()}
     if got_shapes != want_shapes:
         diff = sorted(set(got_shapes.items()) ^ set(want_shapes.items()))[:3]
         raise CheckpointError(f"{snap}: the {what} weights do not match its actor_spec (first differences: {diff})")
-
-
-def _evaluate(actor: DiffusionActor, params, state, config, device, run_dir: Path, eta: float = 0.0, encoder=None) -> dict:
-    summary = evaluate_episodes(actor, params, state["obs_stats"], state["schedule"], config.env, config.eval_episodes,
-                                seed=config.seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder)
-    (run_dir / "eval.json").write_text(json.dumps(summary) + "\n")
-    return summary
 
 
 def evaluate_run(
@@ -222,7 +197,8 @@ def evaluate_run(
     return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
 
 
-# ------------------------------------------------------------------------------------------ resume
+# ------------------------------------------------------------------------------------------ configs
+
 
 def _algos() -> tuple[str, ...]:
     """The algorithms of this module's snapshots: the registry's "diffusion" family (bc, dppo, td3-diffusion)."""
@@ -256,133 +232,7 @@ def config_from_meta(meta: dict, path, algo: str | None = None) -> BCConfig | DP
         raise CheckpointError(f"{path}: meta.json holds no valid {got} config ({e})") from None
 
 
-def _num_iterations(config) -> int:
-    if isinstance(config, BCConfig):
-        return config.num_updates
-    if isinstance(config, DPPOConfig):
-        return config.num_iterations(config.actor.act_steps)
-    return config.num_iterations()
-
-
-def _source(run_dir, algo: str, config, resume: bool, total_steps: int | None,
-            device: str | None = None) -> tuple[Path, ResumePoint | None, object]:
-    """(run_dir, what a resumed run continues from or None, the config to run): on resume the latest
-    snapshot of ``run_dir`` (one of ``algo``) and its config with ``total_steps`` (the new budget) in
-    the field ``budget`` of ``algo``'s registry entry and ``device`` (when given) as its device
-    (:func:`rlfunc.resume.begin_run`)."""
-    entry = algorithms.lookup(algo)
-    return begin_run(run_dir, config, algorithms.resolve(entry.config), resume=resume, total_steps=total_steps, device=device,
-                     from_meta=lambda meta, snap: config_from_meta(meta, snap, algo), budget_field=entry.budget,
-                     num_iterations=_num_iterations, unit=entry.unit, require_format=False)
-
-
-def _restore(source: ResumePoint | None, run_dir: Path, device: torch.device, state: TensorDict, info: EnvInfo,
-             optimizers: dict, prec, generator: torch.Generator, env=None) -> tuple[TensorDict | None, float]:
-    """Load ``source`` into a freshly built run, in place: the learner ``state`` (its leaves stay the
-    optimizers'), the optimizers, the grad scaler, ``generator`` and ``env``'s RNG; drop the metrics
-    lines past the snapshot. Returns (the snapshot's tensors, the clock (s) to continue from), or
-    (None, 0.0) for a new run (``source`` None).
-
-    Raises:
-        CheckpointError: the snapshot does not fit the run its config builds (env observation layout,
-            learner keys, shapes or dtypes, schedule, env RNG) or fails its integrity checks."""
-    if source is None:
-        return None, 0.0
-    snap = source.snapshot
-    saved_info = env_info_from_meta(source.meta, snap)
-    if saved_info != info:
-        raise CheckpointError(f"{snap}: saved for observations {saved_info}, but env={source.config.env!r} now gives {info}")
-    loaded, _ = checkpoint.load_snapshot(snap, device=device)
-    if "learner" not in loaded.keys():
-        raise CheckpointError(f"{snap}: holds no learner state")
-    checkpoint.check_learner(str(snap), loaded["learner"], state)
-    try:
-        check_schedule(loaded["learner", "schedule"], state["schedule"])
-    except CheckpointError as e:
-        raise CheckpointError(f"{snap}: {e}") from None
-    with torch.no_grad():  # in place: the optimizers keep stepping the same leaves
-        state.update_(loaded["learner"])
-    for name, opt in optimizers.items():  # an optimizer that never stepped has no saved state
-        saved = loaded.get(f"optim_{name}", None)
-        load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
-    if prec.scaler is not None and source.meta.get("grad_scaler"):
-        prec.scaler.load_state_dict(source.meta["grad_scaler"])
-    set_generator_state(generator, state["rng"])
-    if env is not None:
-        restore_env_rng(env, loaded, source)
-    return loaded, truncate_metrics(run_dir, int(state["iteration"]))
-
-
-def _scaler_meta(prec) -> dict:
-    return {"grad_scaler": prec.scaler.state_dict() if prec.scaler is not None else None}
-
-
-def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-             progress: bool = True, tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
-    """Diffusion BC on the env's scripted-expert demonstrations (see :mod:`rlfunc.algos.bc` and
-    :func:`rlfunc.demos.expert_demonstrations`); the expert's success rate goes into demos.json.
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot in ``run_dir`` (the demonstrations are collected
-            again from the config's seed).
-        total_steps: on resume, a new budget in updates (``num_updates``), at least those done.
-        device: on resume, run on this device instead of the snapshot config's (None: the config's);
-            a run continues exactly only on the device type it ran on.
-
-    SIGINT/SIGTERM stop the run after the current update with a snapshot (no final evaluation).
-
-    Raises:
-        ConfigError: a bad run dir or budget. EnvError: an env without a scripted expert.
-        CheckpointError: on resume, no snapshot in ``run_dir``, or one that is corrupt or does not fit its config.
-    """
-    from rlfunc.demos import check_expert, expert_demonstrations
-
-    run_dir, source, config = _source(run_dir, "bc", config, resume, total_steps, device)
-    device = _setup(config)
-    check_expert(config.env)
-    info = env_info(config.env)
-    algo = make_bc(config, info, info.act_dim, device)  # checks the encoder settings before the demos are collected
-    dataset, demos = expert_demonstrations(
-        config.env, config.num_demos, config.actor.horizon, seed=config.seed, noise_std=config.demo_noise_std, device=device
-    )
-    dataset = dataset.select(*info.obs_keys, "action")
-    gen = torch.Generator(device=device).manual_seed(config.seed)
-    state = algo.init(dataset)
-    optimizer = torch.optim.AdamW(algo.trainable(state), lr=config.lr, weight_decay=config.weight_decay, foreach=True)
-    prec = precision(device, config.precision)
-    pending = {"sum": None, "count": 0}  # metrics summed since the last metrics line
-    loaded, clock = _restore(source, run_dir, device, state, info, {"actor": optimizer}, prec, gen)
-    if loaded is not None and "pending_metrics" in loaded.keys():
-        pending = {"sum": loaded["pending_metrics"], "count": int(source.meta.get("pending_metrics", 0))}
-    logger = open_run(config, run_dir, tensorboard)
-    (run_dir / "demos.json").write_text(json.dumps(demos) + "\n")
-
-    def save() -> Path:
-        extra = {} if pending["sum"] is None else {"pending_metrics": pending["sum"]}
-        return _save(run_dir, "bc", config, config.actor, info, state, {"actor": optimizer}, int(state["iteration"]),
-                     extra=extra, extra_meta={"pending_metrics": pending["count"], **_scaler_meta(prec)})
-
-    start = time.perf_counter() - clock
-
-    def step(i: int, stopping: bool) -> dict | None:
-        nonlocal state
-        state, metrics = algo.iteration(state, dataset, gen, optimizer, prec)
-        pending["sum"] = metrics if pending["sum"] is None else pending["sum"] + metrics
-        pending["count"] += 1
-        if not (i % config.log_every == 0 or i == config.num_updates or stopping):
-            return None
-        record = {"iteration": i, "step": i, "time": time.perf_counter() - start, **(pending["sum"] / pending["count"]).to_dict()}
-        pending.update(sum=None, count=0)
-        return record
-
-    stopped = run_iterations(int(state["iteration"]), config.num_updates, "bc", step, logger=logger, save=save,
-                             checkpoint_every=config.checkpoint_every, progress=progress)
-    if stopped:
-        return DiffusionResult(state, run_dir, None, stopped)
-    summary = _evaluate(algo.actor, state["ema"], state, config, device, run_dir, encoder=state.get("encoder_ema", None))
-    return DiffusionResult(state, run_dir, summary)
+# ------------------------------------------------------------------------------------------ the runs
 
 
 def _init_actor(config, device, resumed: bool = False):
@@ -405,6 +255,228 @@ def _init_actor(config, device, resumed: bool = False):
     return dataclasses.replace(config, actor=loaded.spec), info, loaded.params, loaded.obs_stats, loaded.encoder
 
 
+class DiffusionRun(Run):
+    """What the bc, dppo and td3-diffusion runs share, as :func:`rlfunc.run.run_loop` drives them.
+
+    A snapshot: {"learner", "optim_<name>": each optimizer's torch.optim state, "env_rng": a torch
+    env's generator state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
+    used), "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc:
+    updates), "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
+    and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optimizers``, ``gen`` (the
+    generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
+    """
+
+    requires_format = False  # diffusion snapshots never had meta "resume_format"
+    curve = "success_rate"
+    carry: tuple[str, ...] = ()  # the top-level snapshot entries of the run's own carry
+    env = None
+
+    def __init__(self, config, device: torch.device, name: str) -> None:
+        _setup(config)
+        self.config, self.device, self.name = config, device, name
+        self.prec = precision(device, config.precision)
+
+    def _finetune(self, make, config, resumed: bool) -> None:
+        """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
+        ``resumed``: the snapshot holds it), ``make``'s algorithm and learner state, env, generator."""
+        config, self.info, params, obs_stats, encoder = _init_actor(config, self.device, resumed)
+        self.config = config  # a new run's config is re-validated with init_from's actor spec
+        self.algo = make(config, config.actor, self.info, self.info.act_dim, self.device)
+        self.state = self.algo.init(params, obs_stats, encoder)
+        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, self.device, config.seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    @property
+    def variable(self) -> tuple[str, ...]:
+        """The optimizers' states (of the leaves that have had a gradient) and the run's own carry,
+        whose structure depends on how far the run got, and the env's RNG (absent from snapshots older
+        than resume: a warning): :meth:`upgrade` and :meth:`restore` check them."""
+        return (*(f"optim_{name}" for name in self.optimizers), "env_rng", *self.carry)
+
+    def steps(self) -> int:
+        """What names a snapshot, and a version's step: env steps (bc: updates)."""
+        return int(self.state["env_steps"])
+
+    def carried(self) -> tuple[dict, dict]:
+        """(tensors, meta) of the env's RNG and the run's carry (:func:`rlfunc.resume.env_rng_snapshot`)."""
+        return env_rng_snapshot(self.env) if self.env is not None else ({}, {})
+
+    def saved(self) -> tuple[TensorDict, dict]:
+        snapshot = TensorDict({"learner": self.state}, batch_size=[])
+        for name, opt in self.optimizers.items():
+            snapshot[f"optim_{name}"] = optimizer_state(opt)
+        tensors, carried_meta = self.carried()
+        for key, value in tensors.items():
+            snapshot[key] = value
+        info, scaler = self.info, self.prec.scaler
+        meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "actor_spec": dataclasses.asdict(self.config.actor),
+                "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
+                "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
+                "grad_scaler": None if scaler is None else scaler.state_dict(), **carried_meta}
+        return snapshot, meta
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        """``loaded`` as it is (this layout is still these runs' own), checked: the env's observation
+        layout (meta "env_info"), the learner state against the fresh one, its schedule, and each
+        optimizer's state (CheckpointError naming ``where``)."""
+        saved_info = env_info_from_meta(meta, where)
+        if saved_info != self.info:
+            raise CheckpointError(f"{where}: saved for observations {saved_info}, but env={self.config.env!r} now gives {self.info}")
+        if "learner" not in loaded.keys():
+            raise CheckpointError(f"{where}: holds no learner state")
+        checkpoint.check_learner(where, loaded["learner"], self.state)  # its messages name the learner's own keys
+        _check_schedule(where, loaded["learner", "schedule"], self.state["schedule"])
+        for name, opt in self.optimizers.items():  # an optimizer that never stepped has no saved state
+            saved = loaded.get(f"optim_{name}", TensorDict({}, batch_size=[]))
+            count = sum(len(group["params"]) for group in opt.param_groups)
+            indices = sorted(int(k) for k in saved.keys() if k.isdigit() and int(k) < count)
+            if len(indices) != len(saved.keys()):
+                raise CheckpointError(f"{where}: optim_{name} holds {sorted(saved.keys())}: expected indices of the {count} leaves")
+            checkpoint.check_learner(f"{where}: optim_{name}", saved, optimizer_like(opt, indices, where))
+        return loaded
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        with torch.no_grad():  # in place: the optimizers keep stepping the same leaves
+            self.state.update_(loaded["learner"])
+        for name, opt in self.optimizers.items():
+            saved = loaded.get(f"optim_{name}", None)
+            load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
+        if self.prec.scaler is not None and meta.get("grad_scaler"):
+            self.prec.scaler.load_state_dict(meta["grad_scaler"])
+        set_generator_state(self.gen, self.state["rng"])
+        if self.env is not None:
+            restore_env_rng(self.env, loaded, self._point(meta))
+
+    def _point(self, meta: dict) -> ResumePoint:  # what restore_env_rng / restore_buffer name in messages
+        return ResumePoint(f"the {self.name} snapshot of iteration {meta.get('iteration')}", meta, self.config)
+
+    def evaluate(self) -> dict:
+        """:func:`~rlfunc.algos.diffusion_actor.evaluate_episodes` of the registry entry's ``deploy``
+        weights (bc: the EMA), DDIM with eta ``eval_eta`` (dppo; else 0)."""
+        key, encoder_key = algorithms.lookup(self.name).deploy
+        config, state = self.config, self.state
+        return evaluate_episodes(self.algo.actor, state[key], state["obs_stats"], state["schedule"], config.env,
+                                 config.eval_episodes, seed=config.seed + EVAL_SEED_OFFSET,
+                                 eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None))
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+
+
+class BCRun(DiffusionRun):
+    """A bc run: ``num_updates`` AdamW updates ("optim_actor") on the scripted expert's demonstrations
+    (collected from the config's seed on every start; demos.json holds the expert's statistics), a
+    metrics line every ``log_every`` (the mean since the last line). A snapshot also holds the metrics
+    summed since the last line ("pending_metrics"; meta "pending_metrics": how many)."""
+
+    carry = ("pending_metrics",)
+    curve = "loss_denoise"  # against updates (a bc record's "step")
+
+    def __init__(self, config: BCConfig, device: torch.device) -> None:
+        from rlfunc.demos import check_expert, expert_demonstrations
+
+        super().__init__(config, device, "bc")
+        check_expert(config.env)
+        self.info = env_info(config.env)
+        self.algo = make_bc(config, self.info, self.info.act_dim, device)  # checks the encoder settings before the demos are collected
+        dataset, self.demos = expert_demonstrations(config.env, config.num_demos, config.actor.horizon, seed=config.seed,
+                                                    noise_std=config.demo_noise_std, device=device)
+        self.dataset = dataset.select(*self.info.obs_keys, "action")
+        self.gen = torch.Generator(device=device).manual_seed(config.seed)
+        self.state = self.algo.init(self.dataset)
+        self.optimizers = {"actor": torch.optim.AdamW(self.algo.trainable(self.state), lr=config.lr,
+                                                      weight_decay=config.weight_decay, foreach=True)}
+        self.pending, self.count = None, 0  # metrics summed since the last metrics line
+        self.total = config.num_updates
+
+    def steps(self) -> int:
+        return int(self.state["iteration"])
+
+    def carried(self) -> tuple[dict, dict]:
+        return ({} if self.pending is None else {"pending_metrics": self.pending}), {"pending_metrics": self.count}
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        super().restore(loaded, meta)
+        if "pending_metrics" in loaded.keys():
+            self.pending, self.count = loaded["pending_metrics"], int(meta.get("pending_metrics", 0))
+
+    def open(self, run_dir: Path) -> None:
+        (run_dir / "demos.json").write_text(json.dumps(self.demos) + "\n")
+
+    def step(self, i: int, stopping: bool) -> dict | None:
+        self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.optimizers["actor"], self.prec)
+        self.pending = metrics if self.pending is None else self.pending + metrics
+        self.count += 1
+        if not (i % self.config.log_every == 0 or i == self.total or stopping):
+            return None
+        record = {"iteration": i, "step": i, **(self.pending / self.count).to_dict()}
+        self.pending, self.count = None, 0
+        return record
+
+
+class DPPORun(DiffusionRun):
+    """A dppo run: per iteration a rollout of ``num_envs`` x ``num_steps`` chunks, then PPO epochs
+    over it with one Adam over the actor and the critic ("optim_all"); usually from a bc run
+    (``init_from``, not read again on resume)."""
+
+    def __init__(self, config: DPPOConfig, device: torch.device, resumed: bool = False) -> None:
+        super().__init__(config, device, "dppo")
+        self._finetune(make_dppo, config, resumed)
+        self.optimizers = {"all": make_optimizer(self.state, self.config)}
+        self.total = self.config.num_iterations(self.config.actor.act_steps)
+
+    def step(self, i: int, stopping: bool) -> dict:
+        batch = self.algo.rollout(self.state, self.env, self.gen)
+        self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.optimizers["all"], self.prec)
+        return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(batch, self.config.env),
+                **metrics.to_dict()}
+
+
+class TD3DiffusionRun(DiffusionRun):
+    """A td3-diffusion run: per iteration a rollout into a device-resident TorchRL replay buffer, then
+    (past ``warmup_steps``) ``updates_per_iteration`` updates with one Adam per side ("optim_critic",
+    "optim_actor"). A snapshot also holds the buffer's filled rows ("buffer"; meta "buffer": their
+    count and the writer's cursor, None with ``checkpoint_buffer=False``)."""
+
+    carry = ("buffer",)
+
+    def __init__(self, config: TD3DiffusionConfig, device: torch.device, resumed: bool = False) -> None:
+        from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+        super().__init__(config, device, "td3-diffusion")
+        self._finetune(make_td3_diffusion, config, resumed)
+        config, params = self.config, self.state["params"]
+        self.optimizers = {"critic": torch.optim.Adam(func.leaves(params["critic"]), lr=config.critic_lr, foreach=True),
+                           "actor": torch.optim.Adam(func.leaves(params["actor"]), lr=config.actor_lr, foreach=True)}
+        self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+        self.total = config.num_iterations()
+
+    def carried(self) -> tuple[dict, dict]:
+        env_tensors, env_meta = super().carried()
+        rows, buffer_meta = buffer_snapshot(self.buffer, self.config.checkpoint_buffer)
+        return {**env_tensors, **rows}, {**env_meta, **buffer_meta}
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        super().restore(loaded, meta)
+        restore_buffer(self.buffer, loaded, self._point(meta))
+
+    def step(self, i: int, stopping: bool) -> dict:
+        state, act_steps = self.state, self.config.actor.act_steps
+        batch = self.algo.rollout(state, self.env, self.gen)
+        self.buffer.extend(self.algo.transitions(state, batch))
+        state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
+        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env)}
+        if int(state["env_steps"]) >= self.config.warmup_steps:
+            optimizers = (self.optimizers["critic"], self.optimizers["actor"])
+            self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, optimizers, self.prec)
+            record.update(metrics.to_dict())
+        else:
+            state["iteration"] = state["iteration"] + 1
+            state["rng"] = self.gen.get_state()  # the warm-up actions drew from it
+        return record
+
+
 def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
     """Episodes that ended in ``batch`` [N, T]: their count and the env's own statistics of them
     (its registry entry's ``episode_metrics``), else their success rate and mean return."""
@@ -422,175 +494,89 @@ def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
     }
 
 
-def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-               progress: bool = True, tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
-    """DPPO fine-tuning (see :mod:`rlfunc.algos.dppo`), usually from a bc run (``init_from``).
+# --------------------------------------------------------------------------------------- the calls
+
+
+def _resume_meta(run_dir: str | Path) -> tuple[dict, str]:
+    """(meta, a name for messages) of what a resume of ``run_dir`` continues from. Raises ConfigError:
+    ``run_dir`` is not a directory; CheckpointError: it holds no snapshot or version."""
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume=True)
+    source = resume_source(run_dir)
+    if source is None:
+        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
+    return source_meta(run_dir, source)
+
+
+def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResult:
+    """:func:`rlfunc.run.train` of ``build(config, device)``, with ``algo``'s registry entry's config
+    type, budget field and unit; on resume the config of ``run_dir``'s snapshot (one of ``algo``)."""
+    entry = algorithms.lookup(algo)
+    if resume:
+        _resume_meta(run_dir)  # its message for a run dir without a snapshot
+    return train(build, lambda meta, path: config_from_meta(meta, path, algo), config, run_dir, resume=resume,
+                 config_type=algorithms.resolve(entry.config), budget_field=entry.budget, unit=entry.unit, **kw)
+
+
+def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+             progress: bool = True, tensorboard: bool = True, device: str | None = None) -> RunResult:
+    """Diffusion BC (:class:`BCRun`) on the env's scripted-expert demonstrations (see
+    :mod:`rlfunc.algos.bc` and :func:`rlfunc.demos.expert_demonstrations`).
 
     Args:
         config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
         run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot in ``run_dir`` (``init_from`` is not read again:
-            the snapshot holds the actor, its frozen base and the observation statistics).
-        total_steps: on resume, a new budget in env steps, at least those done.
-        device: on resume, run on this device instead of the snapshot config's (None: the config's);
-            a run continues exactly only on the device type it ran on.
+        resume: continue the run in ``run_dir`` (see the module docstring).
+        total_steps: on resume, a new budget in updates (``num_updates``), at least those done.
+        progress: show a tqdm bar. tensorboard: also log to TensorBoard when installed.
+        device: on resume, run on this device instead of the config's (exact only on the same device type).
 
-    config.json records the actor spec actually used (that of ``init_from`` when given).
-    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation).
+    Returns:
+        RunResult(state, run_dir, evaluation, interrupted): evaluation None and the signal's name when
+        SIGINT/SIGTERM stopped the run after the current update with a snapshot.
 
     Raises:
-        ConfigError: a bad run dir or budget. EnvError: an env the actor cannot run on.
-        CheckpointError: ``init_from`` or, on resume, ``run_dir``'s snapshot is missing, corrupt or does not fit.
+        ConfigError: a bad run dir, config or budget. EnvError: an env without a scripted expert.
+        CheckpointError: on resume, no snapshot in ``run_dir``, or one that is corrupt or does not fit its config.
     """
-    run_dir, source, config = _source(run_dir, "dppo", config, resume, total_steps, device)
-    device = _setup(config)
-    config, info, actor_params, obs_stats, encoder = _init_actor(config, device, resumed=source is not None)
-    spec = config.actor
-    algo = make_dppo(config, spec, info, info.act_dim, device)
-    state = algo.init(actor_params, obs_stats, encoder)
-    optimizer = make_optimizer(state, config)
-    prec = precision(device, config.precision)
-    env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
-    gen = torch.Generator(device=device).manual_seed(config.seed)
-    _, clock = _restore(source, run_dir, device, state, info, {"all": optimizer}, prec, gen, env)
-    logger = open_run(config, run_dir, tensorboard)
+    return _train("bc", BCRun, config, run_dir, resume=resume, total_steps=total_steps, progress=progress,
+                  tensorboard=tensorboard, device=device)
 
-    def save() -> Path:
-        tensors, meta = env_rng_snapshot(env)
-        return _save(run_dir, "dppo", config, spec, info, state, {"all": optimizer}, int(state["env_steps"]),
-                     extra=tensors, extra_meta={**meta, **_scaler_meta(prec)})
 
-    start = time.perf_counter() - clock
-
-    def step(i: int, stopping: bool) -> dict:
-        nonlocal state
-        batch = algo.rollout(state, env, gen)
-        state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
-        return {
-            "iteration": i, "step": int(state["env_steps"]), "time": time.perf_counter() - start,
-            **_episode_metrics(batch, config.env), **metrics.to_dict(),
-        }
-
-    stopped = run_iterations(int(state["iteration"]), config.num_iterations(spec.act_steps), "dppo", step, logger=logger,
-                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
-    _plot(run_dir)
-    if stopped:
-        return DiffusionResult(state, run_dir, None, stopped)
-    env.close()
-    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, eta=config.eval_eta,
-                        encoder=state.get("encoder", None))
-    return DiffusionResult(state, run_dir, summary)
+def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+               progress: bool = True, tensorboard: bool = True, device: str | None = None) -> RunResult:
+    """DPPO fine-tuning (:class:`DPPORun`, :mod:`rlfunc.algos.dppo`), usually from a bc run
+    (``init_from``; config.json records the actor spec actually used). Arguments, result and errors
+    as :func:`train_bc`, but ``total_steps`` counts env steps, ``init_from`` is not read on resume
+    (the snapshot holds the actor), and CheckpointError also for a missing or unfitting ``init_from``."""
+    return _train("dppo", lambda c, d: DPPORun(c, d, resumed=resume), config, run_dir, resume=resume,
+                  total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
 
 
 def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
                         total_steps: int | None = None, progress: bool = True, tensorboard: bool = True,
-                        device: str | None = None) -> DiffusionResult:
-    """TD3 with a diffusion actor (see :mod:`rlfunc.algos.td3_diffusion`); a device-resident
-    TorchRL replay buffer holds the transitions. config.json records the actor spec actually used.
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot in ``run_dir``, replay buffer included when the
-            run saved it (``checkpoint_buffer``; else a warning, and the buffer starts empty).
-        total_steps: on resume, a new budget in env steps, at least those done.
-        device: on resume, run on this device instead of the snapshot config's (None: the config's);
-            a run continues exactly only on the device type it ran on.
-
-    SIGINT/SIGTERM stop the run after the current iteration with a snapshot (no final evaluation).
-
-    Raises:
-        ConfigError: a bad run dir or budget. EnvError: an env the actor cannot run on.
-        CheckpointError: ``init_from`` or, on resume, ``run_dir``'s snapshot is missing, corrupt or does not fit.
-    """
-    from torchrl.data import LazyTensorStorage, ReplayBuffer
-
-    run_dir, source, config = _source(run_dir, "td3-diffusion", config, resume, total_steps, device)
-    device = _setup(config)
-    # a new run's config is re-validated with init_from's spec: horizon == act_steps
-    config, info, actor_params, obs_stats, encoder = _init_actor(config, device, resumed=source is not None)
-    spec = config.actor
-    algo = make_td3_diffusion(config, spec, info, info.act_dim, device)
-    state = algo.init(actor_params, obs_stats, encoder)
-    critic_opt = torch.optim.Adam(func.leaves(state["params", "critic"]), lr=config.critic_lr, foreach=True)
-    actor_opt = torch.optim.Adam(func.leaves(state["params", "actor"]), lr=config.actor_lr, foreach=True)
-    optimizers = {"critic": critic_opt, "actor": actor_opt}
-    prec = precision(device, config.precision)
-    env = make_env(config.env, config.num_envs, spec.act_steps, device, config.seed)
-    gen = torch.Generator(device=device).manual_seed(config.seed)
-    buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
-    loaded, clock = _restore(source, run_dir, device, state, info, optimizers, prec, gen, env)
-    if loaded is not None:
-        restore_buffer(buffer, loaded, source)
-    logger = open_run(config, run_dir, tensorboard)
-
-    def save() -> Path:
-        env_tensors, env_meta = env_rng_snapshot(env)
-        rows, buffer_meta = buffer_snapshot(buffer, config.checkpoint_buffer)
-        return _save(run_dir, "td3-diffusion", config, spec, info, state, optimizers, int(state["env_steps"]),
-                     extra={**env_tensors, **rows}, extra_meta={**env_meta, **buffer_meta, **_scaler_meta(prec)})
-
-    start = time.perf_counter() - clock
-
-    def step(i: int, stopping: bool) -> dict:
-        nonlocal state
-        batch = algo.rollout(state, env, gen)
-        buffer.extend(algo.transitions(state, batch))
-        state["env_steps"] = state["env_steps"] + batch.numel() * spec.act_steps
-        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, config.env)}
-        if int(state["env_steps"]) >= config.warmup_steps:
-            state, metrics = algo.iteration(state, buffer, gen, (critic_opt, actor_opt), prec)
-            record.update(metrics.to_dict())
-        else:
-            state["iteration"] = state["iteration"] + 1
-            state["rng"] = gen.get_state()  # the warm-up actions drew from it
-        return {**record, "time": time.perf_counter() - start}
-
-    stopped = run_iterations(int(state["iteration"]), config.num_iterations(), "td3-diffusion", step, logger=logger,
-                             save=save, checkpoint_every=config.checkpoint_every, progress=progress)
-    _plot(run_dir)
-    if stopped:
-        return DiffusionResult(state, run_dir, None, stopped)
-    env.close()
-    summary = _evaluate(algo.actor, state["params", "actor"], state, config, device, run_dir, encoder=state.get("encoder", None))
-    return DiffusionResult(state, run_dir, summary)
+                        device: str | None = None) -> RunResult:
+    """TD3 with a diffusion actor (:class:`TD3DiffusionRun`, :mod:`rlfunc.algos.td3_diffusion`) and a
+    device-resident TorchRL replay buffer. Arguments, result and errors as :func:`train_dppo`; a
+    resumed run refills an empty buffer, with a warning, when the run did not save it
+    (``checkpoint_buffer=False``)."""
+    return _train("td3-diffusion", lambda c, d: TD3DiffusionRun(c, d, resumed=resume), config, run_dir, resume=resume,
+                  total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
 
 
 def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                     tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
-    """Continue the bc, dppo or td3-diffusion run in ``run_dir`` from its latest snapshot (the
-    algorithm and config are the snapshot's); see the module docstring for what is restored.
-
-    Args:
-        run_dir: a run directory holding a diffusion snapshot.
-        total_steps: a new budget: updates for bc (``num_updates``), env steps for dppo and
-            td3-diffusion (``total_steps``); at least what the run has done. None keeps the run's.
-        progress: show a tqdm bar. tensorboard: also log to TensorBoard when installed.
-        device: run on this device instead of the snapshot config's (None: the config's); a run
-            continues exactly only on the device type it ran on.
-
-    Returns:
-        :class:`DiffusionResult`, as training: the final evaluation (also in eval.json) once the
-        budget is done (a run that had already done it runs no iteration and is evaluated again),
-        or None with the signal's name when SIGINT/SIGTERM stopped it after a snapshot.
+                     tensorboard: bool = True, device: str | None = None) -> RunResult:
+    """Continue the bc, dppo or td3-diffusion run in ``run_dir``: ``train_X(None, run_dir, resume=True,
+    ...)`` of the algorithm of its latest snapshot or head version. ``total_steps``: a new budget,
+    updates for bc, env steps for dppo and td3-diffusion (None: the run's). A run that had already done
+    its budget runs no iteration and is evaluated again.
 
     Raises:
-        CheckpointError: ``run_dir`` holds no snapshot (the message names it), or a corrupt one, or
-            one of another algorithm, or one that does not fit the run its config builds (generator
-            states saved on another device type: the message names the one to resume on).
-        ConfigError: ``total_steps`` is not an int >= 1, or less than the run has done; ``run_dir``
-            is not a directory; ``device`` is not a device this machine has.
-        EnvError: the snapshot's env cannot be made here.
+        As ``train_X`` on resume (CheckpointError for no snapshot names ``run_dir``; for generator
+        states saved on another device type, the one to resume on), and CheckpointError for a
+        snapshot of another algorithm.
     """
-    snap = checkpoint.latest_snapshot(run_dir)
-    if snap is None:
-        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
-    algo = checkpoint.load_meta(snap).get("algo")
-    if algo not in _algos():
-        raise CheckpointError(f"{snap}: algo={algo!r}: expected a {_algos_phrase()} snapshot")
-    fn = algorithms.resolve(algorithms.lookup(algo).train)
+    meta, name = _resume_meta(run_dir)
+    config_from_meta(meta, name)  # CheckpointError unless a bc, dppo or td3-diffusion one
+    fn = algorithms.resolve(algorithms.lookup(meta["algo"]).train)
     return fn(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
-
-
-def _plot(run_dir: Path) -> None:
-    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key="success_rate")

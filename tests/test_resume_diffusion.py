@@ -192,3 +192,28 @@ def test_config_from_meta_round_trips():
         assert td.config_from_meta(meta, "snap") == config
     with pytest.raises(CheckpointError, match="snap: meta.json holds no valid bc config"):
         td.config_from_meta({"algo": "bc", "config": {"num_updates": -1}}, "snap")
+
+
+def test_bc_rolled_back_to_a_version_resumes_to_the_uninterrupted_run(tmp_path):
+    """version_every=1: a version per update (branch "main"); rolled back to update 4's (which holds
+    the metrics of update 4, pending since the line of update 3), the resumed run ends as one that
+    ran straight through: state, last snapshot, metrics lines and evaluation."""
+    from rlfunc import versions
+
+    with pytest.raises(ConfigError, match="version_every=-1"):
+        _bc(version_every=-1)
+    config = _bc(num_updates=6, version_every=1)
+    whole = td.train_bc(config, tmp_path / "whole", **QUIET)
+    run = tmp_path / "run"
+    td.train_bc(config, run, **QUIET)
+    manifests = versions.list_versions(run)
+    assert [m["iteration"] for m in manifests] == [1, 2, 3, 4, 5, 6]
+    versions.rollback(run, next(m["id"] for m in manifests if m["iteration"] == 4))
+    resumed = td.resume_diffusion(run, **QUIET)
+    assert int(resumed.state["iteration"]) == 6
+    for key in whole.state.keys(include_nested=True, leaves_only=True):
+        assert torch.equal(whole.state[key], resumed.state[key]), key
+    _assert_same_snapshot(tmp_path / "whole", run)
+    assert _without_time(_records(run)) == _without_time(_records(tmp_path / "whole"))
+    assert resumed.evaluation == whole.evaluation
+    assert [m["iteration"] for m in versions.list_versions(run)] == [1, 2, 3, 4, 5, 6, 5, 6]  # 5, 6 again on the new branch

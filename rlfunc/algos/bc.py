@@ -46,6 +46,10 @@ class BCConfig:
     torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
     log_every: int = 100  # updates between metrics lines
     checkpoint_every: int = 1000  # updates between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 0  # updates between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,9 @@ class BCConfig:
             raise ConfigError("lr and max_grad_norm must be > 0")
         if self.checkpoint_every < 0 or self.torch_threads < 0 or self.demo_noise_std < 0:
             raise ConfigError("checkpoint_every, torch_threads and demo_noise_std must be >= 0")
+        for name in ("keep_checkpoints", "version_every", "version_keep_last", "version_keep_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
         if not 0 <= self.seed < 2**31:
             raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
 

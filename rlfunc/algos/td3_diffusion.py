@@ -66,12 +66,19 @@ class TD3DiffusionConfig:
     device: str = "auto"  # auto | cpu | cuda | npu
     torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 500  # episodes of the final evaluation
 
     def __post_init__(self) -> None:
         require_finite(self)
         if self.torch_threads < 0 or self.checkpoint_every < 0 or any(h < 1 for h in self.critic_hidden):
             raise ConfigError("torch_threads and checkpoint_every must be >= 0 and critic_hidden widths positive")
+        for name in ("keep_checkpoints", "version_every", "version_keep_last", "version_keep_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
         if not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
         if not 0.0 < self.tau <= 1.0:

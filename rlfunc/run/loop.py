@@ -75,6 +75,10 @@ class Run:
     name: str = "train"
     curve: str = "episode_return"
     requires_format: bool = True  # refuse snapshots without meta "resume_format" (written before the kind was resumable)
+    # top-level snapshot entries whose structure depends on how far the run got (a replay buffer's
+    # filled rows ...): left out of the check against the fresh run's; restore checks them
+    variable: tuple[str, ...] = ()
+    curve: str = "episode_return"  # the record key learning_curve.png plots
 
     def done(self) -> int:
         """Iterations done (0 for a fresh run, the snapshot's after :meth:`restore`)."""
@@ -168,8 +172,8 @@ def source_meta(run_dir: Path, source: tuple[str, Path | str]) -> tuple[dict, st
 
 def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tuple[TensorDict, dict]:
     """Read ``source`` into ``run`` (freshly built from the source's config): checked against
-    ``run.saved()``, converted first by ``run.upgrade`` when of an older state layout. Returns
-    (the loaded tensors, meta).
+    ``run.saved()`` (but for its ``run.variable`` entries), converted first by ``run.upgrade`` when of
+    an older state layout. Returns (the loaded tensors, meta).
 
     Raises:
         CheckpointError: corrupt, of an unknown (newer) layout, or of another structure (the first key
@@ -184,16 +188,17 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     if run.requires_format and meta.get("resume_format") != RESUME_FORMAT:
         raise CheckpointError(f"{name}: written before {meta.get('algo')} runs were resumable (no RNG / env state); "
                               "start a new run")
-    like = run.saved()[0]
-    check = like if layout == STATE_LAYOUT else None
+    like = run.saved()[0].exclude(*run.variable)
+    check = like if layout == STATE_LAYOUT and not run.variable else None
     if kind == "snapshot":
         loaded, meta = checkpoint.load_snapshot(where, device=device, like=check)
     else:
         loaded, manifest = versions.load_version(run_dir, where, device=device, like=check)
         meta = manifest["meta"]
-    if check is None:
+    if layout < STATE_LAYOUT:
         loaded = run.upgrade(loaded, meta, name)
-        checkpoint.check_learner(name, loaded, like)
+    if check is None:
+        checkpoint.check_learner(name, loaded.exclude(*run.variable), like)
     run.restore(loaded, meta)
     return loaded, meta
 
