@@ -512,8 +512,6 @@ def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResul
     """:func:`rlfunc.run.train` of ``build(config, device)``, with ``algo``'s registry entry's config
     type, budget field and unit; on resume the config of ``run_dir``'s snapshot (one of ``algo``)."""
     entry = algorithms.lookup(algo)
-    if resume:
-        _resume_meta(run_dir)  # its message for a run dir without a snapshot
     return train(build, lambda meta, path: config_from_meta(meta, path, algo), config, run_dir, resume=resume,
                  config_type=algorithms.resolve(entry.config), budget_field=entry.budget, unit=entry.unit, **kw)
 

@@ -34,7 +34,7 @@ from rlfunc import checkpoint, versions
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.log import MetricsLogger, plot_learning_curve, to_jsonable
-from rlfunc.resume import RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
+from rlfunc.resume import NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
@@ -78,7 +78,6 @@ class Run:
     # top-level snapshot entries whose structure depends on how far the run got (a replay buffer's
     # filled rows ...): left out of the check against the fresh run's; restore checks them
     variable: tuple[str, ...] = ()
-    curve: str = "episode_return"  # the record key learning_curve.png plots
 
     def done(self) -> int:
         """Iterations done (0 for a fresh run, the snapshot's after :meth:`restore`)."""
@@ -311,8 +310,7 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
     if resume:
         source = resume_source(run_dir)
         if source is None:
-            raise CheckpointError(f"{run_dir}: no snapshot or version to resume from (a run writes a snapshot every "
-                                  "checkpoint_every iterations and at its end)")
+            raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
         meta, name = source_meta(run_dir, source)
         config = from_meta(meta, name)
         if total_steps is not None:
