@@ -225,11 +225,11 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         tensors, meta = run.saved()
         meta = {**meta, "branch": branch}
         step = int(meta["env_steps"])
-        checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
-        if version:
+        if version:  # first: killed between the two, the run keeps the version, and resume_source takes it (newer)
             versions.save_version(run_dir, tensors, meta, iteration=int(meta["iteration"]), step=step,
                                   metrics=None if record is None else to_jsonable(record),
                                   keep_last=when.version_keep_last or None, keep_every=when.version_keep_every)
+        checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
 
     interrupted = None
     with StopOnSignal() as stop:
