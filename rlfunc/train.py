@@ -215,8 +215,8 @@ class PPORun(Run):
 
     Args:
         config: the run's hyperparameters. device: where the learner state lives.
-        final_eval: :meth:`evaluate` gives the final evaluation (``config.eval_episodes`` per seed,
-            as :func:`evaluate` of the last snapshot would); False: None (no eval.json).
+        final_eval: :meth:`evaluate` gives the final evaluation (:func:`evaluate` of the last
+            snapshot, ``config.eval_episodes`` per seed); False: None (no eval.json).
 
     Raises:
         EnvError: ``config.env`` cannot be built, or has no Box observations and actions.
@@ -229,6 +229,7 @@ class PPORun(Run):
 
     def __init__(self, config: PPOConfig, device: torch.device, *, final_eval: bool = False) -> None:
         self.config, self.device, self.final_eval = config, device, final_eval
+        self.run_dir: Path | None = None  # set by open()
         self.total = config.num_iterations
         self.venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
         try:
@@ -316,15 +317,16 @@ class PPORun(Run):
     def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
         return upgrade_layout_1(loaded, meta, where, self.saved()[0])
 
+    def open(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
     def evaluate(self) -> dict | None:
+        """With ``final_eval``: :func:`evaluate` of the run's latest snapshot (the one the loop wrote
+        at the end of the budget) on ``config.eval_episodes`` episodes per seed, so eval.json is
+        what ``rlfunc eval RUN_DIR`` repeats. Else None."""
         if not self.final_eval:
             return None
-        config, episodes = self.config, self.config.eval_episodes
-        venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
-        try:
-            return _evaluation(config, self.state, venv, env_spec(venv), episodes, config.seed, self.device)
-        finally:
-            venv.close()
+        return evaluate(self.run_dir, self.config.eval_episodes, device=self.config.device)
 
     def close(self) -> None:
         self.venv.close()
@@ -359,10 +361,10 @@ def train(
         device: on resume, run on this device instead of the snapshot config's (None: the config's);
             a run continues exactly only on the device type it ran on (its generator states are
             device-specific).
-        final_eval: when the budget is done, evaluate the final policy (``config.eval_episodes``
-            deterministic episodes per seed, the numbers :func:`evaluate` gives of the last
-            snapshot) into RUN_DIR/eval.json and the result's ``evaluation`` (``rlfunc train ppo``
-            and ``rlfunc resume`` do); False: no evaluation (None).
+        final_eval: when the budget is done, :func:`evaluate` the latest snapshot (the final
+            policy; ``config.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
+            and the result's ``evaluation``, as ``rlfunc train ppo`` and ``rlfunc resume`` do;
+            False: no evaluation (None).
 
     Returns:
         RunResult(state, run_dir, evaluation, interrupted): interrupted names the signal
@@ -409,7 +411,8 @@ def evaluate(
     trained = config_from_meta(checkpoint.load_meta(path), path)
     episodes = trained.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
-    venv = collect.make_vec_env(trained.env, trained.num_seeds * episodes)
+    config = dataclasses.replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
+    venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
     try:
         spec = env_spec(venv)
         like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
@@ -417,31 +420,23 @@ def evaluate(
         freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
         # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
         loaded = _load_snapshot(path, _saved_state(like, carry, freeze), dev)
-        return _evaluation(trained, loaded["learner"], venv, spec, episodes, trained.seed if seed is None else seed, dev)
+        algo = make_ppo(config, spec, dev)
+        state = algo.init()
+        with torch.no_grad():
+            state["params"].update_(loaded["learner", "params"])
+            state["obs_stats"].update_(loaded["learner", "obs_stats"])
+        base = (config.seed if seed is None else seed) + EVAL_SEED_OFFSET
+        seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(base + i, episodes)]
+        returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)
     finally:
         venv.close()
-
-
-def _evaluation(trained: PPOConfig, learner: TensorDict, venv: gym.vector.VectorEnv, spec: EnvSpec, episodes: int,
-                seed: int, device: torch.device) -> dict:
-    """:func:`evaluate`'s dict for the ``learner`` state (its "params", "obs_stats", "env_steps") of a
-    run of ``trained``, on ``venv`` (``trained.num_seeds * episodes`` sync envs of ``trained.env``)."""
-    config = dataclasses.replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(device))
-    algo = make_ppo(config, spec, device)
-    state = algo.init()
-    with torch.no_grad():
-        state["params"].update_(learner["params"])
-        state["obs_stats"].update_(learner["obs_stats"])
-    base = seed + EVAL_SEED_OFFSET
-    seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(base + i, episodes)]
-    returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=device)
     per_seed = returns.view(config.num_seeds, episodes)
     out = {
         "env": config.env,
         **summarize_returns(returns),
         "episodes": episodes,
         "per_seed_mean": per_seed.mean(1).tolist(),
-        "env_steps": int(learner["env_steps"]),
+        "env_steps": int(loaded["learner", "env_steps"]),
     }
     if config.num_seeds > 1:
         out["per_seed_ci95"] = [list(mean_interval(r)) if episodes > 1 else None for r in per_seed]
