@@ -221,7 +221,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     clock = time.perf_counter() - time_offset
     last_record: dict | None = None
 
-    def save(record: dict | None, version: bool) -> None:
+    def save(record: dict | None, version: bool, snapshot: bool) -> None:
         tensors, meta = run.saved()
         meta = {**meta, "branch": branch}
         step = int(meta["env_steps"])
@@ -229,7 +229,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
             versions.save_version(run_dir, tensors, meta, iteration=int(meta["iteration"]), step=step,
                                   metrics=None if record is None else to_jsonable(record),
                                   keep_last=when.version_keep_last or None, keep_every=when.version_keep_every)
-        checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
+        if snapshot:
+            checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
 
     interrupted = None
     with StopOnSignal() as stop:
@@ -247,8 +248,9 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                     bar.update(1)
                     final = stop.signal is not None or i == end
                     version = bool(when.version_every) and (final or i % when.version_every == 0)
-                    if final or version or (when.checkpoint_every and i % when.checkpoint_every == 0):
-                        save(last_record if record is None else record, version)
+                    snapshot = final or (bool(when.checkpoint_every) and i % when.checkpoint_every == 0)
+                    if version or snapshot:  # each at its own cadence
+                        save(last_record if record is None else record, version, snapshot)
                     if stop.signal:
                         interrupted = stop.signal
                         break
