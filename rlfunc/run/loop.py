@@ -246,14 +246,17 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         last_record = record
                         bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
                     bar.update(1)
-                    final = stop.signal is not None or i == end
+                    signal_name = stop.signal  # read once: the loop stops here only after this iteration's final save
+                    final = signal_name is not None or i == end
                     version = bool(when.version_every) and (final or i % when.version_every == 0)
                     snapshot = final or (bool(when.checkpoint_every) and i % when.checkpoint_every == 0)
                     if version or snapshot:  # each at its own cadence
                         save(last_record if record is None else record, version, snapshot)
-                    if stop.signal:
-                        interrupted = stop.signal
+                    if signal_name:
+                        interrupted = signal_name
                         break
+                else:  # a signal during the last iteration (saved as the final one) still stopped the run
+                    interrupted = stop.signal
         finally:
             logger.close()
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
