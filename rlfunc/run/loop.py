@@ -204,9 +204,11 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     """The iterations left of ``run`` (from ``run.done()`` to ``run.total``, at most ``max_iterations``
     of them), with its snapshots, versions and metrics in ``run_dir``, then its final evaluation.
 
-    A snapshot (and, with ``when.version_every``, a version) is written after the last iteration of
-    the call, when a signal stops it, and at ``when``'s cadence counted from iteration 0 (a resumed
-    run writes where the uninterrupted one would). A resumed run with nothing left writes nothing.
+    A snapshot (and, with ``when.version_every``, a version first) is written after the last
+    iteration of the call and when a signal stops it; besides, snapshots every
+    ``when.checkpoint_every`` and versions every ``when.version_every`` iterations, each cadence
+    counted from iteration 0 (a resumed run writes where the uninterrupted one would). A resumed
+    run with nothing left writes nothing.
 
     Returns:
         :class:`RunResult`; eval.json is written when the budget was done and ``run.evaluate()`` gives one.
