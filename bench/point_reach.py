@@ -22,7 +22,7 @@ from rlfunc import checkpoint, collect
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import make_ppo, preset
-from rlfunc.train import _load, _saved_state, config_from_meta, env_spec, train
+from rlfunc.train import _load_snapshot, _saved_state, config_from_meta, env_spec, train
 from rlfunc.train_diffusion import train_bc, train_dppo
 
 
@@ -38,7 +38,7 @@ def ppo_mode_statistics(run_dir: Path, episodes: int, seed: int) -> dict:
     algo = make_ppo(config, spec, torch.device("cpu"))
     state = algo.init()
     carry = collect.empty_carry(config.num_seeds * config.num_envs, spec.obs_dim)
-    loaded, _ = _load(("snapshot", snap), _saved_state(state, carry), device=torch.device("cpu"))
+    loaded = _load_snapshot(snap, _saved_state(state, carry), torch.device("cpu"))
     with torch.no_grad():
         state.update_(loaded["learner"])
     act = algo.policy(state, [], deterministic=True)

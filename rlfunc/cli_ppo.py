@@ -1,24 +1,23 @@
 """``rlfunc train ppo --env ENV [...]``: every PPOConfig field is a flag, defaults from the env's preset
 (an env with a Dict observation goes to the entry that accepts it: "ppo-encoder"); and how
-``rlfunc eval`` / ``rlfunc resume`` evaluate, continue and report a ppo run."""
+``rlfunc eval`` / ``rlfunc resume`` evaluate and continue a ppo run. A finished run is reported by
+:func:`rlfunc.cli_common.report_run` (its final evaluation, which the run loop wrote to eval.json)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import signal
-import sys
 from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.algos.ppo import PPOConfig
-from rlfunc.cli_common import default_run_dir, parse_config
+from rlfunc.cli_common import default_run_dir, parse_config, report_run
 from rlfunc.errors import ConfigError
 
 
 def train(name: str, argv: list[str]) -> int:
-    """Parse ``argv`` (the flags after ``rlfunc train NAME``) into a PPOConfig, train, evaluate,
-    print the evaluation as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped the run.
+    """Parse ``argv`` (the flags after ``rlfunc train NAME``) into a PPOConfig, train with the final
+    evaluation (``eval_episodes`` per seed, into eval.json), print the run dir (stderr) and the
+    evaluation as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped the run.
     An env that a variant of ``name`` accepts (:func:`rlfunc.algos.registry.variant`) is that
     variant's command's."""
     from rlfunc.algos.ppo import preset
@@ -42,32 +41,15 @@ def train(name: str, argv: list[str]) -> int:
         "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
     )
     run_dir = known.run_dir or default_run_dir(config.env, name, config.seed)
-    return report(train(config, run_dir))
-
-
-def report(result) -> int:
-    """Print the run dir (stderr); then, for a finished run, evaluate its latest snapshot with its
-    ``eval_episodes``, write eval.json and print the evaluation as one JSON line (exit 0); for one
-    that SIGINT/SIGTERM stopped, say how to continue it (exit 130 / 143)."""
-    print(f"run dir: {result.run_dir}", file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted ({result.interrupted}): snapshot saved; continue with `rlfunc resume {result.run_dir}`",
-              file=sys.stderr)
-        return 128 + int(getattr(signal, result.interrupted))
-    from rlfunc.train import evaluate
-
-    config = json.loads((Path(result.run_dir) / "config.json").read_text())
-    summary = evaluate(result.run_dir, episodes=config["eval_episodes"], device=config["device"])
-    (Path(result.run_dir) / "eval.json").write_text(json.dumps(summary) + "\n")
-    print(json.dumps(summary))
-    return 0
+    return report_run(train(config, run_dir, final_eval=True))
 
 
 def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None):
-    """Continue the ppo run in ``run_dir`` (:func:`rlfunc.train.train` with ``resume=True``)."""
+    """Continue the ppo run in ``run_dir`` (:func:`rlfunc.train.train` with ``resume=True``), with the
+    final evaluation when it finishes its budget."""
     from rlfunc.train import train
 
-    return train(PPOConfig(), run_dir, resume=True, total_steps=total_steps, device=device)
+    return train(None, run_dir, resume=True, total_steps=total_steps, device=device, final_eval=True)
 
 
 def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:

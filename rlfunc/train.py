@@ -1,18 +1,23 @@
 """A whole PPO run as one function of its config: collect -> update -> log -> checkpoint, resumable.
 
 ``train(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
-checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), learning_curve.png and eval.json.
+checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), versions/ and learning_curve.png, and
+with ``final_eval`` eval.json. The run is a :class:`PPORun`, driven by the one run loop
+(:mod:`rlfunc.run.loop`: snapshots, versions, metrics, progress bar, stop on SIGINT/SIGTERM).
+
 Resume is exact on CPU: the learner state (Adam's moments and steps included, ``state["optim"]``),
 RNG states, rollout carry and the gymnasium envs' own state (RNG, time limit, physics) all go into
 each snapshot. A snapshot is ``{"learner": state, "carry": carry[, "freeze": tracker]}``; a load is
 checked against the same structure built from ``algo.init()``. Snapshots and versions written before
 the optimizer's state moved into the learner (state layout 1: a separate "optim" entry of torch.optim
-state) are converted on load.
+state) are converted on load (:meth:`PPORun.upgrade`).
 
 With ``version_every`` > 0 the same state also goes, every that many iterations, into the run's
-version store (RNG, rlfunc.versions): content-addressed, with the iteration's metrics and each
-parameter leaf's relative change. ``resume`` continues from the newer of the latest snapshot and the
-current branch's head version, so after ``rlfunc versions rollback RUN_DIR V`` it continues from V.
+version store (rlfunc.versions): content-addressed, with the iteration's metrics and each
+parameter leaf's relative change; the meta of every snapshot and version also records the env's
+id, registration and wrapper chain and every env's reset seed. ``resume`` continues from the newer
+of the latest snapshot and the current branch's head version (:func:`rlfunc.run.resume_source`), so
+after ``rlfunc versions rollback RUN_DIR V`` it continues from V.
 
 ``freeze_threshold`` > 0 skips the updates of parameter leaves that barely move: every
 ``freeze_window`` iterations each leaf's relative change ||p - p_ref|| / ||p_ref|| over the window
@@ -24,34 +29,29 @@ params, frozen-until iteration per leaf) is part of the saved state, so resume s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, collect, func, versions
+from rlfunc import checkpoint, collect, func
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.log import MetricsLogger, plot_learning_curve
 from rlfunc.optim import linear_lr
+from rlfunc.resume import STATE_LAYOUT, generator_from_state, optim_from_layout_1, state_layout
+from rlfunc.run import Run, RunResult
+from rlfunc.run import train as run_train
 from rlfunc.stats import mean_interval, success_interval, summarize_returns
-from rlfunc.resume import (STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, generator_from_state,
-                           optim_from_layout_1, state_layout, truncate_metrics)
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
-
-
-class TrainResult(NamedTuple):
-    state: TensorDict
-    run_dir: Path
-    interrupted: str | None  # the signal's name ("SIGINT", "SIGTERM") when one stopped the run
+LAYOUT_1_COMMIT = "c0e6595"  # the last rlfunc that wrote PPO snapshots of state layout 1 (torch.optim's state)
 
 
 def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
@@ -86,37 +86,43 @@ def _saved_state(state: TensorDict, carry: TensorDict, freeze: TensorDict | None
     return saved
 
 
-def _load(source: tuple[str, Path | str], like: TensorDict, *, device, run_dir=None, generators: str = "exact"):
-    """Read ``source`` (("snapshot", path) or ("version", id) of ``run_dir``) checked against ``like``
-    (:func:`_saved_state` of the fresh run). Returns (state, meta).
-
-    A snapshot or version of state layout 1 (meta without "state_layout": the optimizer's torch.optim
-    state as a separate "optim" entry, ``{"<i>": {"step", "exp_avg", "exp_avg_sq"}}`` over the leaves in
-    ``func.leaves`` order) is converted: its Adam state goes into ``learner.optim``, the clip link's last
-    norms start at zero (they are a report, read by nothing), and the result is checked as a new one.
+def upgrade_layout_1(loaded: TensorDict, meta: dict, where: str, like: TensorDict) -> TensorDict:
+    """``loaded``, a PPO snapshot or version of state layout 1 (meta without "state_layout": the
+    optimizer's torch.optim state as a separate "optim" entry, ``{"<i>": {"step", "exp_avg",
+    "exp_avg_sq"}}`` over the leaves in ``func.leaves`` order), converted to ``like``'s structure
+    (:func:`_saved_state` of the fresh run): its Adam state goes into ``learner.optim``, the clip
+    link's last norms start at zero (they are a report, read by nothing). The caller then checks it
+    as a new one.
 
     Raises:
-        CheckpointError: the structure differs from ``like`` (the first key named), an unknown state
-            layout, or a layout-1 optimizer state that does not fit the run's parameters.
+        CheckpointError: naming ``where``, a state layout other than 1 and 2 (:func:`rlfunc.resume.state_layout`),
+            no "optim" entry, or a layout-1 optimizer state that does not fit the run's parameters.
     """
-    kind, where = source
-    name = str(where) if kind == "snapshot" else f"{run_dir} version {where}"
-    meta = checkpoint.load_meta(where) if kind == "snapshot" else versions.read_manifest(run_dir, where)["meta"]
-    layout = state_layout(name, meta, "PPO")
+    state_layout(where, meta, "PPO")  # CheckpointError for a layout this rlfunc does not read
+    if "optim" not in loaded.keys():
+        raise CheckpointError(f"{where}: no optimizer state: a PPO snapshot of state layout 1 (meta without "
+                              "'state_layout') holds one as 'optim' beside 'learner'")
+    loaded["learner", "optim"] = optim_from_layout_1(where, loaded.pop("optim"), like["learner", "optim"],
+                                                     like["learner", "params"], commit=LAYOUT_1_COMMIT).to(loaded.device)
+    return loaded
+
+
+def _load_snapshot(path: Path, like: TensorDict, device: torch.device) -> TensorDict:
+    """The snapshot at ``path`` checked against ``like`` (:func:`_saved_state` of the trained run),
+    converted first when of state layout 1 (:func:`upgrade_layout_1`). Generator states of another
+    device type are replaced by fresh ones (``generators="fresh"``: for evaluation, which draws none).
+
+    Raises:
+        CheckpointError: corrupt, of an unknown layout, or of another structure (the first key named).
+    """
+    name = str(path)
+    layout = state_layout(name, checkpoint.load_meta(path), "PPO")
     check = like if layout == STATE_LAYOUT else None
-    if kind == "snapshot":
-        loaded, meta = checkpoint.load_snapshot(where, device=device, like=check, generators=generators)
-    else:
-        loaded, manifest = versions.load_version(run_dir, where, device=device, like=check)
-        meta = manifest["meta"]
+    loaded, meta = checkpoint.load_snapshot(path, device=device, like=check, generators="fresh")
     if layout == 1:
-        if "optim" not in loaded.keys():
-            raise CheckpointError(f"{name}: no optimizer state: a PPO snapshot of state layout 1 (meta without "
-                                  "'state_layout') holds one as 'optim' beside 'learner'")
-        loaded["learner", "optim"] = optim_from_layout_1(name, loaded.pop("optim"), like["learner", "optim"],
-                                                         like["learner", "params"], commit="c0e6595").to(loaded.device)
-        checkpoint.check_learner(name, loaded, like, generators=generators)
-    return loaded, meta
+        loaded = upgrade_layout_1(loaded, meta, name, like)
+        checkpoint.check_learner(name, loaded, like, generators="fresh")
+    return loaded
 
 
 def init_freeze(params: TensorDict) -> TensorDict:
@@ -165,69 +171,22 @@ def _episode_stats(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan"))), count
 
 
-def _meta(state, venv, config, spec, branch) -> dict:
-    return {
-        "algo": "ppo",
-        "config": dataclasses.asdict(config),
-        "env_spec": spec._asdict(),
-        "env_state": collect.env_state(venv),
-        "iteration": int(state["iteration"]),
-        "env_steps": int(state["env_steps"]),
-        "branch": branch,
-        "state_layout": STATE_LAYOUT,
-    }
-
-
-def _save(run_dir, state, carry, venv, config, spec, freeze=None, branch=versions.MAIN) -> Path:
-    return checkpoint.save_run_snapshot(
-        run_dir, _saved_state(state, carry, freeze), _meta(state, venv, config, spec, branch),
-        step=int(state["env_steps"]), keep_last=config.keep_checkpoints or None,
-    )
-
-
-def _save_version(run_dir, state, carry, venv, config, spec, freeze, branch, record) -> dict:
-    """A version of the run (rlfunc.versions): the snapshot's state and meta, plus the env's id,
-    registration and wrapper chain, every env's seed, and ``record`` (the iteration's metrics)."""
-    meta = _meta(state, venv, config, spec, branch)
+def _env_meta(config: PPOConfig, venv: gym.vector.VectorEnv) -> dict:
+    """The meta entries that say which envs a run trained on: "env" (id, gymnasium registration,
+    wrapper chain, vectorization) and "seeds" (the agent seeds and every env's reset seed)."""
     try:
         registration = json.loads(gym.spec(config.env).to_json())
     except (gym.error.Error, TypeError, ValueError):  # kwargs JSON cannot hold
         registration = str(gym.spec(config.env))
-    meta["env"] = {
-        "id": config.env,
-        "registration": registration,
-        "wrappers": str(venv.envs[0]) if hasattr(venv, "envs") else None,
-        "vectorization": config.vectorization,
+    return {
+        "env": {
+            "id": config.env,
+            "registration": registration,
+            "wrappers": str(venv.envs[0]) if hasattr(venv, "envs") else None,
+            "vectorization": config.vectorization,
+        },
+        "seeds": {"agents": config.seeds, "envs": _member_seeds(config)},
     }
-    meta["seeds"] = {"agents": config.seeds, "envs": _member_seeds(config)}
-    metrics = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in record.items()}
-    return versions.save_version(
-        run_dir, _saved_state(state, carry, freeze), meta,
-        iteration=int(state["iteration"]), step=int(state["env_steps"]), metrics=metrics,
-        keep_last=config.version_keep_last or None, keep_every=config.version_keep_every,
-    )
-
-
-def resume_source(run_dir: str | Path) -> tuple[str, Path | str] | None:
-    """What ``resume`` continues from: ("snapshot", path) or ("version", id), or None if neither.
-
-    The current branch's head version (after a rollback to V with no new version yet: V), unless the
-    latest snapshot is on the current branch and at least as far along (a snapshot without a
-    "branch" is on "main").
-
-    Raises:
-        CheckpointError: a version manifest fails its check.
-    """
-    snap = checkpoint.latest_snapshot(run_dir)
-    head = versions.head(run_dir)
-    if head is None:
-        return None if snap is None else ("snapshot", snap)
-    if snap is not None:
-        meta = checkpoint.load_meta(snap)
-        same_branch = meta.get("branch", versions.MAIN) == versions.current_branch(run_dir)
-        if same_branch and meta.get("env_steps", -1) >= head["step"]:
-            return "snapshot", snap
-    return "version", head["id"]
 
 
 def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> PPOConfig:
@@ -247,8 +206,134 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> 
         raise CheckpointError(f"{path}: snapshot config is not a valid PPOConfig: {e}") from e
 
 
+class PPORun(Run):
+    """A PPO run as :func:`rlfunc.run.run_loop` drives it: ``config.num_seeds * config.num_envs``
+    gymnasium envs, the learner state of ``make_ppo(config, ...)``, the rollout carry and, with
+    ``freeze_threshold`` > 0, the freeze tracker. A snapshot or version holds
+    :func:`_saved_state` of them; its meta the env's state (``collect.env_state``: None for envs whose
+    state cannot be captured) and :func:`_env_meta`.
+
+    Args:
+        config: the run's hyperparameters. device: where the learner state lives.
+        final_eval: :meth:`evaluate` gives the final evaluation (:func:`evaluate` of the last
+            snapshot, ``config.eval_episodes`` per seed); False: None (no eval.json).
+
+    Raises:
+        EnvError: ``config.env`` cannot be built, or has no Box observations and actions.
+    """
+
+    name = "ppo"
+    # PPO snapshots never had meta "resume_format": every one holds the RNG states and the rollout
+    # carry (the structure check refuses one that does not), so there is nothing for it to mark
+    requires_format = False
+
+    def __init__(self, config: PPOConfig, device: torch.device, *, final_eval: bool = False) -> None:
+        self.config, self.device, self.final_eval = config, device, final_eval
+        self.run_dir: Path | None = None  # set by open()
+        self.total = config.num_iterations
+        self.venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
+        try:
+            if config.torch_threads:
+                torch.set_num_threads(config.torch_threads)
+            self.spec = env_spec(self.venv)
+            self.algo: PPO = make_ppo(config, self.spec, device)
+            self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+            self.carry = collect.reset(self.venv, _member_seeds(config))
+            self.freeze = init_freeze(self.state["params"]) if config.freeze_threshold > 0 else None
+            self.leaves = func.leaves(self.state["params"])  # restore and iteration update these in place
+            self.env_meta = _env_meta(config, self.venv)
+        except BaseException:
+            self.venv.close()
+            raise
+
+    def step(self, i: int, stopping: bool) -> dict:
+        config = self.config
+        S, N, T = config.num_seeds, config.num_envs, config.num_steps
+        it = i - 1  # iterations done before this one
+        t0 = time.perf_counter()
+        gens = _generators(self.state, self.device)
+        # log_prob=False: iteration computes the batch's log-probabilities in one pass
+        batch, self.carry = collect.rollout(self.venv, self.algo.policy(self.state, gens, log_prob=False), self.carry, T,
+                                            device=self.device)
+        batch = batch.reshape(S, N, T)
+        t1 = time.perf_counter()
+        frozen = [] if self.freeze is None else [k for k, u in enumerate(self.freeze["frozen_until"].tolist()) if u > it]
+        for k in frozen:
+            self.leaves[k].requires_grad_(False)
+        try:
+            self.state, metrics = self.algo.iteration(self.state, batch, gens)
+        finally:
+            for k in frozen:
+                self.leaves[k].requires_grad_(True)
+        t2 = time.perf_counter()
+        if self.freeze is not None:
+            frozen_numel = sum(self.leaves[k].numel() for k in frozen)
+            metrics["frozen_leaves"] = torch.full((S,), len(frozen))
+            metrics["frozen_fraction"] = torch.full((S,), frozen_numel / sum(p.numel() for p in self.leaves))
+            if i % config.freeze_window == 0:
+                self.freeze = update_freeze(self.freeze, self.state["params"], i, config)
+        ep_return, ep_count = _episode_stats(batch)
+        return {
+            "iteration": i,
+            "step": int(self.state["env_steps"]),
+            "steps_per_s": S * N * T / (t2 - t0),
+            "collect_s": t1 - t0,
+            "update_s": t2 - t1,
+            "lr": linear_lr(config.lr, it, config.num_iterations, config.anneal_lr),  # the iteration's
+            "episode_return": ep_return if S > 1 else ep_return[0],
+            "episodes": ep_count if S > 1 else ep_count[0],
+            **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
+        }
+
+    def saved(self) -> tuple[TensorDict, dict]:
+        meta = {
+            "algo": "ppo",
+            "config": dataclasses.asdict(self.config),
+            "env_spec": self.spec._asdict(),
+            "env_state": collect.env_state(self.venv),
+            "iteration": int(self.state["iteration"]),
+            "env_steps": int(self.state["env_steps"]),
+            "state_layout": STATE_LAYOUT,
+            **self.env_meta,
+        }
+        return _saved_state(self.state, self.carry, self.freeze), meta
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        with torch.no_grad():  # in place: self.leaves (the freeze mask's) are these
+            self.state.update_(loaded["learner"])
+        self.carry = loaded["carry"].to("cpu")
+        if self.freeze is not None:
+            self.freeze = loaded["freeze"]
+        if meta.get("env_state") is not None:
+            collect.set_env_state(self.venv, meta["env_state"])
+        else:  # an env whose state can't be captured (async vector envs, ...): fresh episodes
+            self.carry = collect.reset(self.venv, _member_seeds(self.config))
+            warnings.warn(
+                f"{self.config.env} ({self.config.vectorization} vectorization): env state was not captured, so the "
+                "resumed run starts new episodes and is not bit-identical to an uninterrupted one",
+                stacklevel=3,
+            )
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        return upgrade_layout_1(loaded, meta, where, self.saved()[0])
+
+    def open(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def evaluate(self) -> dict | None:
+        """With ``final_eval``: :func:`evaluate` of the run's latest snapshot (the one the loop wrote
+        at the end of the budget) on ``config.eval_episodes`` episodes per seed, so eval.json is
+        what ``rlfunc eval RUN_DIR`` repeats. Else None."""
+        if not self.final_eval:
+            return None
+        return evaluate(self.run_dir, self.config.eval_episodes, device=self.config.device)
+
+    def close(self) -> None:
+        self.venv.close()
+
+
 def train(
-    config: PPOConfig,
+    config: PPOConfig | None,
     run_dir: str | Path,
     *,
     resume: bool = False,
@@ -257,162 +342,43 @@ def train(
     tensorboard: bool = True,
     total_steps: int | None = None,
     device: str | None = None,
-) -> TrainResult:
-    """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``).
+    final_eval: bool = False,
+) -> RunResult:
+    """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``): a
+    :class:`PPORun` through :func:`rlfunc.run.train`.
 
     Args:
-        config: every hyperparameter (see PPOConfig); on resume, the snapshot's config is used.
+        config: every hyperparameter (see PPOConfig); on resume, the snapshot's config is used (may be None).
         run_dir: output directory; must not already hold a run unless ``resume``.
         resume: continue from the latest snapshot in ``run_dir``, or from the head version of the
-            current branch when that is newer or the branch was made by a rollback (``resume_source``).
+            current branch when that is newer or the branch was made by a rollback
+            (:func:`rlfunc.run.resume_source`).
         max_iterations: stop after this many iterations of this call (the LR schedule still spans
             ``config.total_steps``), e.g. to split a run in parts.
-        progress: show a tqdm bar.
+        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
         total_steps: on resume, a new budget (env steps per seed) to extend or shorten the run;
             the learning-rate schedule is then stretched over the new budget.
         device: on resume, run on this device instead of the snapshot config's (None: the config's);
             a run continues exactly only on the device type it ran on (its generator states are
             device-specific).
+        final_eval: when the budget is done, :func:`evaluate` the latest snapshot (the final
+            policy; ``config.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
+            and the result's ``evaluation``, as ``rlfunc train ppo`` and ``rlfunc resume`` do;
+            False: no evaluation (None).
 
     Returns:
-        TrainResult(state, run_dir, interrupted): interrupted names the signal (SIGINT/SIGTERM) that
-        stopped the run after saving a snapshot, else None. Signals are caught only when called
-        from the main thread.
+        RunResult(state, run_dir, evaluation, interrupted): interrupted names the signal
+        (SIGINT/SIGTERM) that stopped the run after saving a snapshot, else None. Signals are
+        caught only when called from the main thread.
 
     Raises:
-        ConfigError, EnvError, CheckpointError: bad config, env id or snapshot; nothing is written then.
+        ConfigError, EnvError, CheckpointError: bad config, env id, run dir or snapshot; ``total_steps``
+            or ``device`` without ``resume``; a new budget below the steps done. Nothing is written then.
     """
-    run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume)
-    source = None
-    if resume:
-        source = resume_source(run_dir)
-        if source is None:
-            raise CheckpointError(f"{run_dir}: no snapshot or version to resume from")
-        if total_steps is not None:
-            check_budget(total_steps, "env steps per seed")
-        extra = {} if total_steps is None else {"total_steps": total_steps}
-        if source[0] == "snapshot":
-            meta = checkpoint.load_meta(source[1])
-            config = config_from_meta(meta, source[1], **extra)
-        else:
-            meta = versions.read_manifest(run_dir, source[1])["meta"]
-            config = config_from_meta(meta, f"{run_dir} version {source[1]}", **extra)
-        done = meta.get("iteration")
-        if total_steps is not None and isinstance(done, int):
-            check_budget_covers(total_steps, config.num_iterations, done, done * config.batch_size, "env steps per seed")
-        if device is not None:
-            resolve_device(device)  # ConfigError for a device this machine lacks
-            config = dataclasses.replace(config, device=str(device))
-    elif device is not None:
-        raise ConfigError(f"device={device!r}: is for resume=True; set config.device instead")
-    device = resolve_device(config.device)
-
-    venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    try:
-        return _train(config, run_dir, device, venv, source, max_iterations, progress, tensorboard)
-    finally:
-        venv.close()
-
-
-def _train(config, run_dir, device, venv, source, max_iterations, progress, tensorboard) -> TrainResult:
-    spec = env_spec(venv)
-    algo: PPO = make_ppo(config, spec, device)
-    state = algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
-    carry = collect.reset(venv, _member_seeds(config))
-    freeze = init_freeze(state["params"]) if config.freeze_threshold > 0 else None
-    branch = versions.current_branch(run_dir)
-    if source is not None:
-        loaded, meta = _load(source, _saved_state(state, carry, freeze), device=device, run_dir=run_dir)
-        with torch.no_grad():  # in place: the freeze tracker's leaves below are these
-            state.update_(loaded["learner"])
-        carry = loaded["carry"].to("cpu")
-        if freeze is not None:
-            freeze = loaded["freeze"]
-        if meta.get("env_state") is not None:
-            collect.set_env_state(venv, meta["env_state"])
-        else:  # an env whose state can't be captured (async vector envs, ...): fresh episodes
-            carry = collect.reset(venv, _member_seeds(config))
-            warnings.warn(
-                f"{config.env} ({config.vectorization} vectorization): env state was not captured, so the "
-                "resumed run starts new episodes and is not bit-identical to an uninterrupted one",
-                stacklevel=2,
-            )
-        time_offset = truncate_metrics(run_dir, int(state["iteration"]))
-    else:
-        time_offset = 0.0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
-    start_iteration = int(state["iteration"])
-    end = config.num_iterations if max_iterations is None else min(config.num_iterations, start_iteration + max_iterations)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.num_iterations, initial=start_iteration, unit="it", dynamic_ncols=True)
-    S, N, T = config.num_seeds, config.num_envs, config.num_steps
-    t_start = time.perf_counter() - time_offset
-    interrupted = None
-    leaves = func.leaves(state["params"])
-    with StopOnSignal() as stop:  # SIGINT/SIGTERM: a snapshot after this iteration; a second one quits at once
-        try:
-            for it in range(start_iteration, end):
-                t0 = time.perf_counter()
-                gens = _generators(state, device)
-                # log_prob=False: iteration computes the batch's log-probabilities in one pass
-                batch, carry = collect.rollout(venv, algo.policy(state, gens, log_prob=False), carry, T, device=device)
-                batch = batch.reshape(S, N, T)
-                t1 = time.perf_counter()
-                frozen = [] if freeze is None else [i for i, u in enumerate(freeze["frozen_until"].tolist()) if u > it]
-                for i in frozen:
-                    leaves[i].requires_grad_(False)
-                try:
-                    state, metrics = algo.iteration(state, batch, gens)
-                finally:
-                    for i in frozen:
-                        leaves[i].requires_grad_(True)
-                t2 = time.perf_counter()
-                if freeze is not None:
-                    frozen_numel = sum(leaves[i].numel() for i in frozen)
-                    metrics["frozen_leaves"] = torch.full((S,), len(frozen))
-                    metrics["frozen_fraction"] = torch.full((S,), frozen_numel / sum(p.numel() for p in leaves))
-                    if (it + 1) % config.freeze_window == 0:
-                        freeze = update_freeze(freeze, state["params"], it + 1, config)
-                ep_return, ep_count = _episode_stats(batch)
-                record = {
-                    "iteration": it + 1,
-                    "step": int(state["env_steps"]),
-                    "time": time.perf_counter() - t_start,
-                    "steps_per_s": S * N * T / (t2 - t0),
-                    "collect_s": t1 - t0,
-                    "update_s": t2 - t1,
-                    "lr": linear_lr(config.lr, it, config.num_iterations, config.anneal_lr),  # iteration's
-                    "episode_return": ep_return if S > 1 else ep_return[0],
-                    "episodes": ep_count if S > 1 else ep_count[0],
-                    **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
-                }
-                logger.log(record)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(ret=f"{ep_return.nanmean().item():.1f}", sps=f"{record['steps_per_s']:.0f}")
-                last = it + 1 == end
-                if config.version_every and (stop.signal or last or (it + 1) % config.version_every == 0):
-                    _save_version(run_dir, state, carry, venv, config, spec, freeze, branch, record)
-                if stop.signal or last or (config.checkpoint_every and (it + 1) % config.checkpoint_every == 0):
-                    _save(run_dir, state, carry, venv, config, spec, freeze, branch)
-                if stop.signal:
-                    interrupted = stop.signal
-                    break
-        finally:
-            logger.close()
-            if bar is not None:
-                bar.close()
-    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
-    return TrainResult(state, run_dir, interrupted)
+    return run_train(functools.partial(PPORun, final_eval=final_eval), config_from_meta, config, run_dir,
+                     config_type=PPOConfig, resume=resume, total_steps=total_steps, device=device,
+                     unit="env steps per seed", max_iterations=max_iterations, progress=progress,
+                     tensorboard=tensorboard)
 
 
 def evaluate(
@@ -453,7 +419,7 @@ def evaluate(
         carry = collect.empty_carry(trained.num_seeds * trained.num_envs, spec.obs_dim)
         freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
         # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
-        loaded, _ = _load(("snapshot", path), _saved_state(like, carry, freeze), device=dev, generators="fresh")
+        loaded = _load_snapshot(path, _saved_state(like, carry, freeze), dev)
         algo = make_ppo(config, spec, dev)
         state = algo.init()
         with torch.no_grad():

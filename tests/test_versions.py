@@ -150,7 +150,7 @@ def test_resume_takes_a_version_newer_than_the_latest_snapshot(tmp_path):
     # killed after iteration 3's version but before its snapshot (the last one is at iteration 2)
     import shutil
 
-    from rlfunc.train import resume_source
+    from rlfunc.run import resume_source
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, checkpoint_every=2))
     run = tmp_path / "run"

@@ -574,6 +574,6 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 register("ppo", AlgorithmEntry(
     config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli_ppo:train", train="rlfunc.train:train",
     resume="rlfunc.cli_ppo:resume", evaluate="rlfunc.cli_ppo:evaluate", config_from_meta="rlfunc.train:config_from_meta",
-    report="rlfunc.cli_ppo:report", needs="box-actions",  # gymnasium vector envs, Box observations and actions
+    needs="box-actions",  # gymnasium vector envs, Box observations and actions
     usage="    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]",
 ))

@@ -210,9 +210,11 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     """The iterations left of ``run`` (from ``run.done()`` to ``run.total``, at most ``max_iterations``
     of them), with its snapshots, versions and metrics in ``run_dir``, then its final evaluation.
 
-    A snapshot (and, with ``when.version_every``, a version) is written after the last iteration of
-    the call, when a signal stops it, and at ``when``'s cadence counted from iteration 0 (a resumed
-    run writes where the uninterrupted one would). A resumed run with nothing left writes nothing.
+    A snapshot (and, with ``when.version_every``, a version first) is written after the last
+    iteration of the call and when a signal stops it; besides, snapshots every
+    ``when.checkpoint_every`` and versions every ``when.version_every`` iterations, each cadence
+    counted from iteration 0 (a resumed run writes where the uninterrupted one would). A resumed
+    run with nothing left writes nothing.
 
     Returns:
         :class:`RunResult`; eval.json is written when the budget was done and ``run.evaluate()`` gives one.
@@ -227,15 +229,16 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     clock = time.perf_counter() - time_offset
     last_record: dict | None = None
 
-    def save(record: dict | None, version: bool) -> None:
+    def save(record: dict | None, version: bool, snapshot: bool) -> None:
         tensors, meta = run.saved()
         meta = {**meta, "branch": branch}
         step = int(meta["env_steps"])
-        checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
-        if version:
+        if version:  # first: killed between the two, the run keeps the version, and resume_source takes it (newer)
             versions.save_version(run_dir, tensors, meta, iteration=int(meta["iteration"]), step=step,
                                   metrics=None if record is None else to_jsonable(record),
                                   keep_last=when.version_keep_last or None, keep_every=when.version_keep_every)
+        if snapshot:
+            checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
 
     interrupted = None
     with StopOnSignal() as stop:
@@ -251,13 +254,17 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         last_record = record
                         bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
                     bar.update(1)
-                    final = stop.signal is not None or i == end
+                    signal_name = stop.signal  # read once: the loop stops here only after this iteration's final save
+                    final = signal_name is not None or i == end
                     version = bool(when.version_every) and (final or i % when.version_every == 0)
-                    if final or version or (when.checkpoint_every and i % when.checkpoint_every == 0):
-                        save(last_record if record is None else record, version)
-                    if stop.signal:
-                        interrupted = stop.signal
+                    snapshot = final or (bool(when.checkpoint_every) and i % when.checkpoint_every == 0)
+                    if version or snapshot:  # each at its own cadence
+                        save(last_record if record is None else record, version, snapshot)
+                    if signal_name:
+                        interrupted = signal_name
                         break
+                else:  # a signal during the last iteration (saved as the final one) still stopped the run
+                    interrupted = stop.signal
         finally:
             logger.close()
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
