@@ -1,13 +1,14 @@
-"""Does the run machinery cost speed? PPO env steps/s (Pendulum-v1, HalfCheetah-v5 presets) and the
-DPPO update time (PointReach-v0), measured on two source trees in the same run, interleaved.
+"""Does the run machinery cost speed? The wall-clock of one iteration of PPO (Pendulum-v1 and
+HalfCheetah-v5 presets: env steps/s is the iteration's steps over it) and of DPPO (PointReach-v0),
+measured on two source trees in the same run, interleaved.
 
 Each measurement is a fresh subprocess with PYTHONPATH set to one tree (BEFORE: e.g. a git worktree
-of the commit before a refactor; AFTER: this checkout), running a few iterations of the public
-training function; the figure is the median over iterations 2.. of the run's metrics.jsonl
-("steps_per_s" for PPO; for DPPO, whose lines have no update time, the wall-clock between
-consecutive lines: one iteration's collection and update). Trees alternate A B A B ... for --repeats rounds, and
-the result is the median over rounds of the per-round ratio after / before (for iteration time,
-before / after, so > 1 is faster after in both). The issue-15 target: every ratio within 5% (>= 0.95).
+of the commit before a refactor; AFTER: this checkout) running a few iterations of the public
+training function; the figure is the median over iterations 2.. of the wall-clock between
+consecutive metrics.jsonl lines: collection, update, and the loop's own work (metrics, snapshots,
+versions: PPO's preset writes a version every iteration and a snapshot every 10). Trees alternate
+A B, B A, ... for --repeats rounds; the result is the median over rounds of before / after (> 1:
+faster after). The issue-15 target: every ratio within 5% (>= 0.95).
 
     git worktree add /tmp/before 5ceac0f
     python -m bench.architecture_speed --before /tmp/before --after . --repeats 5
@@ -26,19 +27,28 @@ from pathlib import Path
 
 CASES = {
     # name: (python snippet run in the tree, metric key, higher_is_better)
-    "ppo Pendulum-v1 steps/s": ("""
+    "ppo Pendulum-v1 iteration s": ("""
 from rlfunc.algos.ppo import preset
-from rlfunc.train import train
+try:
+    from rlfunc.run.ppo import train
+except ImportError:  # a tree from before the layered layout
+    from rlfunc.train import train
 train(preset("Pendulum-v1", total_steps=16 * 256 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
-""", "steps_per_s", True),
-    "ppo HalfCheetah-v5 steps/s": ("""
+""", "iteration_s", False),
+    "ppo HalfCheetah-v5 iteration s": ("""
 from rlfunc.algos.ppo import preset
-from rlfunc.train import train
+try:
+    from rlfunc.run.ppo import train
+except ImportError:  # a tree from before the layered layout
+    from rlfunc.train import train
 train(preset("HalfCheetah-v5", total_steps=16 * 128 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
-""", "steps_per_s", True),
+""", "iteration_s", False),
     "dppo PointReach-v0 iteration s": ("""
 from rlfunc.algos.dppo import DPPOConfig
-from rlfunc.train_diffusion import train_dppo
+try:
+    from rlfunc.run.diffusion import train_dppo
+except ImportError:
+    from rlfunc.train_diffusion import train_dppo
 train_dppo(DPPOConfig(env="PointReach-v0", total_steps=128 * 8 * 4 * {its}, eval_episodes=16, device="cpu"), RUN,
            progress=False, tensorboard=False)
 """, "iteration_s", False),

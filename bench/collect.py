@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from rlfunc import collect
 from rlfunc.algos.ppo import make_ppo, preset
-from rlfunc.train import _generators, env_spec
+from rlfunc.envs import collect
+from rlfunc.run.ppo import _generators, env_spec
 
 
 def bare(venv, steps: int) -> float:

@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # python bench/ddim.py
     sys.path.insert(0, ROOT)
 
-from rlfunc import func  # noqa: E402
+from rlfunc.core import func  # noqa: E402
 from rlfunc.device import resolve_device, synchronize  # noqa: E402
 from rlfunc.diffusion.ddim import sample  # noqa: E402
 from rlfunc.diffusion.schedule import ddim_timesteps, make_schedule  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
-from rlfunc.train_diffusion import train_dppo, train_td3_diffusion
+from rlfunc.run.diffusion import train_dppo, train_td3_diffusion
 
 BC = "bench/out/point_reach/bc-s0"
 OUT = "bench/out/point_reach_extra"

@@ -7,7 +7,7 @@ intra-op thread unless ``--threads N``; the device is ``rlfunc.device.resolve_de
 Encoder: ``MultimodalEncoder(EncoderConfig(...))`` with its defaults (d_model 256, ResNet-18 widths
 (64, 128, 256, 512) with GroupNorm, one trunk shared by the cameras "top" and "side", 4 tokens per
 camera, proprio 16, 2-layer fusion) and learned text (max_len 16), applied functionally
-(``rlfunc.func.apply``). Batch ``--batch`` (64) of two uint8 128x128 cameras, proprioception and
+(``rlfunc.core.func.apply``). Batch ``--batch`` (64) of two uint8 128x128 cameras, proprioception and
 tokenised instructions, all on the device.
 
 Measured for ``checkpoint_vision`` False and True:
@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # python bench/encoders.py
     sys.path.insert(0, ROOT)
 
-from rlfunc import func  # noqa: E402
+from rlfunc.core import func  # noqa: E402
 from rlfunc.device import resolve_device, synchronize  # noqa: E402
 from rlfunc.nets.encoders import EncoderConfig, MultimodalEncoder  # noqa: E402
 

@@ -33,7 +33,7 @@ from torchrl.objectives.value.functional import (  # noqa: E402
     vec_generalized_advantage_estimate as torchrl_vec_gae,
 )
 
-from rlfunc.returns import generalized_advantage_estimate  # noqa: E402
+from rlfunc.core.returns import generalized_advantage_estimate  # noqa: E402
 
 SHAPE = (64, 2048, 1)
 SETTINGS = [(0.99, 0.95), (0.999, 0.999)]  # (gamma, lmbda)

@@ -21,9 +21,9 @@ import torch
 
 from rlfunc.algos.grpo import preset as grpo_preset
 from rlfunc.algos.ppo import preset as ppo_preset
-from rlfunc.train import evaluate, train
-from rlfunc.log import read_metrics
-from rlfunc.train_grpo import train_grpo
+from rlfunc.run.grpo import train_grpo
+from rlfunc.run.log import read_metrics
+from rlfunc.run.ppo import evaluate, train
 
 METHODS = ("grpo", "gspo", "gspo-paper", "ppo")
 DEFAULT_STEPS = {"PointReach-v0": 100_000, "Pendulum-v1": 200_000}

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from rlfunc.algos.ppo import preset
-from rlfunc.log import read_metrics
-from rlfunc.train import evaluate, train
+from rlfunc.run.log import read_metrics
+from rlfunc.run.ppo import evaluate, train
 
 ENV = "HalfCheetah-v5"
 

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from rlfunc import checkpoint, collect
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import make_ppo, preset
-from rlfunc.train import _load_snapshot, _saved_state, config_from_meta, env_spec, train
-from rlfunc.train_diffusion import train_bc, train_dppo
+from rlfunc.envs import collect
+from rlfunc.run import checkpoint
+from rlfunc.run.diffusion import train_bc, train_dppo
+from rlfunc.run.ppo import _load_snapshot, _saved_state, config_from_meta, env_spec, train
 
 
 def ppo_mode_statistics(run_dir: Path, episodes: int, seed: int) -> dict:

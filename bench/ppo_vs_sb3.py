@@ -2,7 +2,7 @@
 under the evaluation protocol of bench/protocol.py.
 
 For each seed, both train; every --eval-every env steps each side's policy is evaluated with
-deterministic actions on the same --eval-episodes episodes (the reset seeds ``rlfunc.train.evaluate``
+deterministic actions on the same --eval-episodes episodes (the reset seeds ``rlfunc.run.ppo.evaluate``
 uses for that seed; evaluation time is excluded from both clocks). Reports, per seed, the final
 policy's return (mean and 95% CI over the episodes), the first evaluation >= --threshold ("first
 touch") and the first one after which every later evaluation stays >= --threshold ("reach and
@@ -33,11 +33,11 @@ import torch
 
 from bench.halfcheetah_gsde import parse_overrides
 from bench.protocol import aggregate, fmt_aggregate, median_or_none, plot_curves, thresholds
-from rlfunc import collect
 from rlfunc.algos.ppo import preset
-from rlfunc.log import read_metrics
-from rlfunc.stats import summarize_returns
-from rlfunc.train import EVAL_SEED_OFFSET, evaluate, train
+from rlfunc.core.stats import summarize_returns
+from rlfunc.envs import collect
+from rlfunc.run.log import read_metrics
+from rlfunc.run.ppo import EVAL_SEED_OFFSET, evaluate, train
 
 # RL-Zoo (rl-baselines3-zoo, hyperparams/ppo.yml) settings.
 ZOO = {
@@ -142,8 +142,8 @@ def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: in
 
 def same_episode_returns(env: str, seed: int, episodes: int, model, normalize) -> torch.Tensor:
     """[episodes] deterministic returns of an SB3 policy on the very episodes (reset seeds) that
-    ``rlfunc.train.evaluate`` gives our run of the same seed, run by the same vectorised loop
-    (``rlfunc.collect.episode_outcomes``): a paired comparison, free of the episode-sampling noise
+    ``rlfunc.run.ppo.evaluate`` gives our run of the same seed, run by the same vectorised loop
+    (``rlfunc.envs.collect.episode_outcomes``): a paired comparison, free of the episode-sampling noise
     between two evaluation sets (a Pusher policy's 50-episode means move by 1-3 between sets)."""
 
     def policy(obs: torch.Tensor):

@@ -26,8 +26,8 @@ import torch
 from bench.halfcheetah_gsde import parse_overrides
 from bench.protocol import aggregate, fmt_aggregate, plot_curves
 from rlfunc.algos.ppo import preset
-from rlfunc.log import read_metrics
-from rlfunc.train import evaluate, train
+from rlfunc.run.log import read_metrics
+from rlfunc.run.ppo import evaluate, train
 
 
 def run(env: str, seed: int, multiple: float, episodes: int, eval_every: int, out: Path, overrides: dict) -> dict:

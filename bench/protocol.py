@@ -1,12 +1,12 @@
 """The evaluation protocol of every bench claim (issue 14), in one place.
 
 - One policy: >= 50 deterministic evaluation episodes (100 where cheap) on reset seeds disjoint
-  from training, summarised by ``rlfunc.stats.summarize_returns`` (mean, std, episodes, 95% CI).
+  from training, summarised by ``rlfunc.core.stats.summarize_returns`` (mean, std, episodes, 95% CI).
 - Across seeds (>= 5): median and interquartile mean (IQM) with stratified-bootstrap 95% CIs
   (Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice"), from rliable.
 - Time to a threshold: "first touch" (the first evaluation >= threshold) and "reach and stay" (the
   first evaluation >= threshold after which every later one stays >= threshold;
-  ``rlfunc.stats.reach_and_stay``). A run that never stays is reported as such.
+  ``rlfunc.core.stats.reach_and_stay``). A run that never stays is reported as such.
 - Learning curves: mean and 95% CI band over seeds (Student t over the seeds at each evaluation),
   against env steps and against training wall-clock, written as PNG under bench/figures/.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlfunc.stats import first_touch, mean_interval, reach_and_stay
+from rlfunc.core.stats import first_touch, mean_interval, reach_and_stay
 
 BOOTSTRAP_REPS = 20_000
 

@@ -24,8 +24,8 @@ from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import preset
-from rlfunc.train import evaluate, train
-from rlfunc.train_diffusion import train_bc, train_dppo
+from rlfunc.run.diffusion import train_bc, train_dppo
+from rlfunc.run.ppo import evaluate, train
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ from envs.push import env as push_env
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
-from rlfunc.amp import precision
 from rlfunc.device import resolve_device, synchronize
-from rlfunc.train_diffusion import _init_actor, train_bc
+from rlfunc.optim.amp import precision
+from rlfunc.run.diffusion import _init_actor, train_bc
 
 TIMES: dict[str, float] = defaultdict(float)
 SYNC = lambda: None  # noqa: E731  (set to the accelerator's synchronize in main)

@@ -2,8 +2,8 @@
 proprio, through the multimodal encoder) beside flat-observation PPO on Pusher-v5's state vector, at the
 same env-step budget; and Push-v0 with images (two cameras, proprio, instruction): steps/s and success.
 
-Both Pusher runs go through the library's own trainers (rlfunc.train_encoder.train_ppo_encoder and
-rlfunc.train.train) into RUN_DIRs under --out; the learning curves (mean return of the episodes that
+Both Pusher runs go through the library's own trainers (rlfunc.run.ppo_encoder.train_ppo_encoder and
+rlfunc.run.ppo.train) into RUN_DIRs under --out; the learning curves (mean return of the episodes that
 ended in each iteration) are read back from their metrics.jsonl and printed side by side, binned by env
 steps, with steps/s and the final deterministic evaluation of each.
 
@@ -27,7 +27,7 @@ import torch
 
 from rlfunc.algos.ppo import preset
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
-from rlfunc.log import read_metrics
+from rlfunc.run.log import read_metrics
 
 # a CPU-sized encoder: two ResNet-GN stages of 16 and 32 channels, 64-wide tokens (the library default,
 # widths 32 64 128 256 and d_model 128, took ~100 ms per sample forward+backward on this machine)
@@ -63,8 +63,8 @@ def _speed(run_dir: Path) -> float:
 
 def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = True, **pixel_kw) -> dict:
     """``pixel_kw``: device, envs, encoder of :func:`pixel_config`; ``state=False`` skips the state run."""
-    from rlfunc.train import evaluate, train
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo import evaluate, train
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     results = {}
     t = time.perf_counter()
@@ -99,7 +99,7 @@ def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = T
 
 
 def run_push(out: Path, steps: int, seed: int, **pixel_kw) -> dict:
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     cfg = dataclasses.replace(pixel_config("Push-v0", steps, seed, **pixel_kw), eval_episodes=20)
     t = time.perf_counter()

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from rlfunc.algos.ppo import preset
-from rlfunc.train import train
+from rlfunc.run.ppo import train
 
 
 def timed(env: str, steps: int, num_seeds: int, vmap: str) -> float:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from rlfunc.algos.ppo import preset
-from rlfunc.log import read_metrics
-from rlfunc.train import evaluate, train
+from rlfunc.run.log import read_metrics
+from rlfunc.run.ppo import evaluate, train
 
 METHODS = {
     "plain": dict(oscillation_damping=False, adaptive_clip=False, prioritized_minibatches=False),

@@ -32,9 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlfunc import checkpoint, versions
 from rlfunc.algos.ppo import preset
-from rlfunc.train import evaluate, train
+from rlfunc.run import checkpoint, versions
+from rlfunc.run.ppo import evaluate, train
 
 
 def _disk(path: Path) -> int:
@@ -114,9 +114,10 @@ def freeze_run(seed: int, steps: int, threshold: float, window: int) -> dict:
 def update_step(repeats: int) -> dict[str, float]:
     import torch
 
-    from rlfunc import collect, func
     from rlfunc.algos.ppo import make_ppo
-    from rlfunc.train import _generators, env_spec
+    from rlfunc.core import func
+    from rlfunc.envs import collect
+    from rlfunc.run.ppo import _generators, env_spec
 
     config = preset("Pendulum-v1", device="cpu")
     torch.set_num_threads(config.torch_threads)

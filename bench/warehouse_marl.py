@@ -1,7 +1,7 @@
 """Shared-parameter multi-agent PPO / GRPO / GSPO on Warehouse-v0 (20 AGVs) vs the scripted baseline
 (PIBT) and random; shared-parameter PPO on the public rware-tiny-2ag-v2 benchmark (learning curve).
 
-Each learned run: ``rlfunc.train_mappo.train_mappo`` with the budget given (env steps of one 20-AGV
+Each learned run: ``rlfunc.run.mappo.train_mappo`` with the budget given (env steps of one 20-AGV
 warehouse; training episodes of --episode-steps with BFS-progress shaping --shaping), then
 ``envs.warehouse.metrics.evaluate`` of the sampled policy on the default warehouse (default rewards,
 200-step episodes, --eval-episodes warehouses per eval seed). The baselines run through the same
@@ -39,7 +39,7 @@ def _append(row: dict) -> None:
 
 def learned(loss: str, seed: int, a) -> dict:
     from rlfunc.algos.mappo import MAPPOConfig
-    from rlfunc.train_mappo import train_mappo
+    from rlfunc.run.mappo import train_mappo
 
     config = MAPPOConfig(
         loss=loss, n_agents=20, seed=seed, device="cpu", total_steps=a.total_steps, num_envs=16,
@@ -74,7 +74,7 @@ def baselines(a) -> list[dict]:
 
 def rware_curve(a) -> dict:
     from rlfunc.algos.mappo import MAPPOConfig
-    from rlfunc.train_mappo import train_mappo
+    from rlfunc.run.mappo import train_mappo
 
     config = MAPPOConfig(env="rware-tiny-2ag-v2", loss="ppo", seed=0, device="cpu", total_steps=a.rware_steps,
                          num_envs=8, rollout_steps=100, hidden=(64, 64), lr=5e-4, entropy_coef=0.01,

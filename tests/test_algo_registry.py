@@ -10,11 +10,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint
 from rlfunc.algos import registry
 from rlfunc.algos.registry import AlgorithmEntry
-from rlfunc.cli import main
+from rlfunc.cli.commands import main
 from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.run import checkpoint
 
 CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def _algorithm_name_literals(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("module", ["cli.py", "cli_common.py", "cli_ppo.py", "cli_diffusion.py", "train_diffusion.py"])
+@pytest.mark.parametrize("module", ["cli/commands.py", "cli/common.py", "cli/ppo.py", "cli/diffusion.py", "run/diffusion.py"])
 def test_dispatch_modules_hold_no_ladder_over_algorithm_names(module):
     assert _algorithm_name_literals(ROOT / "rlfunc" / module) == []
 

@@ -1,13 +1,13 @@
-"""Mixed precision and gradient accumulation (rlfunc.amp)."""
+"""Mixed precision and gradient accumulation (rlfunc.optim.amp)."""
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import func
-from rlfunc.amp import accumulate_gradients, precision, step
+from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.nets.denoiser import DiffusionMLP
+from rlfunc.optim.amp import accumulate_gradients, precision, step
 
 
 def _setup(seed=0):

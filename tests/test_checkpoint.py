@@ -13,8 +13,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-import rlfunc.checkpoint as ckpt
-from rlfunc.checkpoint import (
+import rlfunc.run.checkpoint as ckpt
+from rlfunc.run.checkpoint import (
     latest_snapshot,
     load_meta,
     load_snapshot,

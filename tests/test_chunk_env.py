@@ -11,14 +11,14 @@ from torchrl.envs.utils import check_env_specs
 
 import envs  # noqa: F401
 from envs.push import env as pe
-from rlfunc import func
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, env_info
 from rlfunc.algos.dppo import DPPOConfig
-from rlfunc.chunk_env import GymChunkEnv, scale_action, unscale_action
-from rlfunc.demos import chunk_indices, expert_demonstrations
+from rlfunc.core import func
+from rlfunc.envs.chunk import GymChunkEnv, scale_action, unscale_action
+from rlfunc.envs.demos import chunk_indices, expert_demonstrations
 from rlfunc.errors import CheckpointError, EnvError
-from rlfunc.train_diffusion import evaluate_run, load_actor, train_bc, train_dppo
+from rlfunc.run.diffusion import evaluate_run, load_actor, train_bc, train_dppo
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rlfunc.cli import main
+from rlfunc.cli.commands import main
 
 TINY = ["--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--minibatch-size", "64",
         "--num-epochs", "1", "--eval-episodes", "2", "--device", "cpu", "--checkpoint-every", "1"]
@@ -87,7 +87,7 @@ def test_corrupt_snapshot_is_refused(tmp_path, run_dir, capsys):
 
 
 def test_corrupt_latest_snapshot_names_older_ones_and_resume_can_continue_from_one(tmp_path, capsys):
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY, "--version-every", "0"]) == 0
@@ -116,7 +116,7 @@ def test_refused_resume_from_a_snapshot_leaves_latest_as_it_was(tmp_path, run_di
     # resume must still continue from the snapshot 'latest' named before, not silently from NAME
     import shutil
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -193,7 +193,7 @@ def test_signal_saves_snapshot_and_exits_cleanly(tmp_path, sig, copies):
     import signal
     import time
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     args = [sys.executable, "-m", "rlfunc.cli", "train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run),
@@ -217,7 +217,7 @@ def test_signal_saves_snapshot_and_exits_cleanly(tmp_path, sig, copies):
 def test_shaping_preset_flag_and_unknown_name(tmp_path, capsys):
     """`--shaping ppo-shaped` starts from the shaping preset (every transform on); an unknown name is
     one line, exit 2."""
-    from rlfunc.cli import main
+    from rlfunc.cli.commands import main
 
     assert main(["train", "ppo", "--env", "Pendulum-v1", "--shaping", "nope", "--run-dir", str(tmp_path / "x")]) == 2
     assert "shaping='nope'" in capsys.readouterr().err
@@ -256,7 +256,7 @@ def test_bad_resume_budget_is_one_line_exit_2(tmp_path, run_dir, capsys, args, m
 def test_interrupted_runs_say_how_to_continue(capsys):
     from types import SimpleNamespace
 
-    from rlfunc.cli_common import report_run
+    from rlfunc.cli.common import report_run
 
     result = SimpleNamespace(run_dir="runs/x", interrupted="SIGTERM", evaluation=None)
     assert report_run(result, "evaluate it with `rlfunc eval runs/x`") == 143
@@ -270,7 +270,7 @@ def test_a_run_saved_on_another_device_type_evaluates_the_same_and_resume_names_
     # states' shapes; here the other way round: the snapshot's states made 16-byte, as CUDA saves them
     import shutil
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -290,7 +290,7 @@ def test_a_run_saved_on_another_device_type_evaluates_the_same_and_resume_names_
 def test_resume_on_a_named_device(tmp_path, run_dir, capsys):
     import shutil
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -307,7 +307,7 @@ def test_a_version_saved_on_another_device_type_names_the_device_on_resume(tmp_p
     # the other device type gave "does not match the run: key 'learner.rng' ..." without the device to use
     import shutil
 
-    from rlfunc import versions
+    from rlfunc.run import versions
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -329,7 +329,7 @@ def test_a_version_saved_on_another_device_type_names_the_device_on_resume(tmp_p
 def test_resume_on_a_bad_device_writes_nothing(tmp_path, run_dir, capsys):
     import shutil
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -352,7 +352,7 @@ def test_parse_config_builds_the_library_classes_and_validates_once_outside_tyro
     # included, and the constructor's ConfigError comes out as itself (one line), not tyro's box
     from rlfunc.algos.bc import BCConfig
     from rlfunc.algos.diffusion_actor import ActorSpec
-    from rlfunc.cli_common import parse_config
+    from rlfunc.cli.common import parse_config
     from rlfunc.errors import ConfigError
 
     config = parse_config(BCConfig, ["--lr", "0.01", "--actor.horizon", "8"], default=BCConfig(), prog="p", description="d")
@@ -370,7 +370,7 @@ def test_torchrl_info_lines_go_to_stderr_so_stdout_is_the_json_line():
     import subprocess
     import sys
 
-    code = ("from rlfunc.cli import _torchrl_logs_to_stderr; _torchrl_logs_to_stderr()\n"
+    code = ("from rlfunc.cli.commands import _torchrl_logs_to_stderr; _torchrl_logs_to_stderr()\n"
             "import torch; from tensordict import TensorDict; from torchrl.data import LazyTensorStorage, ReplayBuffer\n"
             "ReplayBuffer(storage=LazyTensorStorage(4)).extend(TensorDict({'a': torch.zeros(2, 1)}, batch_size=[2]))\n"
             "print('{}')")

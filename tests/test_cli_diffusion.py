@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from rlfunc.cli import main
+from rlfunc.cli.commands import main
 
 ACTOR = ["--actor.hidden", "32", "32", "--actor.ddim-steps", "3", "--actor.num-train-steps", "6"]
 BC = ["--num-demos", "8", "--num-updates", "20", "--batch-size", "32", "--log-every", "10", "--eval-episodes", "8",
@@ -90,7 +90,7 @@ def test_a_diffusion_run_saved_on_another_device_type(bc_dir, tmp_path, capsys):
     # ran on" without naming that device, and took any other difference of "rng" for another device type
     import torch
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     d = tmp_path / "bc"
     shutil.copytree(bc_dir, d)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlfunc import collect
+from rlfunc.envs import collect
 from rlfunc.errors import EnvError
 
 

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributions import Normal
 
-from rlfunc import func
+from rlfunc.core import func
 from rlfunc.diffusion.ddim import chain_log_prob, ddim_step, gaussian_chain_log_prob, sample
 from rlfunc.diffusion.ddpm import denoising_loss, q_sample, sample_timesteps
 from rlfunc.diffusion.schedule import alpha_prod, beta_schedule, check_schedule, ddim_timesteps, make_schedule

@@ -7,17 +7,18 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, func
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
-from rlfunc.amp import precision
+from rlfunc.core import func
 from rlfunc.diffusion.ddim import sample
 from rlfunc.diffusion.schedule import make_schedule
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.nets.unet1d import ConditionalUnet1D
-from rlfunc.train_diffusion import evaluate_run, load_actor, train_bc, train_dppo, train_td3_diffusion
+from rlfunc.optim.amp import precision
+from rlfunc.run import checkpoint
+from rlfunc.run.diffusion import evaluate_run, load_actor, train_bc, train_dppo, train_td3_diffusion
 
 CPU = torch.device("cpu")
 SMALL = ActorSpec(hidden=(128, 128, 128), horizon=4, act_steps=4, num_train_steps=20, ddim_steps=10)
@@ -199,7 +200,7 @@ def test_signal_stops_a_run_with_a_snapshot(tmp_path, monkeypatch):
     import os
     import signal
 
-    import rlfunc.train_diffusion as td
+    import rlfunc.run.diffusion as td
 
     real = td.make_bc
 
@@ -237,7 +238,7 @@ def test_diffusion_envs_torch_batched_or_gymnasium_chunked():
     """PointReach-v0 is torch-batched; a gymnasium id with bounded Box actions runs chunked on the
     host; an unknown id is one clear error."""
     from envs.point_reach import PointReachEnv
-    from rlfunc.chunk_env import GymChunkEnv
+    from rlfunc.envs.chunk import GymChunkEnv
 
     assert isinstance(make_env("PointReach-v0", 2, 4, CPU, 0), PointReachEnv)
     env = make_env("Pendulum-v1", 2, 1, CPU, 0)
@@ -301,7 +302,7 @@ def test_second_signal_quits_at_once(capsys):
     import os
     import signal
 
-    from rlfunc.resume import StopOnSignal
+    from rlfunc.run.resume import StopOnSignal
 
     with pytest.raises(KeyboardInterrupt):
         with StopOnSignal() as stop:

@@ -1,4 +1,4 @@
-"""rlfunc.distributions against torch.distributions in float64, plus edge cases at the tanh boundary."""
+"""rlfunc.core.distributions against torch.distributions in float64, plus edge cases at the tanh boundary."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch.distributions import Independent, Normal, TransformedDistribution
 from torch.distributions.transforms import AffineTransform, TanhTransform
 
-from rlfunc.distributions import (
+from rlfunc.core.distributions import (
     gaussian_entropy,
     gaussian_log_prob,
     gaussian_sample,

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlfunc import func
+from rlfunc.core import func
 from rlfunc.errors import CheckpointError, ConfigError, ShapeError
 from rlfunc.nets.encoders import (
     AttentionPool2d,
@@ -24,7 +24,7 @@ from rlfunc.nets.encoders import (
     preprocess_images,
     sincos_2d,
 )
-from rlfunc.normalize import normalize, update_running_stats
+from rlfunc.core.normalize import normalize, update_running_stats
 
 INSTRUCTIONS = ("Pick up the red cube", "open the top drawer", "push the blue block to the left")
 SMALL = dict(d_model=32, num_heads=4, widths=(16, 32, 64, 128), group_size=8, image_size=(64, 64),

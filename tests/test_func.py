@@ -1,14 +1,14 @@
-"""rlfunc.func: params as TensorDicts, apply, stacking, and vmap (torch.func path == loop path)."""
+"""rlfunc.core.func: params as TensorDicts, apply, stacking, and vmap (torch.func path == loop path)."""
 
 import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-import rlfunc.func as F
+import rlfunc.core.func as F
+from rlfunc.core import func
+from rlfunc.core.func import all_finite, apply, init_stacked, leaves, params_from_module, stack_params, vmap
 from rlfunc.errors import ShapeError
-from rlfunc import func
-from rlfunc.func import all_finite, apply, init_stacked, leaves, params_from_module, stack_params, vmap
 from rlfunc.nets.actor_critic import sequential_apply
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint
 from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.algos.mappo import MAPPOConfig
-from rlfunc.cli import main
+from rlfunc.cli.commands import main
+from rlfunc.run import checkpoint
 
 DATA = Path(__file__).parent / "data"  # runs written by rlfunc at commit d98cef6 (their READMEs)
 SMALL_LAYOUT = ("P......D", "..#..#..", "P......D")  # tests/test_resume_group.py's small warehouse
@@ -26,7 +26,7 @@ TIMING = {"time", "steps_per_s", "collect_s", "update_s"}
 def small_warehouse(monkeypatch):
     from envs import registry_entries
     from envs.warehouse import WarehouseConfig
-    from rlfunc import train_mappo as tm
+    from rlfunc.run import mappo as tm
 
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=6, shaping_scale=0.1)
     monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
@@ -95,7 +95,7 @@ def _mappo_config(loss: str, iterations: int, **kw) -> MAPPOConfig:
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
 def test_a_grpo_snapshot_of_layout_1_resumes_exactly(tmp_path, num_seeds):
-    from rlfunc.train_grpo import resume_grpo, train_grpo
+    from rlfunc.run.grpo import resume_grpo, train_grpo
 
     config = _grpo_config(4, num_seeds=num_seeds)
     full = train_grpo(config, tmp_path / "full", progress=False, tensorboard=False)
@@ -119,7 +119,7 @@ def test_a_mappo_snapshot_of_layout_1_resumes_exactly(tmp_path, small_warehouse,
 
 
 def test_a_grpo_run_written_by_the_old_code_resumes_and_evaluates(tmp_path):
-    from rlfunc.train_grpo import evaluate_run, resume_grpo
+    from rlfunc.run.grpo import evaluate_run, resume_grpo
 
     run = _copy("grpo_state_layout_1", tmp_path)
     saved, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(run))

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from rlfunc.core.returns import group_relative_advantage
 from rlfunc.errors import ConfigError, EnvError, ShapeError
 from rlfunc.losses.grpo import grpo_loss, k3_kl, masked_aggregate
 from rlfunc.losses.gspo import gspo_loss
-from rlfunc.returns import group_relative_advantage
 
 # ---------------------------------------------------------------------------------------------
 # Advantages
@@ -344,8 +344,8 @@ def _assert_grouped_starts(obs):
 
 
 def test_grouped_rollout_gym_same_seed_per_group():
-    from rlfunc import collect
-    from rlfunc.grouped import grouped_rollout_gym, sequence_return
+    from rlfunc.envs import collect
+    from rlfunc.envs.grouped import grouped_rollout_gym, sequence_return
 
     venv = collect.make_vec_env("Pendulum-v1", 6)
     try:
@@ -367,8 +367,8 @@ def test_grouped_rollout_gym_same_seed_per_group():
 
 
 def test_grouped_rollout_gym_masks_after_first_episode():
-    from rlfunc import collect
-    from rlfunc.grouped import first_episode_mask, grouped_rollout_gym
+    from rlfunc.envs import collect
+    from rlfunc.envs.grouped import first_episode_mask, grouped_rollout_gym
 
     done = torch.tensor([[0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]).bool().unsqueeze(-1)
     expected = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).bool().unsqueeze(-1)
@@ -388,7 +388,7 @@ def test_grouped_rollout_gym_masks_after_first_episode():
 
 def test_grouped_rollout_torchrl_point_reach():
     from envs.point_reach import PointReachEnv
-    from rlfunc.grouped import grouped_reset, grouped_rollout_torchrl, sequence_return
+    from rlfunc.envs.grouped import grouped_reset, grouped_rollout_torchrl, sequence_return
 
     env = PointReachEnv(12, seed=5)
     td = grouped_rollout_torchrl(env, _random_policy(2, 0), 4, 30)
@@ -413,7 +413,7 @@ def test_grouped_rollout_torchrl_point_reach():
 
 def _point_reach_setup(**overrides):
     from rlfunc.algos.grpo import GRPOConfig, make_grpo
-    from rlfunc.train_grpo import _rollout_fn, _spec
+    from rlfunc.run.grpo import _rollout_fn, _spec
 
     config = GRPOConfig(env="PointReach-v0", num_groups=4, group_size=4, minibatch_size=16, **overrides)
     device = torch.device("cpu")
@@ -428,7 +428,7 @@ def _point_reach_setup(**overrides):
 def test_first_update_starts_at_ratio_one(loss):
     """One epoch, one minibatch: the update sees the log-probabilities the rollout recorded (same
     normaliser, same actor), so the ratio is exactly 1 and nothing is clipped."""
-    from rlfunc.train import _generators
+    from rlfunc.run.ppo import _generators
 
     config, algo, state, rollout = _point_reach_setup(loss=loss, num_epochs=1, kl_coef=0.1)
     gens = _generators(state, torch.device("cpu"))
@@ -464,7 +464,7 @@ def test_grpo_improves_point_reach(tmp_path):
     """A short GRPO run on the torch-batched PointReach-v0 (fixed seed) raises the deterministic
     return from about -0.3 (standing still) by more than 1 (the success bonus alone is 1)."""
     from rlfunc.algos.grpo import GRPOConfig
-    from rlfunc.train_grpo import _spec, evaluate_policy, train_grpo, make_grpo
+    from rlfunc.run.grpo import _spec, evaluate_policy, train_grpo, make_grpo
 
     config = GRPOConfig(env="PointReach-v0", total_steps=46_080, num_groups=16, group_size=8, minibatch_size=32,
                         checkpoint_every=0, eval_episodes=20, seed=0)
@@ -481,7 +481,7 @@ def test_grpo_improves_point_reach(tmp_path):
 def test_cli_train_and_eval_gspo(tmp_path, capsys):
     import json
 
-    from rlfunc.cli import main
+    from rlfunc.cli.commands import main
 
     run = tmp_path / "gspo"
     assert main(["train", "gspo", "--env", "PointReach-v0", "--total-steps", "1000", "--num-groups", "4",
@@ -498,7 +498,7 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
     assert resumed["mean"] == pytest.approx(out["mean"])
     # as if saved on the other device type (CPU generator states are 5056 bytes, CUDA ones 16): evaluation
     # loads it (it failed on the states' shapes), resume names the device type to resume on
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     snap = checkpoint.latest_snapshot(run)
     state, meta = checkpoint.load_snapshot(snap)
@@ -529,7 +529,7 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
 def test_train_grpo_gym_backend_and_seeds(tmp_path):
     """Pendulum through the gymnasium path: groups share reset seeds, new seeds every iteration."""
     from rlfunc.algos.grpo import GRPOConfig
-    from rlfunc.train_grpo import _rollout_fn, group_seeds, train_grpo
+    from rlfunc.run.grpo import _rollout_fn, group_seeds, train_grpo
 
     assert group_seeds(0, 0, 3) != group_seeds(0, 1, 3) and len(set(group_seeds(0, 0, 3))) == 3
     config = GRPOConfig(env="Pendulum-v1", num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5,
@@ -538,7 +538,7 @@ def test_train_grpo_gym_backend_and_seeds(tmp_path):
     rollout, close = _rollout_fn(config, torch.device("cpu"))
     try:
         from rlfunc.algos.grpo import make_grpo
-        from rlfunc.train_grpo import _spec
+        from rlfunc.run.grpo import _spec
 
         algo = make_grpo(config, _spec(config.env), torch.device("cpu"))
         state = algo.init()

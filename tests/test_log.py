@@ -2,7 +2,7 @@
 
 import json
 
-from rlfunc.log import MetricsLogger, curve_points, plot_learning_curve, read_metrics
+from rlfunc.run.log import MetricsLogger, curve_points, plot_learning_curve, read_metrics
 
 
 def test_curve_joins_iterations_without_episode_ends(tmp_path):

@@ -1,4 +1,4 @@
-"""Shared-parameter multi-agent PPO / GRPO / GSPO (rlfunc.algos.mappo, rlfunc.train_mappo) and the rware adapter."""
+"""Shared-parameter multi-agent PPO / GRPO / GSPO (rlfunc.algos.mappo, rlfunc.run.mappo) and the rware adapter."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch
     from envs import registry_entries
     from envs.warehouse import WarehouseConfig
     from envs.warehouse.metrics import evaluate, random_policy
-    from rlfunc import train_mappo as tm
+    from rlfunc.run import mappo as tm
 
     torch.manual_seed(0)
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=50, shaping_scale=0.1)
@@ -165,7 +165,7 @@ def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch
 def test_grouped_losses_run(tmp_path, monkeypatch, loss):
     from envs import registry_entries
     from envs.warehouse import WarehouseConfig
-    from rlfunc import train_mappo as tm
+    from rlfunc.run import mappo as tm
 
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=10)
     monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
@@ -180,7 +180,7 @@ def test_grouped_losses_run(tmp_path, monkeypatch, loss):
 def test_grouped_rollout_members_share_start_state():
     """grouped_reset copies the warehouse state (positions, goals, task seeds) within a group."""
     from envs.warehouse import WarehouseConfig, WarehouseEnv
-    from rlfunc.grouped import grouped_reset
+    from rlfunc.envs.grouped import grouped_reset
 
     env = WarehouseEnv(6, WarehouseConfig(n_agents=3, layout=SMALL_LAYOUT, obs_radius=1), seed=0)
     td = grouped_reset(env, 3)
@@ -207,7 +207,7 @@ def test_rware_adapter_steps():
 
 
 def test_cli_train_mappo(tmp_path, capsys):
-    from rlfunc.cli import main
+    from rlfunc.cli.commands import main
 
     run = tmp_path / "run"
     code = main(["train", "mappo", "--env", "Warehouse-v0", "--n-agents", "2", "--num-envs", "2", "--rollout-steps", "5",
@@ -246,8 +246,8 @@ def test_rware_rng_state_round_trip():
 def test_cli_eval_of_a_mappo_run_on_any_device_type(tmp_path, capsys):
     # `rlfunc eval` of a mappo run was refused ("snapshot algo='mappo': expected 'ppo'"), so a run trained
     # on a GPU could not be evaluated on a CPU machine at all: its resume, which evaluates, is refused there
-    from rlfunc import checkpoint
-    from rlfunc.cli import main
+    from rlfunc.cli.commands import main
+    from rlfunc.run import checkpoint
 
     run = tmp_path / "run"
     assert main(["train", "mappo", "--env", "Warehouse-v0", "--n-agents", "2", "--num-envs", "2", "--rollout-steps", "5",

@@ -1,4 +1,4 @@
-"""rlfunc.normalize: merge property, float64 numpy references, masking, vmap vs loop."""
+"""rlfunc.core.normalize: merge property, float64 numpy references, masking, vmap vs loop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.normalize import (
+from rlfunc.core.normalize import (
     denormalize,
     init_running_stats,
     merge_running_stats,

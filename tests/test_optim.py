@@ -6,8 +6,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlfunc.core.func import as_leaves, leaves
 from rlfunc.errors import ConfigError
-from rlfunc.func import as_leaves, leaves
 from rlfunc.optim import (
     clip_grads_,
     linear_lr,

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 import envs  # noqa: F401  (registers PointReach-v0)
 from envs import point_reach as pr
-from rlfunc import collect
+from rlfunc.envs import collect
 from rlfunc.errors import ConfigError, EnvError, ShapeError
 
 

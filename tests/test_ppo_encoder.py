@@ -1,4 +1,4 @@
-"""Gaussian PPO through the multimodal encoder (rlfunc.algos.ppo_encoder, rlfunc.train_encoder).
+"""Gaussian PPO through the multimodal encoder (rlfunc.algos.ppo_encoder, rlfunc.run.ppo_encoder).
 
 A tiny encoder (ResNet widths (8, 8), d_model 16) keeps every test fast; tests that step Push-v0
 render its cameras and skip when no OpenGL works (as tests/test_push.py)."""
@@ -11,11 +11,12 @@ import torch
 from tensordict import TensorDict
 
 from envs.push import env as pe
-from rlfunc import checkpoint, func
 from rlfunc.algos.diffusion_actor import EnvInfo, env_info
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig, make_ppo_encoder
-from rlfunc.chunk_env import GymChunkEnv
+from rlfunc.core import func
+from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import ConfigError, EnvError
+from rlfunc.run import checkpoint
 
 CPU = torch.device("cpu")
 TINY = dict(
@@ -92,7 +93,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_minibatch():
         config = PPOEncoderConfig(env="none", **{**TINY, "micro_batch_size": micro, "num_envs": 1, "minibatch_size": 8, "num_epochs": 1})
         algo = make_ppo_encoder(config, INFO, CPU)
         state = algo.init()
-        from rlfunc.amp import accumulate_gradients
+        from rlfunc.optim.amp import accumulate_gradients
 
         accumulate_gradients(lambda m: algo.loss(state["params"], state["proprio_stats"], m), _batch(8, 1), micro)
         grads.append(torch.cat([p.grad.flatten() for p in func.leaves(state["params"])]))
@@ -115,7 +116,7 @@ def test_policy_log_prob_is_the_gaussian_density_of_the_action():
 
 
 def _train(tmp_path, name, **overrides):
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     config = PPOEncoderConfig(env="Push-v0", total_steps=32, **{**TINY, **overrides})
     return train_ppo_encoder(config, tmp_path / name, progress=False, tensorboard=False, evaluate_at_end=False)
@@ -165,7 +166,7 @@ def test_envs_keep_running_across_iterations():
 
 @needs_rendering
 def test_cli_trains_push_with_images_and_evaluates(tmp_path, capsys):
-    from rlfunc.cli import main
+    from rlfunc.cli.commands import main
 
     run = tmp_path / "run"
     flags = ["--total-steps", "16", "--num-envs", "2", "--num-steps", "8", "--minibatch-size", "8", "--num-epochs", "1",
@@ -194,7 +195,7 @@ def test_cli_trains_push_with_images_and_evaluates(tmp_path, capsys):
 
 
 def test_box_observation_env_is_a_clear_error(tmp_path):
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     with pytest.raises(EnvError, match="Box observation.*Dict observation"):
         train_ppo_encoder(PPOEncoderConfig(env="PushState-v0", **TINY), tmp_path / "run", progress=False)
@@ -217,21 +218,21 @@ def test_config_errors_name_the_field():
 
 def test_eval_of_a_missing_run_is_a_checkpoint_error(tmp_path):
     from rlfunc.errors import CheckpointError
-    from rlfunc.train_encoder import evaluate_run
+    from rlfunc.run.ppo_encoder import evaluate_run
 
     with pytest.raises(CheckpointError, match="no complete snapshot"):
         evaluate_run(tmp_path)
 
 
 def test_success_is_reported_only_for_envs_that_report_it():
-    from rlfunc.train_encoder import reports_success
+    from rlfunc.run.ppo_encoder import reports_success
 
     assert reports_success("PushState-v0")
     assert not reports_success("Pusher-v5")
 
 
 def test_bf16_autocast_with_checkpointed_vision_is_close_to_float32():
-    from rlfunc.amp import accumulate_gradients, precision
+    from rlfunc.optim.amp import accumulate_gradients, precision
 
     losses, grads = [], []
     for mode, ckpt in (("off", False), ("bf16", True)):

@@ -10,10 +10,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, func
 from rlfunc.algos.ppo import preset
-from rlfunc.cli import main
-from rlfunc.train import evaluate, train
+from rlfunc.cli.commands import main
+from rlfunc.core import func
+from rlfunc.run import checkpoint
+from rlfunc.run.ppo import evaluate, train
 
 FIXTURE = Path(__file__).parent / "data" / "ppo_state_layout_1"  # written by rlfunc at commit c0e6595 (its README)
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu", version_every=0)
@@ -132,7 +133,7 @@ def _layout_1(state: TensorDict) -> TensorDict:
 
 
 def test_a_version_of_layout_1_resumes_exactly_after_a_rollback(tmp_path):
-    from rlfunc import versions
+    from rlfunc.run import versions
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, version_every=1))
     full = train(config, tmp_path / "full", progress=False, tensorboard=False)

@@ -17,7 +17,7 @@ from gymnasium.utils.env_checker import check_env
 import envs  # noqa: F401  (registers Push-v0 and PushState-v0)
 from envs.push import env as pe
 from envs.push import expert as px
-from rlfunc import collect
+from rlfunc.envs import collect
 from rlfunc.errors import ConfigError, EnvError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-import rlfunc.train_diffusion as td
-from rlfunc import checkpoint
+import rlfunc.run.diffusion as td
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.run import checkpoint
 
 ACTOR = ActorSpec(hidden=(32, 32), num_train_steps=6, ddim_steps=3)  # horizon = act_steps = 4
 QUIET = dict(progress=False, tensorboard=False)
@@ -198,7 +198,7 @@ def test_bc_rolled_back_to_a_version_resumes_to_the_uninterrupted_run(tmp_path):
     """version_every=1: a version per update (branch "main"); rolled back to update 4's (which holds
     the metrics of update 4, pending since the line of update 3), the resumed run ends as one that
     ran straight through: state, last snapshot, metrics lines and evaluation."""
-    from rlfunc import versions
+    from rlfunc.run import versions
 
     with pytest.raises(ConfigError, match="version_every=-1"):
         _bc(version_every=-1)

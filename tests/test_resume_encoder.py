@@ -1,4 +1,4 @@
-"""Resume of Gaussian PPO over Dict observations (rlfunc.train_encoder, algo "ppo-encoder") on Push-v0.
+"""Resume of Gaussian PPO over Dict observations (rlfunc.run.ppo_encoder, algo "ppo-encoder") on Push-v0.
 
 The property: 4 iterations in one go == 2 iterations, a crash, resume for 2 more, tensor for tensor
 (learner, Adam state, generator, the carry the next step acts on, the envs' MuJoCo state), with the
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from envs.push import env as pe
-from rlfunc import checkpoint
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
 from rlfunc.errors import CheckpointError
+from rlfunc.run import checkpoint
 
 pytestmark = pytest.mark.skipif(not pe.rendering_available(), reason=f"no working OpenGL (backend {pe.gl_backend()})")
 
@@ -28,7 +28,7 @@ TIMING = {"time", "steps_per_s", "collect_s", "update_s"}
 
 
 def _train(run_dir, iterations: int, **kw):
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     config = PPOEncoderConfig(**{**TINY, "total_steps": 8 * iterations, **kw})
     return train_ppo_encoder(config, run_dir, evaluate_at_end=False, **QUIET)
@@ -45,7 +45,7 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def test_resume_after_a_crash_is_exact(tmp_path):
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     full = _train(tmp_path / "full", 4, checkpoint_every=2)
     # a crash after iteration 2's snapshot: the later snapshot gone, the later metrics lines still there
@@ -73,7 +73,7 @@ def test_resume_after_a_crash_is_exact(tmp_path):
 
 
 def test_cli_resume_extends_the_budget_and_refuses_a_smaller_one(tmp_path, capsys):
-    from rlfunc.cli import main
+    from rlfunc.cli.commands import main
 
     run = tmp_path / "run"
     _train(run, 2)
@@ -95,8 +95,8 @@ def test_cli_resume_extends_the_budget_and_refuses_a_smaller_one(tmp_path, capsy
 def test_envs_whose_state_is_not_captured_resume_with_new_episodes(tmp_path, monkeypatch):
     """Without the envs' state the resumed run warns and starts new episodes; the learner, Adam's
     state and the generator still come back exactly, and training goes on from them."""
-    from rlfunc.chunk_env import GymChunkEnv
-    from rlfunc.train_encoder import resume_encoder, train_ppo_encoder
+    from rlfunc.envs.chunk import GymChunkEnv
+    from rlfunc.run.ppo_encoder import resume_encoder, train_ppo_encoder
 
     monkeypatch.setattr(GymChunkEnv, "episode_state", lambda self: None)
     run = tmp_path / "run"

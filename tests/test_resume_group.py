@@ -15,10 +15,10 @@ import shutil
 import pytest
 import torch
 
-from rlfunc import checkpoint
 from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.algos.mappo import MAPPOConfig
 from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.run import checkpoint
 
 SMALL_LAYOUT = (
     "P......D",
@@ -33,7 +33,7 @@ def small_warehouse(monkeypatch):
     """A 3 x 8 warehouse with 2 AGVs and 6-step episodes (so rollouts cross episode ends)."""
     from envs import registry_entries
     from envs.warehouse import WarehouseConfig
-    from rlfunc import train_mappo as tm
+    from rlfunc.run import mappo as tm
 
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=6, shaping_scale=0.1)
     monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
@@ -134,14 +134,14 @@ def test_mappo_resume_extends_with_total_steps(tmp_path, small_warehouse):
 def test_mappo_rollback_to_a_version_resumes_exactly(tmp_path, small_warehouse, loss):
     """version_every=1 writes a version per iteration; after a rollback to v000002 a resume continues
     from it (not from the newer snapshot of the abandoned branch) and ends where the uninterrupted run did."""
-    from rlfunc import versions
+    from rlfunc.run import versions
 
     tm = small_warehouse
     config = _mappo_config(loss, 4, version_every=1, critic="mean")
     run = tmp_path / "run"
     full = tm.train_mappo(config, run, progress=False, tensorboard=False)  # the uninterrupted run
     assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
-    assert len(list((run / "checkpoints").glob("step_*"))) == 2  # keep_checkpoints' default
+    assert len(list((run / "checkpoints").glob("step_*"))) == 1  # checkpoint_every=0: the final snapshot only (versions have their own cadence)
     before = _metrics(run)
     assert versions.rollback(run, "v000002", branch="retry") == "retry"
     resumed = tm.resume_mappo(run, progress=False, tensorboard=False)
@@ -160,7 +160,7 @@ def test_mappo_rollback_to_a_version_resumes_exactly(tmp_path, small_warehouse, 
 
 @pytest.mark.parametrize("env,loss", [("PointReach-v0", "grpo"), ("Pendulum-v1", "gspo")])
 def test_grpo_resume_after_a_crash_is_exact(tmp_path, env, loss):
-    from rlfunc.train_grpo import resume_grpo, train_grpo
+    from rlfunc.run.grpo import resume_grpo, train_grpo
 
     config = _grpo_config(env, 4, loss=loss, checkpoint_every=2)
     full = train_grpo(config, tmp_path / "full", progress=False, tensorboard=False)
@@ -172,7 +172,7 @@ def test_grpo_resume_after_a_crash_is_exact(tmp_path, env, loss):
 
 
 def test_grpo_resume_extends_with_total_steps(tmp_path):
-    from rlfunc.train_grpo import resume_grpo, train_grpo
+    from rlfunc.run.grpo import resume_grpo, train_grpo
 
     full_config = _grpo_config("PointReach-v0", 4, anneal_lr=False, checkpoint_every=0)
     short_config = _grpo_config("PointReach-v0", 2, anneal_lr=False, checkpoint_every=0)
@@ -183,7 +183,7 @@ def test_grpo_resume_extends_with_total_steps(tmp_path):
 
 
 def test_resume_without_a_snapshot_names_the_run_dir(tmp_path, small_warehouse):
-    from rlfunc.train_grpo import resume_grpo, train_grpo
+    from rlfunc.run.grpo import resume_grpo, train_grpo
 
     empty = tmp_path / "empty-run"
     empty.mkdir()
@@ -213,7 +213,7 @@ def test_resume_without_a_snapshot_names_the_run_dir(tmp_path, small_warehouse):
 
 def test_mappo_rware_resume_warns_and_starts_new_episodes(tmp_path):
     pytest.importorskip("rware")
-    from rlfunc.train_mappo import resume_mappo, train_mappo
+    from rlfunc.run.mappo import resume_mappo, train_mappo
 
     config = MAPPOConfig(env="rware-tiny-2ag-v2", loss="ppo", num_envs=1, rollout_steps=5, total_steps=10, hidden=(8,),
                          num_epochs=1, num_minibatches=1, eval_episodes=1, eval_seeds=(0,), device="cpu")
@@ -229,8 +229,8 @@ def test_mappo_rware_resume_warns_and_starts_new_episodes(tmp_path):
 def test_grpo_versions_rollback_and_resume_continue_exactly(tmp_path):
     # the one run loop writes versions for every algorithm: after a rollback to v2 of 4, resuming
     # re-runs iterations 3-4 on a new branch and ends equal to the uninterrupted run
-    from rlfunc import versions
-    from rlfunc.train_grpo import resume_grpo, train_grpo
+    from rlfunc.run import versions
+    from rlfunc.run.grpo import resume_grpo, train_grpo
 
     config = _grpo_config("PointReach-v0", 4, version_every=1)
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""The shared resume machinery (rlfunc.resume) and the envs' public RNG / episode state."""
+"""The shared resume machinery (rlfunc.run.resume) and the envs' public RNG / episode state."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from rlfunc import checkpoint, resume
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.run import checkpoint, resume
 
 
 def test_point_reach_and_warehouse_rng_state_round_trips():
@@ -32,7 +32,7 @@ def test_point_reach_and_warehouse_rng_state_round_trips():
 
 
 def test_chunk_env_rng_and_episode_state_continue_episodes_exactly():
-    from rlfunc.chunk_env import GymChunkEnv
+    from rlfunc.envs.chunk import GymChunkEnv
 
     env = GymChunkEnv("Pendulum-v1", 2, seed=3)
     try:

@@ -1,4 +1,4 @@
-"""rlfunc.returns against plain float64 loops, TorchRL, and hand-computed values."""
+"""rlfunc.core.returns against plain float64 loops, TorchRL, and hand-computed values."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from torchrl.objectives.value.functional import generalized_advantage_estimate a
 from torchrl.objectives.value.functional import vec_generalized_advantage_estimate as torchrl_vec_gae
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.returns import (
+from rlfunc.core.returns import (
     discounted_returns,
     forward_discounted_sum,
     generalized_advantage_estimate,
@@ -334,7 +334,7 @@ def test_scans_are_differentiable_when_autograd_records():
 
 def test_blocked_forward_scan_matches_loop():
     # forward_discounted_sum has no ``block`` argument; the blocked forward path is checked directly
-    from rlfunc.returns import _blocked_scan
+    from rlfunc.core.returns import _blocked_scan
 
     x, discount = torch.randn(3, 77, 2), torch.rand(3, 77, 2)
     for block in (2, 8, 32):

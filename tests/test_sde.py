@@ -1,4 +1,4 @@
-"""gSDE (rlfunc.sde) against float64 torch.distributions references, and wired into PPO: noise held
+"""gSDE (rlfunc.core.sde) against float64 torch.distributions references, and wired into PPO: noise held
 for sde_sample_freq steps, rollout/loss log-probabilities agree, seeds as a batch, exact resume, learning."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 from torch.distributions import Independent, Normal, TransformedDistribution
 from torch.distributions.transforms import TanhTransform
 
-from rlfunc import collect, func
 from rlfunc.algos.ppo import make_ppo, preset
+from rlfunc.core import func
+from rlfunc.envs import collect
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.sde import (
+from rlfunc.core.sde import (
     EPSILON,
     draw_exploration_matrix,
     exploration_matrix,
@@ -123,7 +124,7 @@ def test_resample_due_and_bad_inputs():
 
 
 def _policy_and_state(num_seeds=1, num_envs=3, **overrides):
-    from rlfunc.train import _generators, env_spec
+    from rlfunc.run.ppo import _generators, env_spec
 
     config = preset("Pendulum-v1", num_envs=num_envs, num_steps=32, minibatch_size=32, num_seeds=num_seeds,
                     device="cpu", normalize_observations=True, **{**GSDE, **overrides})
@@ -165,7 +166,7 @@ def test_policy_used_by_the_rollout_can_then_be_differentiated():
 @pytest.mark.parametrize("full_std", [True, False])
 def test_rollout_log_prob_matches_the_loss_log_prob(full_std):
     # The policy's fast per-step log-probability equals sde_log_prob on the loss path (first ratio 1).
-    from rlfunc.normalize import normalize, update_running_stats
+    from rlfunc.core.normalize import normalize, update_running_stats
 
     config, venv, algo, state, gens = _policy_and_state(num_seeds=2, num_envs=4, full_std=full_std)
     assert state["params", "log_std"].shape == (2, 64, 1)  # Pendulum: one action, so [L, 1] either way
@@ -185,7 +186,7 @@ def _leaves(state):
 
 
 def test_gsde_seeds_as_a_batch_equal_separate_runs_and_vmap_equals_loop(tmp_path):
-    from rlfunc.train import train
+    from rlfunc.run.ppo import train
 
     base = dict(TINY, total_steps=2 * 128)
     loop = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "l", progress=False, tensorboard=False)
@@ -201,7 +202,7 @@ def test_gsde_seeds_as_a_batch_equal_separate_runs_and_vmap_equals_loop(tmp_path
 
 
 def test_gsde_resume_is_exact(tmp_path):
-    from rlfunc.train import train
+    from rlfunc.run.ppo import train
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **{**TINY, "sde_sample_freq": 5})
     full = train(config, tmp_path / "full", progress=False, tensorboard=False)
@@ -230,7 +231,7 @@ def test_actor_critic_apply_equals_functional_call():
 
 
 def test_short_pendulum_run_with_gsde_improves(tmp_path):
-    from rlfunc.train import evaluate, train
+    from rlfunc.run.ppo import evaluate, train
 
     # the preset, but at a constant lr of 3e-3: the preset's decay to 0 over a 4-iteration budget
     # would leave too few steps at a useful lr to show learning (the full budget's test: test_train.py)

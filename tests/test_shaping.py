@@ -1,4 +1,4 @@
-"""Gradient shaping (rlfunc.shaping, rlfunc.algos.shaped): hand-made sequences, float64 references,
+"""Gradient shaping (rlfunc.optim.shaping, rlfunc.algos.shaped): hand-made sequences, float64 references,
 statistical checks with fixed generators, and PPO with every transform off == plain PPO."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import shaping
 from rlfunc.algos.ppo import PPOConfig, EnvSpec, SHAPING_PRESETS, make_ppo, preset
 from rlfunc.errors import ConfigError
+from rlfunc.optim import shaping
 
 td = lambda **kw: TensorDict(kw, batch_size=[])  # noqa: E731
 
@@ -275,7 +275,7 @@ def test_config_errors(bad):
 
 
 def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
-    from rlfunc.checkpoint import save_snapshot
+    from rlfunc.run.checkpoint import save_snapshot
 
     kw = dict(num_envs=2, num_steps=32, minibatch_size=16, num_epochs=1, num_seeds=2, hessian_interval=2,
               oscillation_damping=True, adaptive_clip=True, prioritized_minibatches=True)
@@ -362,7 +362,7 @@ def test_grpo_gspo_shaping(loss):
 
 def test_ppo_shaped_resume_is_exact(tmp_path):
     """The shaping state travels in snapshots: 4 iterations == 2, stop, resume for 2 more."""
-    from rlfunc.train import train
+    from rlfunc.run.ppo import train
 
     tiny = dict(num_envs=2, num_steps=64, minibatch_size=32, num_epochs=1, checkpoint_every=1, device="cpu",
                 version_every=0, total_steps=4 * 128, hessian_interval=3)

@@ -1,4 +1,4 @@
-"""The evaluation protocol's statistics (rlfunc.stats): intervals with known answers, the
+"""The evaluation protocol's statistics (rlfunc.core.stats): intervals with known answers, the
 reach-and-stay rule on hand-made curves, and evaluation seeds disjoint from training ones."""
 
 import math
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlfunc import collect
+from rlfunc.core.stats import first_touch, mean_interval, reach_and_stay, success_interval, summarize_returns
+from rlfunc.envs import collect
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.stats import first_touch, mean_interval, reach_and_stay, success_interval, summarize_returns
-from rlfunc.train import EVAL_SEED_OFFSET
+from rlfunc.run.ppo import EVAL_SEED_OFFSET
 
 
 def test_mean_interval_by_hand():
@@ -88,8 +88,8 @@ def test_reach_and_stay_on_hand_made_curves():
 
 
 def test_evaluation_reset_seeds_are_disjoint_from_training_ones():
-    # the reset seeds of training (collect.env_seeds(seed, num_envs) per agent seed, as rlfunc.train
-    # does) and of evaluation (from seed + EVAL_SEED_OFFSET, as rlfunc.train.evaluate does), for runs
+    # the reset seeds of training (collect.env_seeds(seed, num_envs) per agent seed, as rlfunc.run.ppo
+    # does) and of evaluation (from seed + EVAL_SEED_OFFSET, as rlfunc.run.ppo.evaluate does), for runs
     # with seeds 0-19, 16 envs each and 100 evaluation episodes
     train = {s for seed in range(20) for s in collect.env_seeds(seed, 16)}
     evaluation = {s for seed in range(20) for s in collect.env_seeds(seed + EVAL_SEED_OFFSET, 100)}
@@ -98,9 +98,9 @@ def test_evaluation_reset_seeds_are_disjoint_from_training_ones():
 
 
 def test_train_and_evaluate_use_disjoint_reset_seeds(tmp_path, monkeypatch):
-    # what rlfunc.train.train and rlfunc.train.evaluate actually pass to the envs' reset
+    # what rlfunc.run.ppo.train and rlfunc.run.ppo.evaluate actually pass to the envs' reset
     from rlfunc.algos.ppo import preset
-    from rlfunc.train import evaluate, train
+    from rlfunc.run.ppo import evaluate, train
 
     calls = []
     real_reset = collect.reset
@@ -123,7 +123,7 @@ def test_train_and_evaluate_use_disjoint_reset_seeds(tmp_path, monkeypatch):
     # directory was refused ("no snapshot found") although `rlfunc eval` takes one for other algorithms
     import json
 
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     one = evaluate(checkpoint.latest_snapshot(tmp_path / "r"), episodes=1, device="cpu")
     assert one["episodes"] == 1 and one["ci95"] is None and one["env_steps"] == 64

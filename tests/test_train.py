@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlfunc import checkpoint, func
 from rlfunc.algos.ppo import preset
-from rlfunc.train import evaluate, train
+from rlfunc.core import func
+from rlfunc.run import checkpoint
+from rlfunc.run.ppo import evaluate, train
 
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu")
 
@@ -59,7 +60,7 @@ def test_seeds_as_a_batch_equal_separate_runs(tmp_path):
 
 
 def test_non_finite_reward_skips_update_and_is_logged(tmp_path, monkeypatch):
-    import rlfunc.collect as collect
+    import rlfunc.envs.collect as collect
 
     real_rollout = collect.rollout
     calls = {"n": 0}
@@ -105,11 +106,11 @@ def test_short_pendulum_run_improves(tmp_path):
 def test_rollout_log_prob_matches_the_loss_log_prob():
     # The collector's fast log-probability (from the drawn noise, normaliser precomputed) equals
     # log pi(a|s) recomputed by the loss path on the same observations: the first PPO ratio is 1.
-    from rlfunc import collect
     from rlfunc.algos.ppo import make_ppo
-    from rlfunc.distributions import gaussian_log_prob
-    from rlfunc.normalize import normalize, update_running_stats
-    from rlfunc.train import _generators, env_spec
+    from rlfunc.core.distributions import gaussian_log_prob
+    from rlfunc.core.normalize import normalize, update_running_stats
+    from rlfunc.envs import collect
+    from rlfunc.run.ppo import _generators, env_spec
 
     config = preset("Pendulum-v1", num_envs=4, num_steps=32, minibatch_size=32, num_seeds=2, device="cpu",
                     exploration="gaussian", normalize_observations=True)  # gSDE: tests/test_sde.py
@@ -132,10 +133,10 @@ def test_iteration_computes_the_log_prob_the_trainers_rollout_leaves_out(explora
     # The trainer's rollout uses policy(..., log_prob=False) (ten fewer ops per env step); iteration
     # then computes the batch's log-probabilities in one pass. Same actions, same update as with the
     # per-step log-probabilities, up to float rounding.
-    from rlfunc import collect
     from rlfunc.algos.ppo import make_ppo
-    from rlfunc.normalize import update_running_stats
-    from rlfunc.train import _generators, env_spec
+    from rlfunc.core.normalize import update_running_stats
+    from rlfunc.envs import collect
+    from rlfunc.run.ppo import _generators, env_spec
 
     config = preset("Pendulum-v1", num_envs=4, num_steps=32, minibatch_size=64, num_epochs=2, num_seeds=2, device="cpu",
                     exploration=exploration, sde_sample_freq=4, normalize_observations=True, normalize_rewards=True)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc.checkpoint import load_snapshot, save_snapshot
+from rlfunc.core.func import as_leaves, leaves
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.func import as_leaves, leaves
+from rlfunc.run.checkpoint import load_snapshot, save_snapshot
 from rlfunc.optim import (
     adam,
     apply_updates,

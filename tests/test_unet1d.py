@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlfunc import func
+from rlfunc.core import func
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.nets.denoiser import DiffusionMLP
 from rlfunc.nets.unet1d import ConditionalResidualBlock1D, ConditionalUnet1D, SinusoidalStepEmbedding

@@ -17,10 +17,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc import cli, func, versions
 from rlfunc.algos.ppo import preset
+from rlfunc.cli import commands as cli
+from rlfunc.core import func
 from rlfunc.errors import CheckpointError
-from rlfunc.train import init_freeze, train, update_freeze
+from rlfunc.run import versions
+from rlfunc.run.ppo import init_freeze, train, update_freeze
 
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, device="cpu", checkpoint_every=0)
 
@@ -280,7 +282,7 @@ def test_sigkill_during_training_then_resume(tmp_path):
     # a fresh interpreter, not a fork: once this process has run a backward pass on an accelerator
     # (a GPU machine's test session, device auto), autograd refuses to run in a forked child
     # (https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork); the child's traceback goes to stderr
-    code = ("from rlfunc.algos.ppo import preset; from rlfunc.train import train; "
+    code = ("from rlfunc.algos.ppo import preset; from rlfunc.run.ppo import train; "
             f"train(preset('Pendulum-v1', **{overrides!r}), {str(run)!r}, progress=False, tensorboard=False)")
     pid = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                            env={**os.environ, "OMP_NUM_THREADS": "1"}).pid

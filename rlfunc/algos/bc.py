@@ -16,13 +16,13 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict
 
-from rlfunc import func
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.amp import Precision, accumulate_gradients, step
+from rlfunc.core import func
+from rlfunc.core.normalize import update_running_stats
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
-from rlfunc.normalize import update_running_stats
+from rlfunc.optim.amp import Precision, accumulate_gradients, step
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class BCConfig:
     log_every: int = 100  # updates between metrics lines
     checkpoint_every: int = 1000  # updates between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # updates between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_every: int = 0  # updates between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
     version_keep_last: int = 20  # newest versions kept per branch (0: all)
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
@@ -168,9 +168,9 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
 
 
 register("bc", AlgorithmEntry(
-    config="rlfunc.algos.bc:BCConfig", command="rlfunc.cli_diffusion:train_bc", train="rlfunc.train_diffusion:train_bc",
-    resume="rlfunc.train_diffusion:resume_diffusion", evaluate="rlfunc.train_diffusion:evaluate_run",
-    config_from_meta="rlfunc.train_diffusion:config_from_meta",
+    config="rlfunc.algos.bc:BCConfig", command="rlfunc.cli.diffusion:train_bc", train="rlfunc.run.diffusion:train_bc",
+    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
+    config_from_meta="rlfunc.run.diffusion:config_from_meta",
     needs="expert",  # a scripted expert (envs.registry) and bounded Box actions
     family="diffusion", budget="num_updates", unit="updates",
     deploy=(("ema",), ("encoder_ema",)),  # the EMA weights (actor, encoder)

@@ -9,7 +9,7 @@ instruction) the CLS feature of a :class:`rlfunc.nets.encoders.MultimodalEncoder
 
 Envs: an env with a torch-batched builder in the env registry (:mod:`rlfunc.envs.registry`) runs on
 the device; any other gymnasium id with a bounded Box action space runs through
-:class:`rlfunc.chunk_env.GymChunkEnv`, which scales [-1, 1] to its bounds.
+:class:`rlfunc.envs.chunk.GymChunkEnv`, which scales [-1, 1] to its bounds.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from rlfunc import func
+from rlfunc.core import func
+from rlfunc.core.normalize import init_running_stats, normalize
+from rlfunc.core.stats import success_interval, summarize_returns
 from rlfunc.diffusion.ddim import sample
 from rlfunc.diffusion.schedule import make_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import ConfigError, EnvError
-from rlfunc.normalize import init_running_stats, normalize
-from rlfunc.stats import success_interval, summarize_returns
 
 
 def require_finite(config) -> None:
@@ -151,7 +151,7 @@ POINT_REACH_INFO = EnvInfo(obs_dim=6, act_dim=2, stats_key="observation", stats_
 def check_env(env_id: str) -> None:
     """EnvError unless ``env_id`` has a torch-batched builder in the env registry or is a registered gymnasium id."""
     if registry.torch_builder(env_id) is None:
-        from rlfunc.chunk_env import check_chunk_env_id
+        from rlfunc.envs.chunk import check_chunk_env_id
 
         check_chunk_env_id(env_id)
 
@@ -176,7 +176,7 @@ def env_info(env_id: str) -> EnvInfo:
         return EnvInfo(obs_shape[-1], act_shape[-1], "observation", obs_shape[-1], ("observation",))
     import gymnasium as gym
 
-    from rlfunc.chunk_env import ObservationCodec, action_bounds, env_instructions
+    from rlfunc.envs.chunk import ObservationCodec, action_bounds, env_instructions
 
     env = gym.make(env_id)
     try:
@@ -231,7 +231,7 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
-    :class:`rlfunc.chunk_env.GymChunkEnv`.
+    :class:`rlfunc.envs.chunk.GymChunkEnv`.
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
@@ -240,7 +240,7 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
     build = registry.torch_builder(env_id)
     if build is not None:
         return build(num_envs, act_steps=act_steps, device=device, seed=seed)
-    from rlfunc.chunk_env import GymChunkEnv
+    from rlfunc.envs.chunk import GymChunkEnv
 
     return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed)
 
@@ -403,7 +403,7 @@ def evaluate_episodes(
     which step on the host and may hold a renderer each); round r seeds its env and noise with
     ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers, with the
     evaluation protocol's spread, as floats: "episode_return_std", "episode_return_ci95_low" /
-    "_high" (Student-t 95% interval of the mean return, :func:`rlfunc.stats.summarize_returns`) and
+    "_high" (Student-t 95% interval of the mean return, :func:`rlfunc.core.stats.summarize_returns`) and
     "success_ci95_low" / "_high" (Wilson interval of the success rate)."""
     entry = registry.find(env_id)
     metrics = None if entry is None else entry.episode_metrics

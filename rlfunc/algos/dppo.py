@@ -27,16 +27,16 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc import func
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.amp import Precision, accumulate_gradients, step
+from rlfunc.core import func
+from rlfunc.core.returns import generalized_advantage_estimate
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import minibatch_epochs
-from rlfunc.returns import generalized_advantage_estimate
+from rlfunc.optim.amp import Precision, accumulate_gradients, step
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -82,7 +82,7 @@ class DPPOConfig:
     torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
     version_keep_last: int = 20  # newest versions kept per branch (0: all)
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
@@ -308,9 +308,9 @@ def make_optimizer(state: TensorDict, config: DPPOConfig) -> torch.optim.Adam:
 
 
 register("dppo", AlgorithmEntry(
-    config="rlfunc.algos.dppo:DPPOConfig", command="rlfunc.cli_diffusion:train_dppo", train="rlfunc.train_diffusion:train_dppo",
-    resume="rlfunc.train_diffusion:resume_diffusion", evaluate="rlfunc.train_diffusion:evaluate_run",
-    config_from_meta="rlfunc.train_diffusion:config_from_meta",
+    config="rlfunc.algos.dppo:DPPOConfig", command="rlfunc.cli.diffusion:train_dppo", train="rlfunc.run.diffusion:train_dppo",
+    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
+    config_from_meta="rlfunc.run.diffusion:config_from_meta",
     needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
     usage="    rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]",
 ))

@@ -1,8 +1,8 @@
 """GRPO and GSPO for continuous control: critic-free PPO-style updates on groups of episodes.
 
 Every iteration draws ``num_groups`` start states and runs ``group_size`` episodes from each
-(:mod:`rlfunc.grouped`); an episode's undiscounted return is its sequence reward, turned into a
-group-relative advantage (:func:`rlfunc.returns.group_relative_advantage`) shared by all its steps.
+(:mod:`rlfunc.envs.grouped`); an episode's undiscounted return is its sequence reward, turned into a
+group-relative advantage (:func:`rlfunc.core.returns.group_relative_advantage`) shared by all its steps.
 The Gaussian actor, its rollout policy, the observation normaliser and the parameter layout are
 PPO's (:mod:`rlfunc.algos.ppo`) without the critic. An optional KL term pulls the policy toward a
 frozen reference: the initial actor ("ref_params").
@@ -27,20 +27,20 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc import func
 from rlfunc.algos import shaped
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.distributions import gaussian_log_prob
+from rlfunc.core import func
+from rlfunc.core.distributions import gaussian_log_prob
+from rlfunc.core.normalize import normalize, update_running_stats
+from rlfunc.core.returns import group_relative_advantage
 from rlfunc.envs import registry
+from rlfunc.envs.grouped import sequence_return
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.grouped import sequence_return
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic
-from rlfunc.normalize import normalize, update_running_stats
 from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
-from rlfunc.returns import group_relative_advantage
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,12 @@ class GRPOConfig:
     unbiased_std: bool = True  # Bessel's correction in the std
     kl_coef: float = 0.0  # weight of the k3 KL to the frozen initial policy (0: off)
     max_grad_norm: float = 0.5  # global grad-norm clip, per seed
-    oscillation_damping: bool = False  # shaping: damp steps of tensors with oscillating gradient signs / high curvature (rlfunc.shaping)
+    oscillation_damping: bool = False  # shaping: damp steps of tensors with oscillating gradient signs / high curvature (rlfunc.optim.shaping)
     damping_strength: float = 0.5  # shaping: step factor 1 - strength for a fully oscillating tensor, in [0, 1]
     hessian_interval: int = 5  # shaping: gradient steps between Hutchinson curvature estimates (double backward)
     adaptive_clip: bool = False  # shaping: clip ranges * clip_epsilon_decay^iteration and per-layer trust radii
     clip_epsilon_decay: float = 0.995  # shaping: decay of the clip ranges per iteration (policy update), in (0, 1]
-    trust_radius_scale: float = 1.0  # shaping: multiplies every per-layer radius (1: the strict first-order bound, rlfunc.shaping)
+    trust_radius_scale: float = 1.0  # shaping: multiplies every per-layer radius (1: the strict first-order bound, rlfunc.optim.shaping)
     normalize_observations: bool = True  # running mean/std, clipped to +-obs_clip
     obs_clip: float = 10.0  # in standard deviations
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of the actor
@@ -88,7 +88,7 @@ class GRPOConfig:
     vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
     version_keep_last: int = 20  # newest versions kept per branch (0: all)
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
@@ -203,7 +203,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
     when a step transform is on.
 
     ``iteration`` takes a grouped batch [S, num_groups, group_size, T] with "observation" (raw),
-    "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.grouped`), gathered
+    "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.envs.grouped`), gathered
     with ``policy(state, generators)``.
     """
     S = config.num_seeds
@@ -320,7 +320,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         leaves = func.leaves(params)
         flat_leaves, treedef = flatten(params)
         if any(a is not b for a, b in zip(flat_leaves, leaves)):  # the shaping names and the chain's state follow one order
-            raise ShapeError("grpo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.func.leaves")
+            raise ShapeError("grpo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.core.func.leaves")
         lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
         optim_state = state["optim"]
         grpo = config.loss == "grpo"
@@ -399,9 +399,9 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
 
 # grpo and gspo: one config (its ``loss`` is the name), one line in the usage text
 _GROUPED = AlgorithmEntry(
-    config="rlfunc.algos.grpo:GRPOConfig", command="rlfunc.cli_grpo:train", train="rlfunc.train_grpo:train_grpo",
-    resume="rlfunc.train_grpo:resume_grpo", evaluate="rlfunc.train_grpo:evaluate_run",
-    config_from_meta="rlfunc.train_grpo:config_from_meta",
+    config="rlfunc.algos.grpo:GRPOConfig", command="rlfunc.cli.grpo:train", train="rlfunc.run.grpo:train_grpo",
+    resume="rlfunc.run.grpo:resume_grpo", evaluate="rlfunc.run.grpo:evaluate_run",
+    config_from_meta="rlfunc.run.grpo:config_from_meta",
     needs="settable-start-state",  # G episodes from one start state (a torch-batched env of the env registry)
     usage="    rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes",
 )

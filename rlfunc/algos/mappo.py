@@ -9,12 +9,12 @@ dtype's lowest value, so they get probability 0 and never contribute to the entr
 Losses (``MAPPOConfig.loss``):
 
 - ``"ppo"``: PPO's clipped surrogate (:func:`rlfunc.losses.ppo.ppo_loss`) with one GAE per agent
-  (:func:`rlfunc.returns.generalized_advantage_estimate` over each agent's own reward stream).
+  (:func:`rlfunc.core.returns.generalized_advantage_estimate` over each agent's own reward stream).
   ``critic="local"`` is IPPO (de Witt et al. 2020): V(o_i); ``"mean"`` and ``"concat"`` are MAPPO's
   centralised critic (Yu et al. 2022): V sees o_i with the mean, or the concatenation, of every
   agent's observation of the same env (training only; the policy stays decentralised).
 - ``"grpo"`` / ``"gspo"``: no critic; G rollouts from one start state (a group) and a group-relative
-  advantage of the sequence reward (:func:`rlfunc.returns.group_relative_advantage`): the team
+  advantage of the sequence reward (:func:`rlfunc.core.returns.group_relative_advantage`): the team
   return (``sequence_reward="team"``: sum over agents and steps, one advantage per rollout shared by
   its agents) or each agent's own return (``"agent"``: agent i of member k against agent i of the
   other members, who start from the same cell with the same task draws). Each agent's episode is a
@@ -39,15 +39,15 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from rlfunc import func
-from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.core import func
+from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
+from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.losses.ppo import ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
-from rlfunc.returns import generalized_advantage_estimate, group_relative_advantage
 
 LOSSES = ("ppo", "grpo", "gspo")
 CRITICS = ("local", "mean", "concat")
@@ -92,7 +92,7 @@ class MAPPOConfig:
     eval_greedy: bool = False  # evaluate the argmax action instead of sampling
     checkpoint_every: int = 0  # iterations between snapshots (0: only at the end)
     keep_checkpoints: int = 2  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
     version_keep_last: int = 20  # newest versions kept per branch (0: all)
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
 
@@ -319,7 +319,7 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
     """Build the pure pieces of shared-parameter PPO / GRPO / GSPO for agents with ``obs_dim``-long
     observations and ``n_actions`` discrete actions.
 
-    ``iteration`` takes a rollout batch [N, T] from :func:`rlfunc.train_mappo.collect` with
+    ``iteration`` takes a rollout batch [N, T] from :func:`rlfunc.run.mappo.collect` with
     ("agents", "observation") [N, T, A, D], ("agents", "action_mask") [N, T, A, K] (optional),
     ("agents", "action") [N, T, A], ("agents", "sample_log_prob") / "state_value" [N, T, A, 1],
     ("next", "agents", "reward") [N, T, A, 1], ("next", "state_value") [N, T, A, 1] (ppo),
@@ -427,9 +427,9 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
 
 
 register("mappo", AlgorithmEntry(
-    config="rlfunc.algos.mappo:MAPPOConfig", command="rlfunc.cli_mappo:train", train="rlfunc.train_mappo:train_mappo",
-    resume="rlfunc.train_mappo:resume_mappo", evaluate="rlfunc.train_mappo:evaluate_run",
-    config_from_meta="rlfunc.train_mappo:config_from_meta",
+    config="rlfunc.algos.mappo:MAPPOConfig", command="rlfunc.cli.mappo:train", train="rlfunc.run.mappo:train_mappo",
+    resume="rlfunc.run.mappo:resume_mappo", evaluate="rlfunc.run.mappo:evaluate_run",
+    config_from_meta="rlfunc.run.mappo:config_from_meta",
     needs="multi-agent",  # a multi-agent builder and evaluation in the env registry
     usage="    rlfunc train mappo [--env Warehouse-v0|rware-tiny-2ag-v2] [--loss ppo|grpo|gspo] [--critic local|mean|concat]\n"
           "                                            shared-parameter multi-agent policy (agents as a batch dim)",

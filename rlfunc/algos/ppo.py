@@ -22,20 +22,20 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc import func
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.core import func
+from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.core.normalize import init_running_stats, normalize, scale_reward, update_running_stats
+from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
+from rlfunc.core.sde import EPSILON as SDE_EPSILON
+from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import ppo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
 from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
-from rlfunc.normalize import init_running_stats, normalize, scale_reward, update_running_stats
-from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
-from rlfunc.sde import EPSILON as SDE_EPSILON
-from rlfunc.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
-from rlfunc.shaping import importance_weights, priorities, sample_prioritized
+from rlfunc.optim.shaping import importance_weights, priorities, sample_prioritized
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,17 @@ class PPOConfig:
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of actor and critic
     activation: str = "tanh"  # tanh | relu | elu | silu
     init_log_std: float = 0.0  # initial log std of the actions (gaussian) or of the exploration matrix (gsde)
-    exploration: Literal["gaussian", "gsde"] = "gaussian"  # action noise: state-independent Gaussian, or gSDE (rlfunc.sde)
+    exploration: Literal["gaussian", "gsde"] = "gaussian"  # action noise: state-independent Gaussian, or gSDE (rlfunc.core.sde)
     sde_sample_freq: int = -1  # gsde: env steps between exploration-matrix draws (<= 0: once per rollout)
     full_std: bool = True  # gsde: one sigma per exploration-matrix entry [L, A] (False: per feature [L, 1])
     sde_learn_features: bool = False  # gsde: let the noise scale's gradient reach the actor's features
     target_kl: float | None = None  # a seed stops its epochs of an iteration once its approx KL exceeds it
-    oscillation_damping: bool = False  # shaping: damp steps of tensors with oscillating gradient signs / high curvature (rlfunc.shaping)
+    oscillation_damping: bool = False  # shaping: damp steps of tensors with oscillating gradient signs / high curvature (rlfunc.optim.shaping)
     damping_strength: float = 0.5  # shaping: step factor 1 - strength for a fully oscillating tensor, in [0, 1]
     hessian_interval: int = 5  # shaping: gradient steps between Hutchinson curvature estimates (double backward)
     adaptive_clip: bool = False  # shaping: clip_epsilon * clip_epsilon_decay^iteration and per-layer trust radii
     clip_epsilon_decay: float = 0.995  # shaping: decay of the ratio clip per iteration (policy update), in (0, 1]
-    trust_radius_scale: float = 1.0  # shaping: multiplies every per-layer radius (1: the strict first-order bound, rlfunc.shaping)
+    trust_radius_scale: float = 1.0  # shaping: multiplies every per-layer radius (1: the strict first-order bound, rlfunc.optim.shaping)
     prioritized_minibatches: bool = False  # shaping: minibatches drawn by per-sample gradient norm, PER weights
     priority_alpha: float = 0.6  # shaping: p_i ~ m_i^alpha (Schaul et al. 2016)
     priority_beta: float = 0.4  # shaping: importance weights (N p_i)^-beta / max, in [0, 1]
@@ -88,7 +88,7 @@ class PPOConfig:
     vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 1  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_every: int = 1  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
     version_keep_last: int = 20  # newest versions kept per branch (0: all)
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     freeze_threshold: float = 0.0  # skip updates of a param leaf whose relative change over a window is below this (0: off)
@@ -292,10 +292,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 
         The actor runs through ``func.sequential_forward`` (weights resolved once as views; all
         seeds in one batched matmul per layer). The normaliser is (mean, 1/sqrt(var + eps))
-        computed once, as ``rlfunc.normalize.normalize`` does. Gaussian exploration: the
+        computed once, as ``rlfunc.core.normalize.normalize`` does. Gaussian exploration: the
         log-probability uses the drawn noise directly, log N(a; mu, sigma) with (a - mu) / sigma =
         noise. gSDE: each seed draws one exploration matrix per env at the first call and every
-        ``sde_sample_freq`` calls after (rlfunc.sde.resample_due), from its own generator, so the
+        ``sde_sample_freq`` calls after (rlfunc.core.sde.resample_due), from its own generator, so the
         matrices follow from the generator states the learner state holds (exact resume); the
         log-probability is log N(a; mu, (z^2) @ sigma^2 + 1e-6) as in ``sde_log_prob``. The
         normaliser and sigma are read when the policy is built: build one per rollout (the
@@ -477,7 +477,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         leaves = [params.get(k) for k in trainable]
         flat_leaves, treedef = flatten(params if len(trainable) == len(keys) else params.select(*trainable))
         if any(a is not b for a, b in zip(flat_leaves, leaves)):  # both are func.leaves' order
-            raise ShapeError("ppo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.func.leaves")
+            raise ShapeError("ppo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.core.func.leaves")
         lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
         optim_state = state["optim"]
         B = flat.batch_size[1]
@@ -572,8 +572,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
 
 
 register("ppo", AlgorithmEntry(
-    config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli_ppo:train", train="rlfunc.train:train",
-    resume="rlfunc.cli_ppo:resume", evaluate="rlfunc.cli_ppo:evaluate", config_from_meta="rlfunc.train:config_from_meta",
+    config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli.ppo:train", train="rlfunc.run.ppo:train",
+    resume="rlfunc.cli.ppo:resume", evaluate="rlfunc.cli.ppo:evaluate", config_from_meta="rlfunc.run.ppo:config_from_meta",
     needs="box-actions",  # gymnasium vector envs, Box observations and actions
     usage="    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]",
 ))

@@ -6,7 +6,7 @@ transformer); its CLS feature feeds two MLP heads, the action mean mu(s) and V(s
 std is a state-independent parameter sigma = exp(log_std). Everything trains end to end on the PPO
 loss :func:`rlfunc.losses.ppo.ppo_loss` (clipped surrogate + value + entropy terms).
 
-Actions live in [-1, 1] (:class:`rlfunc.chunk_env.GymChunkEnv` with ``act_steps=1`` scales them to
+Actions live in [-1, 1] (:class:`rlfunc.envs.chunk.GymChunkEnv` with ``act_steps=1`` scales them to
 the env's bounds and clips); the Gaussian is unbounded and its log-probability is that of the
 unclipped sample, as in Schulman et al.'s PPO and SB3.
 
@@ -15,7 +15,7 @@ holding the next observation; each step's observations reach the device once (ui
 converted to float only inside the encoder), the rollout is stacked there into one [N, T] batch.
 V(s_t) is computed with the action (one encoder pass per step); the bootstrap V(s_{t+1}) is V of the
 next step's observation except after the last step and at episode ends, where the true final
-observation is encoded (so time-limit truncation bootstraps from it, as in ``rlfunc.returns``).
+observation is encoded (so time-limit truncation bootstraps from it, as in ``rlfunc.core.returns``).
 
 Reference: Schulman et al. (2017) "Proximal Policy Optimization Algorithms" (eq. 7, 9); GAE:
 Schulman et al. (2016) eq. 16; normalisation details: Huang et al. (2022) "The 37 Implementation
@@ -33,18 +33,18 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from rlfunc import func
 from rlfunc.algos.diffusion_actor import EnvInfo, encoder_config, require_finite
-from rlfunc.amp import Precision, accumulate_gradients
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.amp import step as optimizer_step
-from rlfunc.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.core import func
+from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.core.normalize import init_running_stats, scale_reward, update_running_stats
+from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import minibatch_epochs
-from rlfunc.normalize import init_running_stats, scale_reward, update_running_stats
-from rlfunc.returns import forward_discounted_sum, generalized_advantage_estimate
+from rlfunc.optim.amp import Precision, accumulate_gradients
+from rlfunc.optim.amp import step as optimizer_step
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
 
@@ -82,7 +82,7 @@ class PPOEncoderConfig:
     encoder_blocks: tuple[int, ...] = (1, 1, 1, 1)  # BasicBlocks per stage (ResNet-18: 2 2 2 2)
     freeze_vision: bool = False  # no gradient to the ResNet trunk (pools, proprio, text and fusion still train)
     checkpoint_vision: bool = False  # recompute the trunk's activations in backward (less memory, more compute)
-    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.amp)
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.optim.amp)
     seed: int = 0  # seeds the parameters, the env resets and the action/minibatch noise
     device: str = "auto"  # auto | cpu | npu | ... (rlfunc.device)
     torch_threads: int = 0  # intra-op CPU threads (0: torch's default)
@@ -409,11 +409,11 @@ def evaluate(algo: PPOEncoder, state: TensorDict, env, max_steps: int) -> dict[s
 
 
 register("ppo-encoder", AlgorithmEntry(
-    config="rlfunc.algos.ppo_encoder:PPOEncoderConfig", command="rlfunc.cli_ppo_encoder:train",
-    train="rlfunc.train_encoder:train_ppo_encoder", resume="rlfunc.train_encoder:resume_encoder",
-    evaluate="rlfunc.train_encoder:evaluate_run", config_from_meta="rlfunc.train_encoder:config_from_meta",
+    config="rlfunc.algos.ppo_encoder:PPOEncoderConfig", command="rlfunc.cli.ppo_encoder:train",
+    train="rlfunc.run.ppo_encoder:train_ppo_encoder", resume="rlfunc.run.ppo_encoder:resume_encoder",
+    evaluate="rlfunc.run.ppo_encoder:evaluate_run", config_from_meta="rlfunc.run.ppo_encoder:config_from_meta",
     needs="dict-observation",  # cameras / proprio / instruction, Box actions
-    variant_of="ppo", accepts="rlfunc.train_encoder:is_dict_env",  # `rlfunc train ppo` on a Dict observation
+    variant_of="ppo", accepts="rlfunc.run.ppo_encoder:is_dict_env",  # `rlfunc train ppo` on a Dict observation
     usage="                                            (an env with a Dict observation, e.g. Push-v0 or PusherPixels-v5:\n"
           "                                            Gaussian PPO through the multimodal encoder, rlfunc.algos.ppo_encoder)",
 ))

@@ -66,7 +66,7 @@ class AlgorithmEntry:
     config_from_meta: str  # "module:function", the config a snapshot's meta.json holds
     needs: str  # the env interface it needs, e.g. "box-actions", "dict-observation", "multi-agent"
     usage: str  # its lines of `rlfunc --help` (newline-joined; "": listed in another entry's lines)
-    report: str = "rlfunc.cli_common:report_run"  # "module:function", prints a resumed run's end
+    report: str = "rlfunc.cli.common:report_run"  # "module:function", prints a resumed run's end
     variant_of: str | None = None  # reached through `rlfunc train VARIANT_OF` (not a name of its own there)
     accepts: str | None = None  # "module:function", (env_id) -> bool, with variant_of
     family: str = ""  # algorithms whose snapshots one loader reads ("diffusion": a bc snapshot starts dppo)

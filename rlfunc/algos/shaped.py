@@ -1,4 +1,4 @@
-"""The gradient-shaping transforms of :mod:`rlfunc.shaping` wired into a PPO-style minibatch loop.
+"""The gradient-shaping transforms of :mod:`rlfunc.optim.shaping` wired into a PPO-style minibatch loop.
 
 Used by :mod:`rlfunc.algos.ppo` and :mod:`rlfunc.algos.grpo` (GRPO/GSPO) when a config turns a
 transform on (all are off by default); the configs share the field names read here:
@@ -29,8 +29,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc import shaping
 from rlfunc.errors import ConfigError
+from rlfunc.optim import shaping
 
 
 def check_config(config) -> None:
@@ -107,7 +107,7 @@ def begin_update(config, shaping_state: TensorDictBase, params: TensorDictBase, 
 
 def stacked_per_sample_grads(fn: Callable[..., Tensor], params: TensorDictBase, *inputs: Tensor, device=None,
                              use_loop: bool | None = None) -> TensorDict:
-    """:func:`rlfunc.shaping.per_sample_grads` for each seed s of ``params`` [S, ...] on ``inputs[i][s]``
+    """:func:`rlfunc.optim.shaping.per_sample_grads` for each seed s of ``params`` [S, ...] on ``inputs[i][s]``
     ``[S, N, ...]``, over the trainable leaves only: flat keys, ``[S, N, *shape]``."""
     names, _ = trainable(params)
     per_seed = []

@@ -3,7 +3,7 @@
 The actor samples a = DDIM_theta(s, x_K) with eta = 0 (a deterministic policy given the initial
 noise, as TD3 needs) keeping the autograd graph, so dQ/da flows through every denoising step into
 the denoiser; a denoising (behaviour) term on replayed actions keeps it near the data
-(Diffusion-QL). Twin critics are one stacked parameter TensorDict applied with ``rlfunc.func.vmap``;
+(Diffusion-QL). Twin critics are one stacked parameter TensorDict applied with ``rlfunc.core.func.vmap``;
 target critics and a target actor follow by Polyak averaging; target policy smoothing and delayed
 actor updates as in TD3. ``policy_delay=1, policy_noise=0`` with one critic used is DDPG-like.
 
@@ -21,15 +21,15 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc import func
 from rlfunc.algos.bc import ema_update_
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.amp import Precision, backward, step
+from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, td3_target
 from rlfunc.nets.mlp import MLP, seeded_init
+from rlfunc.optim.amp import Precision, backward, step
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class TD3DiffusionConfig:
     torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.versions
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
     version_keep_last: int = 20  # newest versions kept per branch (0: all)
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 500  # episodes of the final evaluation
@@ -252,10 +252,10 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
 
 register("td3-diffusion", AlgorithmEntry(
-    config="rlfunc.algos.td3_diffusion:TD3DiffusionConfig", command="rlfunc.cli_diffusion:train_td3_diffusion",
-    train="rlfunc.train_diffusion:train_td3_diffusion",
-    resume="rlfunc.train_diffusion:resume_diffusion", evaluate="rlfunc.train_diffusion:evaluate_run",
-    config_from_meta="rlfunc.train_diffusion:config_from_meta",
+    config="rlfunc.algos.td3_diffusion:TD3DiffusionConfig", command="rlfunc.cli.diffusion:train_td3_diffusion",
+    train="rlfunc.run.diffusion:train_td3_diffusion",
+    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
+    config_from_meta="rlfunc.run.diffusion:config_from_meta",
     needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
     usage="    rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]",
 ))

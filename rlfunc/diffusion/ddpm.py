@@ -2,7 +2,7 @@
 
 An action chunk x_0 is [*B, H, A]; a timestep t is int64 [*B] in [0, T); a condition (observation
 features) is [*B, C]. The denoiser is a pure function ``apply(params, x_t, t, cond) -> [*B, H, A]``
-(e.g. ``functools.partial(rlfunc.func.apply, ConditionalUnet1D(...))``).
+(e.g. ``functools.partial(rlfunc.core.func.apply, ConditionalUnet1D(...))``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 rlfunc never names an environment; it asks here. An entry says how to build the env torch-batched on
 the device, its scripted expert, its own episode statistics and, for a multi-agent env, how to build
 and evaluate it. Any gymnasium id works without an entry (through gymnasium vector envs and
-:class:`rlfunc.chunk_env.GymChunkEnv`); an entry only adds what gymnasium cannot give.
+:class:`rlfunc.envs.chunk.GymChunkEnv`); an entry only adds what gymnasium cannot give.
 
 Environments register themselves: the repository's top-level ``envs`` package (whose
 ``envs/registry_entries.py`` calls :func:`register`) is imported on the first :func:`find`,
@@ -36,7 +36,7 @@ class EnvEntry:
       [N, act_steps, A] chunks in [-1, 1], and ``state`` / ``set_state`` / ``rng_state`` /
       ``set_rng_state`` for grouped rollouts and exact resume.
     - ``demonstrations(env_id, num_episodes, horizon, *, seed, noise_std, device)`` -> (dataset,
-      summary) as :func:`rlfunc.demos.expert_demonstrations`: the scripted expert's episodes.
+      summary) as :func:`rlfunc.envs.demos.expert_demonstrations`: the scripted expert's episodes.
     - ``episode_metrics(rollout)`` -> TensorDict of 0-d tensors: the env's own statistics of the
       episodes that end in ``rollout`` (("next", "done") bool and the env's keys, any batch shape),
       e.g. which goal was reached.

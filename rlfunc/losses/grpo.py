@@ -1,7 +1,7 @@
 """GRPO's clipped surrogate over masked, variable-length sequences, without a critic.
 
 Every sequence i (an episode, or an LLM completion) of a group carries one group-relative
-advantage A_i (:func:`rlfunc.returns.group_relative_advantage`) shared by its steps t:
+advantage A_i (:func:`rlfunc.core.returns.group_relative_advantage`) shared by its steps t:
 
     J = agg_{i,t} [ min(r_{i,t} A_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t})
                     - beta * D_KL[pi_theta || pi_ref]_{i,t} ],   r_{i,t} = pi_theta / pi_old,

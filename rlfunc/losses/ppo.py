@@ -63,7 +63,7 @@ def ppo_loss(
     Args:
         log_prob: [*B, 1] float, log pi_theta(a|s) of the stored actions.
         sample_log_prob: [*B, 1] float, log-probability recorded at collection (TorchRL's key name).
-        advantage: [*B, 1] float, e.g. from :func:`rlfunc.returns.generalized_advantage_estimate`.
+        advantage: [*B, 1] float, e.g. from :func:`rlfunc.core.returns.generalized_advantage_estimate`.
         state_value: [*B, 1] float, V_theta(s) under the current parameters.
         value_target: [*B, 1] float, regression target for V.
         entropy: [*B, 1] float policy entropy (or an estimate); None disables the bonus.

@@ -19,7 +19,7 @@ class GaussianActorCritic(nn.Module):
     with ``return_latent=True`` also the actor's last hidden features [*B, hidden[-1]] (the z(s) of
     gSDE, after the activation). ``log_std`` is [act_dim] with ``exploration="gaussian"`` (sigma of
     the action noise) and [hidden[-1], act_dim] (``full_std``) or [hidden[-1], 1] with
-    ``exploration="gsde"`` (sigma of the exploration matrix, see rlfunc.sde).
+    ``exploration="gsde"`` (sigma of the exploration matrix, see rlfunc.core.sde).
     Observations are expected already normalised; actions are in the env's units before clipping.
     The last actor layer has gain 0.01 and the critic's gain 1 (Huang et al. 2022, detail 2).
     """
@@ -56,7 +56,7 @@ class GaussianActorCritic(nn.Module):
 def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *, return_hidden: bool = False):
     """Differentiable forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers over ``params``.
 
-    The same numbers as ``rlfunc.func.apply(module, params, x)`` (each linear layer is the same
+    The same numbers as ``rlfunc.core.func.apply(module, params, x)`` (each linear layer is the same
     ``F.linear`` call), without ``functional_call``'s per-call module walk, which dominates the
     update step of a small MLP; works under ``torch.func.vmap`` and ``grad``.
 

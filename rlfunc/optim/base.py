@@ -10,7 +10,7 @@ every snapshot. :func:`chain` composes links; :func:`apply_updates` adds the res
 ``grads`` may hold a subset of the params' leaves (frozen leaves left out): links then read and
 write only the state of the leaves present, and :func:`apply_updates` moves only those.
 
-Leaves are matched by key, in the order of :func:`tree_leaves` (that of :func:`rlfunc.func.leaves`), so
+Leaves are matched by key, in the order of :func:`tree_leaves` (that of :func:`rlfunc.core.func.leaves`), so
 the insertion order of a TensorDict (a loaded snapshot's is alphabetical) never matters.
 
 The links of rlfunc.optim also have ``update_leaves(grads, treedef, state, params=None, **extra) -> (updates,
@@ -57,7 +57,7 @@ def from_leaves(init: Callable[[TensorDictBase], TensorDict], update_leaves: Cal
 
 
 def tree_leaves(td: TensorDictBase) -> list[Tensor]:
-    """The tensors of ``td`` in the order of :func:`rlfunc.func.leaves` (keys sorted as ``str``:
+    """The tensors of ``td`` in the order of :func:`rlfunc.core.func.leaves` (keys sorted as ``str``:
     at the top level the nested groups before the plain leaves, below it by name), the order
     torch.optim's state of the same leaves is numbered in."""
     return flatten(td)[0]

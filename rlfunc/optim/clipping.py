@@ -7,8 +7,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.errors import ConfigError
-from rlfunc.optim.torch_optim import member_grad_norms
 from rlfunc.optim.base import GradientTransform, from_leaves, node, tree_leaves
+from rlfunc.optim.torch_optim import member_grad_norms
 
 
 def global_norm(grads: TensorDictBase, stacked: bool) -> Tensor:

@@ -102,7 +102,7 @@ def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, pa
     """``state`` (an :func:`adam` state, or a :func:`rlfunc.optim.chain` state holding one) with its
     Adam part filled from ``torch_state``, torch.optim.Adam's state as :func:`rlfunc.optim.optimizer_state`
     writes it: ``{"<i>": {"step", "exp_avg", "exp_avg_sq"}}``, i numbering ``params``' leaves in
-    :func:`rlfunc.func.leaves` order. For snapshots written before the optimizer's state moved into the
+    :func:`rlfunc.core.func.leaves` order. For snapshots written before the optimizer's state moved into the
     learner state. Returns a new TensorDict; the other links' states are copied from ``state``.
 
     Args:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from rlfunc.core.func import leaves
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.func import leaves
 
 
 def make_adam(params: TensorDictBase, lr: float, *, eps: float = 1e-5, betas=(0.9, 0.999)) -> torch.optim.Adam:

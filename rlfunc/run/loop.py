@@ -14,7 +14,7 @@ here, once, for every algorithm:
   snapshot is ``save(state)`` and the structure a load is checked against is ``algo.init(...)``;
 - ``config.json``, ``metrics.jsonl`` (+ TensorBoard), a tqdm bar, ``learning_curve.png``;
 - snapshots every ``checkpoint_every`` iterations and at the end, versions every ``version_every``
-  (:mod:`rlfunc.versions`: rollback and diff for every algorithm);
+  (:mod:`rlfunc.run.versions`: rollback and diff for every algorithm);
 - SIGINT/SIGTERM: a snapshot (and a version) after the current iteration, then stop
   (:class:`StopOnSignal`);
 - the final evaluation into ``eval.json`` (:meth:`Run.evaluate`; skipped when a signal stopped it).
@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, versions
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.log import MetricsLogger, plot_learning_curve, to_jsonable
-from rlfunc.resume import NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
+from rlfunc.run import checkpoint, versions
+from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
+from rlfunc.run.resume import NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
@@ -43,7 +43,7 @@ SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
 class Cadence(NamedTuple):
     """When the loop writes: snapshots every ``checkpoint_every`` iterations (0: only at the end),
     keeping ``keep_checkpoints`` (0: all); versions every ``version_every`` (0: none), retention
-    ``version_keep_last`` (0: all) and ``version_keep_every`` (see :func:`rlfunc.versions.apply_retention`)."""
+    ``version_keep_last`` (0: all) and ``version_keep_every`` (see :func:`rlfunc.run.versions.apply_retention`)."""
 
     checkpoint_every: int = 0
     keep_checkpoints: int = 3

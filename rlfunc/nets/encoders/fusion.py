@@ -3,7 +3,7 @@
 Each modality becomes a few ``d_model`` tokens; a learned CLS token and all modality tokens go through
 a small pre-norm Transformer encoder and the CLS output is the global state feature ``[*B, d_model]``.
 Proprioception: :class:`ProprioEncoder`, an MLP on inputs normalised with running statistics
-(:mod:`rlfunc.normalize`, float32 state on the device).
+(:mod:`rlfunc.core.normalize`, float32 state on the device).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from rlfunc.core.normalize import init_running_stats, normalize
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.nets.encoders._checks import _check_int, _check_widths
 from rlfunc.nets.encoders.attention import _no_autocast, transformer_layer
 from rlfunc.nets.encoders.text import SentenceEmbedder, TextEncoder, TextTokenizer
 from rlfunc.nets.encoders.vision import VisionEncoder, preprocess_images
-from rlfunc.normalize import init_running_stats, normalize
 
 __all__ = ["EncoderConfig", "FusionTransformer", "MultimodalEncoder", "ProprioEncoder"]
 
@@ -112,7 +112,7 @@ class ProprioEncoder(nn.Module):
     """Proprioception -> tokens: ``Linear -> Mish -> Linear``, ``[N, P] -> [N, num_tokens, d_model]``.
 
     ``forward(proprio [N, P] float, stats=None, *, clip=None)``: with ``stats`` (running statistics of
-    sample shape [P] from :func:`rlfunc.normalize.init_running_stats`, float32 on the same device) the
+    sample shape [P] from :func:`rlfunc.core.normalize.init_running_stats`, float32 on the same device) the
     input is first normalised, ``clamp((x - mean) / sqrt(var + 1e-8), -clip, clip)``, in float32 with
     autocast disabled; without, ``proprio`` must already be normalised.
 
@@ -178,15 +178,15 @@ class MultimodalEncoder(nn.Module):
       [0, 1]); send the uint8 tensor to the device, the conversion happens there;
     - ``"proprio"`` float ``[*B, proprio_dim]`` (when ``proprio_dim > 0``): already normalised, or raw
       with ``proprio_stats`` (:meth:`init_proprio_stats`, updated by the caller with
-      :func:`rlfunc.normalize.update_running_stats`) to normalise it here, clipped to ``proprio_clip``;
+      :func:`rlfunc.core.normalize.update_running_stats`) to normalise it here, clipped to ``proprio_clip``;
     - text="learned": ``"instruction_tokens"`` int64 ``[*B, max_len]`` + ``"instruction_padding_mask"``
       bool ``[*B, max_len]`` (from :attr:`tokenizer`), or ``"instruction"``: the strings, tokenised
       here with the cached :attr:`tokenizer` (CPU work, then a copy to the device);
     - text="minilm": ``"instruction_embedding"`` float ``[*B, sentence_dim]`` or ``"instruction"`` strings
       embedded with the cached :attr:`sentence_embedder`.
 
-    Parameters for ``rlfunc.func``: ``params_from_module(encoder)``; it has no buffers, so
-    ``rlfunc.func.vmap`` over ``stack_params`` works on both paths (tested equal). Under autocast the
+    Parameters for ``rlfunc.core.func``: ``params_from_module(encoder)``; it has no buffers, so
+    ``rlfunc.core.func.vmap`` over ``stack_params`` works on both paths (tested equal). Under autocast the
     trunks' convolutions run in the reduced dtype; attention, the pools, normalisation and the fusion
     stay float32. With ``freeze_vision`` the leaves under :attr:`frozen_keys` get no gradient (``.grad``
     stays None; use ``allow_unused=True`` with ``torch.autograd.grad``, or optimise

@@ -147,7 +147,7 @@ class ResNetGN(nn.Module):
     and every block) is recomputed in the backward pass instead of keeping its activations
     (``torch.utils.checkpoint``, non-reentrant); outputs and gradients are unchanged. Inside a
     ``torch.func`` transform (vmap, grad), which cannot run saved-tensor hooks, it warns and runs
-    without checkpointing; the loop path of ``rlfunc.func.vmap`` keeps it.
+    without checkpointing; the loop path of ``rlfunc.core.func.vmap`` keeps it.
 
     Raises:
         ConfigError: (constructor) widths/blocks not positive ints of equal length, or ``group_size``
@@ -190,7 +190,7 @@ class ResNetGN(nn.Module):
         if recompute and _inside_torch_func():
             warnings.warn(
                 "ResNetGN: activation checkpointing is skipped inside torch.func transforms (vmap/grad), which do "
-                "not support saved-tensor hooks; rlfunc.func.vmap(..., use_loop=True) keeps it", stacklevel=2)
+                "not support saved-tensor hooks; rlfunc.core.func.vmap(..., use_loop=True) keeps it", stacklevel=2)
             recompute = False
         for segment in self.segments():
             x = _checkpointed(segment, x) if recompute else segment(x)
@@ -204,7 +204,7 @@ class ResNetGN(nn.Module):
         ``running_var``, ``num_batches_tracked``) and the classifier (``fc.*``) are dropped. BatchNorm
         affine weights loaded into GroupNorm do not reproduce the BatchNorm network's function; they
         are a starting point for fine-tuning (as in Diffusion Policy). Make the parameter TensorDict
-        (``rlfunc.func.params_from_module``) after loading.
+        (``rlfunc.core.func.params_from_module``) after loading.
 
         Args:
             path: the file; a torch file may hold the state dict itself or under "state_dict".

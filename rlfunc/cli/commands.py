@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from rlfunc.algos import registry
-from rlfunc.cli_common import Parser
+from rlfunc.cli.common import Parser
 from rlfunc.errors import ConfigError, RLFuncError, SnapshotCorruptError
 
 _HEAD = "The ``rlfunc`` command.\n\n"
@@ -49,7 +49,7 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="evaluation seed (default: derived from the run's seed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
     a = p.parse_args(argv)
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     snap = checkpoint.latest_snapshot(a.run_dir)
     if snap is None and (Path(a.run_dir) / "meta.json").is_file():
@@ -70,7 +70,7 @@ def _resume(argv: list[str]) -> int:
                    help="run on this device (auto | cpu | cuda | npu) instead of the run's own, from now on (later snapshots "
                         "record it); a run continues exactly only on the device type it ran on")
     a = p.parse_args(argv)
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     before = None
     if a.snapshot is not None:
@@ -88,7 +88,7 @@ def _resume(argv: list[str]) -> int:
         older = [p.name for p in checkpoint.run_snapshots(a.run_dir) if p.name < snap.name]
         if not older:
             raise
-        from rlfunc import versions
+        from rlfunc.run import versions
 
         also = (" (this run keeps versions: it continues from its branch's head version when that is further along; "
                 f"rlfunc versions list {a.run_dir})") if versions.has_versions(a.run_dir) else ""
@@ -97,7 +97,7 @@ def _resume(argv: list[str]) -> int:
 
 
 def _resume_from(a, snap) -> int:
-    from rlfunc import checkpoint
+    from rlfunc.run import checkpoint
 
     entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
     result = registry.resolve(entry.resume)(a.run_dir, a.total_steps, device=a.device)
@@ -105,7 +105,7 @@ def _resume_from(a, snap) -> int:
 
 
 def _versions(argv: list[str]) -> int:
-    from rlfunc import cli_versions
+    from rlfunc.cli import versions as cli_versions
 
     return cli_versions.main(argv)
 

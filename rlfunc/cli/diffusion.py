@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from rlfunc.algos import registry
-from rlfunc.cli_common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, parse_config, report_run
 
 
 # Short forms of two diffusion flags: `rlfunc train bc --demos N`, `rlfunc train dppo --init RUN_DIR`.

@@ -1,7 +1,7 @@
 """``rlfunc train ppo --env ENV [...]``: every PPOConfig field is a flag, defaults from the env's preset
 (an env with a Dict observation goes to the entry that accepts it: "ppo-encoder"); and how
 ``rlfunc eval`` / ``rlfunc resume`` evaluate and continue a ppo run. A finished run is reported by
-:func:`rlfunc.cli_common.report_run` (its final evaluation, which the run loop wrote to eval.json)."""
+:func:`rlfunc.cli.common.report_run` (its final evaluation, which the run loop wrote to eval.json)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.algos.ppo import PPOConfig
-from rlfunc.cli_common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, parse_config, report_run
 from rlfunc.errors import ConfigError
 
 
@@ -21,8 +21,8 @@ def train(name: str, argv: list[str]) -> int:
     An env that a variant of ``name`` accepts (:func:`rlfunc.algos.registry.variant`) is that
     variant's command's."""
     from rlfunc.algos.ppo import preset
-    from rlfunc.collect import check_env_id
-    from rlfunc.train import train
+    from rlfunc.envs.collect import check_env_id
+    from rlfunc.run.ppo import train
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=PPOConfig.env)
@@ -45,20 +45,20 @@ def train(name: str, argv: list[str]) -> int:
 
 
 def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None):
-    """Continue the ppo run in ``run_dir`` (:func:`rlfunc.train.train` with ``resume=True``), with the
+    """Continue the ppo run in ``run_dir`` (:func:`rlfunc.run.ppo.train` with ``resume=True``), with the
     final evaluation when it finishes its budget."""
-    from rlfunc.train import train
+    from rlfunc.run.ppo import train
 
     return train(None, run_dir, resume=True, total_steps=total_steps, device=device, final_eval=True)
 
 
 def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
-    """:func:`rlfunc.train.evaluate` of ``run_dir``'s latest snapshot.
+    """:func:`rlfunc.run.ppo.evaluate` of ``run_dir``'s latest snapshot.
 
     Raises:
-        ConfigError: ``seed`` outside [0, 2**31), or as :func:`rlfunc.train.evaluate`.
+        ConfigError: ``seed`` outside [0, 2**31), or as :func:`rlfunc.run.ppo.evaluate`.
     """
-    from rlfunc.train import evaluate
+    from rlfunc.run.ppo import evaluate
 
     if seed is not None and not 0 <= seed < 2**31:
         raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")

@@ -3,13 +3,13 @@
 ``train_ppo_encoder(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per
 iteration: losses, episode_return (and success_rate, for envs that report ``is_success``) of the
 episodes that ended, steps/s, collect and update seconds), checkpoints/ (safetensors snapshots, ``algo="ppo-encoder"``), learning_curve.png and
-eval.json. The envs are one :class:`rlfunc.chunk_env.GymChunkEnv` (``act_steps=1``) kept running
+eval.json. The envs are one :class:`rlfunc.envs.chunk.GymChunkEnv` (``act_steps=1``) kept running
 across iterations.
 
 Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``): a snapshot holds the
 learner state (its action / minibatch generator "rng" included), Adam's state, the carry (the
 observations the next step acts on) and, in meta.json, the envs' reset-seed generator and their
-episodes (:meth:`~rlfunc.chunk_env.GymChunkEnv.episode_state`: each gymnasium env's RNG, time-limit
+episodes (:meth:`~rlfunc.envs.chunk.GymChunkEnv.episode_state`: each gymnasium env's RNG, time-limit
 counter and MuJoCo state, the running returns), so on CPU 2N iterations in one go equal N, stop, N
 more, tensor for tensor. Envs whose state cannot be captured (neither MuJoCo nor a classic-control
 ``state`` array) resume with new episodes, with a warning.
@@ -26,27 +26,27 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint
 from rlfunc.algos.diffusion_actor import EnvInfo, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
-from rlfunc.amp import precision
-from rlfunc.chunk_env import GymChunkEnv
 from rlfunc.device import resolve_device
+from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.log import plot_learning_curve
 from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
-from rlfunc.resume import (ResumePoint, begin_run, env_rng_snapshot, open_run, restore_env_rng, restore_learner,
+from rlfunc.optim.amp import precision
+from rlfunc.run import checkpoint
+from rlfunc.run.log import plot_learning_curve
+from rlfunc.run.resume import (ResumePoint, begin_run, env_rng_snapshot, open_run, restore_env_rng, restore_learner,
                            resume_meta, run_iterations, set_generator_state, truncate_metrics)
-from rlfunc.stats import success_interval, summarize_returns
-from rlfunc.train import EVAL_SEED_OFFSET
-from rlfunc.train_diffusion import DiffusionResult, _setup
+from rlfunc.core.stats import success_interval, summarize_returns
+from rlfunc.run.diffusion import DiffusionResult, _setup
+from rlfunc.run.ppo import EVAL_SEED_OFFSET
 
 
 def is_dict_env(env_id: str) -> bool:
     """Whether the registered gymnasium env ``env_id`` has a Dict observation (one env is made and closed)."""
     import gymnasium as gym
 
-    from rlfunc.chunk_env import check_chunk_env_id
+    from rlfunc.envs.chunk import check_chunk_env_id
 
     check_chunk_env_id(env_id)
     env = gym.make(env_id)
@@ -252,7 +252,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "env_steps"}: the episodes' returns (env units)
-        summarised by :func:`rlfunc.stats.summarize_returns`, and "success_rate" with its Wilson
+        summarised by :func:`rlfunc.core.stats.summarize_returns`, and "success_rate" with its Wilson
         interval "success_ci95" when the env reports ``info["is_success"]`` (:func:`reports_success`).
 
     Raises:

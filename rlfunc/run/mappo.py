@@ -4,7 +4,7 @@
 writes RUN_DIR/config.json, metrics.jsonl (one line per iteration: losses, training
 deliveries/conflicts per 100 steps on Warehouse-v0, completed-episode team returns), checkpoints/
 (safetensors snapshots, the last ``keep_checkpoints``), versions/ every ``version_every`` iterations
-(:mod:`rlfunc.versions`; off by default), learning_curve.png and eval.json, the env registry entry's
+(:mod:`rlfunc.run.versions`; off by default), learning_curve.png and eval.json, the env registry entry's
 ``multi_agent_eval`` (:mod:`rlfunc.envs.registry`): on Warehouse-v0 the
 :func:`envs.warehouse.metrics.evaluate` rates (deliveries and conflicts per 100 steps, idle
 fraction) of the trained policy on the default-reward warehouse with ``config.n_agents`` AGVs, on
@@ -12,17 +12,17 @@ rware the mean team return (sum over agents) of ``eval_episodes`` episodes per e
 
 Collection is the torch-batched env's own loop (``step_and_maybe_reset``): every env of the batch,
 and every agent of every env, steps at once on the device; grpo/gspo reset all envs with
-:func:`rlfunc.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
+:func:`rlfunc.envs.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
 
 Resume (:func:`resume_mappo`, ``train_mappo(..., resume=True)``): a snapshot holds the learner
-state (its Adam state, ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.resume.learner_entries`),
+state (its Adam state, ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.run.resume.learner_entries`),
 the action-sampling / minibatch generator ("rng", uint8), the collection carry
 (the env output acted on next, the running team returns) and, on Warehouse-v0, the env's core state
 and generator, so on CPU 2N iterations in one go equal N, stop, N more, parameter for parameter.
 rware's gymnasium instances cannot be captured: a resumed rware run starts new episodes (with a
 warning), so it is not bit-identical to an uninterrupted one. Snapshots written before the learner
 state owned its optimizer (state layout 1: torch.optim's state) are converted on load
-(:func:`rlfunc.resume.upgrade_layout_1`). A resume continues from the latest snapshot or the current
+(:func:`rlfunc.run.resume.upgrade_layout_1`). A resume continues from the latest snapshot or the current
 branch's head version, whichever is further along (after ``rlfunc versions rollback RUN_DIR V``: V).
 """
 
@@ -36,16 +36,16 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
 from rlfunc.device import resolve_device
 from rlfunc.envs import registry
+from rlfunc.envs.grouped import grouped_reset
 from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.grouped import grouped_reset
 from rlfunc.optim import linear_lr
-from rlfunc.resume import learner_entries, set_generator_state, state_layout, state_meta, upgrade_layout_1
+from rlfunc.run import checkpoint
 from rlfunc.run import Run, RunResult, train
+from rlfunc.run.resume import learner_entries, set_generator_state, state_layout, state_meta, upgrade_layout_1
 
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
 LAYOUT_1_COMMIT = "d98cef6"  # the last rlfunc that wrote mappo snapshots of state layout 1 (torch.optim's state)
@@ -210,7 +210,7 @@ def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
 
 class MAPPORun(Run):
     """A mappo run as :func:`rlfunc.run.run_loop` drives it. A snapshot holds the learner state (its
-    Adam state as "optim", :func:`rlfunc.resume.learner_entries`), the action-sampling / minibatch
+    Adam state as "optim", :func:`rlfunc.run.resume.learner_entries`), the action-sampling / minibatch
     generator ("rng", uint8), the collection carry ("carry": the env output acted on next, the
     running team returns [num_envs]) and, on an env whose state can be set (Warehouse-v0), the env's
     state and generator ("env"); on rware its meta "rware_resets" says where its episode seeds are.

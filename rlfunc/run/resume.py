@@ -1,8 +1,8 @@
 """What every resumable run shares: finding the snapshot to continue from, loading it into a freshly
 built run, and the iteration loop that writes the snapshots.
 
-A resumable run (:mod:`rlfunc.train_grpo`, :mod:`rlfunc.train_mappo`, :mod:`rlfunc.train_diffusion`,
-:mod:`rlfunc.train_encoder`) is a function ``train_X(config, run_dir, *, resume, total_steps, ...)``:
+A resumable run (:mod:`rlfunc.run.grpo`, :mod:`rlfunc.run.mappo`, :mod:`rlfunc.run.diffusion`,
+:mod:`rlfunc.run.ppo_encoder`) is a function ``train_X(config, run_dir, *, resume, total_steps, ...)``:
 
 1. :func:`begin_run` checks the run dir and, on resume, reads the latest snapshot's meta.json: its
    config (the run goes on with the snapshot's config, not the caller's) with a new budget when
@@ -14,7 +14,7 @@ A resumable run (:mod:`rlfunc.train_grpo`, :mod:`rlfunc.train_mappo`, :mod:`rlfu
 4. :func:`run_iterations` runs the iterations left, saving snapshots at the uninterrupted run's
    cadence, and stops with a snapshot on SIGINT/SIGTERM.
 
-What a snapshot holds (rlfunc.checkpoint: ``state.safetensors`` + meta.json): "learner" (the
+What a snapshot holds (rlfunc.run.checkpoint: ``state.safetensors`` + meta.json): "learner" (the
 learner state, its generator states included as uint8 tensors) and "optim" (the optimizer's state),
 plus what each run carries between iterations (env state, collection carry, ...); meta
 "resume_format" (:data:`RESUME_FORMAT`) marks a snapshot that holds all of it. Two state layouts
@@ -24,7 +24,7 @@ plus what each run carries between iterations (env state, collection carry, ...)
   (the state of its update chain, rlfunc.optim), which the snapshot keeps as its "optim" entry beside
   the rest of the learner (:func:`learner_entries`); :func:`restore_state` loads it, and converts
   snapshots of layout 1 written by those runs before (:func:`optim_from_layout_1`, which PPO's
-  rlfunc.train uses too);
+  rlfunc.run.ppo uses too);
 - 1 (no "state_layout"; bc, dppo, td3-diffusion, ppo-encoder): "optim" is torch.optim.Adam's state of
   the leaves that have had a gradient, keyed by their index in the optimizer (meta "optim_leaves"
   lists them), restored by :func:`restore_learner`.
@@ -47,11 +47,11 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, versions
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.log import MetricsLogger, read_metrics
 from rlfunc.optim import adam_state_from_torch, load_optimizer_state
+from rlfunc.run import checkpoint, versions
+from rlfunc.run.log import MetricsLogger, read_metrics
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
 STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner state; 1 (no key): torch.optim's, beside it

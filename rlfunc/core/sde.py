@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from rlfunc.distributions import gaussian_entropy, gaussian_log_prob, tanh_gaussian_log_prob
+from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob, tanh_gaussian_log_prob
 from rlfunc.errors import ConfigError, ShapeError
 
 __all__ = [
@@ -194,7 +194,7 @@ def sde_log_prob(
 
     Without ``squash`` the action is the Gaussian sample mu + z @ theta itself (clip it outside, in
     the env, as stable-baselines3 does). With ``squash`` the action is tanh(u), u = mu + z @ theta,
-    scored with the exact tanh Jacobian (see ``rlfunc.distributions.tanh_gaussian_log_prob``; pass
+    scored with the exact tanh Jacobian (see ``rlfunc.core.distributions.tanh_gaussian_log_prob``; pass
     ``pre_tanh`` = u when you have it).
 
     Args:
@@ -210,7 +210,7 @@ def sde_log_prob(
         [*B, 1] float, summed over the action dim.
 
     Raises:
-        ShapeError / ConfigError: as :func:`sde_log_std` and the ``rlfunc.distributions`` functions;
+        ShapeError / ConfigError: as :func:`sde_log_std` and the ``rlfunc.core.distributions`` functions;
             ``pre_tanh`` given without ``squash``.
 
     Reference: Raffin et al. (2022), section 3.

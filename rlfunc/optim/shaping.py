@@ -47,7 +47,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc import func
+from rlfunc.core import func
 from rlfunc.errors import ConfigError, ShapeError
 
 Generators = torch.Generator | Sequence[torch.Generator]
@@ -362,7 +362,7 @@ def layer_trust_region(member_dims: int = 0) -> GradientTransformation:
 def per_sample_grads(fn: Callable[..., Tensor], params: TensorDictBase, *inputs: Tensor,
                      use_loop: bool | None = None, device: torch.device | None = None) -> TensorDict:
     """Gradient of ``fn(params, *sample)`` (a 0-dim loss of one sample) w.r.t. ``params`` for every
-    sample: ``torch.func.grad`` mapped over dim 0 of ``inputs`` with :func:`rlfunc.func.vmap` (a loop
+    sample: ``torch.func.grad`` mapped over dim 0 of ``inputs`` with :func:`rlfunc.core.func.vmap` (a loop
     where vmap is missing). Returns per key of ``params`` ``[N, *shape]``."""
     keys = list(params.keys(include_nested=True, leaves_only=True))
     flat = {SEP.join(k) if isinstance(k, tuple) else k: params.get(k).detach() for k in keys}

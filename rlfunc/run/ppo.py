@@ -1,7 +1,7 @@
 """A whole PPO run as one function of its config: collect -> update -> log -> checkpoint, resumable.
 
 ``train(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
-checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), versions/ and learning_curve.png, and
+checkpoints/ (safetensors snapshots, see rlfunc.run.checkpoint), versions/ and learning_curve.png, and
 with ``final_eval`` eval.json. The run is a :class:`PPORun`, driven by the one run loop
 (:mod:`rlfunc.run.loop`: snapshots, versions, metrics, progress bar, stop on SIGINT/SIGTERM).
 
@@ -13,7 +13,7 @@ the optimizer's state moved into the learner (state layout 1: a separate "optim"
 state) are converted on load (:meth:`PPORun.upgrade`).
 
 With ``version_every`` > 0 the same state also goes, every that many iterations, into the run's
-version store (rlfunc.versions): content-addressed, with the iteration's metrics and each
+version store (rlfunc.run.versions): content-addressed, with the iteration's metrics and each
 parameter leaf's relative change; the meta of every snapshot and version also records the env's
 id, registration and wrapper chain and every env's reset seed. ``resume`` continues from the newer
 of the latest snapshot and the current branch's head version (:func:`rlfunc.run.resume_source`), so
@@ -40,15 +40,17 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, collect, func
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
+from rlfunc.core import func
+from rlfunc.core.stats import mean_interval, success_interval, summarize_returns
 from rlfunc.device import resolve_device
+from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
-from rlfunc.resume import STATE_LAYOUT, generator_from_state, optim_from_layout_1, state_layout
+from rlfunc.run import checkpoint
 from rlfunc.run import Run, RunResult
 from rlfunc.run import train as run_train
-from rlfunc.stats import mean_interval, success_interval, summarize_returns
+from rlfunc.run.resume import STATE_LAYOUT, generator_from_state, optim_from_layout_1, state_layout
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
 LAYOUT_1_COMMIT = "c0e6595"  # the last rlfunc that wrote PPO snapshots of state layout 1 (torch.optim's state)
@@ -95,7 +97,7 @@ def upgrade_layout_1(loaded: TensorDict, meta: dict, where: str, like: TensorDic
     as a new one.
 
     Raises:
-        CheckpointError: naming ``where``, a state layout other than 1 and 2 (:func:`rlfunc.resume.state_layout`),
+        CheckpointError: naming ``where``, a state layout other than 1 and 2 (:func:`rlfunc.run.resume.state_layout`),
             no "optim" entry, or a layout-1 optimizer state that does not fit the run's parameters.
     """
     state_layout(where, meta, "PPO")  # CheckpointError for a layout this rlfunc does not read
@@ -392,7 +394,7 @@ def evaluate(
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
         Student-t 95% interval of the mean over all episodes of all seeds (env reward units,
-        :func:`rlfunc.stats.summarize_returns`), the episodes per seed, the mean per seed (and with
+        :func:`rlfunc.core.stats.summarize_returns`), the episodes per seed, the mean per seed (and with
         several seeds "per_seed_ci95"), and the snapshot's env steps; "success_rate" and its Wilson
         interval "success_ci95" too when the env reports ``info["is_success"]``. Actions are
         deterministic; the episodes' reset seeds (from ``seed`` + EVAL_SEED_OFFSET) are disjoint

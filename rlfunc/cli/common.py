@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad or missing argument raises ConfigError (one line from ``rlfunc.cli.main``,
+    """argparse, but a bad or missing argument raises ConfigError (one line from ``rlfunc.cli.commands``,
     exit 2) instead of printing the usage block."""
 
     def error(self, message: str):
@@ -50,7 +50,7 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
     tyro builds each config dataclass as an unbuilt record (a struct rule of tyro's public
     ``ConstructorRegistry`` around its own dataclass rule); the configs are then constructed here,
     outside tyro, so validation happens once, in the config's own ``__post_init__``, and a bad value
-    is one ConfigError line (``rlfunc.cli.main``: exit 2) rather than tyro's error box.
+    is one ConfigError line (``rlfunc.cli.commands``: exit 2) rather than tyro's error box.
 
     Raises:
         ConfigError: a value the config refuses. SystemExit: tyro's own parse errors and ``--help``.

@@ -1,7 +1,7 @@
 """Expert demonstrations as a diffusion-BC dataset: observations with the action chunk that follows.
 
 Each step t of an episode of length L becomes one sample: the observation o_t (the keys the actor's
-env gives, see :mod:`rlfunc.chunk_env`) and the chunk a_t .. a_{t+H-1} of the expert's actions in
+env gives, see :mod:`rlfunc.envs.chunk`) and the chunk a_t .. a_{t+H-1} of the expert's actions in
 [-1, 1] (scaled from the action space's bounds), the last action repeated past the episode's end
 (Chi et al. 2023, "Diffusion Policy", edge padding of the action sequence).
 
@@ -78,7 +78,7 @@ def gym_demonstrations(
     """
     import gymnasium as gym
 
-    from rlfunc.chunk_env import ObservationCodec, action_bounds, env_instructions, unscale_action
+    from rlfunc.envs.chunk import ObservationCodec, action_bounds, env_instructions, unscale_action
 
     env = gym.make(env_id)
     codec = ObservationCodec(env.observation_space, env_id, env_instructions(env_id))

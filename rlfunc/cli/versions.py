@@ -1,4 +1,4 @@
-"""``rlfunc versions list|show|diff|rollback|pin``: the run's version store (rlfunc.versions) on the terminal.
+"""``rlfunc versions list|show|diff|rollback|pin``: the run's version store (rlfunc.run.versions) on the terminal.
 
     rlfunc versions list RUN_DIR [--json]          one line per version; * marks branch heads
     rlfunc versions show RUN_DIR V                 the manifest as JSON (tensors summarised)
@@ -20,8 +20,8 @@ import argparse
 import json
 import math
 
-from rlfunc import versions
 from rlfunc.errors import ConfigError
+from rlfunc.run import versions
 
 USAGE = __doc__
 
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
 
 
 def _parser(name: str, description: str) -> argparse.ArgumentParser:
-    from rlfunc.cli_common import Parser
+    from rlfunc.cli.common import Parser
 
     p = Parser(prog=f"rlfunc versions {name}", description=description)
     p.add_argument("run_dir")

@@ -8,7 +8,7 @@ The statistics of a stream of samples x of shape [*shape] are a TensorDict with 
 
 Every function is pure (returns a new TensorDict, never mutates its inputs) and free of
 value-dependent Python control flow, so a stack of statistics (batch_size [S], one per seed or
-device) is handled with ``torch.func.vmap`` (or ``rlfunc.func.vmap``) over the leading dim.
+device) is handled with ``torch.func.vmap`` (or ``rlfunc.core.func.vmap``) over the leading dim.
 
 Counts are float32: exact up to 2^24 (about 1.7e7) samples; beyond that each merge's weights carry
 a relative error of at most 6e-8, which is harmless for normalisation.

@@ -210,9 +210,9 @@ class GymChunkEnv(EnvBase):
     def episode_state(self) -> dict | None:
         """What the envs carry from one step to the next besides :meth:`rng_state`, JSON-able, or None
         when a gymnasium env's state cannot be captured: per env its own RNG, time-limit counter and
-        physics (:func:`rlfunc.collect.env_state`: MuJoCo's integration state, or a classic-control
+        physics (:func:`rlfunc.envs.collect.env_state`: MuJoCo's integration state, or a classic-control
         ``state`` array), and the current episodes' "episode_return" and "success" (lists of N)."""
-        from rlfunc.collect import env_state
+        from rlfunc.envs.collect import env_state
 
         envs = env_state(self)
         if envs is None:
@@ -227,7 +227,7 @@ class GymChunkEnv(EnvBase):
         Raises:
             EnvError: ``state`` does not fit these envs (number of envs, keys, physics size).
         """
-        from rlfunc.collect import set_env_state
+        from rlfunc.envs.collect import set_env_state
 
         try:
             set_env_state(self, state["envs"])

@@ -28,9 +28,9 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.core.returns import forward_discounted_sum
 from rlfunc.envs import registry
 from rlfunc.errors import EnvError
-from rlfunc.returns import forward_discounted_sum
 
 Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlfunc.algos.grpo import GRPOConfig
-from rlfunc.cli_common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, parse_config, report_run
 
 
 # the two losses this command trains, as --help names them
@@ -15,8 +15,8 @@ LOSS_TITLES = {"grpo": "GRPO (per-step ratio)", "gspo": "GSPO (one ratio per epi
 def train(algo: str, argv: list[str]) -> int:
     """Parse ``argv`` into a GRPOConfig with ``loss=algo``, train, print the evaluation as one JSON line."""
     from rlfunc.algos.grpo import preset
-    from rlfunc.collect import check_env_id
-    from rlfunc.train_grpo import train_grpo
+    from rlfunc.envs.collect import check_env_id
+    from rlfunc.run.grpo import train_grpo
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=GRPOConfig.env)

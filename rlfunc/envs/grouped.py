@@ -7,7 +7,7 @@ steps after it ends are padding, marked False in "mask".
 
 Two sources of envs:
 
-- :func:`grouped_rollout_gym`: a gymnasium vector env (``rlfunc.collect.make_vec_env``) whose G
+- :func:`grouped_rollout_gym`: a gymnasium vector env (``rlfunc.envs.collect.make_vec_env``) whose G
   members of group g are reset with the same seed ``seeds[g]``;
 - :func:`grouped_rollout_torchrl`: a torch-batched TorchRL ``EnvBase`` exposing ``state`` and
   ``set_state(state)`` (e.g. ``envs.point_reach.PointReachEnv``): one reset, then the first member's
@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc import collect
+from rlfunc.envs import collect
 from rlfunc.errors import ConfigError, EnvError, ShapeError
 
 
@@ -79,10 +79,10 @@ def grouped_rollout_gym(
     """One episode per env of ``venv``, the G members of group g reset with the seed ``seeds[g]``.
 
     Args:
-        venv: a gymnasium vector env with SAME_STEP autoreset (:func:`rlfunc.collect.make_vec_env`)
+        venv: a gymnasium vector env with SAME_STEP autoreset (:func:`rlfunc.envs.collect.make_vec_env`)
             of ``len(seeds) * group_size`` envs, Box observations and actions.
         policy: ``observation [N, obs_dim] -> (action [N, act_dim], sample_log_prob [N, 1])``, as for
-            :func:`rlfunc.collect.rollout` (randomness inside it, e.g. a seeded generator).
+            :func:`rlfunc.envs.collect.rollout` (randomness inside it, e.g. a seeded generator).
         seeds: n_groups reset seeds, one per group (a seed fixes the start state of a gymnasium env).
         group_size: G >= 1.
         max_steps: T >= 1, steps taken by every env; an episode longer than T is cut at T (its

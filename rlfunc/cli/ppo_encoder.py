@@ -7,14 +7,14 @@ from __future__ import annotations
 import argparse
 
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
-from rlfunc.cli_common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, parse_config, report_run
 
 
 def train(name: str, argv: list[str]) -> int:
     """Parse ``argv`` (the flags after ``rlfunc train ppo``) into a PPOEncoderConfig, train as
     ``name`` ("ppo-encoder"), print the evaluation as one JSON line (exit 0), or 130/143 when
     SIGINT/SIGTERM stopped the run."""
-    from rlfunc.train_encoder import train_ppo_encoder
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)

@@ -52,7 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tensordict import TensorDict, TensorDictBase
 
-from rlfunc.checkpoint import (
+from rlfunc.run.checkpoint import (
     _check_meta,
     _cpu_tensors,
     _dtype_name,

@@ -1,7 +1,7 @@
 """A whole GRPO or GSPO run as one function of its config: grouped rollouts -> update -> log -> snapshot.
 
 ``train_grpo(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
-checkpoints/ (safetensors snapshots, see rlfunc.checkpoint), learning_curve.png and eval.json
+checkpoints/ (safetensors snapshots, see rlfunc.run.checkpoint), learning_curve.png and eval.json
 (deterministic-action returns on the gymnasium env, as ``rlfunc eval`` gives for PPO runs).
 
 Each iteration's start states come from reset seeds derived from (seed, iteration) (gymnasium
@@ -10,10 +10,10 @@ backend) or from the torch env's generator, seeded once with the run seed (torch
 Resume (:func:`resume_grpo`, ``train_grpo(..., resume=True)``) is exact on CPU: 2N iterations in
 one go equal N, stop, N more, parameter for parameter. A snapshot holds the learner state (its
 action-sampling generators included; its Adam state, ``state["optim"]``, as the snapshot's "optim":
-:func:`rlfunc.resume.learner_entries`) and, on the torch backend, the env's generator and state; the
+:func:`rlfunc.run.resume.learner_entries`) and, on the torch backend, the env's generator and state; the
 gymnasium backend needs no env state, since every iteration resets every env with seeds derived from
 (seed, iteration). Snapshots written before the learner state owned its optimizer (state layout 1:
-torch.optim's state) are converted on load (:func:`rlfunc.resume.restore_state`).
+torch.optim's state) are converted on load (:func:`rlfunc.run.resume.restore_state`).
 """
 
 from __future__ import annotations
@@ -28,18 +28,19 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, collect
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
+from rlfunc.core.stats import summarize_returns
 from rlfunc.device import resolve_device
+from rlfunc.envs import collect
 from rlfunc.envs import registry
+from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.optim import linear_lr
-from rlfunc.resume import learner_entries, state_layout, state_meta, upgrade_layout_1
+from rlfunc.run import checkpoint
 from rlfunc.run import Run, RunResult, train
-from rlfunc.stats import summarize_returns
-from rlfunc.train import EVAL_SEED_OFFSET, _generators, env_spec
+from rlfunc.run.ppo import EVAL_SEED_OFFSET, _generators, env_spec
+from rlfunc.run.resume import learner_entries, state_layout, state_meta, upgrade_layout_1
 
 
 def group_seeds(seed: int, iteration: int, count: int) -> list[int]:
@@ -106,7 +107,7 @@ LAYOUT_1_COMMIT = "d98cef6"  # the last rlfunc that wrote grpo/gspo snapshots of
 
 class GRPORun(Run):
     """A grpo/gspo run as :func:`rlfunc.run.run_loop` drives it. A snapshot holds the learner
-    state (its Adam state as "optim", :func:`rlfunc.resume.learner_entries`) and, on the torch
+    state (its Adam state as "optim", :func:`rlfunc.run.resume.learner_entries`) and, on the torch
     backend, the env's generator and state ("env")."""
 
     def __init__(self, config: GRPOConfig, device: torch.device) -> None:
@@ -173,7 +174,7 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"} (env reward units):
-        :func:`rlfunc.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed.
+        :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed.
     """
     algo = make_grpo(config, spec, device)
     venv = collect.make_vec_env(config.env, config.num_seeds * episodes)

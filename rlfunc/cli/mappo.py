@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlfunc.algos.mappo import PRESETS, MAPPOConfig
-from rlfunc.cli_common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, parse_config, report_run
 
 
 def train(name: str, argv: list[str]) -> int:
@@ -11,7 +11,7 @@ def train(name: str, argv: list[str]) -> int:
     evaluation as one JSON line."""
     import argparse
 
-    from rlfunc.train_mappo import train_mappo
+    from rlfunc.run.mappo import train_mappo
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)

@@ -5,12 +5,12 @@ driven by the one run loop (:mod:`rlfunc.run.loop`): :class:`BCRun`, :class:`DPP
 Each writes RUN_DIR/config.json, metrics.jsonl (one line per logged iteration), checkpoints/
 (safetensors snapshots whose learner state includes the noise schedule, verified against the actor
 spec on every load; meta.json also records the env's observation layout), versions/ every
-``version_every`` iterations (:mod:`rlfunc.versions`: list, diff, rollback), learning_curve.png
+``version_every`` iterations (:mod:`rlfunc.run.versions`: list, diff, rollback), learning_curve.png
 (success rate; bc: denoising loss) and eval.json (one episode per env with deterministic DDIM, eta = 0 unless dppo's
 ``eval_eta``: return, success rate, and PointReach's mode statistics).
 
 Envs: PointReach-v0 (torch-batched) and any gymnasium id with bounded Box actions, through
-:class:`rlfunc.chunk_env.GymChunkEnv`; bc needs a scripted expert (PointReach-v0, PushState-v0,
+:class:`rlfunc.envs.chunk.GymChunkEnv`; bc needs a scripted expert (PointReach-v0, PushState-v0,
 Push-v0). Dict observations (Push-v0: two cameras, proprio, an instruction) go through a
 :class:`rlfunc.nets.encoders.MultimodalEncoder` trained by bc and kept frozen by dppo / td3-diffusion.
 
@@ -45,21 +45,22 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from rlfunc import checkpoint, func
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.bc import BCConfig, make_bc
+from rlfunc.core import func
+from rlfunc.run import checkpoint
 from rlfunc.algos.diffusion_actor import (
     POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
-from rlfunc.amp import precision
 from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim import load_optimizer_state, optimizer_state
-from rlfunc.resume import (NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot, optimizer_like,
+from rlfunc.optim.amp import precision
+from rlfunc.run.resume import (NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot, optimizer_like,
                            restore_buffer, restore_env_rng, set_generator_state)
 from rlfunc.run import Run, RunResult, resume_source, train
 from rlfunc.run.loop import source_meta
@@ -298,7 +299,7 @@ class DiffusionRun(Run):
         return int(self.state["env_steps"])
 
     def carried(self) -> tuple[dict, dict]:
-        """(tensors, meta) of the env's RNG and the run's carry (:func:`rlfunc.resume.env_rng_snapshot`)."""
+        """(tensors, meta) of the env's RNG and the run's carry (:func:`rlfunc.run.resume.env_rng_snapshot`)."""
         return env_rng_snapshot(self.env) if self.env is not None else ({}, {})
 
     def saved(self) -> tuple[TensorDict, dict]:
@@ -374,7 +375,7 @@ class BCRun(DiffusionRun):
     curve = "loss_denoise"  # against updates (a bc record's "step")
 
     def __init__(self, config: BCConfig, device: torch.device) -> None:
-        from rlfunc.demos import check_expert, expert_demonstrations
+        from rlfunc.envs.demos import check_expert, expert_demonstrations
 
         super().__init__(config, device, "bc")
         check_expert(config.env)
@@ -519,7 +520,7 @@ def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResul
 def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
              progress: bool = True, tensorboard: bool = True, device: str | None = None) -> RunResult:
     """Diffusion BC (:class:`BCRun`) on the env's scripted-expert demonstrations (see
-    :mod:`rlfunc.algos.bc` and :func:`rlfunc.demos.expert_demonstrations`).
+    :mod:`rlfunc.algos.bc` and :func:`rlfunc.envs.demos.expert_demonstrations`).
 
     Args:
         config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).

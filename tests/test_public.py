@@ -1,0 +1,23 @@
+"""The public names of ``rlfunc`` (re-exported, rlax-style) are the functions of their modules."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import rlfunc
+
+
+def test_every_public_name_is_its_modules_object():
+    for name, module in rlfunc._PUBLIC.items():
+        assert getattr(rlfunc, name) is getattr(importlib.import_module(module), name), name
+    assert set(rlfunc.__all__) == {"__version__", *rlfunc._PUBLIC}
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        rlfunc.nope  # noqa: B018
+
+
+def test_import_rlfunc_imports_no_torch():
+    # the re-exports are resolved on first use: `import rlfunc` (the CLI's first step) stays cheap
+    code = "import sys, rlfunc; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
