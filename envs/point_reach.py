@@ -511,7 +511,7 @@ class PointReachGymEnv(gym.Env):
     "goal_index" (int: 0 g_a, 1 g_b, -1 none).
 
     ``state`` (float32 [8]: position, g_a, g_b, start) holds the whole episode and randomness comes
-    from ``self.np_random`` only, so ``rlfunc.collect.env_state`` / ``set_env_state`` restore it.
+    from ``self.np_random`` only, so ``rlfunc.envs.collect.env_state`` / ``set_env_state`` restore it.
     """
 
     metadata = {"render_modes": []}

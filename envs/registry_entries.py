@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import statistics
 
+from rlfunc.core.stats import summarize_returns
 from rlfunc.envs.registry import EnvEntry, lazy, register
-from rlfunc.stats import summarize_returns
 
 
 def point_reach_demonstrations(env_id: str, num_episodes: int, horizon: int, *, seed: int, noise_std: float, device):
@@ -32,9 +32,9 @@ def point_reach_demonstrations(env_id: str, num_episodes: int, horizon: int, *, 
 
 def push_demonstrations(env_id: str, num_episodes: int, horizon: int, *, seed: int, noise_std: float, device):
     """:func:`envs.push.expert.collect_demonstrations` (gymnasium episodes) encoded by
-    :func:`rlfunc.demos.gym_demonstrations`."""
+    :func:`rlfunc.envs.demos.gym_demonstrations`."""
     from envs.push.expert import collect_demonstrations
-    from rlfunc.demos import gym_demonstrations
+    from rlfunc.envs.demos import gym_demonstrations
 
     return gym_demonstrations(env_id, collect_demonstrations, num_episodes, horizon, seed=seed, noise_std=noise_std,
                               device=device)

@@ -16,8 +16,8 @@ from torch import Tensor
 from envs.warehouse.core import N_ACTIONS, STEP_KEYS
 from envs.warehouse.env import WarehouseEnv
 from envs.warehouse.layout import WarehouseConfig
+from rlfunc.core.stats import mean_interval
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.stats import mean_interval
 
 Policy = Callable[[TensorDictBase], Tensor]
 
@@ -104,7 +104,7 @@ def evaluate(
     Returns:
         {"per_seed": [{"seed": s, **rollout_metrics}], "median": {metric: median over seeds}}; with
         ``num_episodes > 1`` each seed's row also has "deliveries_per_100_steps_ci95", the Student-t
-        95% interval of the mean over its warehouses (:func:`rlfunc.stats.mean_interval`).
+        95% interval of the mean over its warehouses (:func:`rlfunc.core.stats.mean_interval`).
 
     Raises:
         ConfigError: no seeds, or ``num_steps`` < 1.
