@@ -70,6 +70,7 @@ def _td(env, action):
 class _Config:
     total_steps: int = 40
     steps_per_iteration: int = 10
+    device: str = "cpu"
 
     @property
     def num_iterations(self) -> int:
@@ -87,32 +88,80 @@ def _from_meta(meta, snap):
     return _Config(**meta["config"])
 
 
-def test_resume_point_sets_the_budget_and_refuses_bad_ones(tmp_path):
+class _ToyRun:
+    """The smallest run the loop drives (rlfunc.run.Run's protocol): one tensor, no env."""
+
+    def __init__(self, config: _Config, device, *, requires_format: bool = True) -> None:
+        from rlfunc.run import Run
+        from tensordict import TensorDict
+
+        class Toy(Run):
+            name = "toy"
+
+            def step(self, i, stopping):
+                self.state["iteration"] += 1
+                return {"iteration": i, "step": i * config.steps_per_iteration}
+
+            def saved(self):
+                meta = {"algo": "toy", "config": dataclasses.asdict(config), "iteration": int(self.state["iteration"]),
+                        "env_steps": int(self.state["iteration"]) * config.steps_per_iteration,
+                        "resume_format": resume.RESUME_FORMAT, "state_layout": resume.STATE_LAYOUT}
+                return TensorDict({"x": self.state["x"]}, batch_size=[]), meta
+
+            def upgrade(self, loaded, meta, where):  # _snapshot writes no state_layout: nothing to convert
+                return loaded
+
+            def restore(self, loaded, meta):
+                self.state["x"] = loaded["x"]
+                self.state["iteration"] = torch.tensor(meta["iteration"])
+
+        self.run = Toy()
+        self.run.config, self.run.total, self.run.requires_format = config, config.num_iterations, requires_format
+        self.run.state = TensorDict({"x": torch.zeros(1), "iteration": torch.tensor(0)}, batch_size=[])
+
+
+def _train(run_dir, config=None, *, resume_=True, total_steps=None, requires_format=True, built=None):
+    """rlfunc.run.train of a _ToyRun, stopped before any iteration; returns the config it built."""
+    from rlfunc.run import train
+
+    built = [] if built is None else built
+
+    def build(config, device):
+        built.append(config)
+        return _ToyRun(config, device, requires_format=requires_format).run
+
+    train(build, _from_meta, config, run_dir, config_type=_Config, resume=resume_, total_steps=total_steps,
+          max_iterations=0, progress=False, tensorboard=False)
+    return built[-1]
+
+
+def test_resume_sets_the_budget_and_refuses_bad_ones(tmp_path):
+    # what rlfunc.run.train checks before a run (new or resumed) is built (was resume.resume_point /
+    # begin_run, before the one run loop)
     _snapshot(tmp_path, {"iteration": 2, "env_steps": 20, "resume_format": resume.RESUME_FORMAT})
-    point = resume.resume_point(tmp_path, None, _from_meta)
-    assert point.config == _Config() and point.meta["iteration"] == 2
-    assert resume.resume_point(tmp_path, 80, _from_meta).config.total_steps == 80
-    assert resume.resume_point(tmp_path, 11, _from_meta).config.num_iterations == 2  # as many as done: accepted
+    assert _train(tmp_path) == _Config()
+    assert _train(tmp_path, total_steps=80).total_steps == 80
+    assert _train(tmp_path, total_steps=11).num_iterations == 2  # as many as done: accepted
     with pytest.raises(ConfigError, match=r"total_steps=10: the run has already done 2 iterations \(20 env steps\)"):
-        resume.resume_point(tmp_path, 10, _from_meta)
+        _train(tmp_path, total_steps=10)
     with pytest.raises(ConfigError, match="total_steps=0: expected an int >= 1"):
-        resume.resume_point(tmp_path, 0, _from_meta)
+        _train(tmp_path, total_steps=0)
     with pytest.raises(CheckpointError, match="no snapshot to resume from"):
-        resume.resume_point(tmp_path / "none", None, _from_meta)
+        _train(tmp_path / "none")
     _snapshot(tmp_path / "old", {"iteration": 2})
     with pytest.raises(CheckpointError, match="written before toy runs were resumable"):
-        resume.resume_point(tmp_path / "old", None, _from_meta)
-    assert resume.resume_point(tmp_path / "old", None, _from_meta, require_format=False).meta["iteration"] == 2
+        _train(tmp_path / "old")
+    assert _train(tmp_path / "old", requires_format=False) == _Config()
     _snapshot(tmp_path / "bad", {"iteration": -1, "resume_format": resume.RESUME_FORMAT})
     with pytest.raises(CheckpointError, match="iteration=-1"):
-        resume.resume_point(tmp_path / "bad", None, _from_meta)
+        _train(tmp_path / "bad")
     # a new run: no budget override, and a config of the expected type
     with pytest.raises(ConfigError, match="resume=True"):
-        resume.begin_run(tmp_path / "new", _Config(), _Config, resume=False, total_steps=5, from_meta=_from_meta)
+        _train(tmp_path / "new", _Config(), resume_=False, total_steps=5)
     with pytest.raises(ConfigError, match="config=None: expected a _Config"):
-        resume.begin_run(tmp_path / "new", None, _Config, resume=False, total_steps=None, from_meta=_from_meta)
+        _train(tmp_path / "new", None, resume_=False)
     with pytest.raises(ConfigError, match="already holds a run"):
-        resume.begin_run(tmp_path, _Config(), _Config, resume=False, total_steps=None, from_meta=_from_meta)
+        _train(tmp_path, _Config(), resume_=False)
 
 
 def test_optimizer_like_and_leaves_follow_the_optimizer():
