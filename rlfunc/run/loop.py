@@ -304,7 +304,7 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
     if resume:
         source = resume_source(run_dir)
         if source is None:
-            raise CheckpointError(f"{run_dir}: no snapshot or version to resume from (a run writes a snapshot every "
+            raise CheckpointError(f"{run_dir}: no snapshot to resume from, nor a version (a run writes a snapshot every "
                                   "checkpoint_every iterations and at its end)")
         meta, name = source_meta(run_dir, source)
         config = from_meta(meta, name)
