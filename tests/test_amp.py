@@ -103,3 +103,37 @@ def test_precision_and_micro_batch_errors():
     params, batch, loss_fn = _setup()
     with pytest.raises(ConfigError, match="micro_batch_size=0"):
         accumulate_gradients(loss_fn, batch, 0)
+
+
+@pytest.mark.parametrize("mode", ["off", "fp16"])
+def test_transform_step_steps_as_torch_optim_adam_and_skips_as_it_does(mode):
+    """transform_step with chain(clip, adam) moves the params as step() with torch.optim.Adam (the same
+    loss scaling, clipping and Adam arithmetic), and a non-finite gradient leaves params and state be."""
+    from rlfunc.optim import adam, chain, clip_by_global_norm
+    from rlfunc.optim.amp import transform_step
+
+    ref_params, batch, ref_loss = _setup()
+    params, _, loss_fn = _setup()
+    ref_prec, prec = precision(torch.device("cpu"), mode), precision(torch.device("cpu"), mode)
+    opt = torch.optim.Adam(func.leaves(ref_params), lr=1e-2, eps=1e-5, foreach=True)
+    update = chain(clip_by_global_norm(0.1, stacked=False), adam(1e-2, eps=1e-5))
+    state = update.init(params)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        accumulate_gradients(ref_loss, batch, 8, prec=ref_prec)
+        ref_norm, ref_ok = step(opt, func.leaves(ref_params), 0.1, ref_prec)
+        for p in func.leaves(params):
+            p.grad = None
+        accumulate_gradients(loss_fn, batch, 8, prec=prec)
+        norm, ok, state = transform_step(update, state, params, prec, lr=1e-2)
+        assert ok == ref_ok and torch.equal(norm, ref_norm)
+    for a, b in zip(func.leaves(ref_params), func.leaves(params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    func.leaves(params)[0].grad[0] = float("nan")
+    before, moments = [p.detach().clone() for p in func.leaves(params)], state.clone()
+    _, ok, after = transform_step(update, state, params, prec, lr=1e-2)
+    assert not ok and after is state
+    assert all(torch.equal(a, p) for a, p in zip(before, func.leaves(params)))
+    assert all(torch.equal(a, b) for a, b in zip(moments.values(True, True), state.values(True, True)))
+    if prec.scaler is not None:
+        assert prec.scaler.get_scale() < ref_prec.scaler.get_scale()  # lowered after the inf, as torch's own path does

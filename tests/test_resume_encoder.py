@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +117,78 @@ def test_envs_whose_state_is_not_captured_resume_with_new_episodes(tmp_path, mon
     assert [r["iteration"] for r in _metrics(run)] == [1, 2]
     with pytest.raises(CheckpointError, match="no snapshot to resume from"):
         resume_encoder(tmp_path / "empty")
+
+
+# ----------------------------------------------------------- versions, and runs of state layout 1
+
+LAYOUT_1 = Path(__file__).parent / "data" / "ppo_encoder_state_layout_1"  # written by rlfunc at aaf3139 (its README)
+
+
+def test_rollback_to_a_version_then_resume_ends_equal_to_the_uninterrupted_run(tmp_path):
+    from rlfunc.run import versions
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
+
+    run = tmp_path / "run"
+    full = _train(run, 3, version_every=1)
+    assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003"]
+    before = _metrics(run)
+    versions.rollback(run, "v000001", branch="retry")
+    resumed = train_ppo_encoder(None, run, resume=True, evaluate_at_end=False, **QUIET)
+    assert int(resumed.state["iteration"]) == 3
+    a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert _metrics(run) == before
+    saved, meta = _tensors(run)
+    assert meta["state_layout"] == 2 and meta["branch"] == "retry"
+    steps = [v for k, v in saved.items() if k.startswith("optim.1.step.")]  # Adam's per-leaf step counts
+    assert steps and all(int(s) == 3 * (8 // TINY["minibatch_size"]) for s in steps)
+    assert versions.branch_heads(run) == {"main": "v000003", "retry": "v000005"}
+
+
+def _layout_1_run(tmp_path) -> Path:
+    run = tmp_path / "old"
+    shutil.copytree(LAYOUT_1, run, ignore=shutil.ignore_patterns("README.md", "expected"))
+    return run
+
+
+def test_a_run_written_by_the_old_code_evaluates_and_resumes_as_it_would_have(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlfunc.run.ppo_encoder import evaluate_run, resume_encoder
+
+    run = _layout_1_run(tmp_path)
+    saved, meta = _tensors(run)
+    assert "state_layout" not in meta and meta["optim_leaves"] == list(range(78)) and "version_every" not in meta["config"]
+    result = evaluate_run(run, 1, device="cpu")
+    assert result["env_steps"] == 8 and result["episodes"] == 1
+    resumed = resume_encoder(run, total_steps=16, **QUIET)
+    assert int(resumed.state["iteration"]) == 4 and resumed.evaluation["env_steps"] == 16
+    # torch.optim's entries (numbered in that optimizer's order) became the chain's Adam state leaf
+    # for leaf: the parameters are those the old code reached from the same snapshot
+    expected = load_file(LAYOUT_1 / "expected" / "params_iteration_4.safetensors")
+    got = {".".join(k) if isinstance(k, tuple) else k: v for k, v in resumed.state["params"].items(True, True)}
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    after, meta = _tensors(run)
+    assert meta["state_layout"] == 2
+    steps = [v for k, v in after.items() if k.startswith("optim.1.step.")]
+    assert len(steps) == 78 and all(int(s) == 4 + 2 * 2 for s in steps)  # 2 more iterations of 2 minibatches
+    assert [r["iteration"] for r in _metrics(run)] == [1, 2, 3, 4]
+
+
+def test_a_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = _layout_1_run(tmp_path)
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    del state["optim", "3"]
+    checkpoint.save_snapshot(snap, state, meta)
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "state layout 1" in err[0] and "aaf3139" in err[0]
+    assert (run / "metrics.jsonl").read_text() == before

@@ -42,9 +42,8 @@ from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_es
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import minibatch_epochs
-from rlfunc.optim.amp import Precision, accumulate_gradients
-from rlfunc.optim.amp import step as optimizer_step
+from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, linear_lr, minibatch_epochs
+from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
 
@@ -88,6 +87,9 @@ class PPOEncoderConfig:
     torch_threads: int = 0  # intra-op CPU threads (0: torch's default)
     checkpoint_every: int = 10  # iterations between snapshots (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
 
     def __post_init__(self) -> None:
@@ -128,6 +130,9 @@ class PPOEncoderConfig:
             raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
         if self.torch_threads < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
             raise ConfigError("torch_threads, checkpoint_every and keep_checkpoints must be >= 0")
+        for name in ("version_every", "version_keep_last", "version_keep_every"):
+            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected an integer >= 0")
 
     @property
     def batch_size(self) -> int:
@@ -174,6 +179,8 @@ class PPOEncoder(NamedTuple):
     trainable: Callable[[TensorDict], list[Tensor]]
     net: EncoderActorCritic
     info: EnvInfo
+    optimizer: GradientTransform  # the update chain whose state is state["optim"]
+    trainable_params: Callable[[TensorDict], TensorDict]
 
 
 def check_dict_info(info: EnvInfo, env_id: str) -> None:
@@ -192,7 +199,11 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
     The learner state is one TensorDict on ``device``: "params" {"encoder", "actor", "critic",
     "log_std" [A]}, "return_stats" (running statistics of the discounted return, sample shape []),
     "discounted_return" [N, 1], "rng" (uint8 state of the CPU/device generator), "iteration" and
-    "env_steps" (0-dim int64), and "proprio_stats" ([P] running statistics) when the env has proprio.
+    "env_steps" (0-dim int64), "proprio_stats" ([P] running statistics) when the env has proprio, and
+    "optim", the state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr,
+    eps=adam_eps))`` over the :func:`trainable` leaves: "0" {"norm": [1], the last pre-clip gradient
+    norm}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and
+    moments (like the trainable part of "params"; the ResNet trunk is left out with ``freeze_vision``).
 
     Raises:
         EnvError: ``info`` is not a Dict observation.
@@ -203,6 +214,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
     has_stats = info.stats_key == "proprio"
     N, T = config.num_envs, config.num_steps
     autocast = prec.autocast if prec is not None else (lambda: torch.autocast(device.type, enabled=False))
+    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=config.adam_eps))
 
     def init() -> TensorDict:
         params = func.params_from_module(seeded_init(lambda: EncoderActorCritic(config, info), config.seed).to(device))
@@ -220,12 +232,19 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         )
         if has_stats:
             state["proprio_stats"] = init_running_stats((info.stats_dim,), device=device)
+        state["optim"] = optimizer.init(trainable_params(params))
         return state
 
-    def trainable(params: TensorDict) -> list[Tensor]:
-        """The leaves the optimizer steps (the ResNet trunk is left out with ``freeze_vision``)."""
+    def trainable_params(params: TensorDict) -> TensorDict:
+        """The part of ``params`` the optimizer steps, the same tensors (the ResNet trunk is left out with
+        ``freeze_vision``, buffers always)."""
         frozen = [("encoder", *k) for k in net.encoder.frozen_keys]
-        return [p for p in func.leaves(params.exclude(*frozen) if frozen else params) if p.requires_grad]
+        part = params.exclude(*frozen) if frozen else params
+        return part.select(*[k for k in part.keys(include_nested=True, leaves_only=True) if part.get(k).requires_grad])
+
+    def trainable(params: TensorDict) -> list[Tensor]:
+        """The leaves the optimizer steps, in :func:`rlfunc.core.func.leaves` order (those of :func:`trainable_params`)."""
+        return func.leaves(trainable_params(params))
 
     def forward(params: TensorDict, stats: TensorDict | None, td: TensorDictBase) -> tuple[Tensor, Tensor, Tensor]:
         return func.apply(net, params, {k: td[k] for k in keys}, stats)
@@ -324,23 +343,28 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             new["proprio_stats"] = update_running_stats(stats, batch["proprio"].flatten(0, 1).float())
         return flat, new
 
-    def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, optimizer: torch.optim.Optimizer
-                  ) -> tuple[TensorDict, TensorDict]:
-        """One PPO update on ``batch`` ([N, T] from :func:`rollout`), stepping ``optimizer`` (Adam over
-        :func:`trainable` leaves of ``state["params"]``). Minibatch order comes from ``generator``.
+    def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+        """One PPO update on ``batch`` ([N, T] from :func:`rollout`): each minibatch's gradient through
+        the update chain (clip, then Adam at ``linear_lr`` of ``state["iteration"]``), whose state
+        ``state["optim"]`` it advances; the :func:`trainable` leaves of ``state["params"]`` are stepped
+        in place (the policy holds them). Minibatch order comes from ``generator``.
         Returns the new state and metrics (0-dim tensors: the ppo_loss metrics averaged over the
         minibatches, grad_norm, updates, skipped, episode_return/success_rate of episodes that ended)."""
         flat, new = prepare(state, batch)
         params, stats = state["params"], state.get("proprio_stats", None)
-        leaves = trainable(params)
+        stepped = trainable_params(params)
+        leaves = func.leaves(stepped)
+        lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
+        opt = {"state": state["optim"]}
         B = flat.batch_size[0]
 
         def update(mb: TensorDict) -> TensorDict:
             if config.normalize_advantages:
                 mb["advantage"] = normalize_advantage(mb["advantage"])
-            optimizer.zero_grad(set_to_none=True)
+            for leaf in leaves:
+                leaf.grad = None
             _, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
-            norm, ok = optimizer_step(optimizer, leaves, config.max_grad_norm, prec)
+            norm, ok, opt["state"] = transform_step(optimizer, opt["state"], stepped, prec, lr=lr)
             metrics["grad_norm"] = norm.detach().to(device)
             metrics["skipped"] = torch.tensor(float(not ok))
             return metrics
@@ -353,13 +377,14 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + B
         out["rng"] = generator.get_state().to(device)
+        out["optim"] = opt["state"]
         metrics["updates"] = torch.tensor(updates)
         metrics["skipped"] = metrics["skipped"] * updates  # the count of skipped updates
         metrics["value_target_mean"] = flat["value_target"].mean()
         metrics.update(episode_metrics(batch))
         return out, metrics
 
-    return PPOEncoder(init, policy, rollout, loss, iteration, trainable, net, info)
+    return PPOEncoder(init, policy, rollout, loss, iteration, trainable, net, info, optimizer, trainable_params)
 
 
 def episode_metrics(batch: TensorDictBase) -> dict[str, Tensor]:

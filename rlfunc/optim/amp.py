@@ -5,6 +5,10 @@
 normalisation statistics and the diffusion step embedding stay float32; only the matmuls and convs
 inside ``autocast`` run in the reduced dtype.
 
+``step`` (a torch.optim optimizer) and ``transform_step`` (a gradient transform of :mod:`rlfunc.optim`,
+whose state the learner owns) take the step after it: unscaled first (fp16), skipped when the
+gradients are not finite.
+
 ``accumulate_gradients`` splits a batch into micro-batches and backpropagates each one's loss scaled
 by its share of the batch, so the summed gradient equals that of the batch-mean loss computed in one
 pass (exactly for losses that are means of per-sample terms; a loss that normalises over its whole
@@ -18,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.device import autocast_dtype
@@ -132,3 +136,62 @@ def step(
     elif finite:
         optimizer.step()
     return norm, finite
+
+
+class _Leaves(torch.optim.Optimizer):
+    """``leaves`` as the torch.optim.Optimizer a GradScaler unscales and steps through: it holds no
+    state, and its ``step`` runs ``fn`` (the GradScaler calls it only when the gradients are finite)."""
+
+    def __init__(self, leaves: Sequence[Tensor], fn: Callable[[], None]) -> None:
+        super().__init__(list(leaves), {})
+        self._fn = fn
+
+    def step(self, closure=None) -> None:
+        self._fn()
+
+
+def transform_step(transform, opt_state: TensorDictBase, params: TensorDictBase, prec: Precision | None = None,
+                   **extra) -> tuple[Tensor, bool, TensorDictBase]:
+    """One step of the gradient transform ``transform`` (:class:`rlfunc.optim.GradientTransform`, e.g.
+    ``chain(clip_by_global_norm(c, stacked=False), adam(lr))``) on the gradients :func:`accumulate_gradients`
+    left in the ``.grad`` of ``params``' leaves, applied to them in place; unscaled first (fp16) and
+    skipped when not finite, as :func:`step` does for a torch.optim optimizer (same arithmetic).
+
+    Args:
+        opt_state: ``transform``'s state (``transform.init(params)``, part of the learner state).
+        params: the leaves to step; those whose ``.grad`` is None are left out of the update.
+        prec: the precision policy whose GradScaler (fp16) scaled the loss; None is float32.
+        extra: the links' per-step arguments (``lr=``); ``grad_norm=`` is given here ([1], the norm
+            below), so a clipping link does not compute it again.
+
+    Returns:
+        (the global L2 norm of the (unscaled) gradients before any clipping, 0-dim; whether the step was
+        taken; the transform's new state, ``opt_state`` itself when skipped).
+    """
+    from rlfunc.optim import apply_updates
+
+    keys = [k for k in sorted(params.keys(include_nested=True, leaves_only=True), key=str) if params.get(k).grad is not None]
+    leaves = [params.get(k) for k in keys]
+    if not leaves:
+        return torch.zeros(()), True, opt_state
+    scaler = prec.scaler if prec is not None else None
+    out = {"state": opt_state}
+
+    def apply() -> None:
+        grads = TensorDict({}, batch_size=[], device=params.device)
+        for key, leaf in zip(keys, leaves):
+            grads.set(key, leaf.grad)
+        updates, out["state"] = transform.update(grads, opt_state, params, grad_norm=norm.reshape(1), **extra)
+        apply_updates(params, updates)
+
+    holder = _Leaves(leaves, apply) if scaler is not None else None
+    if scaler is not None:
+        scaler.unscale_(holder)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in leaves]))
+    finite = bool(norm.isfinite())
+    if scaler is not None:
+        scaler.step(holder)  # runs apply() unless the unscale found inf/nan; lowers the scale then
+        scaler.update()
+    elif finite:
+        apply()
+    return norm, finite, out["state"]

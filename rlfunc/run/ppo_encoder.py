@@ -1,44 +1,50 @@
-"""A whole encoder-PPO run (:mod:`rlfunc.algos.ppo_encoder`): collect -> update -> log -> snapshot -> evaluate.
+"""A whole encoder-PPO run (:mod:`rlfunc.algos.ppo_encoder`) on the one run loop (:mod:`rlfunc.run.loop`):
+collect -> update -> log -> snapshot / version -> evaluate.
 
 ``train_ppo_encoder(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per
 iteration: losses, episode_return (and success_rate, for envs that report ``is_success``) of the
-episodes that ended, steps/s, collect and update seconds), checkpoints/ (safetensors snapshots, ``algo="ppo-encoder"``), learning_curve.png and
-eval.json. The envs are one :class:`rlfunc.envs.chunk.GymChunkEnv` (``act_steps=1``) kept running
-across iterations.
+episodes that ended, steps/s, collect and update seconds), checkpoints/ (safetensors snapshots,
+``algo="ppo-encoder"``), versions/ every ``version_every`` iterations (:mod:`rlfunc.run.versions`:
+list, diff, rollback), learning_curve.png and eval.json. The envs are one
+:class:`rlfunc.envs.chunk.GymChunkEnv` (``act_steps=1``) kept running across iterations.
 
-Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``): a snapshot holds the
-learner state (its action / minibatch generator "rng" included), Adam's state, the carry (the
-observations the next step acts on) and, in meta.json, the envs' reset-seed generator and their
+Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``) continues the latest
+snapshot or the current branch's head version (:func:`rlfunc.run.resume_source`). A snapshot holds
+the learner state (its action / minibatch generator "rng" included; its Adam state,
+``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.run.resume.learner_entries`), the carry
+(the observations the next step acts on) and, in meta.json, the envs' reset-seed generator and their
 episodes (:meth:`~rlfunc.envs.chunk.GymChunkEnv.episode_state`: each gymnasium env's RNG, time-limit
 counter and MuJoCo state, the running returns), so on CPU 2N iterations in one go equal N, stop, N
 more, tensor for tensor. Envs whose state cannot be captured (neither MuJoCo nor a classic-control
-``state`` array) resume with new episodes, with a warning.
+``state`` array) resume with new episodes, with a warning. Snapshots written before the learner
+state owned its optimizer (state layout 1: torch.optim's state, up to commit
+:data:`LAYOUT_1_COMMIT`) are converted on load (:meth:`EncoderRun.upgrade`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from rlfunc.algos.diffusion_actor import EnvInfo, env_info
+from rlfunc.algos.diffusion_actor import EnvInfo, check_env, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
+from rlfunc.core import func
 from rlfunc.device import resolve_device
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.optim import linear_lr, make_adam, optimizer_state, set_lr
+from rlfunc.optim import linear_lr
 from rlfunc.optim.amp import precision
 from rlfunc.run import checkpoint
-from rlfunc.run.log import plot_learning_curve
-from rlfunc.run.resume import (ResumePoint, begin_run, env_rng_snapshot, open_run, restore_env_rng, restore_learner,
-                           resume_meta, run_iterations, set_generator_state, truncate_metrics)
+from rlfunc.run.resume import (ResumePoint, env_rng_snapshot, learner_entries, restore_env_rng, set_generator_state, state_layout,
+                           state_meta, upgrade_layout_1)
 from rlfunc.core.stats import success_interval, summarize_returns
-from rlfunc.run.diffusion import DiffusionResult, _setup
+from rlfunc.run import Run, RunResult, train
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
 
 
@@ -73,14 +79,7 @@ def reports_success(env_id: str) -> bool:
         env.close()
 
 
-def _meta(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict) -> dict:
-    return {
-        "algo": ALGO,
-        "config": dataclasses.asdict(config),
-        "env_info": info.to_meta(),
-        "iteration": int(state["iteration"]),
-        "env_steps": int(state["env_steps"]),
-    }
+LAYOUT_1_COMMIT = "aaf3139"  # the last rlfunc that wrote ppo-encoder snapshots of state layout 1 (torch.optim's state)
 
 
 def _carry_keys(info: EnvInfo) -> tuple[str, ...]:
@@ -88,124 +87,165 @@ def _carry_keys(info: EnvInfo) -> tuple[str, ...]:
     return (*info.obs_keys, "done", "terminated", "truncated")
 
 
-def _restore(point: ResumePoint, like: TensorDict, state: TensorDict, optimizer, generator: torch.Generator,
-             env: GymChunkEnv, device: torch.device) -> TensorDict:
-    """Load ``point``'s snapshot into a freshly built run (``env`` reset once); returns the carry to
-    act on next: the snapshot's when the envs' episodes could be restored, else a fresh reset (with
-    a warning). Raises CheckpointError: the snapshot does not fit the run its config builds."""
-    loaded = restore_learner(point, like, state, optimizer, device)
-    set_generator_state(generator, state["rng"])
-    restore_env_rng(env, loaded, point)
-    episodes = point.meta.get("env_state")
-    if episodes is None:
-        warnings.warn(f"{point.snapshot}: the {point.config.env} envs' state was not captured, so the resumed run "
-                      "starts new episodes and is not bit-identical to an uninterrupted one", stacklevel=3)
-        return env.reset()
-    try:
-        env.set_episode_state(episodes)
-    except EnvError as e:
-        raise CheckpointError(f"{point.snapshot}: {e}") from None
-    return TensorDict(loaded["carry"].to_dict(), batch_size=env.batch_size, device=env.device)  # snapshots load with batch []
+def _torch_optim_order(count: int) -> list[int]:
+    """The trainable-leaf index of each parameter of the layout-1 code's torch.optim.Adam: it was built
+    over TensorDict({"0": leaf_0, "1": leaf_1, ...}), whose leaves come in string order of the keys."""
+    return [int(k) for k in sorted((str(i) for i in range(count)), key=str)]
+
+
+class EncoderRun(Run):
+    """An encoder-PPO run as :func:`rlfunc.run.run_loop` drives it: the learner state (its Adam state
+    included), the envs (kept running across iterations), the carry they act on next and the
+    action / minibatch generator. A snapshot holds {"learner", "optim", "carry"} and, in meta, the
+    envs' RNG and episodes.
+
+    Args:
+        evaluate_at_end: False: :meth:`evaluate` gives None (no eval.json).
+
+    Raises:
+        EnvError (constructor): an unknown env, or one without a Dict observation.
+    """
+
+    name = ALGO
+
+    def __init__(self, config: PPOEncoderConfig, device: torch.device, *, evaluate_at_end: bool = True) -> None:
+        check_env(config.env)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config, self.device, self.evaluate_at_end = config, device, evaluate_at_end
+        self.info = env_info(config.env)
+        check_dict_info(self.info, config.env)
+        self.algo = make_ppo_encoder(config, self.info, device, precision(device, config.precision))
+        self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+        self.total = config.num_iterations
+        self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.success = reports_success(config.env)
+        self.env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.seed)
+        self.carry = self.env.reset()
+
+    def step(self, i: int, stopping: bool) -> dict:
+        config = self.config
+        lr = linear_lr(config.lr, int(self.state["iteration"]), config.num_iterations, config.anneal_lr)  # the iteration's
+        t0 = time.perf_counter()
+        batch, self.carry = self.algo.rollout(self.state, self.env, self.carry, self.generator)
+        t1 = time.perf_counter()
+        self.state, metrics = self.algo.iteration(self.state, batch, self.generator)
+        t2 = time.perf_counter()
+        return {
+            "iteration": i,
+            "step": int(self.state["env_steps"]),
+            "steps_per_s": config.batch_size / (t2 - t0),
+            "collect_s": t1 - t0,
+            "update_s": t2 - t1,
+            "lr": lr,
+            **{k: float(v) for k, v in metrics.items() if self.success or k != "success_rate"},
+        }
+
+    def saved(self) -> tuple[TensorDict, dict]:
+        carry = self.carry.select(*_carry_keys(self.info), strict=False)
+        snapshot = TensorDict({**learner_entries(self.state), "carry": carry}, batch_size=[])
+        meta = {
+            "algo": ALGO,
+            "config": dataclasses.asdict(self.config),
+            "env_info": self.info.to_meta(),
+            "iteration": int(self.state["iteration"]),
+            "env_steps": int(self.state["env_steps"]),
+            **state_meta(),
+            **env_rng_snapshot(self.env)[1],
+            "env_state": self.env.episode_state(),
+        }
+        return snapshot, meta
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        where = f"the {ALGO} snapshot of iteration {meta.get('iteration')}"
+        with torch.no_grad():  # in place: the policy and the update hold these leaves
+            self.state.exclude("optim").update_(loaded["learner"])
+            self.state["optim"].update_(loaded["optim"])
+        set_generator_state(self.generator, self.state["rng"])
+        restore_env_rng(self.env, loaded, ResumePoint(Path(where), meta, self.config))
+        episodes = meta.get("env_state")
+        if episodes is None:
+            warnings.warn(f"{where}: the {self.config.env} envs' state was not captured, so the resumed run starts new "
+                          "episodes and is not bit-identical to an uninterrupted one", stacklevel=4)
+            self.carry = self.env.reset()
+            return
+        try:
+            self.env.set_episode_state(episodes)
+        except EnvError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        self.carry = TensorDict(loaded["carry"].to_dict(), batch_size=self.env.batch_size, device=self.env.device)  # loaded with batch []
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        """A layout-1 snapshot (torch.optim.Adam's state as "optim", numbered in that optimizer's
+        parameter order, :func:`_torch_optim_order`) with its "optim" as the update chain's state."""
+        stepped = self.algo.trainable_params(self.state["params"])
+        order = _torch_optim_order(len(func.leaves(stepped)))
+        indices = meta.get("optim_leaves", [])
+        if "optim" in loaded.keys() and isinstance(indices, list) and all(type(j) is int and 0 <= j < len(order) for j in indices):
+            # torch.optim's entry j is the trainable leaf order[j] (entries that fit no leaf are left to be refused)
+            renumber = lambda j: str(order[int(j)]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
+            loaded["optim"] = TensorDict({renumber(j): v for j, v in loaded["optim"].items()}, batch_size=[])
+            meta = {**meta, "optim_leaves": [order[j] for j in indices]}
+        like = TensorDict({"learner": {"params": stepped}, "optim": self.saved()[0]["optim"]}, batch_size=[])
+        return upgrade_layout_1(loaded, meta, where, like, algo=ALGO, commit=LAYOUT_1_COMMIT)
+
+    def evaluate(self) -> dict | None:
+        if not self.evaluate_at_end:
+            return None
+        return evaluate_state(self.config, self.info, self.state, self.config.eval_episodes, device=self.device)
+
+    def close(self) -> None:
+        self.env.close()
 
 
 def train_ppo_encoder(
     config: PPOEncoderConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
     progress: bool = True, tensorboard: bool = True, evaluate_at_end: bool = True, device: str | None = None,
-) -> DiffusionResult:
-    """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``).
+    max_iterations: int | None = None,
+) -> RunResult:
+    """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``): :func:`rlfunc.run.train`
+    of an :class:`EncoderRun`.
 
     Args:
         config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
         run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot (see the module docstring for what comes back);
-            metrics lines written after it are dropped.
+        resume: continue from the latest snapshot or the current branch's head version, whichever is
+            further along (see the module docstring for what comes back); metrics lines written after
+            it are dropped.
         total_steps: with ``resume``, a new budget (env steps) to extend the run; the learning-rate
             schedule is then stretched over the new budget.
         progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
-        evaluate_at_end: run :func:`evaluate_run` once the budget is done.
+        evaluate_at_end: run the final evaluation (:func:`evaluate_state`, eval.json) once the budget is done.
         device: with ``resume``, run on this device instead of the snapshot config's (None: the
             config's); a run continues exactly only on the device type it ran on.
+        max_iterations: run at most this many iterations in this call (None: to the budget).
 
     Returns:
-        (state, run_dir, evaluation, interrupted): ``evaluation`` is :func:`evaluate_run`'s dict on
-        ``config.eval_episodes`` episodes (None when a signal stopped the run or ``evaluate_at_end``
-        is False); ``interrupted`` names the signal (SIGINT/SIGTERM) that stopped it after a snapshot.
+        RunResult(state, run_dir, evaluation, interrupted): ``state`` is the learner state without its
+        optimizer's (the snapshot's "learner"; the Adam state is its "optim"); ``evaluation`` is
+        :func:`evaluate_state`'s dict on ``config.eval_episodes`` episodes (None when a signal stopped
+        the run or ``evaluate_at_end`` is False); ``interrupted`` names the signal (SIGINT/SIGTERM)
+        that stopped it after a snapshot.
 
     Raises:
         ConfigError: a bad run_dir or config; ``total_steps`` without ``resume``, not an int >= 1, or
             below the steps the run has done. EnvError: an unknown env, or one without a Dict
-            observation. CheckpointError: on resume, no snapshot in ``run_dir``, a corrupt one, one
-            written before ppo-encoder runs were resumable, or one that does not fit its config.
+            observation. CheckpointError: on resume, no snapshot or version in ``run_dir``, a corrupt
+            one, one written before ppo-encoder runs were resumable, or one that does not fit its config.
 
     Warns:
         UserWarning: on resume, when the snapshot holds no state of the envs' episodes (new episodes).
     """
-    run_dir, point, config = begin_run(run_dir, config, PPOEncoderConfig, resume=resume, total_steps=total_steps,
-                                       from_meta=config_from_meta, device=device)
-    device = _setup(config)
-    info = env_info(config.env)
-    check_dict_info(info, config.env)
-    prec = precision(device, config.precision)
-    algo = make_ppo_encoder(config, info, device, prec)
-    state = algo.init()
-    optimizer = make_adam(TensorDict({str(i): p for i, p in enumerate(algo.trainable(state["params"]))}), config.lr, eps=config.adam_eps)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-    env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.seed)
-    try:
-        live = {"state": state, "carry": env.reset()}
-
-        def saved_state() -> TensorDict:
-            carry = live["carry"].select(*_carry_keys(info), strict=False)
-            return TensorDict({"learner": live["state"], "optim": optimizer_state(optimizer), "carry": carry}, batch_size=[])
-
-        clock = 0.0
-        if point is not None:
-            live["carry"] = _restore(point, saved_state(), state, optimizer, generator, env, device)
-            clock = truncate_metrics(run_dir, int(state["iteration"]))
-        logger = open_run(config, run_dir, tensorboard)
-        t_start = time.perf_counter() - clock
-        success = reports_success(config.env)
-
-        def step(i: int, stopping: bool) -> dict:
-            set_lr(optimizer, linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr))
-            t0 = time.perf_counter()
-            batch, live["carry"] = algo.rollout(live["state"], env, live["carry"], generator)
-            t1 = time.perf_counter()
-            live["state"], metrics = algo.iteration(live["state"], batch, generator, optimizer)
-            t2 = time.perf_counter()
-            return {
-                "iteration": i,
-                "step": int(live["state"]["env_steps"]),
-                "time": t2 - t_start,
-                "steps_per_s": config.batch_size / (t2 - t0),
-                "collect_s": t1 - t0,
-                "update_s": t2 - t1,
-                "lr": optimizer.param_groups[0]["lr"],
-                **{k: float(v) for k, v in metrics.items() if success or k != "success_rate"},
-            }
-
-        def save() -> None:
-            s = live["state"]
-            meta = {**_meta(config, info, s), **resume_meta(optimizer), **env_rng_snapshot(env)[1],
-                    "env_state": env.episode_state()}
-            checkpoint.save_run_snapshot(run_dir, saved_state(), meta, step=int(s["env_steps"]),
-                                         keep_last=config.keep_checkpoints or None)
-
-        interrupted = run_iterations(int(state["iteration"]), config.num_iterations, ALGO, step, logger=logger, save=save,
-                                     checkpoint_every=config.checkpoint_every, progress=progress)
-    finally:
-        env.close()
-    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
-    evaluation = None
-    if interrupted is None and evaluate_at_end:
-        evaluation = evaluate_run(run_dir, config.eval_episodes, device=str(device))
-        (run_dir / "eval.json").write_text(json.dumps(evaluation) + "\n")
-    return DiffusionResult(live["state"], run_dir, evaluation, interrupted)
+    result = train(partial(EncoderRun, evaluate_at_end=evaluate_at_end), config_from_meta, config, run_dir,
+                   config_type=PPOEncoderConfig, resume=resume, total_steps=total_steps, device=device,
+                   max_iterations=max_iterations, progress=progress, tensorboard=tensorboard)
+    return dataclasses.replace(result, state=result.state.exclude("optim"))
 
 
 def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                   tensorboard: bool = True, device: str | None = None) -> DiffusionResult:
-    """Continue a ppo-encoder run from its latest snapshot: ``train_ppo_encoder(None, run_dir, resume=True, ...)``.
+                   tensorboard: bool = True, device: str | None = None) -> RunResult:
+    """Continue a ppo-encoder run from its latest snapshot or head version: ``train_ppo_encoder(None,
+    run_dir, resume=True, ...)``.
 
     Args:
         run_dir: a run directory written by :func:`train_ppo_encoder`.
@@ -214,12 +254,12 @@ def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progr
             continues exactly only on the device type it ran on.
 
     Returns:
-        (state, run_dir, evaluation, interrupted), as :func:`train_ppo_encoder` (a run that had
-        already done its budget runs no iteration and is evaluated again).
+        RunResult(state, run_dir, evaluation, interrupted), as :func:`train_ppo_encoder` (a run that
+        had already done its budget runs no iteration and is evaluated again).
 
     Raises:
-        CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot, a
-            config in meta.json that is not a PPOEncoderConfig, or a snapshot written before
+        CheckpointError: no snapshot or version in ``run_dir`` (the message names it), a corrupt
+            snapshot, a config in meta.json that is not a PPOEncoderConfig, or a snapshot written before
             ppo-encoder runs were resumable, or one whose generator states were saved on another
             device type (the message names the one to resume on).
         ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
@@ -244,21 +284,18 @@ def config_from_meta(meta: dict, path) -> PPOEncoderConfig:
 
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto",
                  max_envs: int = 25) -> dict:
-    """Deterministic-action episodes of the latest snapshot in ``run_dir`` (or of a snapshot directory).
+    """:func:`evaluate_state` of the latest snapshot in ``run_dir`` (or of a snapshot directory).
 
     Args:
-        episodes: how many (default: the run's ``eval_episodes``), run in rounds of at most ``max_envs``
-            envs; round r's envs are seeded ``seed + r`` (default seed: the run's + 1_000_003).
+        episodes: how many (default: the run's ``eval_episodes``). seed, max_envs: as :func:`evaluate_state`.
 
     Returns:
-        {"env", "mean", "std", "episodes", "ci95", "env_steps"}: the episodes' returns (env units)
-        summarised by :func:`rlfunc.core.stats.summarize_returns`, and "success_rate" with its Wilson
-        interval "success_ci95" when the env reports ``info["is_success"]`` (:func:`reports_success`).
+        :func:`evaluate_state`'s dict ("env_steps": the snapshot's).
 
     Raises:
-        CheckpointError: no snapshot, not an encoder-PPO one, or weights that do not match its config.
-        ConfigError: ``episodes < 1``. EnvError: no episode ended within the env's time limit (the
-            statistics cover the episodes that ended; "unfinished" counts the others).
+        CheckpointError: no snapshot, not an encoder-PPO one, of an unknown (newer) state layout, or
+            weights that do not match its config.
+        ConfigError: ``episodes < 1``. EnvError: no episode ended within the env's time limit.
     """
     path = Path(run_dir)
     snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
@@ -266,6 +303,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
         raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
     meta = checkpoint.load_meta(snap)
     config = config_from_meta(meta, snap)
+    state_layout(str(snap), meta, ALGO)  # layouts 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.eval_episodes if episodes is None else episodes
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
@@ -274,19 +312,40 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{snap}: no valid env_info in meta.json ({e})") from None
     dev = resolve_device(device)
-    algo = make_ppo_encoder(config, info, dev)
-    state = algo.init()
+    state = make_ppo_encoder(config, info, dev).init().exclude("optim")
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
     # evaluation draws no randomness: a run trained on another device type loads
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
     with torch.no_grad():
         state.update_(learner)
+    return evaluate_state(config, info, state, episodes, seed=seed, device=dev, max_envs=max_envs)
+
+
+def evaluate_state(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict, episodes: int, *, seed: int | None = None,
+                   device: torch.device, max_envs: int = 25) -> dict:
+    """Deterministic-action episodes of the learner ``state`` (float32, no autocast) on ``config.env``.
+
+    Args:
+        episodes: how many (>= 1), run in rounds of at most ``max_envs`` envs; round r's envs are
+            seeded ``seed + r`` (default seed: the run's + 1_000_003).
+
+    Returns:
+        {"env", "mean", "std", "episodes", "ci95", "env_steps"}: the episodes' returns (env units)
+        summarised by :func:`rlfunc.core.stats.summarize_returns`, "env_steps" the state's, and
+        "success_rate" with its Wilson interval "success_ci95" when the env reports
+        ``info["is_success"]`` (:func:`reports_success`).
+
+    Raises:
+        EnvError: no episode ended within the env's time limit (the statistics cover the episodes
+            that ended; "unfinished" counts the others).
+    """
+    algo = make_ppo_encoder(config, info, device)
     base = (config.seed + EVAL_SEED_OFFSET) if seed is None else seed
     returns, successes, done = [], [], 0
     limit = None
     for r in range(-(-episodes // max_envs)):
         n = min(max_envs, episodes - done)
-        env = GymChunkEnv(config.env, n, act_steps=1, device=dev, seed=base + r)
+        env = GymChunkEnv(config.env, n, act_steps=1, device=device, seed=base + r)
         try:
             limit = env.max_episode_steps or 1000
             out = evaluate(algo, state, env, limit)
@@ -298,7 +357,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     returns = torch.cat(returns)
     if returns.numel() == 0:
         raise EnvError(f"{config.env}: none of {episodes} evaluation episodes ended within {limit} steps")
-    out = {"env": config.env, **summarize_returns(returns), "env_steps": int(meta.get("env_steps", 0))}
+    out = {"env": config.env, **summarize_returns(returns), "env_steps": int(state["env_steps"])}
     if returns.numel() < episodes:  # the statistics are over the episodes that ended
         out["unfinished"] = episodes - returns.numel()
     if reports_success(config.env):

@@ -20,12 +20,12 @@ plus what each run carries between iterations (env state, collection carry, ...)
 "resume_format" (:data:`RESUME_FORMAT`) marks a snapshot that holds all of it. Two state layouts
 (meta "state_layout"):
 
-- 2 (:data:`STATE_LAYOUT`; grpo/gspo, mappo): the learner state owns its optimizer, ``state["optim"]``
+- 2 (:data:`STATE_LAYOUT`; grpo/gspo, mappo, ppo-encoder): the learner state owns its optimizer, ``state["optim"]``
   (the state of its update chain, rlfunc.optim), which the snapshot keeps as its "optim" entry beside
   the rest of the learner (:func:`learner_entries`); :func:`restore_state` loads it, and converts
   snapshots of layout 1 written by those runs before (:func:`optim_from_layout_1`, which PPO's
   rlfunc.run.ppo uses too);
-- 1 (no "state_layout"; bc, dppo, td3-diffusion, ppo-encoder): "optim" is torch.optim.Adam's state of
+- 1 (no "state_layout"; bc, dppo, td3-diffusion; ppo-encoder up to aaf3139): "optim" is torch.optim.Adam's state of
   the leaves that have had a gradient, keyed by their index in the optimizer (meta "optim_leaves"
   lists them), restored by :func:`restore_learner`.
 """
