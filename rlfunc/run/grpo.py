@@ -13,7 +13,7 @@ action-sampling generators included; its Adam state, ``state["optim"]``, as the 
 :func:`rlfunc.run.resume.learner_entries`) and, on the torch backend, the env's generator and state; the
 gymnasium backend needs no env state, since every iteration resets every env with seeds derived from
 (seed, iteration). Snapshots written before the learner state owned its optimizer (state layout 1:
-torch.optim's state) are converted on load (:func:`rlfunc.run.resume.restore_state`).
+torch.optim's state) are converted on load (:func:`rlfunc.run.resume.upgrade_layout_1`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""What every resumable run shares: finding the snapshot to continue from, loading it into a freshly
-built run, and the iteration loop that writes the snapshots.
-
-A resumable run (:mod:`rlfunc.run.grpo`, :mod:`rlfunc.run.mappo`, :mod:`rlfunc.run.diffusion`,
-:mod:`rlfunc.run.ppo_encoder`) is a function ``train_X(config, run_dir, *, resume, total_steps, ...)``:
-
-1. :func:`begin_run` checks the run dir and, on resume, reads the latest snapshot's meta.json: its
-   config (the run goes on with the snapshot's config, not the caller's) with a new budget when
-   ``total_steps`` is given (:func:`resume_point`);
-2. the run is built from that config exactly as a new run would be, then the snapshot is loaded into
-   it in place (:func:`restore_learner`, :func:`set_generator_state`), so the optimizer keeps
-   stepping the same parameter tensors;
-3. :func:`truncate_metrics` drops the metrics lines written after the snapshot (before a crash);
-4. :func:`run_iterations` runs the iterations left, saving snapshots at the uninterrupted run's
-   cadence, and stops with a snapshot on SIGINT/SIGTERM.
+"""The pieces of resuming that the run loop (:mod:`rlfunc.run.loop`) and each algorithm's Run use:
+the run-dir and budget checks, truncating metrics.jsonl after a crash, generator states, the state
+layouts and their conversion, what a run carries between iterations (env RNG, replay buffer), and
+the stop-on-signal guard.
 
 What a snapshot holds (rlfunc.run.checkpoint: ``state.safetensors`` + meta.json): "learner" (the
 learner state, its generator states included as uint8 tensors) and "optim" (the optimizer's state),
@@ -20,19 +9,18 @@ plus what each run carries between iterations (env state, collection carry, ...)
 "resume_format" (:data:`RESUME_FORMAT`) marks a snapshot that holds all of it. Two state layouts
 (meta "state_layout"):
 
-- 2 (:data:`STATE_LAYOUT`; grpo/gspo, mappo, ppo-encoder): the learner state owns its optimizer, ``state["optim"]``
-  (the state of its update chain, rlfunc.optim), which the snapshot keeps as its "optim" entry beside
-  the rest of the learner (:func:`learner_entries`); :func:`restore_state` loads it, and converts
-  snapshots of layout 1 written by those runs before (:func:`optim_from_layout_1`, which PPO's
-  rlfunc.run.ppo uses too);
-- 1 (no "state_layout"; bc, dppo, td3-diffusion; ppo-encoder up to aaf3139): "optim" is torch.optim.Adam's state of
-  the leaves that have had a gradient, keyed by their index in the optimizer (meta "optim_leaves"
-  lists them), restored by :func:`restore_learner`.
+- 2 (:data:`STATE_LAYOUT`; ppo, grpo/gspo, mappo, ppo-encoder): the learner state owns its
+  optimizer, ``state["optim"]`` (the state of its update chain, rlfunc.optim), which the snapshot
+  keeps as its "optim" entry beside the rest of the learner (:func:`learner_entries`; PPO keeps it
+  inside "learner"); snapshots of layout 1 written by those runs before are converted on load
+  (:func:`upgrade_layout_1`, :func:`optim_from_layout_1`);
+- 1 (no "state_layout"; bc, dppo, td3-diffusion; ppo-encoder up to aaf3139): "optim_<name>" /
+  "optim" is torch.optim.Adam's state of the leaves that have had a gradient, keyed by their index
+  in the optimizer (:func:`optimizer_like` gives the structure to check it against).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -40,18 +28,16 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
 
-from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.optim import adam_state_from_torch, load_optimizer_state
+from rlfunc.optim import adam_state_from_torch
 from rlfunc.run import checkpoint, versions
-from rlfunc.run.log import MetricsLogger, read_metrics
+from rlfunc.run.log import read_metrics
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
 STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner state; 1 (no key): torch.optim's, beside it
@@ -106,44 +92,6 @@ class ResumePoint(NamedTuple):
     config: Any  # the snapshot's config, with the new budget when one was given
 
 
-def resume_point(run_dir: str | Path, total_steps: int | None, from_meta: Callable[[dict, Path], Any], *,
-                 budget_field: str = "total_steps", num_iterations: Callable[[Any], int] | None = None,
-                 unit: str = "env steps", require_format: bool = True) -> ResumePoint:
-    """The latest snapshot of ``run_dir``, its meta and its config, ``from_meta(meta, snapshot)``,
-    with ``total_steps`` put in the config's ``budget_field`` when given.
-
-    Args:
-        total_steps: the new budget (in ``unit``), or None to keep the snapshot's.
-        from_meta: the run's config from a snapshot's meta; raises CheckpointError (a snapshot of
-            another algorithm, or no valid config).
-        num_iterations: iterations a config runs (default: its ``num_iterations`` attribute).
-        require_format: refuse a snapshot without meta "resume_format" == :data:`RESUME_FORMAT`.
-
-    Raises:
-        CheckpointError: no snapshot in ``run_dir`` (the message names it); a bad meta.json, config
-            or "iteration"; with ``require_format``, a snapshot written before this kind of run could
-            be resumed.
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than the run has done.
-    """
-    snap = checkpoint.latest_snapshot(run_dir)
-    if snap is None:
-        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
-    meta = checkpoint.load_meta(snap)
-    config = from_meta(meta, snap)
-    if require_format and meta.get("resume_format") != RESUME_FORMAT:
-        raise CheckpointError(f"{snap}: written before {meta.get('algo')} runs were resumable (no RNG / env state); "
-                              "start a new run")
-    done = meta.get("iteration")
-    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-        raise CheckpointError(f"{snap}: meta.json iteration={done!r}: expected an int >= 0")
-    if total_steps is not None:
-        check_budget(total_steps, unit)
-        config = dataclasses.replace(config, **{budget_field: total_steps})
-        count = config.num_iterations if num_iterations is None else num_iterations(config)
-        check_budget_covers(total_steps, count, done, meta.get("env_steps", meta.get("step", "?")), unit)
-    return ResumePoint(snap, meta, config)
-
-
 def check_budget(total_steps, unit: str) -> None:
     """ConfigError unless ``total_steps`` (a resumed run's new budget, in ``unit``) is an int >= 1."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
@@ -156,41 +104,6 @@ def check_budget_covers(total_steps: int, count: int, done: int, steps, unit: st
     if count < done:
         raise ConfigError(f"total_steps={total_steps}: the run has already done {done} iterations ({steps} {unit}) "
                           f"and this budget gives {count}, fewer than the {done} done; expected a budget of at least that")
-
-
-def begin_run(run_dir: str | Path, config, config_type: type, *, resume: bool, total_steps: int | None,
-              from_meta: Callable[[dict, Path], Any], device: str | None = None,
-              **budget) -> tuple[Path, ResumePoint | None, Any]:
-    """(run_dir as a Path, what a resumed run continues from or None, the config to run): the checks
-    every ``train_X(config, run_dir, *, resume, total_steps)`` makes before it builds anything.
-
-    Args:
-        config: the caller's config (ignored on resume: :func:`resume_point`'s is used).
-        config_type: what ``config`` must be for a new run.
-        device: on resume, the device to run on in place of the snapshot config's ``device``
-            (None: keep it); for a new run it must be None (set ``config.device``).
-        budget: ``budget_field``, ``num_iterations``, ``unit``, ``require_format`` of :func:`resume_point`.
-
-    Raises:
-        ConfigError: a bad ``run_dir`` (:func:`check_run_dir`); for a new run, ``total_steps`` or
-            ``device`` given, or ``config`` not a ``config_type``. On resume, as :func:`resume_point`,
-            or ``device`` is not a device this machine has (:func:`rlfunc.device.resolve_device`).
-    """
-    run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume)
-    if not resume:
-        if total_steps is not None:
-            raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
-        if device is not None:
-            raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
-        if not isinstance(config, config_type):
-            raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
-        return run_dir, None, config
-    point = resume_point(run_dir, total_steps, from_meta, **budget)
-    if device is not None:
-        resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
-        point = point._replace(config=dataclasses.replace(point.config, device=str(device)))
-    return run_dir, point, point.config
 
 
 # ------------------------------------------------------------------------- loading into a fresh run
@@ -232,31 +145,6 @@ def optimizer_like(optimizer: torch.optim.Optimizer, indices: list[int], path) -
          for i in indices},
         batch_size=[],
     )
-
-
-def resume_meta(optimizer: torch.optim.Optimizer) -> dict:
-    """The meta.json entries :func:`restore_learner` reads: "resume_format" and "optim_leaves"."""
-    return {"resume_format": RESUME_FORMAT, "optim_leaves": optimizer_leaves(optimizer)}
-
-
-def restore_learner(point: ResumePoint, like: TensorDict, state: TensorDict, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> TensorDict:
-    """Load ``point``'s snapshot into a freshly built run: the learner ``state`` in place (its leaves
-    stay the optimizer's), Adam's state into ``optimizer``. Returns every tensor of the snapshot.
-
-    Args:
-        like: the run's snapshot structure ({"learner": state, ...}); its "optim" is set here from
-            meta "optim_leaves" (:func:`optimizer_like`).
-
-    Raises:
-        CheckpointError: the snapshot is corrupt, or its keys, shapes or dtypes differ from ``like``'s.
-    """
-    like["optim"] = optimizer_like(optimizer, point.meta.get("optim_leaves", []), point.snapshot)
-    loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device, like=like)
-    with torch.no_grad():
-        state.update_(loaded["learner"])
-    load_optimizer_state(optimizer, loaded["optim"])
-    return loaded
 
 
 # ------------------------------------------------- learner states that own their optimizer (layout 2)
@@ -305,37 +193,6 @@ def learner_entries(state: TensorDict) -> dict[str, TensorDict]:
 def state_meta() -> dict:
     """The meta.json entries :func:`restore_state` reads: "resume_format" and "state_layout"."""
     return {"resume_format": RESUME_FORMAT, "state_layout": STATE_LAYOUT}
-
-
-def restore_state(point: ResumePoint, like: TensorDict, state: TensorDict, device: torch.device, *, algo: str,
-                  commit: str) -> TensorDict:
-    """Load ``point``'s snapshot into a freshly built run whose learner ``state`` owns its optimizer
-    (``state["optim"]``), in place: its parameter leaves stay those the run's policy holds. Returns
-    every tensor of the snapshot, "optim" in layout 2.
-
-    Args:
-        like: the run's snapshot structure, with :func:`learner_entries` of the fresh ``state``.
-        algo: the run's kind, for messages. commit: the last rlfunc that wrote layout 1 for it.
-
-    A snapshot of state layout 1 (no meta "state_layout": torch.optim's state as "optim", for the
-    leaves meta "optim_leaves" lists) is converted (:func:`optim_from_layout_1`; the leaves without
-    torch.optim state keep the fresh, zero, Adam state, as torch.optim would), then checked as a new one.
-
-    Raises:
-        CheckpointError: the snapshot is corrupt, of an unknown layout, or its keys, shapes or dtypes
-            differ from ``like``'s; a layout-1 optimizer state that does not fit the run's parameters.
-    """
-    name = str(point.snapshot)
-    if state_layout(name, point.meta, algo) == STATE_LAYOUT:
-        loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device, like=like)
-    else:
-        loaded, _ = checkpoint.load_snapshot(point.snapshot, device=device)
-        loaded = upgrade_layout_1(loaded, point.meta, name, like, algo=algo, commit=commit)
-        checkpoint.check_learner(name, loaded, like)
-    with torch.no_grad():
-        state.exclude("optim").update_(loaded["learner"])
-        state["optim"].update_(loaded["optim"])
-    return loaded
 
 
 def upgrade_layout_1(loaded: TensorDict, meta: dict, where: str, like: TensorDict, *, algo: str, commit: str) -> TensorDict:
@@ -432,14 +289,6 @@ def restore_buffer(buffer, loaded: TensorDict, point: ResumePoint) -> None:
 # ------------------------------------------------------------------------------ the iteration loop
 
 
-def open_run(config, run_dir: Path, tensorboard: bool) -> MetricsLogger:
-    """Create ``run_dir`` (once every input has been checked), write its config.json (the config
-    actually run: on resume, the snapshot's with the new budget) and open its metrics logger."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    return MetricsLogger(run_dir, tensorboard=tensorboard)
-
-
 class StopOnSignal:
     """Within the block, SIGINT/SIGTERM only set ``signal`` (its name; the loop then stops and saves);
     a second signal, REPEAT_S or more after the first, raises KeyboardInterrupt (an earlier one is
@@ -477,40 +326,3 @@ class StopOnSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
-
-def run_iterations(start: int, total: int, desc: str, step, *, logger: MetricsLogger, save, checkpoint_every: int,
-                   progress: bool) -> str | None:
-    """Run ``step(i, stopping)`` for the iterations i = start + 1 .. total (``start``: those a resumed
-    run has done); log the record it returns (None: nothing to log), ``save()`` when i is a multiple
-    of ``checkpoint_every`` (the uninterrupted run's cadence; 0: never) and after the last iteration
-    run (unless it was just saved; a resumed run with nothing left saves nothing), stop after the
-    current iteration on SIGINT/SIGTERM (``stopping`` tells ``step`` one came). ``logger`` is closed.
-
-    Returns:
-        the name of the signal that stopped the loop, or None.
-    """
-    start = min(start, total)
-    last = saved = start
-    with StopOnSignal() as stop:
-        try:
-            from tqdm import tqdm
-
-            with tqdm(total=total, initial=start, desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-                for i in range(start + 1, total + 1):
-                    record = step(i, stop.signal is not None)
-                    last = i
-                    if record is not None:
-                        logger.log(record)
-                        shown = {k: record[k] for k in ("success_rate", "loss_denoise") if k in record}
-                        bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items()})
-                    if checkpoint_every and i % checkpoint_every == 0:
-                        save()
-                        saved = i
-                    bar.update(1)
-                    if stop.signal:
-                        break
-        finally:
-            logger.close()
-        if last != saved or last == 0:
-            save()
-    return stop.signal
