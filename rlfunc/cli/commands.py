@@ -65,7 +65,7 @@ def _resume(argv: list[str]) -> int:
     p.add_argument("--total-steps", type=int, default=None, help="a new budget: env steps per seed (ppo, mappo, grpo, dppo, td3-diffusion) or updates (bc)")
     p.add_argument("--snapshot", default=None, metavar="NAME",
                    help="continue from this snapshot of RUN_DIR/checkpoints (e.g. step_000000008192) instead of the latest (points 'latest' at it); "
-                        "a ppo run with versions continues from its branch's head version when that is further along")
+                        "a run with versions continues from its branch's head version when that is further along")
     p.add_argument("--device", default=None,
                    help="run on this device (auto | cpu | cuda | npu) instead of the run's own, from now on (later snapshots "
                         "record it); a run continues exactly only on the device type it ran on")
@@ -142,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlfunc: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training started or during the final evaluation
-        print("rlfunc: interrupted", file=sys.stderr)
+        print("rlfunc: interrupted; a run's snapshots are kept (a run stopped during its final evaluation: "
+              "`rlfunc eval RUN_DIR` evaluates its last snapshot, `rlfunc resume RUN_DIR` writes eval.json)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `rlfunc versions list RUN_DIR | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

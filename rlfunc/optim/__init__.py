@@ -16,7 +16,7 @@ torch.optim over a parameter TensorDict's leaves (rlfunc/optim/torch_optim.py): 
 
 Example::
 
-    update = chain(clip_by_global_norm(0.5), adam(3e-4, eps=1e-5))
+    update = chain(clip_by_global_norm(0.5, stacked=True), adam(3e-4, eps=1e-5))
     state = update.init(params)                  # part of the learner TensorDict
     updates, state = update.update(grads, state, params, lr=lr, mask=ok)
     apply_updates(params, updates)               # in place

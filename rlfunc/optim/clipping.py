@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.optim.base import GradientTransform, from_leaves, node, tree_leaves
 from rlfunc.optim.torch_optim import member_grad_norms
 
@@ -17,14 +17,24 @@ def global_norm(grads: TensorDictBase, stacked: bool) -> Tensor:
     return member_grad_norms(tree_leaves(grads), stacked)
 
 
-def clip_by_global_norm(max_norm: float, stacked: bool = True) -> GradientTransform:
+def _check_stacked(leaves: list[Tensor]) -> None:
+    """ShapeError unless every leaf has the same leading (seed) dim."""
+    sizes = {tuple(leaf.shape[:1]) for leaf in leaves}
+    if any(leaf.dim() == 0 for leaf in leaves) or len(sizes) != 1:
+        shapes = ", ".join(str(tuple(leaf.shape)) for leaf in leaves[:6])
+        raise ShapeError(f"clip_by_global_norm(stacked=True): the leaves' shapes ({shapes}{', ...' if len(leaves) > 6 else ''}) "
+                         "share no leading seed dim; stacked=False clips one parameter set")
+
+
+def clip_by_global_norm(max_norm: float, stacked: bool = False) -> GradientTransform:
     """Scale the gradients of each seed member so that their global L2 norm is at most ``max_norm``:
     g <- g * min(1, max_norm / (||g|| + 1e-6)), ||g|| over all leaves of that member.
 
     Args:
         max_norm: > 0, in gradient units.
-        stacked: every leaf has a leading seed dim S, and each member is clipped alone; False: one
-            parameter set, one norm.
+        stacked: every leaf has a leading seed dim S (a stack of seeds' parameters,
+            :func:`rlfunc.core.func.stack_params`), and each member is clipped alone; False (the
+            default, as optax's): one parameter set, one norm.
 
     A member whose norm is not finite is left unscaled (its step is to be skipped: adam's ``mask``).
     ``update`` takes the norms as ``grad_norm=`` when the caller has them already (``[S]``, from
@@ -33,7 +43,8 @@ def clip_by_global_norm(max_norm: float, stacked: bool = True) -> GradientTransf
     :func:`rlfunc.optim.clip_grads_` (which torch.nn.utils.clip_grad_norm_ gives for one member).
 
     Raises:
-        ConfigError: ``max_norm`` is not > 0.
+        ConfigError: ``max_norm`` is not > 0. ShapeError: with ``stacked``, leaves without one
+            common leading dim (``init``).
 
     Reference: Pascanu et al. (2013) "On the difficulty of training recurrent neural networks".
     """
@@ -41,7 +52,10 @@ def clip_by_global_norm(max_norm: float, stacked: bool = True) -> GradientTransf
         raise ConfigError(f"max_norm={max_norm}: expected > 0")
 
     def init(params: TensorDictBase) -> TensorDict:
-        first = tree_leaves(params)[0]
+        leaves = tree_leaves(params)
+        if stacked:
+            _check_stacked(leaves)
+        first = leaves[0]
         members = first.shape[0] if stacked else 1
         return TensorDict({"norm": torch.zeros(members, device=first.device)}, batch_size=[], device=params.device)
 

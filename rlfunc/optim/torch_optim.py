@@ -43,7 +43,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def member_grad_norms(grads: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
     """Global L2 norm of the gradients, per member: ``[M]`` when ``stacked`` else ``[1]``."""
     if stacked:
-        sq = [g.pow(2).flatten(1).sum(1) for g in grads]
+        sq = [g.pow(2).reshape(g.shape[0], -1).sum(1) for g in grads]
     else:
         sq = [g.pow(2).sum().reshape(1) for g in grads]
     return torch.stack(sq).sum(0).sqrt()

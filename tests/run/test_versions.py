@@ -284,7 +284,7 @@ def test_sigkill_during_training_then_resume(tmp_path):
     # (https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork); the child's traceback goes to stderr
     code = ("from rlfunc.algos.ppo import preset; from rlfunc.run.ppo import train; "
             f"train(preset('Pendulum-v1', **{overrides!r}), {str(run)!r}, progress=False, tensorboard=False)")
-    pid = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+    pid = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                            env={**os.environ, "OMP_NUM_THREADS": "1"}).pid
     _kill_when(pid, run / "versions" / "manifests", 4, random.Random(1).uniform(0.0, 0.1))
     listed = _check_store(run)

@@ -1,6 +1,6 @@
 """envs.pixels: PusherPixels-v5 (Pusher-v5 rendered from two free cameras + its state as proprio).
 
-Tests that render skip when no OpenGL works (as tests/test_push.py)."""
+Tests that render skip when no OpenGL works (as tests/envs/test_push.py)."""
 
 import subprocess
 import sys

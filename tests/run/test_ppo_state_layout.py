@@ -16,7 +16,7 @@ from rlfunc.core import func
 from rlfunc.run import checkpoint
 from rlfunc.run.ppo import evaluate, train
 
-FIXTURE = Path(__file__).parent / "data" / "ppo_state_layout_1"  # written by rlfunc at commit c0e6595 (its README)
+FIXTURE = Path(__file__).parents[1] / "data" / "ppo_state_layout_1"  # written by rlfunc at commit c0e6595 (its README)
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu", version_every=0)
 
 

@@ -4,7 +4,7 @@ The property: 4 iterations in one go == 2 iterations, a crash, resume for 2 more
 (learner, Adam state, generator, the carry the next step acts on, the envs' MuJoCo state), with the
 same metrics lines. The envs keep running across iterations, so the snapshot is taken mid-episode.
 A tiny encoder and 2 envs x 4 steps per iteration keep it fast; Push-v0 renders its cameras, so the
-tests skip without OpenGL (as tests/test_ppo_encoder.py)."""
+tests skip without OpenGL (as tests/algos/test_ppo_encoder.py)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_envs_whose_state_is_not_captured_resume_with_new_episodes(tmp_path, mon
 
 # ----------------------------------------------------------- versions, and runs of state layout 1
 
-LAYOUT_1 = Path(__file__).parent / "data" / "ppo_encoder_state_layout_1"  # written by rlfunc at aaf3139 (its README)
+LAYOUT_1 = Path(__file__).parents[1] / "data" / "ppo_encoder_state_layout_1"  # written by rlfunc at aaf3139 (its README)
 
 
 def test_rollback_to_a_version_then_resume_ends_equal_to_the_uninterrupted_run(tmp_path):

@@ -17,8 +17,8 @@ from rlfunc.algos.mappo import MAPPOConfig
 from rlfunc.cli.commands import main
 from rlfunc.run import checkpoint
 
-DATA = Path(__file__).parent / "data"  # runs written by rlfunc at commit d98cef6 (their READMEs)
-SMALL_LAYOUT = ("P......D", "..#..#..", "P......D")  # tests/test_resume_group.py's small warehouse
+DATA = Path(__file__).parents[1] / "data"  # runs written by rlfunc at commit d98cef6 (their READMEs)
+SMALL_LAYOUT = ("P......D", "..#..#..", "P......D")  # tests/run/test_resume_group.py's small warehouse
 TIMING = {"time", "steps_per_s", "collect_s", "update_s"}
 
 

@@ -12,7 +12,7 @@ from rlfunc.envs import registry
 from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import EnvError
 
-RLFUNC = Path(__file__).resolve().parents[1] / "rlfunc"
+RLFUNC = Path(__file__).resolve().parents[2] / "rlfunc"
 
 
 @pytest.fixture

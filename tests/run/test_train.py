@@ -90,7 +90,7 @@ def test_non_finite_reward_skips_update_and_is_logged(tmp_path, monkeypatch):
 
 def test_short_pendulum_run_improves(tmp_path):
     # A small budget with a fixed seed must clearly beat the untrained policy.
-    # Gaussian exploration with the settings of the Pendulum preset before gSDE (gSDE: tests/test_sde.py)
+    # Gaussian exploration with the settings of the Pendulum preset before gSDE (gSDE: tests/core/test_sde.py)
     config = preset("Pendulum-v1", total_steps=40_960, checkpoint_every=0, device="cpu", exploration="gaussian",
                     num_envs=8, num_steps=256, minibatch_size=256, lr=1e-3, anneal_lr=True,
                     normalize_observations=True, normalize_rewards=True)
@@ -113,7 +113,7 @@ def test_rollout_log_prob_matches_the_loss_log_prob():
     from rlfunc.run.ppo import _generators, env_spec
 
     config = preset("Pendulum-v1", num_envs=4, num_steps=32, minibatch_size=32, num_seeds=2, device="cpu",
-                    exploration="gaussian", normalize_observations=True)  # gSDE: tests/test_sde.py
+                    exploration="gaussian", normalize_observations=True)  # gSDE: tests/core/test_sde.py
     venv = collect.make_vec_env("Pendulum-v1", 8)
     algo = make_ppo(config, env_spec(venv), torch.device("cpu"))
     state = algo.init()

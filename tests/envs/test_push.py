@@ -20,7 +20,7 @@ from envs.push import expert as px
 from rlfunc.envs import collect
 from rlfunc.errors import ConfigError, EnvError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = pe.STATE_LAYOUT
 
 

@@ -377,3 +377,15 @@ def test_torchrl_info_lines_go_to_stderr_so_stdout_is_the_json_line():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == "{}\n"
     assert "LazyTensorStorage" in out.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    # found by a fresh-user pass: `rlfunc versions diff RUN V1 V2 | head -5` ended in a BrokenPipeError traceback
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom rlfunc.cli import commands\n"
+            "def listing(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "commands.COMMANDS['versions'] = listing\nsys.exit(commands.main(['versions', 'list', 'x']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 141 and "Traceback" not in out.stderr

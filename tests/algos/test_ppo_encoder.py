@@ -1,7 +1,7 @@
 """Gaussian PPO through the multimodal encoder (rlfunc.algos.ppo_encoder, rlfunc.run.ppo_encoder).
 
 A tiny encoder (ResNet widths (8, 8), d_model 16) keeps every test fast; tests that step Push-v0
-render its cameras and skip when no OpenGL works (as tests/test_push.py)."""
+render its cameras and skip when no OpenGL works (as tests/envs/test_push.py)."""
 
 import json
 import math

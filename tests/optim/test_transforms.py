@@ -77,7 +77,7 @@ def test_chain_clip_adam_equals_torch_optim_adam_and_clip_grads_over_20_steps():
     ours = stacked_params()
     theirs = stacked_params()
     opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
-    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS))
     state = update.init(ours)
     seen = []
     for t in range(steps):
@@ -108,7 +108,7 @@ def test_chain_clip_adam_equals_torch_optim_adam_and_clip_grads_over_20_steps():
 def test_skip_mask_leaves_a_member_bit_identical_and_matches_masked_step():
     ours, theirs = stacked_params(), stacked_params()
     opt = torch.optim.Adam(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, foreach=True)
-    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS))
     state = update.init(ours)
     for t in range(6):
         grads = random_grads(ours, t)
@@ -144,7 +144,7 @@ def test_skip_mask_leaves_a_member_bit_identical_and_matches_masked_step():
 
 def test_a_single_member_skipped_changes_nothing_not_even_the_step():
     params = stacked_params(members=1)
-    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS))
     state = update.init(params)
     updates, state = update.update(as_td(params, random_grads(params, 0)), state, params)
     apply_updates(params, updates)
@@ -183,7 +183,7 @@ def test_frozen_leaves_left_out_of_the_gradients_keep_their_state_as_torch_optim
 
 def test_state_round_trips_through_a_snapshot(tmp_path):
     params = stacked_params()
-    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS))
     state = update.init(params)
     for t in range(3):
         updates, state = update.update(as_td(params, random_grads(params, t)), state, params)
@@ -260,7 +260,7 @@ def test_torch_optim_state_converts_and_continues_identically():
     with torch.no_grad():
         for p, q in zip(leaves(ours), leaves(theirs)):
             p.copy_(q)
-    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS))
     state = adam_state_from_torch(optimizer_state(opt), update.init(ours), ours)
     for t in range(3, 6):
         grads = random_grads(ours, t)
@@ -286,7 +286,7 @@ def test_torch_optim_state_of_some_leaves_converts_the_rest_kept_fresh():
     for p, g in zip(leaves(params)[:2], random_grads(params, 0)[:2]):
         p.grad = g
     opt.step()
-    update = chain(clip_by_global_norm(MAX_NORM), adam(LR, BETAS, EPS))
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS))
     fresh = update.init(params)
     state = adam_state_from_torch(optimizer_state(opt), fresh, params, indices=[0, 1])
     keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)
@@ -300,3 +300,25 @@ def test_torch_optim_state_of_some_leaves_converts_the_rest_kept_fresh():
         adam_state_from_torch(optimizer_state(opt), fresh, params, indices=[0, 1, 2])
     with pytest.raises(ValueError, match="outside the 5 parameter leaves"):
         adam_state_from_torch(optimizer_state(opt), fresh, params, indices=[0, 5])
+
+
+def test_clip_by_global_norm_defaults_to_one_parameter_set_as_optax():
+    # found by a fresh-user pass: the default used to be stacked=True, so a plain nn.Linear's params
+    # raised IndexError (its bias) or, without a bias, were clipped row by row
+    import torch.nn as nn
+
+    from rlfunc.core.func import params_from_module
+    from rlfunc.errors import ShapeError
+
+    for net in (nn.Linear(3, 2), nn.Linear(3, 4, bias=False)):
+        params = params_from_module(net)
+        grads = params.apply(lambda p: torch.full_like(p, 10.0))
+        update = clip_by_global_norm(0.5)
+        updates, state = update.update(grads, update.init(params), params)
+        norm = torch.cat([g.flatten() for g in leaves(grads)]).norm()  # one norm over every leaf
+        reference = [g * min(1.0, 0.5 / (float(norm) + 1e-6)) for g in leaves(grads)]
+        assert state["norm"].shape == (1,) and torch.allclose(state["norm"], norm.reshape(1))
+        for ours, theirs in zip(leaves(updates), reference):
+            torch.testing.assert_close(ours, theirs)
+    with pytest.raises(ShapeError, match="share no leading seed dim"):
+        clip_by_global_norm(0.5, stacked=True).init(TensorDict({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, []))

@@ -17,7 +17,7 @@ from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
 
 CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_cli_algorithm_is_registered_and_resolves():
