@@ -27,7 +27,8 @@ BOOTSTRAP_REPS = 20_000
 
 
 def aggregate(scores: list[float], reps: int = BOOTSTRAP_REPS, seed: int = 0) -> dict:
-    """Median and IQM of per-seed scores with rliable's stratified-bootstrap 95% CIs.
+    """Median and IQM of per-seed scores with rliable's stratified-bootstrap 95% CIs (the median
+    over seeds, not rliable's aggregate_median, which for one task is the mean over seeds).
 
     Args:
         scores: one number per seed (e.g. a final policy's mean return over its evaluation episodes).
@@ -39,8 +40,10 @@ def aggregate(scores: list[float], reps: int = BOOTSTRAP_REPS, seed: int = 0) ->
     from rliable import metrics
 
     x = np.asarray(scores, dtype=np.float64).reshape(-1, 1)  # [runs, tasks=1]
+    # the median over seeds (rliable's aggregate_median is the median over tasks of the mean over
+    # runs: with one task, the mean); the IQM over all runs is rliable's own
     point, ci = rly.get_interval_estimates(
-        {"a": x}, lambda s: np.array([metrics.aggregate_median(s), metrics.aggregate_iqm(s)]), reps=reps,
+        {"a": x}, lambda s: np.array([np.median(s), metrics.aggregate_iqm(s)]), reps=reps,
         random_state=np.random.RandomState(seed),
     )
     return {

@@ -142,6 +142,11 @@ def test_bench_protocol_aggregate_and_figure(tmp_path):
     curve = [(1000, 1.0, -900.0), (2000, 2.0, -190.0), (3000, 3.0, -250.0), (4000, 4.0, -180.0), (5000, 5.0, -170.0)]
     t = thresholds(curve, -200.0)
     assert t["first_touch"] == {"steps": 2000, "seconds": 2.0} and t["reach_and_stay"] == {"steps": 4000, "seconds": 4.0}
+    # the median over seeds, not rliable's aggregate_median (the mean over runs of one task), which
+    # reported HalfCheetah's five finals as "median 6439.7": their mean; the median is 6606.3
+    finals = aggregate([7459.2, 6870.9, 5801.8, 5460.2, 6606.3], reps=2000)
+    assert finals["median"] == 6606.3 and finals["mean"] == pytest.approx(6439.68)
+    assert finals["median_ci95"][0] <= 6606.3 <= finals["median_ci95"][1]
     assert median_or_none([1.0, None, 3.0]) == 3.0 and median_or_none([None, None, 1.0]) is None
     plot_curves({"a": [curve, curve], "b": [curve[:3]]}, tmp_path / "f.png", "t", threshold=-200.0)
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
