@@ -22,17 +22,19 @@ Resume: ``train_X(None, run_dir, resume=True)`` (or :func:`resume_diffusion`, wh
 algorithm from the run) continues from the newer of the latest snapshot and the current branch's head
 version (:func:`rlfunc.run.resume_source`) with its config, optionally with a new budget. On CPU it is
 exact: N iterations, stop, resume to 2N give the same parameters, optimizer and RNG states as 2N in
-one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator), each
-torch.optim optimizer's state, and what the loop carries between iterations: the env's RNG (every
+one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator; its
+optimizers' states, each an entry "optim_<name>" of the snapshot), and what the loop carries between iterations: the env's RNG (every
 rollout starts with a full reset seeded from it), the fp16 grad scaler's state, bc's metrics summed
 since the last metrics line, td3-diffusion's replay buffer (``checkpoint_buffer=False`` leaves it
 out: a resumed run refills an empty buffer, with a warning); :class:`DiffusionRun` says where. bc's
 demonstrations are collected again from the config's seed. Metrics lines written after the snapshot
 (before a crash) are dropped on resume.
 
-These runs write no meta "state_layout" (the loop's layout 1: torch.optim's state beside the
-learner), which is still their own: :meth:`DiffusionRun.upgrade` converts nothing, so every earlier
-snapshot loads as it is.
+State layouts (meta "state_layout", :mod:`rlfunc.run.resume`): bc's learner state owns its optimizer
+(state["optim_actor"], the state of an rlfunc.optim chain: clip, AdamW) and its snapshots are of
+layout 2; dppo and td3-diffusion still step torch.optim optimizers beside the learner and write
+layout 1 (no "state_layout"). A bc snapshot of layout 1 (torch.optim.AdamW's state, up to
+:data:`LAYOUT_1_COMMIT`) is converted on load (:meth:`DiffusionRun.upgrade`).
 """
 
 from __future__ import annotations
@@ -60,12 +62,18 @@ from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim import load_optimizer_state, optimizer_state
 from rlfunc.optim.amp import precision
-from rlfunc.run.resume import (NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot, optimizer_like,
-                           restore_buffer, restore_env_rng, set_generator_state)
+from rlfunc.run.resume import (NO_SNAPSHOT, STATE_LAYOUT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot,
+                           optim_from_layout_1, optimizer_like, restore_buffer, restore_env_rng, set_generator_state)
 from rlfunc.run import Run, RunResult, resume_source, train
 from rlfunc.run.loop import source_meta
 
 EVAL_SEED_OFFSET = 1_000_003
+LAYOUT_1_COMMIT = "8a7709f"  # an rlfunc that wrote (and resumes) bc, dppo and td3-diffusion snapshots of state layout 1
+
+
+def _key(key) -> tuple:
+    """A TensorDict key as a tuple."""
+    return key if isinstance(key, tuple) else (key,)
 
 DiffusionResult = RunResult  # what these runs returned before rlfunc.run: (state, run_dir, evaluation, interrupted)
 
@@ -259,23 +267,27 @@ def _init_actor(config, device, resumed: bool = False):
 class DiffusionRun(Run):
     """What the bc, dppo and td3-diffusion runs share, as :func:`rlfunc.run.run_loop` drives them.
 
-    A snapshot: {"learner", "optim_<name>": each optimizer's torch.optim state, "env_rng": a torch
-    env's generator state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
+    A snapshot: {"learner" (the learner state but its optimizer states), "optim_<name>": each
+    optimizer's state (``optim_keys``: the learner's own, an update chain's; else a torch.optim
+    optimizer's of ``optimizers``), "env_rng": a torch env's generator state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
     used), "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc:
     updates), "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
-    and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optimizers``, ``gen`` (the
+    "state_layout" 2 when the learner owns every optimizer state, and the carry's. A subclass sets
+    ``info``, ``algo``, ``state``, ``optim_keys`` (with :meth:`layout_1_order`) or ``optimizers``, ``gen`` (the
     generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
     """
 
     requires_format = False  # diffusion snapshots never had meta "resume_format"
     curve = "success_rate"
     carry: tuple[str, ...] = ()  # the top-level snapshot entries of the run's own carry
+    optim_keys: tuple[str, ...] = ()  # the learner state's optimizer states (update chains), each a snapshot entry
     env = None
 
     def __init__(self, config, device: torch.device, name: str) -> None:
         _setup(config)
         self.config, self.device, self.name = config, device, name
         self.prec = precision(device, config.precision)
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}  # torch.optim's, beside the learner (state layout 1)
 
     def _finetune(self, make, config, resumed: bool) -> None:
         """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
@@ -289,10 +301,12 @@ class DiffusionRun(Run):
 
     @property
     def variable(self) -> tuple[str, ...]:
-        """The optimizers' states (of the leaves that have had a gradient) and the run's own carry,
-        whose structure depends on how far the run got, and the env's RNG (absent from snapshots older
-        than resume: a warning): :meth:`upgrade` and :meth:`restore` check them."""
-        return (*(f"optim_{name}" for name in self.optimizers), "env_rng", *self.carry)
+        """The snapshot entries :meth:`upgrade` (state layout 1) or :meth:`restore` (layout 2) check
+        themselves rather than the loop: the learner and its optimizer states (``optim_keys``), so that
+        a message names the learner's own keys; torch.optim optimizers' states (of the leaves that have
+        had a gradient) and the run's own carry, whose structure depends on how far the run got; the
+        env's RNG (absent from snapshots older than resume: a warning)."""
+        return ("learner", *self.optim_keys, *(f"optim_{name}" for name in self.optimizers), "env_rng", *self.carry)
 
     def steps(self) -> int:
         """What names a snapshot, and a version's step: env steps (bc: updates)."""
@@ -303,7 +317,9 @@ class DiffusionRun(Run):
         return env_rng_snapshot(self.env) if self.env is not None else ({}, {})
 
     def saved(self) -> tuple[TensorDict, dict]:
-        snapshot = TensorDict({"learner": self.state}, batch_size=[])
+        snapshot = TensorDict({"learner": self.state.exclude(*self.optim_keys)}, batch_size=[])
+        for key in self.optim_keys:  # the learner's optimizer states, each an entry of its own
+            snapshot[key] = self.state[key]
         for name, opt in self.optimizers.items():
             snapshot[f"optim_{name}"] = optimizer_state(opt)
         tensors, carried_meta = self.carried()
@@ -314,19 +330,38 @@ class DiffusionRun(Run):
                 "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
                 "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
                 "grad_scaler": None if scaler is None else scaler.state_dict(), **carried_meta}
+        if not self.optimizers:  # the learner owns every optimizer state
+            meta["state_layout"] = STATE_LAYOUT
         return snapshot, meta
 
-    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
-        """``loaded`` as it is (this layout is still these runs' own), checked: the env's observation
-        layout (meta "env_info"), the learner state against the fresh one, its schedule, and each
-        optimizer's state (CheckpointError naming ``where``)."""
+    def _check_loaded(self, loaded: TensorDict, meta: dict, where) -> None:
+        """CheckpointError naming ``where`` unless ``loaded`` was saved for the env's observation
+        layout (meta "env_info"), holds a learner state of the fresh one's structure (its optimizer
+        states aside) and the schedule of the actor spec."""
         saved_info = env_info_from_meta(meta, where)
         if saved_info != self.info:
             raise CheckpointError(f"{where}: saved for observations {saved_info}, but env={self.config.env!r} now gives {self.info}")
         if "learner" not in loaded.keys():
             raise CheckpointError(f"{where}: holds no learner state")
-        checkpoint.check_learner(where, loaded["learner"], self.state)  # its messages name the learner's own keys
+        checkpoint.check_learner(where, loaded["learner"], self.state.exclude(*self.optim_keys))  # its messages name the learner's own keys
         _check_schedule(where, loaded["learner", "schedule"], self.state["schedule"])
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        """``loaded``, a snapshot of state layout 1 (no meta "state_layout": each optimizer's torch.optim
+        state as "optim_<name>"), checked (:meth:`_check_loaded`), with the states of the learner's
+        optimizers (``optim_keys``) converted to those of their update chains
+        (:func:`rlfunc.run.resume.optim_from_layout_1`, renumbered from the torch.optim optimizer's
+        parameter order, :meth:`layout_1_order`); the others (torch.optim's still) checked as they are."""
+        self._check_loaded(loaded, meta, where)
+        for key in self.optim_keys:  # torch.optim kept no state before a first step
+            saved = loaded.get(key, TensorDict({}, batch_size=[]))
+            stepped, order = self.layout_1_order(key)
+            new_index = {k: i for i, k in enumerate(sorted(stepped.keys(include_nested=True, leaves_only=True), key=str))}
+            renumber = lambda j: str(new_index[order[int(j)]]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
+            torch_state = TensorDict({renumber(j): v for j, v in saved.items()}, batch_size=[])
+            indices = sorted(int(j) for j in torch_state.keys() if j.isdigit())
+            loaded[key] = optim_from_layout_1(f"{where}: {key}", torch_state, self.state[key], stepped, indices=indices,
+                                              commit=LAYOUT_1_COMMIT).to(loaded.device)
         for name, opt in self.optimizers.items():  # an optimizer that never stepped has no saved state
             saved = loaded.get(f"optim_{name}", TensorDict({}, batch_size=[]))
             count = sum(len(group["params"]) for group in opt.param_groups)
@@ -336,9 +371,23 @@ class DiffusionRun(Run):
             checkpoint.check_learner(f"{where}: optim_{name}", saved, optimizer_like(opt, indices, where))
         return loaded
 
+    def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
+        """(the TensorDict the chain of ``state[key]`` steps, its leaves' keys in the parameter order of
+        the torch.optim optimizer that stepped them in state layout 1)."""
+        raise NotImplementedError
+
     def restore(self, loaded: TensorDict, meta: dict) -> None:
+        if meta.get("state_layout", 1) == STATE_LAYOUT:  # a layout-1 snapshot was checked by upgrade
+            where = self._point(meta).snapshot
+            self._check_loaded(loaded, meta, where)
+            for key in self.optim_keys:
+                if key not in loaded.keys():
+                    raise CheckpointError(f"{where}: holds no {key} (the state of the learner's optimizer)")
+                checkpoint.check_learner(f"{where}: {key}", loaded[key], self.state[key])
         with torch.no_grad():  # in place: the optimizers keep stepping the same leaves
-            self.state.update_(loaded["learner"])
+            self.state.exclude(*self.optim_keys).update_(loaded["learner"])
+            for key in self.optim_keys:
+                self.state[key].update_(loaded[key])
         for name, opt in self.optimizers.items():
             saved = loaded.get(f"optim_{name}", None)
             load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
@@ -366,13 +415,14 @@ class DiffusionRun(Run):
 
 
 class BCRun(DiffusionRun):
-    """A bc run: ``num_updates`` AdamW updates ("optim_actor") on the scripted expert's demonstrations
+    """A bc run: ``num_updates`` AdamW updates (its state the learner's "optim_actor") on the scripted expert's demonstrations
     (collected from the config's seed on every start; demos.json holds the expert's statistics), a
     metrics line every ``log_every`` (the mean since the last line). A snapshot also holds the metrics
     summed since the last line ("pending_metrics"; meta "pending_metrics": how many)."""
 
     carry = ("pending_metrics",)
     curve = "loss_denoise"  # against updates (a bc record's "step")
+    optim_keys = ("optim_actor",)
 
     def __init__(self, config: BCConfig, device: torch.device) -> None:
         from rlfunc.envs.demos import check_expert, expert_demonstrations
@@ -385,14 +435,19 @@ class BCRun(DiffusionRun):
                                                     noise_std=config.demo_noise_std, device=device)
         self.dataset = dataset.select(*self.info.obs_keys, "action")
         self.gen = torch.Generator(device=device).manual_seed(config.seed)
-        self.state = self.algo.init(self.dataset)
-        self.optimizers = {"actor": torch.optim.AdamW(self.algo.trainable(self.state), lr=config.lr,
-                                                      weight_decay=config.weight_decay, foreach=True)}
+        self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the optimizer is part of the learner
         self.pending, self.count = None, 0  # metrics summed since the last metrics line
         self.total = config.num_updates
 
     def steps(self) -> int:
         return int(self.state["iteration"])
+
+    def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
+        """AdamW's parameters were :func:`~rlfunc.algos.bc.make_bc`'s ``trainable``: the denoiser's
+        leaves, then the encoder's (each in func.leaves order)."""
+        stepped = self.algo.trainable_params(self.state)
+        return stepped, [(group, *_key(k)) for group in ("params", "encoder") if group in stepped.keys()
+                         for k in sorted(stepped[group].keys(include_nested=True, leaves_only=True), key=str)]
 
     def carried(self) -> tuple[dict, dict]:
         return ({} if self.pending is None else {"pending_metrics": self.pending}), {"pending_metrics": self.count}
@@ -406,7 +461,7 @@ class BCRun(DiffusionRun):
         (run_dir / "demos.json").write_text(json.dumps(self.demos) + "\n")
 
     def step(self, i: int, stopping: bool) -> dict | None:
-        self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.optimizers["actor"], self.prec)
+        self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
         self.pending = metrics if self.pending is None else self.pending + metrics
         self.count += 1
         if not (i % self.config.log_every == 0 or i == self.total or stopping):
