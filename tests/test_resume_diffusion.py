@@ -246,8 +246,9 @@ def _assert_reached_expected(name: str, state) -> None:
 
 
 def _optim_steps(run_dir, entry: str) -> set[int]:
+    """The Adam step counts of the snapshot's ``entry`` (a chain state), over its leaves."""
     saved, _ = _snapshot(run_dir)
-    return {int(s) for s in saved[entry, "1", "step"].values(True, True)}
+    return {int(v) for k, v in saved[entry].items(True, True) if "step" in k[:-1]}
 
 
 def test_a_bc_run_of_layout_1_evaluates_and_resumes_as_the_old_code_did(tmp_path):
@@ -294,3 +295,17 @@ def test_a_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "state layout 1" in err[0] and "8a7709f" in err[0] and "optim_actor" in err[0]
     assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_a_dppo_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
+    """One torch.optim.Adam with two parameter groups (the actor's leaves, then the critic's) becomes
+    the chain's Adam state of each side ("optim_all" "1" "actor" / "critic")."""
+    run = _layout_1_run(tmp_path, "dppo_state_layout_1")
+    saved, meta = _snapshot(run)
+    assert "state_layout" not in meta and len(saved["optim_all"].keys()) == 14
+    resumed = td.resume_diffusion(run, 4 * 64, **QUIET)
+    assert int(resumed.state["iteration"]) == 4
+    _assert_reached_expected("dppo_state_layout_1", resumed.state)
+    saved, meta = _snapshot(run)
+    assert meta["state_layout"] == 2 and set(saved["optim_all", "1"].keys()) == {"actor", "critic"}
+    assert _optim_steps(run, "optim_all") == {int(sum(r["updates"] for r in _records(run)))}

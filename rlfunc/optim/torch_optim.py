@@ -1,7 +1,7 @@
 """torch.optim over the leaves of a parameter TensorDict, with per-member gradient clipping.
 
-The path of the algorithms whose optimizer state is not yet in their learner state (dppo,
-td3-diffusion); PPO, GRPO/GSPO, MAPPO, ppo-encoder and bc use the transforms of :mod:`rlfunc.optim` instead.
+The path of the algorithms whose optimizer state is not yet in their learner state
+(td3-diffusion); PPO, GRPO/GSPO, MAPPO, ppo-encoder, bc and dppo use the transforms of :mod:`rlfunc.optim` instead.
 
 The optimizer step is the one stateful edge of rlfunc: it updates the parameter TensorDict's leaves
 in place, so every policy bound to those leaves (the collector's included) sees the new weights.

@@ -30,10 +30,11 @@ out: a resumed run refills an empty buffer, with a warning); :class:`DiffusionRu
 demonstrations are collected again from the config's seed. Metrics lines written after the snapshot
 (before a crash) are dropped on resume.
 
-State layouts (meta "state_layout", :mod:`rlfunc.run.resume`): bc's learner state owns its optimizer
-(state["optim_actor"], the state of an rlfunc.optim chain: clip, AdamW) and its snapshots are of
-layout 2; dppo and td3-diffusion still step torch.optim optimizers beside the learner and write
-layout 1 (no "state_layout"). A bc snapshot of layout 1 (torch.optim.AdamW's state, up to
+State layouts (meta "state_layout", :mod:`rlfunc.run.resume`): the learner states of bc and dppo own
+their optimizers (bc's state["optim_actor"]: clip, AdamW; dppo's state["optim_all"]: a joint clip,
+then Adam per side; each the state of an rlfunc.optim chain) and their snapshots are of layout 2;
+td3-diffusion still steps torch.optim optimizers beside the learner and writes layout 1 (no
+"state_layout"). A bc or dppo snapshot of layout 1 (torch.optim's state, up to
 :data:`LAYOUT_1_COMMIT`) is converted on load (:meth:`DiffusionRun.upgrade`).
 """
 
@@ -54,7 +55,7 @@ from rlfunc.run import checkpoint
 from rlfunc.algos.diffusion_actor import (
     POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
 )
-from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
+from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
@@ -354,14 +355,7 @@ class DiffusionRun(Run):
         parameter order, :meth:`layout_1_order`); the others (torch.optim's still) checked as they are."""
         self._check_loaded(loaded, meta, where)
         for key in self.optim_keys:  # torch.optim kept no state before a first step
-            saved = loaded.get(key, TensorDict({}, batch_size=[]))
-            stepped, order = self.layout_1_order(key)
-            new_index = {k: i for i, k in enumerate(sorted(stepped.keys(include_nested=True, leaves_only=True), key=str))}
-            renumber = lambda j: str(new_index[order[int(j)]]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
-            torch_state = TensorDict({renumber(j): v for j, v in saved.items()}, batch_size=[])
-            indices = sorted(int(j) for j in torch_state.keys() if j.isdigit())
-            loaded[key] = optim_from_layout_1(f"{where}: {key}", torch_state, self.state[key], stepped, indices=indices,
-                                              commit=LAYOUT_1_COMMIT).to(loaded.device)
+            loaded[key] = self.optim_from_layout_1(key, loaded.get(key, TensorDict({}, batch_size=[])), where).to(loaded.device)
         for name, opt in self.optimizers.items():  # an optimizer that never stepped has no saved state
             saved = loaded.get(f"optim_{name}", TensorDict({}, batch_size=[]))
             count = sum(len(group["params"]) for group in opt.param_groups)
@@ -370,6 +364,19 @@ class DiffusionRun(Run):
                 raise CheckpointError(f"{where}: optim_{name} holds {sorted(saved.keys())}: expected indices of the {count} leaves")
             checkpoint.check_learner(f"{where}: optim_{name}", saved, optimizer_like(opt, indices, where))
         return loaded
+
+    def optim_from_layout_1(self, key: str, torch_state: TensorDict, where: str) -> TensorDict:
+        """``state[key]`` (a chain state holding one Adam state) with its Adam part filled from the
+        torch.optim state ``torch_state`` of a layout-1 snapshot, renumbered from that optimizer's
+        parameter order (:meth:`layout_1_order`) to the chain's leaves (:func:`rlfunc.run.resume.optim_from_layout_1`,
+        whose CheckpointError names ``where``)."""
+        stepped, order = self.layout_1_order(key)
+        new_index = {k: i for i, k in enumerate(sorted(stepped.keys(include_nested=True, leaves_only=True), key=str))}
+        renumber = lambda j: str(new_index[order[int(j)]]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
+        torch_state = TensorDict({renumber(j): v for j, v in torch_state.items()}, batch_size=[])
+        indices = sorted(int(j) for j in torch_state.keys() if j.isdigit())
+        return optim_from_layout_1(f"{where}: {key}", torch_state, self.state[key], stepped, indices=indices,
+                                   commit=LAYOUT_1_COMMIT)
 
     def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
         """(the TensorDict the chain of ``state[key]`` steps, its leaves' keys in the parameter order of
@@ -473,18 +480,37 @@ class BCRun(DiffusionRun):
 
 class DPPORun(DiffusionRun):
     """A dppo run: per iteration a rollout of ``num_envs`` x ``num_steps`` chunks, then PPO epochs
-    over it with one Adam over the actor and the critic ("optim_all"); usually from a bc run
+    over it with one update chain over the actor and the critic (its state the learner's
+    "optim_all": a joint clip, then Adam with a learning rate per side); usually from a bc run
     (``init_from``, not read again on resume)."""
+
+    optim_keys = ("optim_all",)
 
     def __init__(self, config: DPPOConfig, device: torch.device, resumed: bool = False) -> None:
         super().__init__(config, device, "dppo")
         self._finetune(make_dppo, config, resumed)
-        self.optimizers = {"all": make_optimizer(self.state, self.config)}
         self.total = self.config.num_iterations(self.config.actor.act_steps)
+
+    def optim_from_layout_1(self, key: str, torch_state: TensorDict, where: str) -> TensorDict:
+        """torch.optim.Adam's two parameter groups held the actor's leaves, then the critic's (each in
+        func.leaves order): its entry j is the actor's leaf j, or the critic's leaf j - (actor leaves)."""
+        params, out = self.state["params"], self.state[key].clone()
+        n_actor = len(func.leaves(params["actor"]))
+        count = n_actor + len(func.leaves(params["critic"]))
+        misfit = sorted(j for j in torch_state.keys() if not (j.isdigit() and int(j) < count))
+        if misfit:
+            raise CheckpointError(f"{where}: {key}: its optimizer state (state layout 1, torch.optim's) does not fit the run's "
+                                  f"parameters (entries {misfit} for {count} leaves); train anew, or resume it with rlfunc "
+                                  f"of commit {LAYOUT_1_COMMIT}")
+        for group, lo, hi in (("actor", 0, n_actor), ("critic", n_actor, count)):
+            part = TensorDict({str(int(j) - lo): v for j, v in torch_state.items() if lo <= int(j) < hi}, batch_size=[])
+            out["1", group] = optim_from_layout_1(f"{where}: {key}", part, out["1", group], params[group],
+                                                  indices=sorted(int(j) for j in part.keys()), commit=LAYOUT_1_COMMIT)
+        return out
 
     def step(self, i: int, stopping: bool) -> dict:
         batch = self.algo.rollout(self.state, self.env, self.gen)
-        self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.optimizers["all"], self.prec)
+        self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.prec)
         return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(batch, self.config.env),
                 **metrics.to_dict()}
 
