@@ -309,3 +309,17 @@ def test_a_dppo_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
     saved, meta = _snapshot(run)
     assert meta["state_layout"] == 2 and set(saved["optim_all", "1"].keys()) == {"actor", "critic"}
     assert _optim_steps(run, "optim_all") == {int(sum(r["updates"] for r in _records(run)))}
+
+
+def test_a_td3_diffusion_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
+    """Each side's torch.optim.Adam ("optim_critic" over the stacked twin critics, "optim_actor")
+    becomes its chain's Adam state; the replay buffer comes back as it was."""
+    run = _layout_1_run(tmp_path, "td3_diffusion_state_layout_1")
+    saved, meta = _snapshot(run)
+    assert "state_layout" not in meta and meta["buffer"]["length"] == 100
+    resumed = td.resume_diffusion(run, 5 * 40, **QUIET)
+    assert int(resumed.state["iteration"]) == 5 and int(resumed.state["updates"]) == 5 * 3
+    _assert_reached_expected("td3_diffusion_state_layout_1", resumed.state)
+    saved, meta = _snapshot(run)
+    assert meta["state_layout"] == 2
+    assert _optim_steps(run, "optim_critic") == {15} and _optim_steps(run, "optim_actor") == {7}

@@ -30,12 +30,11 @@ out: a resumed run refills an empty buffer, with a warning); :class:`DiffusionRu
 demonstrations are collected again from the config's seed. Metrics lines written after the snapshot
 (before a crash) are dropped on resume.
 
-State layouts (meta "state_layout", :mod:`rlfunc.run.resume`): the learner states of bc and dppo own
-their optimizers (bc's state["optim_actor"]: clip, AdamW; dppo's state["optim_all"]: a joint clip,
-then Adam per side; each the state of an rlfunc.optim chain) and their snapshots are of layout 2;
-td3-diffusion still steps torch.optim optimizers beside the learner and writes layout 1 (no
-"state_layout"). A bc or dppo snapshot of layout 1 (torch.optim's state, up to
-:data:`LAYOUT_1_COMMIT`) is converted on load (:meth:`DiffusionRun.upgrade`).
+State layouts (meta "state_layout", :mod:`rlfunc.run.resume`): each learner state owns its optimizers,
+the states of rlfunc.optim chains (bc's state["optim_actor"]: clip, AdamW; dppo's state["optim_all"]:
+a joint clip, then Adam per side; td3-diffusion's state["optim_critic"] and state["optim_actor"]:
+clip, Adam), and the snapshots are of layout 2. Snapshots of layout 1 (no "state_layout": torch.optim's
+states as "optim_<name>", up to :data:`LAYOUT_1_COMMIT`) are converted on load (:meth:`DiffusionRun.upgrade`).
 """
 
 from __future__ import annotations
@@ -61,10 +60,9 @@ from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.optim import load_optimizer_state, optimizer_state
 from rlfunc.optim.amp import precision
 from rlfunc.run.resume import (NO_SNAPSHOT, STATE_LAYOUT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot,
-                           optim_from_layout_1, optimizer_like, restore_buffer, restore_env_rng, set_generator_state)
+                           optim_from_layout_1, restore_buffer, restore_env_rng, set_generator_state)
 from rlfunc.run import Run, RunResult, resume_source, train
 from rlfunc.run.loop import source_meta
 
@@ -268,13 +266,13 @@ def _init_actor(config, device, resumed: bool = False):
 class DiffusionRun(Run):
     """What the bc, dppo and td3-diffusion runs share, as :func:`rlfunc.run.run_loop` drives them.
 
-    A snapshot: {"learner" (the learner state but its optimizer states), "optim_<name>": each
-    optimizer's state (``optim_keys``: the learner's own, an update chain's; else a torch.optim
-    optimizer's of ``optimizers``), "env_rng": a torch env's generator state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
+    A snapshot: {"learner" (the learner state but its optimizer states), "optim_<name>": each of the
+    learner's optimizer states (``optim_keys``, update chains'), "env_rng": a torch env's generator
+    state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
     used), "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc:
     updates), "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
-    "state_layout" 2 when the learner owns every optimizer state, and the carry's. A subclass sets
-    ``info``, ``algo``, ``state``, ``optim_keys`` (with :meth:`layout_1_order`) or ``optimizers``, ``gen`` (the
+    "state_layout" (2), and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optim_keys``
+    (with :meth:`layout_1_order` or :meth:`optim_from_layout_1`), ``gen`` (the
     generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
     """
 
@@ -288,7 +286,6 @@ class DiffusionRun(Run):
         _setup(config)
         self.config, self.device, self.name = config, device, name
         self.prec = precision(device, config.precision)
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}  # torch.optim's, beside the learner (state layout 1)
 
     def _finetune(self, make, config, resumed: bool) -> None:
         """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
@@ -304,10 +301,9 @@ class DiffusionRun(Run):
     def variable(self) -> tuple[str, ...]:
         """The snapshot entries :meth:`upgrade` (state layout 1) or :meth:`restore` (layout 2) check
         themselves rather than the loop: the learner and its optimizer states (``optim_keys``), so that
-        a message names the learner's own keys; torch.optim optimizers' states (of the leaves that have
-        had a gradient) and the run's own carry, whose structure depends on how far the run got; the
-        env's RNG (absent from snapshots older than resume: a warning)."""
-        return ("learner", *self.optim_keys, *(f"optim_{name}" for name in self.optimizers), "env_rng", *self.carry)
+        a message names the learner's own keys; the run's own carry, whose structure depends on how far
+        the run got; the env's RNG (absent from snapshots older than resume: a warning)."""
+        return ("learner", *self.optim_keys, "env_rng", *self.carry)
 
     def steps(self) -> int:
         """What names a snapshot, and a version's step: env steps (bc: updates)."""
@@ -321,8 +317,6 @@ class DiffusionRun(Run):
         snapshot = TensorDict({"learner": self.state.exclude(*self.optim_keys)}, batch_size=[])
         for key in self.optim_keys:  # the learner's optimizer states, each an entry of its own
             snapshot[key] = self.state[key]
-        for name, opt in self.optimizers.items():
-            snapshot[f"optim_{name}"] = optimizer_state(opt)
         tensors, carried_meta = self.carried()
         for key, value in tensors.items():
             snapshot[key] = value
@@ -330,9 +324,7 @@ class DiffusionRun(Run):
         meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "actor_spec": dataclasses.asdict(self.config.actor),
                 "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
                 "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
-                "grad_scaler": None if scaler is None else scaler.state_dict(), **carried_meta}
-        if not self.optimizers:  # the learner owns every optimizer state
-            meta["state_layout"] = STATE_LAYOUT
+                "grad_scaler": None if scaler is None else scaler.state_dict(), "state_layout": STATE_LAYOUT, **carried_meta}
         return snapshot, meta
 
     def _check_loaded(self, loaded: TensorDict, meta: dict, where) -> None:
@@ -352,17 +344,10 @@ class DiffusionRun(Run):
         state as "optim_<name>"), checked (:meth:`_check_loaded`), with the states of the learner's
         optimizers (``optim_keys``) converted to those of their update chains
         (:func:`rlfunc.run.resume.optim_from_layout_1`, renumbered from the torch.optim optimizer's
-        parameter order, :meth:`layout_1_order`); the others (torch.optim's still) checked as they are."""
+        parameter order, :meth:`layout_1_order`)."""
         self._check_loaded(loaded, meta, where)
         for key in self.optim_keys:  # torch.optim kept no state before a first step
             loaded[key] = self.optim_from_layout_1(key, loaded.get(key, TensorDict({}, batch_size=[])), where).to(loaded.device)
-        for name, opt in self.optimizers.items():  # an optimizer that never stepped has no saved state
-            saved = loaded.get(f"optim_{name}", TensorDict({}, batch_size=[]))
-            count = sum(len(group["params"]) for group in opt.param_groups)
-            indices = sorted(int(k) for k in saved.keys() if k.isdigit() and int(k) < count)
-            if len(indices) != len(saved.keys()):
-                raise CheckpointError(f"{where}: optim_{name} holds {sorted(saved.keys())}: expected indices of the {count} leaves")
-            checkpoint.check_learner(f"{where}: optim_{name}", saved, optimizer_like(opt, indices, where))
         return loaded
 
     def optim_from_layout_1(self, key: str, torch_state: TensorDict, where: str) -> TensorDict:
@@ -391,13 +376,10 @@ class DiffusionRun(Run):
                 if key not in loaded.keys():
                     raise CheckpointError(f"{where}: holds no {key} (the state of the learner's optimizer)")
                 checkpoint.check_learner(f"{where}: {key}", loaded[key], self.state[key])
-        with torch.no_grad():  # in place: the optimizers keep stepping the same leaves
+        with torch.no_grad():  # in place: the policies and the update chains hold these leaves
             self.state.exclude(*self.optim_keys).update_(loaded["learner"])
             for key in self.optim_keys:
                 self.state[key].update_(loaded[key])
-        for name, opt in self.optimizers.items():
-            saved = loaded.get(f"optim_{name}", None)
-            load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
         if self.prec.scaler is not None and meta.get("grad_scaler"):
             self.prec.scaler.load_state_dict(meta["grad_scaler"])
         set_generator_state(self.gen, self.state["rng"])
@@ -517,22 +499,27 @@ class DPPORun(DiffusionRun):
 
 class TD3DiffusionRun(DiffusionRun):
     """A td3-diffusion run: per iteration a rollout into a device-resident TorchRL replay buffer, then
-    (past ``warmup_steps``) ``updates_per_iteration`` updates with one Adam per side ("optim_critic",
-    "optim_actor"). A snapshot also holds the buffer's filled rows ("buffer"; meta "buffer": their
-    count and the writer's cursor, None with ``checkpoint_buffer=False``)."""
+    (past ``warmup_steps``) ``updates_per_iteration`` updates with one update chain (clip, Adam) per
+    side, their states the learner's "optim_critic" and "optim_actor". A snapshot also holds the
+    buffer's filled rows ("buffer"; meta "buffer": their count and the writer's cursor, None with
+    ``checkpoint_buffer=False``)."""
 
     carry = ("buffer",)
+    optim_keys = ("optim_critic", "optim_actor")
 
     def __init__(self, config: TD3DiffusionConfig, device: torch.device, resumed: bool = False) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
         super().__init__(config, device, "td3-diffusion")
         self._finetune(make_td3_diffusion, config, resumed)
-        config, params = self.config, self.state["params"]
-        self.optimizers = {"critic": torch.optim.Adam(func.leaves(params["critic"]), lr=config.critic_lr, foreach=True),
-                           "actor": torch.optim.Adam(func.leaves(params["actor"]), lr=config.actor_lr, foreach=True)}
+        config = self.config
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
         self.total = config.num_iterations()
+
+    def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
+        """Each side's torch.optim.Adam held its leaves in func.leaves order, the chain's own."""
+        stepped = self.state["params", key.removeprefix("optim_")]
+        return stepped, sorted(stepped.keys(include_nested=True, leaves_only=True), key=str)
 
     def carried(self) -> tuple[dict, dict]:
         env_tensors, env_meta = super().carried()
@@ -550,8 +537,7 @@ class TD3DiffusionRun(DiffusionRun):
         state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
         record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env)}
         if int(state["env_steps"]) >= self.config.warmup_steps:
-            optimizers = (self.optimizers["critic"], self.optimizers["actor"])
-            self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, optimizers, self.prec)
+            self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
             record.update(metrics.to_dict())
         else:
             state["iteration"] = state["iteration"] + 1
