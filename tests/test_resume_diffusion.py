@@ -323,3 +323,16 @@ def test_a_td3_diffusion_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
     saved, meta = _snapshot(run)
     assert meta["state_layout"] == 2
     assert _optim_steps(run, "optim_critic") == {15} and _optim_steps(run, "optim_actor") == {7}
+
+
+def test_a_dppo_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = _layout_1_run(tmp_path, "dppo_state_layout_1")
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["optim_all", "14"] = state["optim_all", "13"].clone()  # one entry more than the 14 leaves
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "state layout 1" in err[0] and "8a7709f" in err[0] and "optim_all" in err[0]

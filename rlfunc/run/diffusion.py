@@ -23,8 +23,9 @@ algorithm from the run) continues from the newer of the latest snapshot and the 
 version (:func:`rlfunc.run.resume_source`) with its config, optionally with a new budget. On CPU it is
 exact: N iterations, stop, resume to 2N give the same parameters, optimizer and RNG states as 2N in
 one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator; its
-optimizers' states, each an entry "optim_<name>" of the snapshot), and what the loop carries between iterations: the env's RNG (every
-rollout starts with a full reset seeded from it), the fp16 grad scaler's state, bc's metrics summed
+optimizers' states, each an entry "optim_<name>" of the snapshot), and what the loop carries between
+iterations: the env's RNG (every rollout starts with a full reset seeded from it), the fp16 grad
+scaler's state, bc's metrics summed
 since the last metrics line, td3-diffusion's replay buffer (``checkpoint_buffer=False`` leaves it
 out: a resumed run refills an empty buffer, with a warning); :class:`DiffusionRun` says where. bc's
 demonstrations are collected again from the config's seed. Metrics lines written after the snapshot
@@ -268,9 +269,9 @@ class DiffusionRun(Run):
 
     A snapshot: {"learner" (the learner state but its optimizer states), "optim_<name>": each of the
     learner's optimizer states (``optim_keys``, update chains'), "env_rng": a torch env's generator
-    state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
-    used), "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc:
-    updates), "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
+    state, **the run's carry}; meta: "algo", "config" (with the actor spec actually used),
+    "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc: updates),
+    "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
     "state_layout" (2), and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optim_keys``
     (with :meth:`layout_1_order` or :meth:`optim_from_layout_1`), ``gen`` (the
     generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
@@ -324,7 +325,8 @@ class DiffusionRun(Run):
         meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "actor_spec": dataclasses.asdict(self.config.actor),
                 "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
                 "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
-                "grad_scaler": None if scaler is None else scaler.state_dict(), "state_layout": STATE_LAYOUT, **carried_meta}
+                "grad_scaler": None if scaler is None else scaler.state_dict(), "state_layout": STATE_LAYOUT,
+                **carried_meta}
         return snapshot, meta
 
     def _check_loaded(self, loaded: TensorDict, meta: dict, where) -> None:
@@ -336,7 +338,8 @@ class DiffusionRun(Run):
             raise CheckpointError(f"{where}: saved for observations {saved_info}, but env={self.config.env!r} now gives {self.info}")
         if "learner" not in loaded.keys():
             raise CheckpointError(f"{where}: holds no learner state")
-        checkpoint.check_learner(where, loaded["learner"], self.state.exclude(*self.optim_keys))  # its messages name the learner's own keys
+        # its messages name the learner's own keys
+        checkpoint.check_learner(where, loaded["learner"], self.state.exclude(*self.optim_keys))
         _check_schedule(where, loaded["learner", "schedule"], self.state["schedule"])
 
     def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
@@ -347,7 +350,8 @@ class DiffusionRun(Run):
         parameter order, :meth:`layout_1_order`)."""
         self._check_loaded(loaded, meta, where)
         for key in self.optim_keys:  # torch.optim kept no state before a first step
-            loaded[key] = self.optim_from_layout_1(key, loaded.get(key, TensorDict({}, batch_size=[])), where).to(loaded.device)
+            saved = loaded.get(key, TensorDict({}, batch_size=[]))
+            loaded[key] = self.optim_from_layout_1(key, saved, where).to(loaded.device)
         return loaded
 
     def optim_from_layout_1(self, key: str, torch_state: TensorDict, where: str) -> TensorDict:
@@ -404,10 +408,11 @@ class DiffusionRun(Run):
 
 
 class BCRun(DiffusionRun):
-    """A bc run: ``num_updates`` AdamW updates (its state the learner's "optim_actor") on the scripted expert's demonstrations
-    (collected from the config's seed on every start; demos.json holds the expert's statistics), a
-    metrics line every ``log_every`` (the mean since the last line). A snapshot also holds the metrics
-    summed since the last line ("pending_metrics"; meta "pending_metrics": how many)."""
+    """A bc run: ``num_updates`` AdamW updates (its state the learner's "optim_actor") on the scripted
+    expert's demonstrations (collected from the config's seed on every start; demos.json holds the
+    expert's statistics), a metrics line every ``log_every`` (the mean since the last line). A
+    snapshot also holds the metrics summed since the last line ("pending_metrics"; meta
+    "pending_metrics": how many)."""
 
     carry = ("pending_metrics",)
     curve = "loss_denoise"  # against updates (a bc record's "step")
@@ -424,7 +429,7 @@ class BCRun(DiffusionRun):
                                                     noise_std=config.demo_noise_std, device=device)
         self.dataset = dataset.select(*self.info.obs_keys, "action")
         self.gen = torch.Generator(device=device).manual_seed(config.seed)
-        self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the optimizer is part of the learner
+        self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the learner owns the optimizer
         self.pending, self.count = None, 0  # metrics summed since the last metrics line
         self.total = config.num_updates
 
