@@ -27,7 +27,7 @@ import torch
 from envs.push import env as push_env
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
-from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
+from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.device import resolve_device, synchronize
 from rlfunc.optim.amp import precision
 from rlfunc.run.diffusion import _init_actor, train_bc
@@ -90,7 +90,6 @@ def main() -> None:
     config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
     algo = make_dppo(config, config.actor, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
-    optimizer = make_optimizer(state, config)
     prec = precision(device, config.precision)
     env = make_env("Push-v0", a.envs, spec.act_steps, device, 0)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -106,7 +105,7 @@ def main() -> None:
         collect_s += _now() - t
         enc_collect = TIMES["encoder"]
         t = _now()
-        state, metrics = algo.iteration(state, batch, gen, optimizer, prec)
+        state, metrics = algo.iteration(state, batch, gen, prec)
         update_s += _now() - t
         TIMES["encoder_update"] += TIMES["encoder"] - enc_collect
         TIMES["encoder"] = enc_collect

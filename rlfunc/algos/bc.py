@@ -22,7 +22,8 @@ from rlfunc.core import func
 from rlfunc.core.normalize import update_running_stats
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
-from rlfunc.optim.amp import Precision, accumulate_gradients, step
+from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm
+from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class BCConfig:
     batch_size: int = 512  # samples per gradient step
     micro_batch_size: int | None = None  # gradient accumulation: samples per backward (None: whole batch)
     lr: float = 3e-3  # AdamW learning rate
-    weight_decay: float = 1e-6  # AdamW weight decay
+    weight_decay: float = 1e-6  # AdamW's decoupled weight decay, per unit of lr
     ema_decay: float = 0.99  # EMA of the weights per update (Chi et al. use 0.995 over longer runs)
     max_grad_norm: float = 1.0  # global grad-norm clip
     precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the denoiser forward
@@ -79,6 +80,8 @@ class BC(NamedTuple):
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
     actor: DiffusionActor
     trainable: Callable[[TensorDict], list]
+    optimizer: GradientTransform  # the update chain whose state is state["optim_actor"]
+    trainable_params: Callable[[TensorDict], TensorDict]
 
 
 def ema_update_(ema: TensorDict, params: TensorDict, decay: float) -> None:
@@ -93,13 +96,27 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
 
     The learner state is one TensorDict: "params" and "ema" (denoiser), "obs_stats" (of the
     dataset's observations, or of its proprio for a Dict observation; fixed), "schedule" (betas,
-    alphas, alphas_cumprod [T]), "rng" (generator state), "iteration" (0-dim int64), and for a Dict
+    alphas, alphas_cumprod [T]), "rng" (generator state), "iteration" (0-dim int64), for a Dict
     observation "encoder" and "encoder_ema" (the multimodal encoder, trained end to end with the
-    denoiser through the denoising loss).
+    denoiser through the denoising loss), and "optim_actor", the state of the update chain
+    ``chain(clip_by_global_norm(max_grad_norm), adam(lr, weight_decay=weight_decay))`` (AdamW) over
+    :func:`trainable_params`: "0" {"norm": [1], the last pre-clip gradient norm}, "1" {"step",
+    "exp_avg", "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and moments, keyed as
+    {"params": ..., "encoder": ...}.
     """
     actor = DiffusionActor(config.actor, obs_dim, act_dim, device)
     T = config.actor.num_train_steps
     obs_keys = actor.info.obs_keys
+    # torch.optim.AdamW's defaults (betas, eps), which bc stepped before its state moved into the learner
+    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, weight_decay=config.weight_decay))
+
+    def trainable_params(state: TensorDict) -> TensorDict:
+        """The leaves the optimizer updates, the same tensors: {"params": the denoiser's, "encoder":
+        the encoder's but its frozen trunk} (no "encoder" for a Box observation)."""
+        parts = {"params": state["params"]}
+        if actor.encoder is not None:
+            parts["encoder"] = actor.trainable_encoder(state["encoder"])
+        return TensorDict(parts, batch_size=[], device=device)
 
     def init(dataset: TensorDict) -> TensorDict:
         params = actor.init_params(config.seed)
@@ -122,17 +139,22 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
         if actor.encoder is not None:
             encoder = actor.init_encoder_params(config.seed + 1)
             state["encoder"], state["encoder_ema"] = encoder, encoder.detach().clone()
+        state["optim_actor"] = optimizer.init(trainable_params(state))
         return state
 
     def trainable(state: TensorDict) -> list:
-        """The leaves the optimizer updates: the denoiser's, and the encoder's but its frozen trunk."""
+        """The leaves the optimizer updates: the denoiser's, then the encoder's but its frozen trunk
+        (each in :func:`rlfunc.core.func.leaves` order; the parameter order of the torch.optim.AdamW of
+        state layout 1)."""
         leaves = func.leaves(state["params"])
         if actor.encoder is not None:
             leaves += func.leaves(actor.trainable_encoder(state["encoder"]))
         return leaves
 
-    def iteration(state: TensorDict, dataset: TensorDict, generator: torch.Generator, optimizer, prec: Precision):
-        """One gradient step on a random batch of ``dataset`` ([M] with "observation", "action")."""
+    def iteration(state: TensorDict, dataset: TensorDict, generator: torch.Generator, prec: Precision):
+        """One gradient step on a random batch of ``dataset`` ([M] with "observation", "action"): the
+        gradient through the update chain, whose state ``state["optim_actor"]`` it advances; the
+        :func:`trainable_params` leaves are stepped in place."""
         idx = torch.randint(dataset.batch_size[0], (config.batch_size,), generator=generator, device=device)
         batch = dataset[idx]
         t = sample_timesteps((config.batch_size,), T, generator=generator, device=device)
@@ -151,20 +173,23 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
             )
             return loss, TensorDict({"loss_denoise": loss.detach()}, batch_size=[])
 
-        optimizer.zero_grad(set_to_none=True)
+        stepped = trainable_params(state)
+        for leaf in func.leaves(stepped):
+            leaf.grad = None
         loss, metrics = accumulate_gradients(loss_fn, batch, config.micro_batch_size, prec=prec)
-        norm, ok = step(optimizer, trainable(state), config.max_grad_norm, prec)
+        norm, ok, opt_state = transform_step(optimizer, state["optim_actor"], stepped, prec)
         ema_update_(state["ema"], params, config.ema_decay)
         if encoder is not None:
             ema_update_(state["encoder_ema"], encoder, config.ema_decay)
         out = state.clone(recurse=False)
         out["iteration"] = state["iteration"] + 1
         out["rng"] = generator.get_state()
+        out["optim_actor"] = opt_state
         metrics["grad_norm"] = norm
         metrics["skipped"] = torch.tensor(float(not ok))
         return out, metrics
 
-    return BC(init, iteration, actor, trainable)
+    return BC(init, iteration, actor, trainable, optimizer, trainable_params)
 
 
 register("bc", AlgorithmEntry(

@@ -35,8 +35,8 @@ from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import minibatch_epochs
-from rlfunc.optim.amp import Precision, accumulate_gradients, step
+from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, minibatch_epochs, partition
+from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -140,6 +140,7 @@ class DPPO(NamedTuple):
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
     actor: DiffusionActor
     critic: MLP
+    optimizer: GradientTransform  # the update chain whose state is state["optim_all"]
 
 
 def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> DPPO:
@@ -148,7 +149,12 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
 
     The learner state is one TensorDict: "params" {"actor", "critic"}, "base" (frozen pretrained
     actor, used by the denoising steps that are not fine-tuned), "obs_stats" (fixed), "schedule",
-    "rng", "iteration", "env_steps", and for a Dict observation "encoder" (frozen).
+    "rng", "iteration", "env_steps", for a Dict observation "encoder" (frozen), and "optim_all", the
+    state of the update chain over "params" ``chain(clip_by_global_norm(max_grad_norm),
+    partition({"actor": adam(actor_lr, eps=1e-5), "critic": adam(critic_lr, eps=1e-5)}))`` (one clip
+    of the joint norm, then Adam with a learning rate per side): "0" {"norm": [1], the last pre-clip
+    gradient norm}, "1" {"actor", "critic"}, each {"step", "exp_avg", "exp_avg_sq"} (Adam's per-leaf
+    step counts, 0-dim float32, and moments).
     """
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
     obs_dim = actor.obs_dim  # the condition's width
@@ -160,6 +166,8 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
     first_step = K - K_ft
     clips = clip_schedule(K, config.clip_min, config.clip_max, config.clip_rate, device=device)[first_step:]
     sample_kw = dict(prediction=spec.prediction)
+    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False),
+                      partition({"actor": adam(config.actor_lr, eps=1e-5), "critic": adam(config.critic_lr, eps=1e-5)}))
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
@@ -168,7 +176,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         actor_params = func.as_leaves(actor_params.detach().clone())
         critic_params = func.params_from_module(seeded_init(lambda: MLP(obs_dim, 1, config.critic_hidden, "tanh"), config.seed + 1).to(device))
         gen = torch.Generator(device=device).manual_seed(config.seed)
-        return with_encoder(TensorDict(
+        state = with_encoder(TensorDict(
             {
                 "params": {"actor": actor_params, "critic": critic_params},
                 "base": actor_params.detach().clone(),
@@ -181,6 +189,8 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             batch_size=[],
             device=device,
         ), actor, encoder_params, config.seed)
+        state["optim_all"] = optimizer.init(state["params"])
+        return state
 
     def policy(state: TensorDict, generator: torch.Generator):
         """The collector's policy: td["observation"] -> td["action"] [N, act_steps, A] plus what the
@@ -260,11 +270,14 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             flat["sample_log_prob"] = torch.cat(old_log_prob).float()
         return flat
 
-    def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, optimizer, prec: Precision):
-        """One DPPO update on a rollout ``batch`` [N, T]; returns (new state, metrics)."""
+    def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, prec: Precision):
+        """One DPPO update on a rollout ``batch`` [N, T]: each minibatch's gradient through the update
+        chain, whose state ``state["optim_all"]`` it advances; "params" are stepped in place (the
+        policy holds them). Returns (new state, metrics)."""
         flat = prepare(state, batch, prec)
         params = state["params"]
         leaves = func.leaves(params)
+        opt = {"state": state["optim_all"]}
         B = flat.batch_size[0]
 
         def update(mb: TensorDict) -> TensorDict:
@@ -279,9 +292,10 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
                     value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
                 )
 
-            optimizer.zero_grad(set_to_none=True)
+            for leaf in leaves:
+                leaf.grad = None
             _, metrics = accumulate_gradients(loss_fn, mb, config.micro_batch_size, prec=prec)
-            norm, ok = step(optimizer, leaves, config.max_grad_norm, prec)
+            norm, ok, opt["state"] = transform_step(optimizer, opt["state"], params, prec)
             metrics["grad_norm"] = norm
             metrics["skipped"] = torch.tensor(float(not ok))
             return metrics
@@ -292,19 +306,11 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + B * spec.act_steps
         out["rng"] = generator.get_state()
+        out["optim_all"] = opt["state"]
         metrics["updates"] = torch.tensor(float(updates))
         return out, metrics
 
-    return DPPO(init, rollout, iteration, actor, critic)
-
-
-def make_optimizer(state: TensorDict, config: DPPOConfig) -> torch.optim.Adam:
-    """Adam with the actor and critic leaves in two groups (``actor_lr`` and ``critic_lr``)."""
-    groups = [
-        {"params": func.leaves(state["params", "actor"]), "lr": config.actor_lr},
-        {"params": func.leaves(state["params", "critic"]), "lr": config.critic_lr},
-    ]
-    return torch.optim.Adam(groups, eps=1e-5, foreach=True)
+    return DPPO(init, rollout, iteration, actor, critic, optimizer)
 
 
 register("dppo", AlgorithmEntry(

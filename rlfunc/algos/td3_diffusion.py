@@ -29,7 +29,8 @@ from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, td3_target
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim.amp import Precision, backward, step
+from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm
+from rlfunc.optim.amp import Precision, backward, transform_step
 
 
 @dataclass(frozen=True)
@@ -110,20 +111,28 @@ class TD3Diffusion(NamedTuple):
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
     transitions: Callable[[TensorDict, TensorDict], TensorDict]
     actor: DiffusionActor
+    critic_optimizer: GradientTransform  # the update chain of "params"/"critic", its state state["optim_critic"]
+    actor_optimizer: GradientTransform  # the update chain of "params"/"actor", its state state["optim_actor"]
 
 
 def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> TD3Diffusion:
     """Build TD3-diffusion's pure pieces. ``obs_dim``: the env's :class:`EnvInfo` (or a Box
     observation's size). Learner state: "params" {"actor", "critic" [E, ...]}, "target" {"actor",
-    "critic"}, "obs_stats", "schedule", "rng", "iteration", "env_steps", "updates", and for a Dict
+    "critic"}, "obs_stats", "schedule", "rng", "iteration", "env_steps", "updates", for a Dict
     observation "encoder" (the bc run's multimodal encoder, frozen: the critics and the denoiser read
-    its features)."""
+    its features), and the states of the two update chains, each ``chain(clip_by_global_norm(max_grad_norm),
+    adam(lr))`` (one norm over all its leaves, the twin critics' together): "optim_critic" over
+    "params"/"critic" (``critic_lr``), "optim_actor" over "params"/"actor" (``actor_lr``); each "0"
+    {"norm": [1], the last pre-clip gradient norm}, "1" {"step", "exp_avg", "exp_avg_sq"} (Adam's
+    per-leaf step counts, 0-dim float32, and moments)."""
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
     obs_dim = actor.obs_dim  # the condition's width
     chunk_dim = spec.act_steps * act_dim
     make_critic = lambda: MLP(obs_dim + chunk_dim, 1, config.critic_hidden, "relu")  # noqa: E731
     critic = make_critic().to(device)
     E = config.num_critics
+    critic_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.critic_lr))
+    actor_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.actor_lr))
     q_all = func.vmap(lambda p, s, a: func.apply(critic, p, torch.cat([s, a], -1)), in_dims=(0, None, None), device=device)
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
@@ -133,7 +142,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             lambda s: func.params_from_module(seeded_init(make_critic, s).to(device)), [config.seed + 1 + e for e in range(E)]
         )
         gen = torch.Generator(device=device).manual_seed(config.seed)
-        return with_encoder(TensorDict(
+        state = with_encoder(TensorDict(
             {
                 "params": {"actor": actor_params, "critic": critics},
                 "target": {"actor": actor_params.detach().clone(), "critic": critics.detach().clone()},
@@ -147,6 +156,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             batch_size=[],
             device=device,
         ), actor, encoder_params, config.seed)
+        state["optim_critic"] = critic_opt.init(state["params", "critic"])
+        state["optim_actor"] = actor_opt.init(state["params", "actor"])
+        return state
 
     def deterministic_chunk(params: TensorDict, state: TensorDict, cond: Tensor, generator: torch.Generator, **kw) -> Tensor:
         """x_0 [B, H, A] of DDIM with eta = 0 from fresh initial noise."""
@@ -169,7 +181,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
         return env.rollout(config.num_steps, act, break_when_any_done=False)
 
-    def critic_update(state, mb, generator, optimizer, prec):
+    def critic_update(state, mb, generator, opt, prec):
         params, target = state["params"], state["target"]
         with torch.no_grad():
             a_next = deterministic_chunk(target["actor"], state, mb["next_cond"], generator)
@@ -181,14 +193,15 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         with prec.autocast():
             q = q_all(params["critic"], mb["cond"], mb["action"])
         loss, metrics = critic_loss(q.float(), y)
-        optimizer.zero_grad(set_to_none=True)
+        for leaf in func.leaves(params["critic"]):  # the actor's loss also reached the critic
+            leaf.grad = None
         backward(loss, prec)
-        norm, ok = step(optimizer, func.leaves(params["critic"]), config.max_grad_norm, prec)
+        norm, ok, opt["optim_critic"] = transform_step(critic_opt, opt["optim_critic"], params["critic"], prec)
         metrics["critic_grad_norm"] = norm
         metrics["skipped_critic"] = torch.tensor(float(not ok))
         return metrics
 
-    def actor_update(state, mb, generator, optimizer, prec):
+    def actor_update(state, mb, generator, opt, prec):
         params = state["params"]
         with prec.autocast():
             a = deterministic_chunk(params["actor"], state, mb["cond"], generator, checkpoint=config.gradient_checkpointing)
@@ -198,27 +211,30 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             bc = denoising_loss(actor.apply, params["actor"], mb["chunk"], mb["cond"], t, noise,
                                 state["schedule", "alphas_cumprod"], prediction=spec.prediction)
         loss, metrics = diffusion_ql_actor_loss(q.float(), bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
-        optimizer.zero_grad(set_to_none=True)
+        for leaf in func.leaves(params["actor"]):
+            leaf.grad = None
         backward(loss, prec)
-        norm, ok = step(optimizer, func.leaves(params["actor"]), config.max_grad_norm, prec)
+        norm, ok, opt["optim_actor"] = transform_step(actor_opt, opt["optim_actor"], params["actor"], prec)
         metrics["actor_grad_norm"] = norm
         metrics["skipped_actor"] = torch.tensor(float(not ok))
         return metrics
 
-    def iteration(state: TensorDict, buffer, generator: torch.Generator, optimizers, prec: Precision):
+    def iteration(state: TensorDict, buffer, generator: torch.Generator, prec: Precision):
         """``updates_per_iteration`` TD3 steps on minibatches drawn from ``buffer`` (a TorchRL
-        replay buffer of flat transitions, see :func:`transitions`)."""
-        critic_opt, actor_opt = optimizers
+        replay buffer of flat transitions, see :func:`transitions`), each gradient through its side's
+        update chain (whose state, "optim_critic" / "optim_actor", it advances); the params are
+        stepped in place."""
+        opt = {key: state[key] for key in ("optim_critic", "optim_actor")}
         metric_sum, actor_sum, n_actor = None, None, 0
         updates = int(state["updates"])
         for _ in range(config.updates_per_iteration):
             idx = torch.randint(len(buffer), (config.batch_size,), generator=generator, device=device)
             mb = buffer[idx]  # the storage lives on the device: no host round trip
-            m = critic_update(state, mb, generator, critic_opt, prec)
+            m = critic_update(state, mb, generator, opt, prec)
             metric_sum = m if metric_sum is None else metric_sum + m
             updates += 1
             if updates % config.policy_delay == 0:
-                am = actor_update(state, mb, generator, actor_opt, prec)
+                am = actor_update(state, mb, generator, opt, prec)
                 actor_sum = am if actor_sum is None else actor_sum + am
                 n_actor += 1
                 ema_update_(state["target", "actor"], state["params", "actor"], 1.0 - config.tau)
@@ -230,6 +246,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         out["iteration"] = state["iteration"] + 1
         out["updates"] = torch.tensor(updates, device=device)
         out["rng"] = generator.get_state()
+        out.update(opt)
         return out, metrics
 
     def transitions(state: TensorDict, batch: TensorDict) -> TensorDict:
@@ -248,7 +265,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             batch_size=batch.batch_size,
         ).flatten(0, 1)
 
-    return TD3Diffusion(init, rollout, iteration, transitions, actor)
+    return TD3Diffusion(init, rollout, iteration, transitions, actor, critic_opt, actor_opt)
 
 
 register("td3-diffusion", AlgorithmEntry(

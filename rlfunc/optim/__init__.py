@@ -4,10 +4,11 @@ Transforms (the learner state owns the optimizer's state):
 
 - :class:`GradientTransform` (``init(params) -> state``, ``update(grads, state, params, **extra) ->
   (updates, state)``), :func:`chain`, :func:`apply_updates`, :func:`tree_leaves`, :func:`tree_like`, :func:`flatten` /
-  :func:`unflatten` (the leaf lists ``update_leaves`` works on), :func:`from_leaves` (rlfunc/optim/base.py);
+  :func:`unflatten` (the leaf lists ``update_leaves`` works on), :func:`from_leaves`, :func:`partition` (a
+  transform per top-level group of the params: torch.optim's parameter groups) (rlfunc/optim/base.py);
 - :func:`clip_by_global_norm`, :func:`global_norm`: per seed member (rlfunc/optim/clipping.py);
-- :func:`adam`: torch.optim's foreach Adam over the leaves, with a per-step ``lr`` and a per-member
-  skip ``mask`` (rlfunc/optim/functional_adam.py).
+- :func:`adam`: torch.optim's foreach Adam over the leaves, with a per-step ``lr``, a per-member
+  skip ``mask`` and optionally AdamW's decoupled ``weight_decay`` (rlfunc/optim/functional_adam.py).
 
 torch.optim over a parameter TensorDict's leaves (rlfunc/optim/torch_optim.py): :func:`make_adam`,
 :func:`set_lr`, :func:`masked_step`, :func:`clip_grads_`, :func:`member_grad_norms`,
@@ -22,7 +23,8 @@ Example::
     apply_updates(params, updates)               # in place
 """
 
-from rlfunc.optim.base import GradientTransform, apply_updates, chain, flatten, from_leaves, tree_leaves, tree_like, unflatten
+from rlfunc.optim.base import (GradientTransform, apply_updates, chain, flatten, from_leaves, partition, tree_leaves, tree_like,
+                               unflatten)
 from rlfunc.optim.clipping import clip_by_global_norm, global_norm
 from rlfunc.optim.functional_adam import adam, adam_state_from_torch
 from rlfunc.optim.torch_optim import (
@@ -40,5 +42,5 @@ from rlfunc.optim.torch_optim import (
 __all__ = [
     "GradientTransform", "adam", "adam_state_from_torch", "apply_updates", "chain", "clip_by_global_norm", "clip_grads_", "global_norm",
     "linear_lr", "load_optimizer_state", "make_adam", "masked_step", "member_grad_norms", "minibatch_epochs",
-    "optimizer_state", "set_lr", "tree_leaves", "tree_like", "flatten", "unflatten", "from_leaves",
+    "optimizer_state", "partition", "set_lr", "tree_leaves", "tree_like", "flatten", "unflatten", "from_leaves",
 ]

@@ -10,13 +10,16 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.errors import ConfigError
-from rlfunc.optim.base import GradientTransform, _dict, check_shapes, from_leaves, leaves_at_each, tree_leaves, tree_like
+from rlfunc.optim.base import GradientTransform, _dict, check_shapes, from_leaves, leaves_at, leaves_at_each, tree_leaves, tree_like
 
 
-def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> GradientTransform:
+def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, *,
+         weight_decay: float = 0.0) -> GradientTransform:
     """Adam (Kingma & Ba 2015, Algorithm 1): per leaf, with t the leaf's step count,
     m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2,
-    update = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+    update = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps);
+    with ``weight_decay`` = wd > 0, AdamW's decoupled weight decay (Loshchilov & Hutter 2019,
+    Algorithm 2): the new parameter is p (1 - lr wd) + update, as ``torch.optim.AdamW`` steps.
 
     The arithmetic is torch.optim's own, ``torch.optim.adam.adam(..., foreach=True)`` (the
     multi-tensor kernels ``torch.optim.Adam(foreach=True)`` runs) over the TensorDict's leaves, with
@@ -29,6 +32,12 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         lr: > 0, the learning rate when ``update`` is given none.
         betas: (b1, b2), each in [0, 1).
         eps: >= 0, added to the bias-corrected RMS.
+        weight_decay: >= 0, the decoupled decay rate per unit of lr (AdamW's ``weight_decay``); 0: Adam.
+            With it, ``update`` needs ``params`` (the leaves the update is added to): torch.optim's
+            functional AdamW (``torch.optim.adam.adam(..., decoupled_weight_decay=True, foreach=True)``)
+            steps a copy of them and the update is the copy's change, so the stepped parameters agree
+            with torch.optim.AdamW's to the rounding of that difference (bit for bit but where a
+            parameter moves by more than half its magnitude).
 
     State: ``{"step": {leaf: 0-dim float32}, "exp_avg": like params, "exp_avg_sq": like params}``,
     zeros from ``init`` (torch.optim's initial state). ``update`` writes the moments and steps of the
@@ -47,8 +56,9 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
             :func:`rlfunc.optim.masked_step` over torch.optim.Adam.
 
     Raises:
-        ConfigError: ``lr``, ``betas`` or ``eps`` out of range.
-        ShapeError (update): a key of ``grads`` not in the state, or of another shape.
+        ConfigError: ``lr``, ``betas``, ``eps`` or ``weight_decay`` out of range; (update) no ``params``
+            given with a ``weight_decay``.
+        ShapeError (update): a key of ``grads`` not in the state (or in ``params``), or of another shape.
     """
     if not lr > 0:
         raise ConfigError(f"lr={lr}: expected a positive learning rate")
@@ -57,6 +67,8 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         raise ConfigError(f"betas={betas}: expected two values in [0, 1)")
     if not eps >= 0:
         raise ConfigError(f"eps={eps}: expected >= 0")
+    if not weight_decay >= 0:
+        raise ConfigError(f"weight_decay={weight_decay}: expected >= 0")
     base_lr = lr
 
     def init(params: TensorDictBase) -> TensorDict:
@@ -76,10 +88,20 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         parts = _dict(state)
         m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
         check_shapes(g, m, treedef, "adam")  # v and the steps come with m from init (or a checked snapshot)
-        updates = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g]
         kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,
-                  lr=float(base_lr if lr is None else lr), weight_decay=0.0, eps=eps, maximize=False)
+                  lr=float(base_lr if lr is None else lr), weight_decay=weight_decay, eps=eps, maximize=False)
+        if weight_decay:
+            if params is None:
+                raise ConfigError("adam(weight_decay > 0).update: expected the params (the decay is of their values)")
+            old = [p.detach() for p in leaves_at(params, treedef, "adam")]
+            check_shapes(g, old, treedef, "adam")
+            updates = [p.clone(memory_format=torch.preserve_format) for p in old]  # stepped, then less the old values
+            kw["decoupled_weight_decay"] = True
+        else:
+            old = None
+            updates = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g]
         with torch.no_grad():
+            bad = None
             if mask is None or bool(mask.all()):
                 torch_adam(updates, g, m, v, [], steps, **kw)
             elif mask.numel() > 1:
@@ -87,11 +109,16 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
                 saved = [(a.index_select(0, bad), b.index_select(0, bad)) for a, b in zip(m, v)]
                 g = [x.nan_to_num(0.0, 0.0, 0.0) for x in g]
                 torch_adam(updates, g, m, v, [], steps, **kw)
-                for a, b, (sa, sb), u in zip(m, v, saved, updates):
+                for a, b, (sa, sb) in zip(m, v, saved):
                     a.index_copy_(0, bad, sa)
                     b.index_copy_(0, bad, sb)
+            else:  # one member, skipped: nothing moves
+                return [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g], state
+            if old is not None:  # the stepped copies less the old values
+                torch._foreach_sub_(updates, old)  # exact where new is within a factor 2 of old (Sterbenz)
+            if bad is not None:
+                for u in updates:
                     u.index_fill_(0, bad, 0.0)
-            # else: one member, skipped: nothing moves
         return updates, state
 
     return from_leaves(init, update_leaves)

@@ -1,7 +1,9 @@
 """torch.optim over the leaves of a parameter TensorDict, with per-member gradient clipping.
 
-The path of the algorithms whose optimizer state is not yet in their learner state (bc, dppo,
-td3-diffusion); PPO, GRPO/GSPO, MAPPO and ppo-encoder use the transforms of :mod:`rlfunc.optim` instead.
+No algorithm steps these any more: each learner state owns its optimizer, the transforms of
+:mod:`rlfunc.optim` (the runs convert snapshots of torch.optim's state, layout 1, with
+:func:`rlfunc.optim.adam_state_from_torch`). Kept for users' own loops and the tests that check the
+transforms against torch.optim.
 
 The optimizer step is the one stateful edge of rlfunc: it updates the parameter TensorDict's leaves
 in place, so every policy bound to those leaves (the collector's included) sees the new weights.

@@ -22,17 +22,20 @@ Resume: ``train_X(None, run_dir, resume=True)`` (or :func:`resume_diffusion`, wh
 algorithm from the run) continues from the newer of the latest snapshot and the current branch's head
 version (:func:`rlfunc.run.resume_source`) with its config, optionally with a new budget. On CPU it is
 exact: N iterations, stop, resume to 2N give the same parameters, optimizer and RNG states as 2N in
-one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator), each
-torch.optim optimizer's state, and what the loop carries between iterations: the env's RNG (every
-rollout starts with a full reset seeded from it), the fp16 grad scaler's state, bc's metrics summed
+one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator; its
+optimizers' states, each an entry "optim_<name>" of the snapshot), and what the loop carries between
+iterations: the env's RNG (every rollout starts with a full reset seeded from it), the fp16 grad
+scaler's state, bc's metrics summed
 since the last metrics line, td3-diffusion's replay buffer (``checkpoint_buffer=False`` leaves it
 out: a resumed run refills an empty buffer, with a warning); :class:`DiffusionRun` says where. bc's
 demonstrations are collected again from the config's seed. Metrics lines written after the snapshot
 (before a crash) are dropped on resume.
 
-These runs write no meta "state_layout" (the loop's layout 1: torch.optim's state beside the
-learner), which is still their own: :meth:`DiffusionRun.upgrade` converts nothing, so every earlier
-snapshot loads as it is.
+State layouts (meta "state_layout", :mod:`rlfunc.run.resume`): each learner state owns its optimizers,
+the states of rlfunc.optim chains (bc's state["optim_actor"]: clip, AdamW; dppo's state["optim_all"]:
+a joint clip, then Adam per side; td3-diffusion's state["optim_critic"] and state["optim_actor"]:
+clip, Adam), and the snapshots are of layout 2. Snapshots of layout 1 (no "state_layout": torch.optim's
+states as "optim_<name>", up to :data:`LAYOUT_1_COMMIT`) are converted on load (:meth:`DiffusionRun.upgrade`).
 """
 
 from __future__ import annotations
@@ -52,20 +55,25 @@ from rlfunc.run import checkpoint
 from rlfunc.algos.diffusion_actor import (
     POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
 )
-from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
+from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.device import resolve_device
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.optim import load_optimizer_state, optimizer_state
 from rlfunc.optim.amp import precision
-from rlfunc.run.resume import (NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot, optimizer_like,
-                           restore_buffer, restore_env_rng, set_generator_state)
+from rlfunc.run.resume import (NO_SNAPSHOT, STATE_LAYOUT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot,
+                           optim_from_layout_1, restore_buffer, restore_env_rng, set_generator_state)
 from rlfunc.run import Run, RunResult, resume_source, train
 from rlfunc.run.loop import source_meta
 
 EVAL_SEED_OFFSET = 1_000_003
+LAYOUT_1_COMMIT = "8a7709f"  # an rlfunc that wrote (and resumes) bc, dppo and td3-diffusion snapshots of state layout 1
+
+
+def _key(key) -> tuple:
+    """A TensorDict key as a tuple."""
+    return key if isinstance(key, tuple) else (key,)
 
 DiffusionResult = RunResult  # what these runs returned before rlfunc.run: (state, run_dir, evaluation, interrupted)
 
@@ -259,17 +267,20 @@ def _init_actor(config, device, resumed: bool = False):
 class DiffusionRun(Run):
     """What the bc, dppo and td3-diffusion runs share, as :func:`rlfunc.run.run_loop` drives them.
 
-    A snapshot: {"learner", "optim_<name>": each optimizer's torch.optim state, "env_rng": a torch
-    env's generator state, **the run's carry}; meta: "algo", "config" (with the actor spec actually
-    used), "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc:
-    updates), "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
-    and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optimizers``, ``gen`` (the
+    A snapshot: {"learner" (the learner state but its optimizer states), "optim_<name>": each of the
+    learner's optimizer states (``optim_keys``, update chains'), "env_rng": a torch env's generator
+    state, **the run's carry}; meta: "algo", "config" (with the actor spec actually used),
+    "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc: updates),
+    "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
+    "state_layout" (2), and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optim_keys``
+    (with :meth:`layout_1_order` or :meth:`optim_from_layout_1`), ``gen`` (the
     generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
     """
 
     requires_format = False  # diffusion snapshots never had meta "resume_format"
     curve = "success_rate"
     carry: tuple[str, ...] = ()  # the top-level snapshot entries of the run's own carry
+    optim_keys: tuple[str, ...] = ()  # the learner state's optimizer states (update chains), each a snapshot entry
     env = None
 
     def __init__(self, config, device: torch.device, name: str) -> None:
@@ -289,10 +300,11 @@ class DiffusionRun(Run):
 
     @property
     def variable(self) -> tuple[str, ...]:
-        """The optimizers' states (of the leaves that have had a gradient) and the run's own carry,
-        whose structure depends on how far the run got, and the env's RNG (absent from snapshots older
-        than resume: a warning): :meth:`upgrade` and :meth:`restore` check them."""
-        return (*(f"optim_{name}" for name in self.optimizers), "env_rng", *self.carry)
+        """The snapshot entries :meth:`upgrade` (state layout 1) or :meth:`restore` (layout 2) check
+        themselves rather than the loop: the learner and its optimizer states (``optim_keys``), so that
+        a message names the learner's own keys; the run's own carry, whose structure depends on how far
+        the run got; the env's RNG (absent from snapshots older than resume: a warning)."""
+        return ("learner", *self.optim_keys, "env_rng", *self.carry)
 
     def steps(self) -> int:
         """What names a snapshot, and a version's step: env steps (bc: updates)."""
@@ -303,9 +315,9 @@ class DiffusionRun(Run):
         return env_rng_snapshot(self.env) if self.env is not None else ({}, {})
 
     def saved(self) -> tuple[TensorDict, dict]:
-        snapshot = TensorDict({"learner": self.state}, batch_size=[])
-        for name, opt in self.optimizers.items():
-            snapshot[f"optim_{name}"] = optimizer_state(opt)
+        snapshot = TensorDict({"learner": self.state.exclude(*self.optim_keys)}, batch_size=[])
+        for key in self.optim_keys:  # the learner's optimizer states, each an entry of its own
+            snapshot[key] = self.state[key]
         tensors, carried_meta = self.carried()
         for key, value in tensors.items():
             snapshot[key] = value
@@ -313,35 +325,65 @@ class DiffusionRun(Run):
         meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "actor_spec": dataclasses.asdict(self.config.actor),
                 "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
                 "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
-                "grad_scaler": None if scaler is None else scaler.state_dict(), **carried_meta}
+                "grad_scaler": None if scaler is None else scaler.state_dict(), "state_layout": STATE_LAYOUT,
+                **carried_meta}
         return snapshot, meta
 
-    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
-        """``loaded`` as it is (this layout is still these runs' own), checked: the env's observation
-        layout (meta "env_info"), the learner state against the fresh one, its schedule, and each
-        optimizer's state (CheckpointError naming ``where``)."""
+    def _check_loaded(self, loaded: TensorDict, meta: dict, where) -> None:
+        """CheckpointError naming ``where`` unless ``loaded`` was saved for the env's observation
+        layout (meta "env_info"), holds a learner state of the fresh one's structure (its optimizer
+        states aside) and the schedule of the actor spec."""
         saved_info = env_info_from_meta(meta, where)
         if saved_info != self.info:
             raise CheckpointError(f"{where}: saved for observations {saved_info}, but env={self.config.env!r} now gives {self.info}")
         if "learner" not in loaded.keys():
             raise CheckpointError(f"{where}: holds no learner state")
-        checkpoint.check_learner(where, loaded["learner"], self.state)  # its messages name the learner's own keys
+        # its messages name the learner's own keys
+        checkpoint.check_learner(where, loaded["learner"], self.state.exclude(*self.optim_keys))
         _check_schedule(where, loaded["learner", "schedule"], self.state["schedule"])
-        for name, opt in self.optimizers.items():  # an optimizer that never stepped has no saved state
-            saved = loaded.get(f"optim_{name}", TensorDict({}, batch_size=[]))
-            count = sum(len(group["params"]) for group in opt.param_groups)
-            indices = sorted(int(k) for k in saved.keys() if k.isdigit() and int(k) < count)
-            if len(indices) != len(saved.keys()):
-                raise CheckpointError(f"{where}: optim_{name} holds {sorted(saved.keys())}: expected indices of the {count} leaves")
-            checkpoint.check_learner(f"{where}: optim_{name}", saved, optimizer_like(opt, indices, where))
+
+    def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
+        """``loaded``, a snapshot of state layout 1 (no meta "state_layout": each optimizer's torch.optim
+        state as "optim_<name>"), checked (:meth:`_check_loaded`), with the states of the learner's
+        optimizers (``optim_keys``) converted to those of their update chains
+        (:func:`rlfunc.run.resume.optim_from_layout_1`, renumbered from the torch.optim optimizer's
+        parameter order, :meth:`layout_1_order`)."""
+        self._check_loaded(loaded, meta, where)
+        for key in self.optim_keys:  # torch.optim kept no state before a first step
+            saved = loaded.get(key, TensorDict({}, batch_size=[]))
+            loaded[key] = self.optim_from_layout_1(key, saved, where).to(loaded.device)
         return loaded
 
+    def optim_from_layout_1(self, key: str, torch_state: TensorDict, where: str) -> TensorDict:
+        """``state[key]`` (a chain state holding one Adam state) with its Adam part filled from the
+        torch.optim state ``torch_state`` of a layout-1 snapshot, renumbered from that optimizer's
+        parameter order (:meth:`layout_1_order`) to the chain's leaves (:func:`rlfunc.run.resume.optim_from_layout_1`,
+        whose CheckpointError names ``where``)."""
+        stepped, order = self.layout_1_order(key)
+        new_index = {k: i for i, k in enumerate(sorted(stepped.keys(include_nested=True, leaves_only=True), key=str))}
+        renumber = lambda j: str(new_index[order[int(j)]]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
+        torch_state = TensorDict({renumber(j): v for j, v in torch_state.items()}, batch_size=[])
+        indices = sorted(int(j) for j in torch_state.keys() if j.isdigit())
+        return optim_from_layout_1(f"{where}: {key}", torch_state, self.state[key], stepped, indices=indices,
+                                   commit=LAYOUT_1_COMMIT)
+
+    def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
+        """(the TensorDict the chain of ``state[key]`` steps, its leaves' keys in the parameter order of
+        the torch.optim optimizer that stepped them in state layout 1)."""
+        raise NotImplementedError
+
     def restore(self, loaded: TensorDict, meta: dict) -> None:
-        with torch.no_grad():  # in place: the optimizers keep stepping the same leaves
-            self.state.update_(loaded["learner"])
-        for name, opt in self.optimizers.items():
-            saved = loaded.get(f"optim_{name}", None)
-            load_optimizer_state(opt, saved.to("cpu") if saved is not None else TensorDict({}, batch_size=[]))
+        if meta.get("state_layout", 1) == STATE_LAYOUT:  # a layout-1 snapshot was checked by upgrade
+            where = self._point(meta).snapshot
+            self._check_loaded(loaded, meta, where)
+            for key in self.optim_keys:
+                if key not in loaded.keys():
+                    raise CheckpointError(f"{where}: holds no {key} (the state of the learner's optimizer)")
+                checkpoint.check_learner(f"{where}: {key}", loaded[key], self.state[key])
+        with torch.no_grad():  # in place: the policies and the update chains hold these leaves
+            self.state.exclude(*self.optim_keys).update_(loaded["learner"])
+            for key in self.optim_keys:
+                self.state[key].update_(loaded[key])
         if self.prec.scaler is not None and meta.get("grad_scaler"):
             self.prec.scaler.load_state_dict(meta["grad_scaler"])
         set_generator_state(self.gen, self.state["rng"])
@@ -366,13 +408,15 @@ class DiffusionRun(Run):
 
 
 class BCRun(DiffusionRun):
-    """A bc run: ``num_updates`` AdamW updates ("optim_actor") on the scripted expert's demonstrations
-    (collected from the config's seed on every start; demos.json holds the expert's statistics), a
-    metrics line every ``log_every`` (the mean since the last line). A snapshot also holds the metrics
-    summed since the last line ("pending_metrics"; meta "pending_metrics": how many)."""
+    """A bc run: ``num_updates`` AdamW updates (its state the learner's "optim_actor") on the scripted
+    expert's demonstrations (collected from the config's seed on every start; demos.json holds the
+    expert's statistics), a metrics line every ``log_every`` (the mean since the last line). A
+    snapshot also holds the metrics summed since the last line ("pending_metrics"; meta
+    "pending_metrics": how many)."""
 
     carry = ("pending_metrics",)
     curve = "loss_denoise"  # against updates (a bc record's "step")
+    optim_keys = ("optim_actor",)
 
     def __init__(self, config: BCConfig, device: torch.device) -> None:
         from rlfunc.envs.demos import check_expert, expert_demonstrations
@@ -385,14 +429,19 @@ class BCRun(DiffusionRun):
                                                     noise_std=config.demo_noise_std, device=device)
         self.dataset = dataset.select(*self.info.obs_keys, "action")
         self.gen = torch.Generator(device=device).manual_seed(config.seed)
-        self.state = self.algo.init(self.dataset)
-        self.optimizers = {"actor": torch.optim.AdamW(self.algo.trainable(self.state), lr=config.lr,
-                                                      weight_decay=config.weight_decay, foreach=True)}
+        self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the learner owns the optimizer
         self.pending, self.count = None, 0  # metrics summed since the last metrics line
         self.total = config.num_updates
 
     def steps(self) -> int:
         return int(self.state["iteration"])
+
+    def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
+        """AdamW's parameters were :func:`~rlfunc.algos.bc.make_bc`'s ``trainable``: the denoiser's
+        leaves, then the encoder's (each in func.leaves order)."""
+        stepped = self.algo.trainable_params(self.state)
+        return stepped, [(group, *_key(k)) for group in ("params", "encoder") if group in stepped.keys()
+                         for k in sorted(stepped[group].keys(include_nested=True, leaves_only=True), key=str)]
 
     def carried(self) -> tuple[dict, dict]:
         return ({} if self.pending is None else {"pending_metrics": self.pending}), {"pending_metrics": self.count}
@@ -406,7 +455,7 @@ class BCRun(DiffusionRun):
         (run_dir / "demos.json").write_text(json.dumps(self.demos) + "\n")
 
     def step(self, i: int, stopping: bool) -> dict | None:
-        self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.optimizers["actor"], self.prec)
+        self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
         self.pending = metrics if self.pending is None else self.pending + metrics
         self.count += 1
         if not (i % self.config.log_every == 0 or i == self.total or stopping):
@@ -418,40 +467,64 @@ class BCRun(DiffusionRun):
 
 class DPPORun(DiffusionRun):
     """A dppo run: per iteration a rollout of ``num_envs`` x ``num_steps`` chunks, then PPO epochs
-    over it with one Adam over the actor and the critic ("optim_all"); usually from a bc run
+    over it with one update chain over the actor and the critic (its state the learner's
+    "optim_all": a joint clip, then Adam with a learning rate per side); usually from a bc run
     (``init_from``, not read again on resume)."""
+
+    optim_keys = ("optim_all",)
 
     def __init__(self, config: DPPOConfig, device: torch.device, resumed: bool = False) -> None:
         super().__init__(config, device, "dppo")
         self._finetune(make_dppo, config, resumed)
-        self.optimizers = {"all": make_optimizer(self.state, self.config)}
         self.total = self.config.num_iterations(self.config.actor.act_steps)
+
+    def optim_from_layout_1(self, key: str, torch_state: TensorDict, where: str) -> TensorDict:
+        """torch.optim.Adam's two parameter groups held the actor's leaves, then the critic's (each in
+        func.leaves order): its entry j is the actor's leaf j, or the critic's leaf j - (actor leaves)."""
+        params, out = self.state["params"], self.state[key].clone()
+        n_actor = len(func.leaves(params["actor"]))
+        count = n_actor + len(func.leaves(params["critic"]))
+        misfit = sorted(j for j in torch_state.keys() if not (j.isdigit() and int(j) < count))
+        if misfit:
+            raise CheckpointError(f"{where}: {key}: its optimizer state (state layout 1, torch.optim's) does not fit the run's "
+                                  f"parameters (entries {misfit} for {count} leaves); train anew, or resume it with rlfunc "
+                                  f"of commit {LAYOUT_1_COMMIT}")
+        for group, lo, hi in (("actor", 0, n_actor), ("critic", n_actor, count)):
+            part = TensorDict({str(int(j) - lo): v for j, v in torch_state.items() if lo <= int(j) < hi}, batch_size=[])
+            out["1", group] = optim_from_layout_1(f"{where}: {key}", part, out["1", group], params[group],
+                                                  indices=sorted(int(j) for j in part.keys()), commit=LAYOUT_1_COMMIT)
+        return out
 
     def step(self, i: int, stopping: bool) -> dict:
         batch = self.algo.rollout(self.state, self.env, self.gen)
-        self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.optimizers["all"], self.prec)
+        self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.prec)
         return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(batch, self.config.env),
                 **metrics.to_dict()}
 
 
 class TD3DiffusionRun(DiffusionRun):
     """A td3-diffusion run: per iteration a rollout into a device-resident TorchRL replay buffer, then
-    (past ``warmup_steps``) ``updates_per_iteration`` updates with one Adam per side ("optim_critic",
-    "optim_actor"). A snapshot also holds the buffer's filled rows ("buffer"; meta "buffer": their
-    count and the writer's cursor, None with ``checkpoint_buffer=False``)."""
+    (past ``warmup_steps``) ``updates_per_iteration`` updates with one update chain (clip, Adam) per
+    side, their states the learner's "optim_critic" and "optim_actor". A snapshot also holds the
+    buffer's filled rows ("buffer"; meta "buffer": their count and the writer's cursor, None with
+    ``checkpoint_buffer=False``)."""
 
     carry = ("buffer",)
+    optim_keys = ("optim_critic", "optim_actor")
 
     def __init__(self, config: TD3DiffusionConfig, device: torch.device, resumed: bool = False) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
         super().__init__(config, device, "td3-diffusion")
         self._finetune(make_td3_diffusion, config, resumed)
-        config, params = self.config, self.state["params"]
-        self.optimizers = {"critic": torch.optim.Adam(func.leaves(params["critic"]), lr=config.critic_lr, foreach=True),
-                           "actor": torch.optim.Adam(func.leaves(params["actor"]), lr=config.actor_lr, foreach=True)}
+        config = self.config
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
         self.total = config.num_iterations()
+
+    def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
+        """Each side's torch.optim.Adam held its leaves in func.leaves order, the chain's own."""
+        stepped = self.state["params", key.removeprefix("optim_")]
+        return stepped, sorted(stepped.keys(include_nested=True, leaves_only=True), key=str)
 
     def carried(self) -> tuple[dict, dict]:
         env_tensors, env_meta = super().carried()
@@ -469,8 +542,7 @@ class TD3DiffusionRun(DiffusionRun):
         state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
         record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env)}
         if int(state["env_steps"]) >= self.config.warmup_steps:
-            optimizers = (self.optimizers["critic"], self.optimizers["actor"])
-            self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, optimizers, self.prec)
+            self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
             record.update(metrics.to_dict())
         else:
             state["iteration"] = state["iteration"] + 1

@@ -9,12 +9,14 @@ plus what each run carries between iterations (env state, collection carry, ...)
 "resume_format" (:data:`RESUME_FORMAT`) marks a snapshot that holds all of it. Two state layouts
 (meta "state_layout"):
 
-- 2 (:data:`STATE_LAYOUT`; ppo, grpo/gspo, mappo, ppo-encoder): the learner state owns its
+- 2 (:data:`STATE_LAYOUT`; every run kind: ppo, grpo/gspo, mappo, ppo-encoder, bc, dppo, td3-diffusion): the learner state owns its
   optimizer, ``state["optim"]`` (the state of its update chain, rlfunc.optim), which the snapshot
   keeps as its "optim" entry beside the rest of the learner (:func:`learner_entries`; PPO keeps it
-  inside "learner"); snapshots of layout 1 written by those runs before are converted on load
-  (:func:`upgrade_layout_1`, :func:`optim_from_layout_1`);
-- 1 (no "state_layout"; bc, dppo, td3-diffusion; ppo-encoder up to aaf3139): "optim_<name>" /
+  inside "learner"; bc's is ``state["optim_actor"]``, dppo's ``state["optim_all"]``, td3-diffusion's
+  ``state["optim_critic"]`` and ``state["optim_actor"]``, each a snapshot entry of that name); snapshots of
+  layout 1 written by those runs before are converted on load (:func:`upgrade_layout_1`,
+  :func:`optim_from_layout_1`; the diffusion runs: :meth:`rlfunc.run.diffusion.DiffusionRun.upgrade`);
+- 1 (no "state_layout"; bc, dppo and td3-diffusion up to 8a7709f; ppo-encoder up to aaf3139): "optim_<name>" /
   "optim" is torch.optim.Adam's state of the leaves that have had a gradient, keyed by their index
   in the optimizer (:func:`optimizer_like` gives the structure to check it against).
 """

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
-from rlfunc.algos.dppo import DPPOConfig, make_dppo, make_optimizer
+from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.core import func
 from rlfunc.diffusion.ddim import sample
@@ -117,8 +117,7 @@ def test_dppo_first_update_starts_at_ratio_one(bc_run, likelihood, prec):
     if likelihood == "chain":
         assert batch["chain"].shape == (32, 8, 11, 4, 2)
         torch.testing.assert_close(batch["chain"][:, :, -1], batch["action"])
-    opt = make_optimizer(state, config)
-    new, metrics = algo.iteration(state, batch, gen, opt, precision(CPU, config.precision))
+    new, metrics = algo.iteration(state, batch, gen, precision(CPU, config.precision))  # steps state["optim_all"]
     assert float(metrics["approx_kl"]) == pytest.approx(0.0, abs=1e-6)
     assert float(metrics["clip_fraction"]) == 0.0
     assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=1e-4)
@@ -143,10 +142,9 @@ def test_dppo_finetune_steps_keeps_the_frozen_prefix(bc_run):
         chains.append(algo.rollout(state, env, torch.Generator().manual_seed(1))["chain"][:, 0])
     torch.testing.assert_close(chains[0][:, :9], chains[1][:, :9], rtol=0, atol=0)
     assert not torch.allclose(chains[0][:, 9:], chains[1][:, 9:])
-    opt = make_optimizer(state, config)
     env = make_env("PointReach-v0", 32, 4, CPU, 0)
     batch = algo.rollout(state, env, torch.Generator().manual_seed(1))
-    new, metrics = algo.iteration(state, batch, torch.Generator().manual_seed(2), opt, precision(CPU, "off"))
+    new, metrics = algo.iteration(state, batch, torch.Generator().manual_seed(2), precision(CPU, "off"))
     assert torch.isfinite(metrics["loss_objective"]) and float(metrics["approx_kl"]) >= 0
     with pytest.raises(ConfigError, match="finetune_steps"):
         make_dppo(DPPOConfig(finetune_steps=11), SMALL, 6, 2, CPU)

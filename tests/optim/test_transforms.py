@@ -322,3 +322,76 @@ def test_clip_by_global_norm_defaults_to_one_parameter_set_as_optax():
             torch.testing.assert_close(ours, theirs)
     with pytest.raises(ShapeError, match="share no leading seed dim"):
         clip_by_global_norm(0.5, stacked=True).init(TensorDict({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, []))
+
+
+def test_adam_weight_decay_steps_as_torch_optim_adamw_and_skips_a_member_as_adam_does():
+    """adam(weight_decay=wd) (torch's functional AdamW on a copy of the params) moves them as
+    torch.optim.AdamW over 20 steps with clipping, to the rounding of the update's difference; a
+    member masked out keeps its parameters bit for bit; without params it refuses to step."""
+    steps, wd = 20, 0.1
+    ours, theirs = stacked_params(), stacked_params()
+    opt = torch.optim.AdamW(leaves(theirs), lr=LR, eps=EPS, betas=BETAS, weight_decay=wd, foreach=True)
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=True), adam(LR, BETAS, EPS, weight_decay=wd))
+    state = update.init(ours)
+    for t in range(steps):
+        grads = random_grads(ours, t)
+        for p, g in zip(leaves(theirs), grads):
+            p.grad = g.clone()
+        clip_grads_([p.grad for p in leaves(theirs)], MAX_NORM, stacked=True)
+        opt.step()
+        updates, state = update.update(as_td(ours, grads), state, ours)
+        apply_updates(ours, updates)
+    for p, q in zip(leaves(ours), leaves(theirs)):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    plain = stacked_params()
+    plain_state = adam(LR, BETAS, EPS).init(plain)
+    for t in range(steps):  # the decay moved them: not Adam's path
+        u, plain_state = adam(LR, BETAS, EPS).update(as_td(plain, random_grads(plain, t)), plain_state, plain)
+        apply_updates(plain, u)
+    assert any(not torch.allclose(p, q) for p, q in zip(leaves(ours), leaves(plain)))
+    before = [p.detach().clone() for p in leaves(ours)]
+    grads = [g.clone() for g in random_grads(ours, 0)]
+    grads[0][1] = float("nan")
+    updates, state = update.update(as_td(ours, grads), state, ours, mask=torch.tensor([True, False, True]))
+    apply_updates(ours, updates)
+    for p, b in zip(leaves(ours), before):
+        assert torch.equal(p[1], b[1]) and not torch.equal(p[0], b[0])
+    with pytest.raises(ConfigError, match="expected the params"):
+        adam(LR, weight_decay=wd).update(as_td(ours, grads), state["1"])
+    with pytest.raises(ConfigError, match="weight_decay=-1"):
+        adam(LR, weight_decay=-1.0)
+
+
+def test_partition_steps_each_group_as_a_torch_optim_parameter_group():
+    """chain(clip, partition({"a": adam(lr_a), "b": adam(lr_b)})) moves the params as one
+    torch.optim.Adam with two parameter groups after a joint clip, bit for bit; its state is one Adam
+    state per group; a group without gradients keeps its state."""
+    from rlfunc.optim import partition
+
+    def two_groups(seed: int = 0) -> TensorDict:
+        g = torch.Generator().manual_seed(seed)
+        return as_leaves(TensorDict({"a": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(4, generator=g)},
+                                     "b": {"w": torch.randn(2, 4, generator=g)}}, batch_size=[]))
+
+    ours, theirs = two_groups(), two_groups()
+    opt = torch.optim.Adam([{"params": leaves(theirs["a"]), "lr": 0.01}, {"params": leaves(theirs["b"]), "lr": 0.1}],
+                           eps=EPS, foreach=True)
+    update = chain(clip_by_global_norm(MAX_NORM, stacked=False), partition({"a": adam(0.01, eps=EPS), "b": adam(0.1, eps=EPS)}))
+    state = update.init(ours)
+    assert set(state["1"].keys()) == {"a", "b"} and set(state["1", "a"].keys()) == {"step", "exp_avg", "exp_avg_sq"}
+    for t in range(10):
+        g = torch.Generator().manual_seed(t)
+        grads = [torch.randn(p.shape, generator=g) * (0.5 + 3 * (t % 2)) for p in leaves(ours)]
+        for p, x in zip(leaves(theirs), grads):
+            p.grad = x.clone()
+        clip_grads_([p.grad for p in leaves(theirs)], MAX_NORM, stacked=False)
+        opt.step()
+        updates, state = update.update(as_td(ours, grads), state, ours)
+        apply_updates(ours, updates)
+    for p, q in zip(leaves(ours), leaves(theirs)):
+        assert torch.equal(p.detach(), q.detach())
+    before = state["1", "b"].clone()
+    updates, state = update.update(TensorDict({"a": {"w": torch.ones(4, 3), "b": torch.ones(4)}}, batch_size=[]), state, ours)
+    assert set(updates.keys()) == {"a"} and (state["1", "b"] == before).all()
+    with pytest.raises(ShapeError, match="expected the groups"):
+        partition({"a": adam(0.01)}).init(ours)

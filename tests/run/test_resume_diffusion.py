@@ -3,6 +3,8 @@ tensor for tensor (learner, optimizers, generator states, replay buffer); crashe
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +219,120 @@ def test_bc_rolled_back_to_a_version_resumes_to_the_uninterrupted_run(tmp_path):
     assert _without_time(_records(run)) == _without_time(_records(tmp_path / "whole"))
     assert resumed.evaluation == whole.evaluation
     assert [m["iteration"] for m in versions.list_versions(run)] == [1, 2, 3, 4, 5, 6, 5, 6]  # 5, 6 again on the new branch
+
+
+# ------------------------------------------------------------------ runs of state layout 1 (torch.optim's)
+
+DATA = Path(__file__).parents[1] / "data"  # tests/data/*_state_layout_1, written by rlfunc at 8a7709f (their READMEs)
+
+
+def _layout_1_run(tmp_path, name: str) -> Path:
+    run = tmp_path / name
+    shutil.copytree(DATA / name, run, ignore=shutil.ignore_patterns("README.md", "expected"))
+    return run
+
+
+def _assert_reached_expected(name: str, state) -> None:
+    """``state``'s tensors are those the layout-1 code reached resuming the same run (expected/)."""
+    from safetensors.torch import load_file
+
+    (path,) = (DATA / name / "expected").glob("*.safetensors")
+    expected = load_file(path)
+    groups = {k.split(".")[0] for k in expected}
+    got = {f"{g}.{'.'.join(k) if isinstance(k, tuple) else k}": v for g in groups for k, v in state[g].items(True, True)}
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _optim_steps(run_dir, entry: str) -> set[int]:
+    """The Adam step counts of the snapshot's ``entry`` (a chain state), over its leaves."""
+    saved, _ = _snapshot(run_dir)
+    return {int(v) for k, v in saved[entry].items(True, True) if "step" in k[:-1]}
+
+
+def test_a_bc_run_of_layout_1_evaluates_and_resumes_as_the_old_code_did(tmp_path):
+    """AdamW's torch.optim state ("optim_actor", numbered in its parameter order) becomes the chain's
+    Adam state in the learner, leaf for leaf; the resumed run reaches the old code's parameters and
+    EMA and writes state layout 2."""
+    run = _layout_1_run(tmp_path, "bc_state_layout_1")
+    saved, meta = _snapshot(run)
+    assert "state_layout" not in meta and sorted(saved["optim_actor"].keys(), key=int) == [str(i) for i in range(10)]
+    assert td.evaluate_run(run, 2, device="cpu")["episodes"] == 2
+    resumed = td.resume_diffusion(run, 8, **QUIET)
+    assert int(resumed.state["iteration"]) == 8
+    _assert_reached_expected("bc_state_layout_1", resumed.state)
+    saved, meta = _snapshot(run)
+    assert meta["state_layout"] == 2 and "optim_actor" not in saved["learner"].keys()
+    assert _optim_steps(run, "optim_actor") == {8}
+    assert [r["iteration"] for r in _records(run)] == [3, 4, 6, 8]
+
+
+def test_a_bc_run_of_layout_1_with_an_encoder_resumes_as_the_old_code_did(tmp_path):
+    """Push-v0: AdamW stepped the denoiser's leaves, then the encoder's; the chain keys them
+    {"params", "encoder"} (so in another order): the renumbering puts each moment on its leaf."""
+    from envs.push import env as pe
+
+    if not pe.rendering_available():
+        pytest.skip("no working OpenGL")
+    run = _layout_1_run(tmp_path, "bc_push_state_layout_1")
+    resumed = td.resume_diffusion(run, 4, **QUIET)
+    assert int(resumed.state["iteration"]) == 4
+    _assert_reached_expected("bc_push_state_layout_1", resumed.state)
+    assert _optim_steps(run, "optim_actor") == {4}
+
+
+def test_a_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = _layout_1_run(tmp_path, "bc_state_layout_1")
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["optim_actor", "3", "exp_avg"] = torch.zeros(5)
+    checkpoint.save_snapshot(snap, state, meta)
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "state layout 1" in err[0] and "8a7709f" in err[0] and "optim_actor" in err[0]
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_a_dppo_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
+    """One torch.optim.Adam with two parameter groups (the actor's leaves, then the critic's) becomes
+    the chain's Adam state of each side ("optim_all" "1" "actor" / "critic")."""
+    run = _layout_1_run(tmp_path, "dppo_state_layout_1")
+    saved, meta = _snapshot(run)
+    assert "state_layout" not in meta and len(saved["optim_all"].keys()) == 14
+    resumed = td.resume_diffusion(run, 4 * 64, **QUIET)
+    assert int(resumed.state["iteration"]) == 4
+    _assert_reached_expected("dppo_state_layout_1", resumed.state)
+    saved, meta = _snapshot(run)
+    assert meta["state_layout"] == 2 and set(saved["optim_all", "1"].keys()) == {"actor", "critic"}
+    assert _optim_steps(run, "optim_all") == {int(sum(r["updates"] for r in _records(run)))}
+
+
+def test_a_td3_diffusion_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
+    """Each side's torch.optim.Adam ("optim_critic" over the stacked twin critics, "optim_actor")
+    becomes its chain's Adam state; the replay buffer comes back as it was."""
+    run = _layout_1_run(tmp_path, "td3_diffusion_state_layout_1")
+    saved, meta = _snapshot(run)
+    assert "state_layout" not in meta and meta["buffer"]["length"] == 100
+    resumed = td.resume_diffusion(run, 5 * 40, **QUIET)
+    assert int(resumed.state["iteration"]) == 5 and int(resumed.state["updates"]) == 5 * 3
+    _assert_reached_expected("td3_diffusion_state_layout_1", resumed.state)
+    saved, meta = _snapshot(run)
+    assert meta["state_layout"] == 2
+    assert _optim_steps(run, "optim_critic") == {15} and _optim_steps(run, "optim_actor") == {7}
+
+
+def test_a_dppo_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp_path, capsys):
+    from rlfunc.cli import main
+
+    run = _layout_1_run(tmp_path, "dppo_state_layout_1")
+    snap = checkpoint.latest_snapshot(run)
+    state, meta = checkpoint.load_snapshot(snap)
+    state["optim_all", "14"] = state["optim_all", "13"].clone()  # one entry more than the 14 leaves
+    checkpoint.save_snapshot(snap, state, meta)
+    assert main(["resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "state layout 1" in err[0] and "8a7709f" in err[0] and "optim_all" in err[0]
