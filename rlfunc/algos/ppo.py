@@ -465,7 +465,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         per-seed metrics [S].
 
         The parameters and Adam's moments are stepped in place (``state`` and the new state share
-        them, as with torch.optim); leaves with ``requires_grad`` off (train.py's freeze) are left out
+        them, as with torch.optim); leaves with ``requires_grad`` off (rlfunc.run.ppo's freeze) are left out
         of the gradients, so neither they nor their moments or step counts move. A seed whose data,
         loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
         adam's ``mask``: its parameters and moments stay bit for bit."""
@@ -473,7 +473,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         data_ok = finite.all(0)  # [S]
         params = state["params"]
         keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
-        trainable = [k for k in keys if params.get(k).requires_grad]  # frozen leaves (train.py) are left out
+        trainable = [k for k in keys if params.get(k).requires_grad]  # frozen leaves (rlfunc.run.ppo) are left out
         leaves = [params.get(k) for k in trainable]
         flat_leaves, treedef = flatten(params if len(trainable) == len(keys) else params.select(*trainable))
         if any(a is not b for a, b in zip(flat_leaves, leaves)):  # both are func.leaves' order

@@ -252,7 +252,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         record = {**record, "time": time.perf_counter() - clock}
                         logger.log(record)
                         last_record = record
-                        bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
+                        if progress:  # the postfix only for a bar that is shown
+                            bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
                     bar.update(1)
                     signal_name = stop.signal  # read once: the loop stops here only after this iteration's final save
                     final = signal_name is not None or i == end
