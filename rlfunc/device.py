@@ -1,4 +1,4 @@
-"""Where tensors live: device resolution, autocast dtype and distributed backend per device.
+"""Where tensors live: device resolution, autocast dtype, distributed backend and profiler per device.
 
 Everything in rlfunc that needs a device asks this module, so the same code runs on Ascend NPUs
 (torch_npu), NVIDIA GPUs and CPUs.
@@ -6,6 +6,7 @@ Everything in rlfunc that needs a device asks this module, so the same code runs
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -86,3 +87,45 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)
+
+
+def profiler(device: torch.device, trace_dir: str, *, wait: int, warmup: int, active: int, worker: str):
+    """The profiler of ``device``'s kind, as a context manager with ``.step()``: torch_npu.profiler
+    on NPUs, torch.profiler elsewhere (CPU activity, plus CUDA on CUDA devices). After ``wait`` and
+    ``warmup`` steps it records ``active`` steps and writes one TensorBoard trace
+    (``worker.*.pt.trace.json``) into ``trace_dir``; ``record_function`` ranges show in it.
+
+    Raises:
+        ConfigError: ``device`` is an NPU and torch_npu is not installed.
+    """
+    if device.type == "npu":
+        try:
+            import torch_npu
+        except ImportError:
+            raise ConfigError("profile: device npu needs torch_npu (pip install .[npu])") from None
+        prof = torch_npu.profiler
+        activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
+    else:
+        prof = torch.profiler
+        activities = [prof.ProfilerActivity.CPU] + ([prof.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return prof.profile(
+        activities=activities,
+        schedule=prof.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=prof.tensorboard_trace_handler(trace_dir, worker_name=worker),
+        record_shapes=False,
+        with_stack=False,
+    )
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def span(name: str):
+    """A named range in the profiler's trace (``torch.profiler.record_function``) while a profiler
+    records, else a no-op: about 0.4 us when none records, against some 10-30 us for a
+    ``record_function`` that nothing reads (it dispatches an op either way), so ranges can sit
+    inside the env-step loop. (A profiler that does not turn on torch's autograd-profiler flag would
+    see none of them.)"""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _NO_RANGE

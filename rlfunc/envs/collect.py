@@ -18,6 +18,7 @@ Batch keys (TorchRL conventions), all ``[N, T, ...]``: "observation", "action", 
 from __future__ import annotations
 
 import difflib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.core.returns import forward_discounted_sum
+from rlfunc.device import span
 from rlfunc.envs import registry
 from rlfunc.errors import EnvError
 
@@ -126,6 +128,7 @@ def rollout(
     num_steps: int,
     *,
     device: torch.device,
+    timing: dict | None = None,
 ) -> tuple[TensorDict, TensorDict]:
     """Step ``venv`` ``num_steps`` times with ``policy``; returns (batch [N, T] on ``device``, new carry).
 
@@ -139,8 +142,11 @@ def rollout(
         carry: the previous rollout's carry (or :func:`reset`'s); host tensors.
         num_steps: T, steps per env.
         device: where the batch goes, in one copy at the end.
+        timing: when given, ``timing["env_wait_s"]`` is set to the seconds spent in ``venv.step``
+            (waiting for the envs, or their worker processes).
 
-    The only per-step host<->device traffic is the observation in and the action out.
+    The only per-step host<->device traffic is the observation in and the action out. Each step's
+    policy call and env step are the profiler ranges "policy_forward" and "env_step".
     """
     n = venv.num_envs
     space = venv.single_action_space
@@ -157,15 +163,21 @@ def rollout(
 
     bounds = _action_bounds(space)
     observation[0] = carry["observation"]
+    env_wait = 0.0
     with torch.inference_mode():  # cheaper per op than no_grad; the buffers above stay normal tensors
         for t in range(num_steps):
-            act, logp = policy(observation[t].to(device, non_blocking=True))
-            action[t] = act
+            with span("policy_forward"):
+                act, logp = policy(observation[t].to(device, non_blocking=True))
+                action[t] = act
             if logp is None:
                 with_log_prob = False
             else:
                 log_prob[t] = logp
-            next_obs, rew, term, trunc, info = venv.step(_env_action(action[t], bounds, space.shape))
+            env_action = _env_action(action[t], bounds, space.shape)
+            with span("env_step"):
+                t0 = time.perf_counter()
+                next_obs, rew, term, trunc, info = venv.step(env_action)
+                env_wait += time.perf_counter() - t0
             reward[t], terminated[t], truncated[t] = rew, term, trunc
             observation[t + 1] = _flat_obs(next_obs, n)
             if "_final_obs" in info:
@@ -173,6 +185,8 @@ def rollout(
                 if idx.size:
                     final.append((t, idx, np.stack(info["final_obs"][idx]).reshape(idx.size, -1)))
 
+    if timing is not None:
+        timing["env_wait_s"] = env_wait
     next_observation = observation[1:].clone()
     for t, idx, obs in final:
         next_observation[t, idx] = torch.as_tensor(obs, dtype=torch.float32)

@@ -57,7 +57,7 @@ from rlfunc.algos.diffusion_actor import (
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
-from rlfunc.device import resolve_device
+from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
@@ -455,7 +455,8 @@ class BCRun(DiffusionRun):
         (run_dir / "demos.json").write_text(json.dumps(self.demos) + "\n")
 
     def step(self, i: int, stopping: bool) -> dict | None:
-        self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
+        with span("update"):
+            self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
         self.pending = metrics if self.pending is None else self.pending + metrics
         self.count += 1
         if not (i % self.config.log_every == 0 or i == self.total or stopping):
@@ -496,8 +497,10 @@ class DPPORun(DiffusionRun):
         return out
 
     def step(self, i: int, stopping: bool) -> dict:
-        batch = self.algo.rollout(self.state, self.env, self.gen)
-        self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.prec)
+        with span("rollout"):
+            batch = self.algo.rollout(self.state, self.env, self.gen)
+        with span("update"):
+            self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.prec)
         return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(batch, self.config.env),
                 **metrics.to_dict()}
 
@@ -537,12 +540,14 @@ class TD3DiffusionRun(DiffusionRun):
 
     def step(self, i: int, stopping: bool) -> dict:
         state, act_steps = self.state, self.config.actor.act_steps
-        batch = self.algo.rollout(state, self.env, self.gen)
-        self.buffer.extend(self.algo.transitions(state, batch))
+        with span("rollout"):
+            batch = self.algo.rollout(state, self.env, self.gen)
+            self.buffer.extend(self.algo.transitions(state, batch))
         state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
         record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env)}
         if int(state["env_steps"]) >= self.config.warmup_steps:
-            self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
+            with span("update"):
+                self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
             record.update(metrics.to_dict())
         else:
             state["iteration"] = state["iteration"] + 1

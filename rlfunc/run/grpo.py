@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.core.stats import summarize_returns
-from rlfunc.device import resolve_device
+from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
@@ -125,9 +125,11 @@ class GRPORun(Run):
         config, S = self.config, self.config.num_seeds
         t0 = time.perf_counter()
         gens = _generators(self.state, self.device)
-        batch = self.env.rollout(self.algo.policy(self.state, gens), i - 1)
+        with span("rollout"):
+            batch = self.env.rollout(self.algo.policy(self.state, gens), i - 1)
         t1 = time.perf_counter()
-        self.state, metrics = self.algo.iteration(self.state, batch, gens)  # at the lr of state["iteration"] = i - 1
+        with span("update"):
+            self.state, metrics = self.algo.iteration(self.state, batch, gens)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
         steps = batch.batch_size[1] * batch.batch_size[2] * batch.batch_size[3]
         return {

@@ -30,10 +30,11 @@ from typing import Any, NamedTuple
 
 from tensordict import TensorDict
 
-from rlfunc.device import resolve_device
+from rlfunc.device import resolve_device, span
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
+from rlfunc.run.profile import IterationProfiler
 from rlfunc.run.resume import NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
 
 # the record keys the progress bar shows, when the record has them
@@ -206,7 +207,7 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
 
 
 def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0, max_iterations: int | None = None,
-        progress: bool = True, tensorboard: bool = True) -> RunResult:
+        progress: bool = True, tensorboard: bool = True, profile: int = 0, device=None) -> RunResult:
     """The iterations left of ``run`` (from ``run.done()`` to ``run.total``, at most ``max_iterations``
     of them), with its snapshots, versions and metrics in ``run_dir``, then its final evaluation.
 
@@ -214,7 +215,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     iteration of the call and when a signal stops it; besides, snapshots every
     ``when.checkpoint_every`` and versions every ``when.version_every`` iterations, each cadence
     counted from iteration 0 (a resumed run writes where the uninterrupted one would). A resumed
-    run with nothing left writes nothing.
+    run with nothing left writes nothing. With ``profile`` N > 0, N iterations after a warm-up are
+    recorded with ``device``'s profiler into ``run_dir/profile`` (:mod:`rlfunc.run.profile`).
 
     Returns:
         :class:`RunResult`; eval.json is written when the budget was done and ``run.evaluate()`` gives one.
@@ -230,6 +232,10 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     last_record: dict | None = None
 
     def save(record: dict | None, version: bool, snapshot: bool) -> None:
+        with span("checkpoint"):
+            _save(record, version, snapshot)
+
+    def _save(record: dict | None, version: bool, snapshot: bool) -> None:
         tensors, meta = run.saved()
         meta = {**meta, "branch": branch}
         step = int(meta["env_steps"])
@@ -241,13 +247,15 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
             checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
 
     interrupted = None
-    with StopOnSignal() as stop:
+    profiler = IterationProfiler(run_dir, profile, resolve_device("cpu" if device is None else device))
+    with StopOnSignal() as stop, profiler:
         try:
             from tqdm import tqdm
 
             with tqdm(total=run.total, initial=start, desc=run.name, disable=not progress, dynamic_ncols=True) as bar:
                 for i in range(start + 1, end + 1):
-                    record = run.step(i, stop.signal is not None)
+                    with span("iteration"):
+                        record = run.step(i, stop.signal is not None)
                     if record is not None:
                         record = {**record, "time": time.perf_counter() - clock}
                         logger.log(record)
@@ -261,6 +269,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                     snapshot = final or (bool(when.checkpoint_every) and i % when.checkpoint_every == 0)
                     if version or snapshot:  # each at its own cadence
                         save(last_record if record is None else record, version, snapshot)
+                    profiler.step()
                     if signal_name:
                         interrupted = signal_name
                         break
@@ -291,7 +300,7 @@ def _scalar(value) -> float:
 def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, resume: bool = False,
           total_steps: int | None = None, device: str | None = None, budget_field: str = "total_steps",
           unit: str = "env steps", max_iterations: int | None = None, progress: bool = True,
-          tensorboard: bool = True) -> RunResult:
+          tensorboard: bool = True, profile: int = 0) -> RunResult:
     """A whole run of one algorithm: check ``run_dir``, on resume find the source and its config,
     ``build(config, device) -> Run``, load the source into it, then :func:`run_loop`.
 
@@ -306,6 +315,7 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
             cover the iterations done. The schedule (lr decay ...) is then stretched over it.
         device: with ``resume``, run on this device instead of the config's; a run continues
             exactly only on the device type it ran on.
+        profile: iterations to record with the device's profiler (0: none; :mod:`rlfunc.run.profile`).
 
     Raises:
         ConfigError: a bad run dir or config; ``total_steps``/``device`` without ``resume``; a budget
@@ -346,6 +356,7 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
             load(built, run_dir, source, resolve_device(config.device))
             time_offset = truncate_metrics(run_dir, built.done())
         return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
-                   progress=progress, tensorboard=tensorboard)
+                        progress=progress, tensorboard=tensorboard, profile=profile,
+                        device=resolve_device(config.device))
     finally:
         built.close()

@@ -37,7 +37,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
-from rlfunc.device import resolve_device
+from rlfunc.device import resolve_device, span
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_reset
 from rlfunc.envs.registry import EnvEntry
@@ -257,7 +257,8 @@ class MAPPORun(Run):
             ended = batch["next", "agents", "reward"].sum((1, 2, 3)).tolist()
         del batch["next", "agents", "observation"]
         t1 = time.perf_counter()
-        self.state, metrics = self.algo.iteration(self.state, batch, self.gen)  # at the lr of state["iteration"] = i - 1
+        with span("update"):
+            self.state, metrics = self.algo.iteration(self.state, batch, self.gen)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
         record = {"iteration": i, "step": int(self.state["env_steps"]),
                   "steps_per_s": config.steps_per_iteration / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,

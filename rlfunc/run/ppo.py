@@ -43,7 +43,7 @@ from tensordict import TensorDict
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import mean_interval, success_interval, summarize_returns
-from rlfunc.device import resolve_device
+from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
@@ -254,16 +254,18 @@ class PPORun(Run):
         it = i - 1  # iterations done before this one
         t0 = time.perf_counter()
         gens = _generators(self.state, self.device)
-        # log_prob=False: iteration computes the batch's log-probabilities in one pass
-        batch, self.carry = collect.rollout(self.venv, self.algo.policy(self.state, gens, log_prob=False), self.carry, T,
-                                            device=self.device)
-        batch = batch.reshape(S, N, T)
+        timing: dict = {}
+        with span("rollout"):  # log_prob=False: iteration computes the batch's log-probabilities in one pass
+            batch, self.carry = collect.rollout(self.venv, self.algo.policy(self.state, gens, log_prob=False), self.carry, T,
+                                                device=self.device, timing=timing)
+            batch = batch.reshape(S, N, T)
         t1 = time.perf_counter()
         frozen = [] if self.freeze is None else [k for k, u in enumerate(self.freeze["frozen_until"].tolist()) if u > it]
         for k in frozen:
             self.leaves[k].requires_grad_(False)
         try:
-            self.state, metrics = self.algo.iteration(self.state, batch, gens)
+            with span("update"):
+                self.state, metrics = self.algo.iteration(self.state, batch, gens)
         finally:
             for k in frozen:
                 self.leaves[k].requires_grad_(True)
@@ -281,6 +283,7 @@ class PPORun(Run):
             "steps_per_s": S * N * T / (t2 - t0),
             "collect_s": t1 - t0,
             "update_s": t2 - t1,
+            "env_wait_s": timing["env_wait_s"],
             "lr": linear_lr(config.lr, it, config.num_iterations, config.anneal_lr),  # the iteration's
             "episode_return": ep_return if S > 1 else ep_return[0],
             "episodes": ep_count if S > 1 else ep_count[0],
@@ -345,6 +348,7 @@ def train(
     total_steps: int | None = None,
     device: str | None = None,
     final_eval: bool = False,
+    profile: int = 0,
 ) -> RunResult:
     """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``): a
     :class:`PPORun` through :func:`rlfunc.run.train`.
@@ -367,6 +371,8 @@ def train(
             policy; ``config.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
             and the result's ``evaluation``, as ``rlfunc train ppo`` and ``rlfunc resume`` do;
             False: no evaluation (None).
+        profile: record this many iterations (after a warm-up) with the device's profiler into
+            RUN_DIR/profile (:mod:`rlfunc.run.profile`); 0: none.
 
     Returns:
         RunResult(state, run_dir, evaluation, interrupted): interrupted names the signal
@@ -380,7 +386,7 @@ def train(
     return run_train(functools.partial(PPORun, final_eval=final_eval), config_from_meta, config, run_dir,
                      config_type=PPOConfig, resume=resume, total_steps=total_steps, device=device,
                      unit="env steps per seed", max_iterations=max_iterations, progress=progress,
-                     tensorboard=tensorboard)
+                     tensorboard=tensorboard, profile=profile)
 
 
 def evaluate(

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from rlfunc.algos.diffusion_actor import EnvInfo, check_env, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
 from rlfunc.core import func
-from rlfunc.device import resolve_device
+from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
@@ -127,9 +127,11 @@ class EncoderRun(Run):
         config = self.config
         lr = linear_lr(config.lr, int(self.state["iteration"]), config.num_iterations, config.anneal_lr)  # the iteration's
         t0 = time.perf_counter()
-        batch, self.carry = self.algo.rollout(self.state, self.env, self.carry, self.generator)
+        with span("rollout"):
+            batch, self.carry = self.algo.rollout(self.state, self.env, self.carry, self.generator)
         t1 = time.perf_counter()
-        self.state, metrics = self.algo.iteration(self.state, batch, self.generator)
+        with span("update"):
+            self.state, metrics = self.algo.iteration(self.state, batch, self.generator)
         t2 = time.perf_counter()
         return {
             "iteration": i,

@@ -91,3 +91,18 @@ def test_autocast_dtype():
 def test_autocast_dtype_cuda(monkeypatch, bf16, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
     assert autocast_dtype(torch.device("cuda")) is expected
+
+
+def test_span_is_a_no_op_unless_a_profiler_records(tmp_path):
+    import contextlib
+
+    from rlfunc.device import profiler, span
+
+    assert isinstance(span("x"), contextlib.nullcontext)
+    with profiler(torch.device("cpu"), str(tmp_path), wait=0, warmup=0, active=1, worker="w") as prof:
+        assert isinstance(span("x"), torch.profiler.record_function)
+        with span("the_range"):
+            torch.ones(3).sum()
+        prof.step()
+    (trace,) = tmp_path.glob("w*.pt.trace.json")
+    assert '"the_range"' in trace.read_text()

@@ -1,0 +1,54 @@
+"""--profile N: a trace of N iterations after the warm-up, with the loop's and PPO's ranges; the
+metrics line's env_wait_s."""
+
+import json
+
+import pytest
+import torch
+
+from rlfunc.algos.ppo import preset
+from rlfunc.errors import ConfigError
+from rlfunc.run.ppo import train
+from rlfunc.run.profile import PROFILE_DIR, IterationProfiler
+
+TINY = dict(num_envs=2, num_steps=32, minibatch_size=64, num_epochs=1, device="cpu", version_every=0)
+
+
+def _trace_names(run_dir) -> set[str]:
+    traces = list((run_dir / PROFILE_DIR).glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1, traces
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    return {e.get("name") for e in events}
+
+
+def test_profile_writes_one_trace_with_the_ranges_of_the_recorded_iterations(tmp_path):
+    run = tmp_path / "run"
+    train(preset("Pendulum-v1", total_steps=5 * 64, **TINY), run, progress=False, tensorboard=False, profile=2)
+    names = _trace_names(run)
+    for name in ("iteration", "rollout", "update", "policy_forward", "env_step"):
+        assert name in names, name
+    # the final snapshot comes after iteration 5, outside the recorded iterations 3-4
+    assert "checkpoint" not in names
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        assert 0 < line["env_wait_s"] <= line["collect_s"]
+
+
+def test_a_run_shorter_than_the_warm_up_and_the_recording_still_writes_what_it_recorded(tmp_path):
+    run = tmp_path / "run"
+    train(preset("Pendulum-v1", total_steps=3 * 64, checkpoint_every=1, **TINY), run, progress=False,
+          tensorboard=False, profile=10)
+    names = _trace_names(run)  # iteration 3 and its snapshot were recorded when the run stopped
+    assert {"iteration", "checkpoint", "update"} <= names
+
+
+def test_no_profile_writes_no_trace(tmp_path):
+    run = tmp_path / "run"
+    train(preset("Pendulum-v1", total_steps=64, **TINY), run, progress=False, tensorboard=False)
+    assert not (run / PROFILE_DIR).exists()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_a_bad_profile_count_is_refused_in_one_line(tmp_path, bad):
+    with pytest.raises(ConfigError, match="profile="):
+        IterationProfiler(tmp_path, bad, torch.device("cpu"))
