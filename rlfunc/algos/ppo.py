@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.algos import ppo_parallel as parallel
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.core import func
@@ -31,10 +32,10 @@ from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_es
 from rlfunc.core.sde import EPSILON as SDE_EPSILON
 from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.ppo import ppo_loss
+from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
+from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
 from rlfunc.optim.shaping import importance_weights, priorities, sample_prioritized
 
 
@@ -227,8 +228,15 @@ class PPO(NamedTuple):
     net: GaussianActorCritic
 
 
-def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
+def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) -> PPO:
     """Build PPO's pure pieces for ``config`` on envs described by ``spec``.
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks. Rank r then collects envs r*N/W .. (r+1)*N/W - 1 of the ``config.num_envs`` = N (its
+    batch is [S, N/W, T]) and ``iteration`` equals the single-process one on all N envs, to float
+    rounding (rlfunc.algos.ppo_parallel: the noise rows, the merged statistics, the gathered batch,
+    each rank's share of every minibatch, one all_reduce_mean of the gradients before the norms and
+    the chain). The learner state is the same on every rank and has the single process's layout.
 
     The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
     "params" (actor, critic, log_std: [S, act_dim], or [S, L, act_dim or 1] with gSDE), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
@@ -238,6 +246,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     per-leaf step counts (0-dim float32) and moments (like "params"); "shaping" when a step transform is on.
     """
     S, N = config.num_seeds, config.num_envs
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    parallel.check_config(config, W)
+    own = parallel.own_rows(rank, W)  # the noise rows of this rank's envs
     make_net = lambda: GaussianActorCritic(  # noqa: E731
         spec.obs_dim, spec.act_dim, config.hidden, config.activation, config.init_log_std,
         config.exploration, config.full_std,
@@ -251,6 +262,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
     transform = shaped.make_transform(config)  # None unless a step transform is on
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
     optimizer = chain(clip, adam(config.lr, eps=config.adam_eps))
+    # data parallel: the chain is all_reduce_mean -> clip -> adam; its first link runs ahead of the norms and the
+    # finiteness mask (which must see the averaged gradients) and is stateless, so the state keeps its layout
+    reduce = all_reduce_mean(None if dist is None else dist.group)
+    update_stats = vmap(update_running_stats) if W == 1 else parallel.update_stats_across_ranks(vmap, dist.group)
 
     def init() -> TensorDict:
         params = func.stack_params(
@@ -337,7 +352,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                 if resample_due(rollout["step"], config.sde_sample_freq):
                     with torch.inference_mode(False):  # held across calls: never an inference tensor (collect.rollout's mode)
                         rollout["theta"] = torch.stack(
-                            [draw_exploration_matrix(sde_log_std[s], spec.act_dim, g, (loc.shape[1],)) for s, g in enumerate(generators)]
+                            [own(lambda n, s=s, g=g: draw_exploration_matrix(sde_log_std[s], spec.act_dim, g, (n,)), loc.shape[1], 0)
+                             for s, g in enumerate(generators)]
                         ).flatten(0, 1)  # [S * N', L, A]
                 rollout["step"] += 1
                 noise = torch.bmm(latent.reshape(-1, 1, latent.shape[-1]), rollout["theta"]).view_as(loc)  # z @ theta, [S, N', A]
@@ -349,10 +365,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                 logp = noise.square().div_(variance).add_(variance.log()).sum(-1, keepdim=True)
                 logp = torch.add(sde_log_norm, logp, alpha=-0.5)
                 return loc.add_(noise).reshape(-1, spec.act_dim), logp.reshape(-1, 1)
+            A = loc.shape[2]
             if S == 1:
-                noise = torch.randn(loc.shape, generator=generators[0], device=loc.device)
+                noise = own(lambda n: torch.randn((1, n, A), generator=generators[0], device=loc.device), loc.shape[1], 1)
             else:
-                noise = torch.stack([torch.randn(loc.shape[1:], generator=g, device=loc.device) for g in generators])
+                noise = torch.stack([own(lambda n, g=g: torch.randn((n, A), generator=g, device=loc.device), loc.shape[1], 0)
+                                     for g in generators])
             action = torch.addcmul(loc, std, noise)
             if not log_prob:
                 return action.reshape(-1, spec.act_dim), None
@@ -399,7 +417,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             entropy=entropy, old_state_value=mb["state_value"],
             clip_epsilon=clip_epsilon, value_clip_epsilon=config.value_clip_epsilon,
             entropy_coef=config.entropy_coef, value_coef=config.value_coef,
-            normalize_advantages=config.normalize_advantages, sample_weight=mb.get("sample_weight", None),
+            normalize_advantages=config.normalize_advantages and W == 1,  # data parallel: normalised over the global minibatch
+            sample_weight=mb.get("sample_weight", None),
         )
 
     def member_log_prob_and_value(params: TensorDict, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
@@ -433,8 +452,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
             discount = torch.full_like(reward, config.gamma)
             discount[:, :, 1:] *= (~done[:, :, :-1]).float()
             safe_reward = torch.where(reward.isfinite(), reward, torch.zeros_like(reward))
-            z = forward_discounted_sum(safe_reward, discount, initial=state["discounted_return"].unsqueeze(-2))
-            new["return_stats"] = vmap(update_running_stats)(state["return_stats"], z.flatten(1, -1))
+            initial = state["discounted_return"].narrow(1, rank * batch.batch_size[1], batch.batch_size[1])  # this rank's envs
+            z = forward_discounted_sum(safe_reward, discount, initial=initial.unsqueeze(-2))
+            new["return_stats"] = update_stats(state["return_stats"], z.flatten(1, -1))
             new["discounted_return"] = z[:, :, -1] * (~done[:, :, -1]).float()
             reward = vmap(scale_reward)(reward, new["return_stats"]).clamp(-config.reward_clip, config.reward_clip)
         with torch.no_grad():
@@ -456,7 +476,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         ).flatten(1, 2)
         if config.normalize_observations:
             raw = batch["observation"].flatten(1, 2)
-            new["obs_stats"] = vmap(update_running_stats)(obs_stats, raw)
+            new["obs_stats"] = update_stats(obs_stats, raw)
         return flat, TensorDict(new, batch_size=[]), finite
 
     def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator]) -> tuple[TensorDict, TensorDict]:
@@ -470,6 +490,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
         adam's ``mask``: its parameters and moments stay bit for bit."""
         flat, new_stats, finite = prepare(state, batch)
+        if W > 1:  # the global batch, rank order = the single process's env order
+            flat = dist.all_gather_batch(flat, dim=1)
+            finite, new_return = parallel.gather_env_rows(dist, finite, new_stats.get("discounted_return", None))
+            if new_return is not None:
+                new_stats["discounted_return"] = new_return
         data_ok = finite.all(0)  # [S]
         params = state["params"]
         keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
@@ -482,6 +507,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         optim_state = state["optim"]
         B = flat.batch_size[1]
         num_mb = B // config.minibatch_size
+        share = config.minibatch_size // W  # this rank's samples of each minibatch
         rows = torch.arange(S, device=device).unsqueeze(1)
         metric_sum, updates = None, 0
         skipped = torch.zeros(S, 3, dtype=torch.int64, device=device)  # data, loss, gradient
@@ -503,11 +529,16 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                 perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
             else:  # B draws with replacement by priority
                 perm = sample_prioritized(probs, B, generators)
-            shuffled = flat[rows, perm]  # one gather per epoch; minibatches are then slices
+            # one gather per epoch; minibatches are then slices (data parallel: of this rank's share)
+            shuffled = flat[rows, perm if W == 1 else parallel.local_share(perm, config.minibatch_size, rank, W)]
             if probs is not None:
                 shuffled["sample_weight"] = weights.gather(1, perm).unsqueeze(-1)
             for k in range(num_mb):
-                mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
+                mb = shuffled[:, k * share : (k + 1) * share]
+                if W > 1 and config.normalize_advantages:
+                    mb["advantage"] = parallel.normalized_share(
+                        vmap(normalize_advantage), flat["advantage"], rows,
+                        perm[:, k * config.minibatch_size : (k + 1) * config.minibatch_size], rank, W)
                 loss, metrics = loss_fn(params, mb, *loss_args)
                 for p in leaves:
                     p.grad = None
@@ -516,6 +547,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
                 curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
                 del graph_grads
                 grads = [p.grad for p in leaves]
+                if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
+                    grads, loss, metrics = parallel.average(reduce, grads, treedef, loss, metrics)
                 norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
                 ok = data_ok & loss.isfinite() & norms.isfinite()
                 if not bool(ok.all()):
@@ -558,7 +591,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device) -> PPO:
         if transform is not None:
             out["shaping"] = shaping_state
         out["iteration"] = state["iteration"] + 1
-        out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2]
+        out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2] * W
         out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)
         metrics = metric_sum / updates
         metrics["skipped_data"] = skipped[:, 0]

@@ -20,12 +20,14 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as tdist
 from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
 
 __all__ = [
+    "all_reduce_running_stats",
     "denormalize",
     "init_running_stats",
     "merge_running_stats",
@@ -271,3 +273,68 @@ def scale_reward(reward: Tensor, return_stats: TensorDict, eps: float = 1e-8) ->
     _check_sample(reward, shape, "reward")
     _check_eps(eps)
     return reward * torch.rsqrt(return_stats["var"] + eps)
+
+
+def all_reduce_running_stats(stats: TensorDict, group=None) -> TensorDict:
+    """The statistics of every rank's samples together, on every rank (a data-parallel merge).
+
+    With n_r, mean_r, M2_r = n_r var_r the statistics of rank r (Chan et al.'s merge of W sets):
+
+        n = sum_r n_r,  mean = sum_r n_r mean_r / n,
+        var = sum_r (M2_r + n_r (mean_r - mean)^2) / n,
+
+    two ``all_reduce(SUM)`` (n and n mean in one buffer, then the M2 terms). Ranks with count 0
+    contribute nothing; if every count is 0 the statistics come back unchanged. Works on stacked
+    statistics too (batch_size [S], "count" [S]: one per seed), elementwise over the stack. The
+    identity (a copy) when torch.distributed is not initialised or the group has one rank.
+
+    Merge the *increments*: pass the statistics of each rank's new batch alone, then fold the result
+    into the shared running statistics, which are the same on every rank::
+
+        batch = update_running_stats(init_running_stats(shape), x)     # this rank's new samples
+        shared = merge_running_stats(shared, all_reduce_running_stats(batch))
+
+    Reducing the running statistics themselves would count the shared history W times.
+
+    Args:
+        stats: running statistics, unstacked (batch_size [], count []) or stacked ([*S], count [*S]).
+        group: the process group (None: the default one).
+
+    Returns:
+        New statistics with ``stats``' layout, the same on every rank (to float rounding, the
+        statistics of the union of the ranks' samples).
+
+    Raises:
+        ShapeError: ``stats`` is not running statistics.
+
+    Reference: Chan, Golub & LeVeque (1979), eq. 2.1, for W sets at once.
+    """
+    if not isinstance(stats, TensorDict) or any(k not in stats.keys() for k in _KEYS):
+        raise ShapeError(f"stats: expected running statistics with keys {list(_KEYS)}")
+    mean, var, count = stats["mean"], stats["var"], stats["count"]
+    if mean.shape != var.shape or tuple(mean.shape[: count.ndim]) != tuple(count.shape):
+        raise ShapeError(f"stats: 'count' {tuple(count.shape)} is not the leading shape of 'mean' {tuple(mean.shape)}")
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size(group) == 1:
+        return stats.clone()
+    expand = (*count.shape, *([1] * (mean.ndim - count.ndim)))
+    n_r = count.to(torch.float32)
+    w = n_r.reshape(expand).to(torch.float32)
+    m32 = mean.to(torch.float32)
+    first = torch.cat([n_r.reshape(-1), (w * m32).reshape(-1)])
+    tdist.all_reduce(first, group=group)
+    n = first[: n_r.numel()].view(count.shape)
+    safe = torch.where(n > 0, n, torch.ones_like(n)).reshape(expand)
+    total_mean = first[n_r.numel() :].view(mean.shape) / safe
+    m2 = w * var.to(torch.float32) + w * (m32 - total_mean).square()  # 0 where n_r == 0
+    tdist.all_reduce(m2, group=group)
+    total_var = m2 / safe
+    empty = (n == 0).reshape(expand)
+    return TensorDict(
+        {
+            "mean": torch.where(empty, mean, total_mean.to(mean.dtype)),
+            "var": torch.where(empty, var, total_var.to(var.dtype)),
+            "count": n.to(count.dtype),
+        },
+        batch_size=stats.batch_size,
+        device=stats.device,
+    )

@@ -7,6 +7,8 @@ Transforms (the learner state owns the optimizer's state):
   :func:`unflatten` (the leaf lists ``update_leaves`` works on), :func:`from_leaves`, :func:`partition` (a
   transform per top-level group of the params: torch.optim's parameter groups) (rlfunc/optim/base.py);
 - :func:`clip_by_global_norm`, :func:`global_norm`: per seed member (rlfunc/optim/clipping.py);
+- :func:`all_reduce_mean`: the mean of every rank's gradients, one flat all_reduce per bucket, the
+  first link of a data-parallel chain (rlfunc/optim/distributed.py);
 - :func:`adam`: torch.optim's foreach Adam over the leaves, with a per-step ``lr``, a per-member
   skip ``mask`` and optionally AdamW's decoupled ``weight_decay`` (rlfunc/optim/functional_adam.py).
 
@@ -25,6 +27,7 @@ Example::
 
 from rlfunc.optim.base import (GradientTransform, apply_updates, chain, flatten, from_leaves, partition, tree_leaves, tree_like,
                                unflatten)
+from rlfunc.optim.distributed import all_reduce_mean
 from rlfunc.optim.clipping import clip_by_global_norm, global_norm
 from rlfunc.optim.functional_adam import adam, adam_state_from_torch
 from rlfunc.optim.torch_optim import (
@@ -40,7 +43,7 @@ from rlfunc.optim.torch_optim import (
 )
 
 __all__ = [
-    "GradientTransform", "adam", "adam_state_from_torch", "apply_updates", "chain", "clip_by_global_norm", "clip_grads_", "global_norm",
+    "GradientTransform", "adam", "all_reduce_mean", "adam_state_from_torch", "apply_updates", "chain", "clip_by_global_norm", "clip_grads_", "global_norm",
     "linear_lr", "load_optimizer_state", "make_adam", "masked_step", "member_grad_norms", "minibatch_epochs",
     "optimizer_state", "partition", "set_lr", "tree_leaves", "tree_like", "flatten", "unflatten", "from_leaves",
 ]

@@ -1,0 +1,125 @@
+"""PPO data-parallel (issue 16): 2 ranks with 2 envs each equal one process with the 4 envs.
+
+"For ppo, one update with 2 ranks each holding half of every minibatch equals the single-process
+update on the whole minibatch: every parameter within 1e-6 (float32)." Here two whole iterations
+(rollout on Pendulum-v1 + update), so the second also checks the merged normaliser statistics and
+the noise rows the ranks draw."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlfunc.algos.ppo import make_ppo, preset
+from rlfunc.envs import collect
+from rlfunc.errors import ConfigError
+from rlfunc.run.ppo import _generators, env_spec
+
+CPU = torch.device("cpu")
+CASES = {
+    "gaussian-2-seeds": dict(exploration="gaussian", num_seeds=2),
+    "gsde-1-seed": dict(exploration="gsde", sde_sample_freq=4, num_seeds=1),
+}
+
+
+def _config(**kw):
+    base = dict(num_envs=4, num_steps=16, minibatch_size=16, num_epochs=2, total_steps=64 * 4, device="cpu",
+                normalize_observations=True, normalize_rewards=True, anneal_lr=True, lr=1e-3)
+    return preset("Pendulum-v1", **{**base, **kw})
+
+
+def _run(config, dist=None, iterations=2):
+    """(final learner state, [actions of each rollout]) of ``iterations`` rollouts + updates; with
+    ``dist`` this rank's envs of every seed (envs rank*N/W ... of the single process's)."""
+    W, r = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    S, N, T = config.num_seeds, config.num_envs // W, config.num_steps
+    seeds = [collect.env_seeds(seed, config.num_envs)[r * N:(r + 1) * N] for seed in config.seeds]
+    venv = collect.make_vec_env(config.env, S * N)
+    try:
+        algo = make_ppo(config, env_spec(venv), CPU, dist)
+        state = algo.init()
+        carry = collect.reset(venv, [s for member in seeds for s in member])
+        actions = []
+        for _ in range(iterations):
+            gens = _generators(state, CPU)
+            batch, carry = collect.rollout(venv, algo.policy(state, gens, log_prob=False), carry, T, device=CPU)
+            batch = batch.reshape(S, N, T)
+            actions.append(batch["action"])
+            state, metrics = algo.iteration(state, batch, gens)
+        return state, actions, metrics
+    finally:
+        venv.close()
+
+
+def _leaves(state):
+    return {k: v.detach().clone() for k, v in state.items(include_nested=True, leaves_only=True)}
+
+
+def _rank(dist, case, out_dir):
+    torch.use_deterministic_algorithms(True)
+    state, actions, metrics = _run(_config(**CASES[case]), dist)
+    dist.check_in_sync(state, "after two iterations")  # the same learner state on both ranks
+    torch.save({"state": _leaves(state), "actions": actions, "metrics": metrics.to_dict()}, f"{out_dir}/rank{dist.rank}.pt")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_with_two_envs_each_equal_one_process_with_four(case, gloo, tmp_path):
+    gloo(_rank, case, str(tmp_path))
+    torch.use_deterministic_algorithms(True)
+    config = _config(**CASES[case])
+    state, actions, metrics = _run(config)
+    want = _leaves(state)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert set(ranks[0]["state"]) == set(want)  # the single process's layout
+    worst = {}
+    for key, value in want.items():
+        for got in ranks:
+            other = got["state"][key]
+            if not value.is_floating_point():
+                assert torch.equal(other, value), key  # rng states, iteration, env_steps: exact
+                continue
+            torch.testing.assert_close(other, value, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+            worst[key] = max(worst.get(key, 0.0), float((other - value).abs().max()))
+    print(case, "max |difference| per leaf:", {"/".join(k) if isinstance(k, tuple) else k: f"{v:.1e}" for k, v in worst.items()})
+    # the rollouts: the same actions (the noise rows: test_each_rank_draws_the_noise_of_its_envs), to the
+    # rounding of the actor's matmul over 2 rows against 4 (3e-8), grown along the pendulum's trajectory
+    for it, a in enumerate(actions):
+        joined = torch.cat([ranks[0]["actions"][it], ranks[1]["actions"][it]], 1)
+        torch.testing.assert_close(joined, a, rtol=1e-4, atol=1e-4)
+    for name in ("loss_objective", "loss_critic", "approx_kl", "clip_fraction", "grad_norm"):
+        torch.testing.assert_close(ranks[0]["metrics"][name], metrics[name], rtol=1e-5, atol=1e-6)
+    assert int(state["env_steps"]) == 2 * 4 * 16
+
+
+def test_a_split_that_does_not_divide_is_a_config_error():
+    spec = SimpleNamespace(obs_dim=3, act_dim=1, action_low=[-2.0], action_high=[2.0])
+    three = SimpleNamespace(world_size=3, rank=0, group=None)
+    with pytest.raises(ConfigError, match="num_envs=4 does not divide by the 3 ranks"):
+        make_ppo(_config(), spec, CPU, three)
+    with pytest.raises(ConfigError, match="minibatch_size=18 does not divide by the 4 ranks"):
+        make_ppo(_config(minibatch_size=18, num_steps=18), spec, CPU, SimpleNamespace(world_size=4, rank=0, group=None))
+    with pytest.raises(ConfigError, match="gradient shaping is not data-parallel"):
+        make_ppo(_config(prioritized_minibatches=True), spec, CPU, SimpleNamespace(world_size=2, rank=0, group=None))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_rank_draws_the_noise_of_its_envs(case):
+    # rank r's policy on its envs' observations acts as the single process's on envs 2r, 2r+1: it draws
+    # for all 4 envs and keeps its rows; the generators advance alike (every rank draws the same numbers)
+    config = _config(**CASES[case])
+    spec = SimpleNamespace(obs_dim=3, act_dim=1, action_low=[-2.0], action_high=[2.0])
+    S = config.num_seeds
+    obs = torch.randn(S, 4, 3, generator=torch.Generator().manual_seed(1))
+    single = make_ppo(config, spec, CPU)
+    state = single.init()
+    gens = _generators(state, CPU)
+    act = single.policy(state, gens)
+    want = [act(obs.reshape(-1, 3))[0].reshape(S, 4, 1) for _ in range(6)]  # past a gSDE resample (every 4)
+    for r in range(2):
+        algo = make_ppo(config, spec, CPU, SimpleNamespace(world_size=2, rank=r, group=None))
+        rank_gens = _generators(state, CPU)
+        act = algo.policy(state, rank_gens)
+        for w in want:
+            got = act(obs[:, 2 * r:2 * r + 2].reshape(-1, 3))[0].reshape(S, 2, 1)
+            torch.testing.assert_close(got, w[:, 2 * r:2 * r + 2], rtol=1e-5, atol=1e-6)  # rows of 2 against 4: rounding
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(rank_gens, gens))

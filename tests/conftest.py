@@ -1,0 +1,55 @@
+"""Shared test helpers: ``spawn_gloo`` runs a function on 2 (or W) local gloo processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import multiprocessing
+
+import torch.multiprocessing as mp
+
+# The children fork from one server process that imported these once (a spawned child would pay
+# the ~5-10 s of importing torch and tensordict per test on a loaded machine).
+_PRELOAD = ["torch", "tensordict", "rlfunc.run.distributed", "rlfunc.algos.ppo", "rlfunc.envs.collect"]
+
+
+def free_port() -> int:
+    """A TCP port no one listens on now (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    import torch
+
+    from rlfunc.run.distributed import Distributed
+
+    torch.set_num_threads(1)
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(env)
+    dist = Distributed.from_env("cpu")
+    try:
+        fn(dist, *args)
+    finally:
+        dist.close()
+
+
+def spawn_gloo(fn, *args, world_size: int = 2) -> None:
+    """``fn(dist, *args)`` on ``world_size`` fresh processes joined in a gloo group on this host
+    (``dist``: their :class:`rlfunc.run.distributed.Distributed`); an exception on a rank fails the
+    caller with that rank's traceback. ``fn`` must be a module-level function (it is pickled)."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
+    mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True,
+                       start_method="forkserver")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def gloo():
+    """:func:`spawn_gloo`, for tests: ``gloo(fn, *args, world_size=2)``."""
+    return spawn_gloo
