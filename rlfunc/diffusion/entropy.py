@@ -54,9 +54,12 @@ def _check_samples(samples: Tensor, num_components: int) -> None:
 
 def _component_log_pdf(x: Tensor, means: Tensor, scale_tril: Tensor) -> Tensor:
     """log N(x_m; mu_k, L_k L_k^T) for x [N, M, A], means [N, K, A], scale_tril [N, K, A, A] -> [N, K, M]."""
-    diff = (x.unsqueeze(1) - means.unsqueeze(2)).transpose(-1, -2)  # [N, K, A, M]
-    z = torch.linalg.solve_triangular(scale_tril, diff, upper=False)
-    maha = z.square().sum(-2)
+    diff = x.unsqueeze(1) - means.unsqueeze(2)  # [N, K, M, A]
+    # z = L^-1 (x - mu) through the small A x A inverse: a batched solve against the [A, M] right-hand
+    # side was ~170x slower on CPU (torch 2.13, 256 x 3 systems of 6 x 200)
+    eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(scale_tril)
+    inv_tril = torch.linalg.solve_triangular(scale_tril, eye, upper=False)
+    maha = (diff @ inv_tril.transpose(-1, -2)).square().sum(-1)
     log_det = 2.0 * scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # [N, K]
     return -0.5 * (x.shape[-1] * _LOG_2PI + log_det.unsqueeze(-1) + maha)
 
@@ -71,7 +74,7 @@ def _m_step(x: Tensor, resp: Tensor, reg_covar: float) -> GaussianMixture:
     nk = resp.sum(1) + 10 * torch.finfo(x.dtype).eps  # [N, K]; an empty component keeps finite numbers
     means = torch.einsum("nmk,nma->nka", resp, x) / nk.unsqueeze(-1)
     diff = x.unsqueeze(1) - means.unsqueeze(2)  # [N, K, M, A]
-    cov = torch.einsum("nkm,nkma,nkmb->nkab", resp.transpose(1, 2), diff, diff) / nk[..., None, None]
+    cov = (diff * resp.transpose(1, 2).unsqueeze(-1)).transpose(-1, -2) @ diff / nk[..., None, None]
     cov = 0.5 * (cov + cov.transpose(-1, -2))
     eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
     scale_tril = torch.linalg.cholesky(cov + reg_covar * eye)
@@ -91,7 +94,7 @@ def _kmeans_pp_labels(x: Tensor, k: int, generator: torch.Generator | None) -> T
         centres.append(x[rows, pick])
         d2 = torch.minimum(d2, (x - centres[-1].unsqueeze(1)).square().sum(-1))
     c = torch.stack(centres, 1)  # [N, K, A]
-    return torch.cdist(x, c).argmin(-1)
+    return (x.unsqueeze(2) - c.unsqueeze(1)).square().sum(-1).argmin(-1)
 
 
 @torch.no_grad()
