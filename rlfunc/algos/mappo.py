@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.core import func
+from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.grpo import grpo_loss
@@ -185,49 +186,6 @@ def make_nets(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int) 
     cin = critic_in_features(obs_dim, n_agents, config.critic)
     critic = seeded_init(lambda: MLP(cin, 1, config.hidden, config.activation, out_gain=1.0), config.seed + 1)
     return Nets(actor, critic)
-
-
-def masked_logits(logits: Tensor, action_mask: Tensor | None) -> Tensor:
-    """Logits with invalid actions set to the dtype's lowest finite value (probability 0, no NaN).
-
-    Args:
-        logits: [*B, K] float.
-        action_mask: [*B, K] bool, True where the action is allowed, or None (nothing masked). A row
-            without any allowed action is left unmasked (the env then treats any move as blocked).
-
-    Raises:
-        ShapeError: the mask's shape differs from the logits'.
-    """
-    if action_mask is None:
-        return logits
-    if action_mask.shape != logits.shape:
-        raise ShapeError(f"action_mask has shape {tuple(action_mask.shape)}, expected {tuple(logits.shape)} like the logits")
-    mask = action_mask | ~action_mask.any(-1, keepdim=True)
-    return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-
-
-def categorical_log_prob(logits: Tensor, action: Tensor) -> Tensor:
-    """log pi(a) of a categorical over (masked) ``logits`` [*B, K] for int ``action`` [*B] -> [*B, 1]."""
-    return torch.log_softmax(logits, -1).gather(-1, action.unsqueeze(-1))
-
-
-def categorical_entropy(logits: Tensor) -> Tensor:
-    """H = -sum_k p_k log p_k over (masked) ``logits`` [*B, K] -> [*B, 1]; masked actions add exactly 0."""
-    logp = torch.log_softmax(logits, -1)
-    p = logp.exp()
-    return -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1, keepdim=True)
-
-
-def categorical_sample(logits: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Sample [*B] int64 from (masked) ``logits`` [*B, K] by the Gumbel-max trick with ``generator``'s uniforms.
-
-    A masked action (logit at the dtype's lowest value) is never drawn: its perturbed logit stays
-    below any allowed one's, since the Gumbel noise is bounded (uniforms in [tiny, 1 - eps]).
-    """
-    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
-    tiny = torch.finfo(logits.dtype).tiny
-    gumbel = -torch.log(-torch.log(u.clamp(tiny, 1.0 - torch.finfo(logits.dtype).eps)))
-    return (logits + gumbel).argmax(-1)
 
 
 def policy_logits(nets: Nets, params: TensorDict, observation: Tensor, action_mask: Tensor | None) -> Tensor:

@@ -27,7 +27,7 @@ from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
-from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, td3_target
+from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, smoothed_target_action, td3_target
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm
 from rlfunc.optim.amp import Precision, backward, transform_step
@@ -185,10 +185,10 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         params, target = state["params"], state["target"]
         with torch.no_grad():
             a_next = deterministic_chunk(target["actor"], state, mb["next_cond"], generator)
-            smooth = (config.policy_noise * torch.randn(a_next.shape, generator=generator, device=device)).clamp(
-                -config.noise_clip, config.noise_clip
-            )
-            a_next = (a_next + smooth).clamp(-1.0, 1.0).flatten(1)
+            eps = torch.randn(a_next.shape, generator=generator, device=device)
+            a_next = smoothed_target_action(
+                a_next, eps, policy_noise=config.policy_noise, noise_clip=config.noise_clip
+            ).flatten(1)
             y = td3_target(q_all(target["critic"], mb["next_cond"], a_next), mb["reward"], mb["terminated"], config.gamma)
         with prec.autocast():
             q = q_all(params["critic"], mb["cond"], mb["action"])

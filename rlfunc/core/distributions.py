@@ -1,4 +1,4 @@
-"""Diagonal Gaussian and tanh-squashed Gaussian policies as pure functions over tensors.
+"""Diagonal Gaussian, tanh-squashed Gaussian and (masked, multi-head) categorical policies as pure functions.
 
 A policy head outputs ``loc`` and ``log_std`` of shape [*B, D]; these functions turn them into
 samples, log-likelihoods and entropies without building ``torch.distributions`` objects, so they run
@@ -8,6 +8,11 @@ drawn inside: a sample is ``loc + exp(log_std) * noise`` with the standard-norma
 
 Every log-likelihood and entropy is summed over the last (action) dimension and returned as
 [*B, 1], the shape TorchRL uses for ``"sample_log_prob"``-like per-step scalars.
+
+Categorical policies take ``logits`` [*B, K]. A Discrete action is int64 [*B] (TorchRL's Categorical
+spec); a MultiDiscrete action with ``nvec = (n_1, ..., n_H)`` is int64 [*B, H], its logits are the H
+heads concatenated (K = sum n_h), and the heads are independent, so log-probabilities and entropies
+are sums over heads. An action mask is bool [*B, K], True where allowed (TorchRL's ``"action_mask"``).
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ from torch import Tensor
 from rlfunc.errors import ConfigError, ShapeError
 
 __all__ = [
+    "categorical_entropy",
+    "categorical_log_prob",
+    "categorical_mode",
+    "categorical_sample",
     "gaussian_entropy",
     "gaussian_log_prob",
     "gaussian_sample",
+    "masked_logits",
     "standard_normal",
     "tanh_gaussian_log_prob",
     "tanh_gaussian_sample",
@@ -278,3 +288,163 @@ def tanh_gaussian_log_prob(
     if box is not None:
         log_jacobian = log_jacobian + torch.log(box[1])
     return gaussian_log_prob(u, loc, log_std) - log_jacobian.sum(-1, keepdim=True)
+
+
+def _check_logits(logits: Tensor, action_mask: Tensor | None, nvec: Sequence[int] | None) -> tuple[int, ...]:
+    """The head sizes of ``logits`` [*B, K] (one head of K without ``nvec``); ShapeError/ConfigError naming the argument."""
+    if not isinstance(logits, Tensor) or logits.ndim == 0 or not logits.is_floating_point():
+        raise ShapeError(f"logits: expected a float tensor [*B, K], got {getattr(logits, 'shape', type(logits).__name__)} "
+                         f"{getattr(logits, 'dtype', '')}")
+    if action_mask is not None and (not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool
+                                    or action_mask.shape != logits.shape):
+        raise ShapeError(f"action_mask: expected a bool tensor of the logits' shape {tuple(logits.shape)}, got "
+                         f"{getattr(action_mask, 'shape', type(action_mask).__name__)} {getattr(action_mask, 'dtype', '')}")
+    k = logits.shape[-1]
+    if nvec is None:
+        return (k,)
+    heads = tuple(int(n) for n in nvec)
+    if not heads or any(n < 1 for n in heads):
+        raise ConfigError(f"nvec={tuple(nvec)!r}: expected one or more head sizes >= 1")
+    if sum(heads) != k:
+        raise ShapeError(f"nvec={heads}: the head sizes sum to {sum(heads)}, but logits' last dim is {k}")
+    return heads
+
+
+def _heads(logits: Tensor, action_mask: Tensor | None, heads: tuple[int, ...]) -> list[Tensor]:
+    """Masked logits of each head (a list of [*B, n_h])."""
+    masks = [None] * len(heads) if action_mask is None else action_mask.split(heads, -1)
+    return [masked_logits(x, m) for x, m in zip(logits.split(heads, -1), masks)]
+
+
+def masked_logits(logits: Tensor, action_mask: Tensor | None) -> Tensor:
+    """Logits with invalid actions set to the dtype's lowest finite value (probability 0, no NaN).
+
+    Args:
+        logits: [*B, K] float, one categorical head.
+        action_mask: [*B, K] bool, True where the action is allowed, or None (nothing masked). A row
+            without any allowed action is left unmasked (the env then treats any move as blocked).
+
+    Returns:
+        [*B, K], ``logits``' dtype; ``logits`` itself when ``action_mask`` is None.
+
+    Raises:
+        ShapeError: the mask's shape differs from the logits'.
+    """
+    if action_mask is None:
+        return logits
+    if action_mask.shape != logits.shape:
+        raise ShapeError(f"action_mask has shape {tuple(action_mask.shape)}, expected {tuple(logits.shape)} like the logits")
+    mask = action_mask | ~action_mask.any(-1, keepdim=True)
+    return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+
+
+def categorical_log_prob(
+    logits: Tensor, action: Tensor, *, action_mask: Tensor | None = None, nvec: Sequence[int] | None = None
+) -> Tensor:
+    """log pi(a) = sum_h [l_{h, a_h} - logsumexp_k l_{h, k}] over the (masked) heads' logits.
+
+    Args:
+        logits: [*B, K] float, unnormalised log-probabilities (K = sum(nvec) with ``nvec``).
+        action: int64 [*B] (Discrete), or [*B, H] with ``nvec`` of length H (MultiDiscrete).
+        action_mask: optional [*B, K] bool, True where allowed (per head, see ``masked_logits``). A
+            masked action's log-probability is about the dtype's lowest value (finite, not -inf).
+        nvec: optional head sizes (n_1, ..., n_H) of a MultiDiscrete action space.
+
+    Returns:
+        [*B, 1] float, ``logits``' dtype.
+
+    Raises:
+        ShapeError: ``logits`` / ``action`` / ``action_mask`` / ``nvec`` disagree in shape or dtype.
+        ConfigError: a head size < 1.
+    """
+    heads = _check_logits(logits, action_mask, nvec)
+    want = logits.shape[:-1] if nvec is None else (*logits.shape[:-1], len(heads))
+    if not isinstance(action, Tensor) or action.dtype not in (torch.int64, torch.int32) or action.shape != want:
+        raise ShapeError(f"action: expected an int64 tensor of shape {tuple(want)}, got "
+                         f"{getattr(action, 'shape', type(action).__name__)} {getattr(action, 'dtype', '')}")
+    actions = action.unsqueeze(-1) if nvec is None else action.split(1, -1)
+    if nvec is None:
+        actions = (actions,)
+    return sum(
+        torch.log_softmax(x, -1).gather(-1, a.long()) for x, a in zip(_heads(logits, action_mask, heads), actions)
+    )
+
+
+def categorical_entropy(logits: Tensor, *, action_mask: Tensor | None = None, nvec: Sequence[int] | None = None) -> Tensor:
+    """H = -sum_h sum_k p_{h,k} log p_{h,k} over the (masked) heads; masked actions add exactly 0.
+
+    Args:
+        logits: [*B, K] float (K = sum(nvec) with ``nvec``).
+        action_mask: optional [*B, K] bool, True where allowed.
+        nvec: optional MultiDiscrete head sizes.
+
+    Returns:
+        [*B, 1] float, ``logits``' dtype.
+
+    Raises:
+        ShapeError / ConfigError: as ``categorical_log_prob``.
+    """
+    heads = _check_logits(logits, action_mask, nvec)
+    total = 0
+    for x in _heads(logits, action_mask, heads):
+        logp = torch.log_softmax(x, -1)
+        p = logp.exp()
+        total = total - (torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1, keepdim=True)
+    return total
+
+
+def categorical_sample(
+    logits: Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    noise: Tensor | None = None,
+    action_mask: Tensor | None = None,
+    nvec: Sequence[int] | None = None,
+) -> Tensor:
+    """a_h = argmax_k (l_{h,k} + g_{h,k}), g = -log(-log u), u ~ U(0, 1): the Gumbel-max trick, per head.
+
+    A masked action (logit at the dtype's lowest value) is never drawn: its perturbed logit stays
+    below any allowed one's, since the Gumbel noise is bounded (uniforms clamped to [tiny, 1 - eps]).
+
+    Args:
+        logits: [*B, K] float (K = sum(nvec) with ``nvec``).
+        generator: the random stream of the uniforms u (a ``torch.Generator`` on ``logits``' device);
+            None uses the device's default generator. Ignored when ``noise`` is given.
+        noise: optional [*B, K] float uniforms u in [0, 1] (then nothing is drawn here).
+        action_mask: optional [*B, K] bool, True where allowed.
+        nvec: optional MultiDiscrete head sizes.
+
+    Returns:
+        int64 [*B] (Discrete) or [*B, H] (MultiDiscrete), without gradient.
+
+    Raises:
+        ShapeError: ``noise`` is not shaped like ``logits``; otherwise as ``categorical_log_prob``.
+    """
+    heads = _check_logits(logits, action_mask, nvec)
+    if noise is None:
+        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+    elif not isinstance(noise, Tensor) or noise.shape != logits.shape or not noise.is_floating_point():
+        raise ShapeError(f"noise: expected float uniforms of the logits' shape {tuple(logits.shape)}, got "
+                         f"{getattr(noise, 'shape', type(noise).__name__)}")
+    else:
+        u = noise.to(logits.dtype)
+    tiny = torch.finfo(logits.dtype).tiny
+    gumbel = -torch.log(-torch.log(u.clamp(tiny, 1.0 - torch.finfo(logits.dtype).eps)))
+    if nvec is None:
+        return (masked_logits(logits.detach(), action_mask) + gumbel).argmax(-1)
+    perturbed = torch.cat(_heads(logits.detach(), action_mask, heads), -1) + gumbel
+    return torch.stack([x.argmax(-1) for x in perturbed.split(heads, -1)], -1)
+
+
+def categorical_mode(logits: Tensor, *, action_mask: Tensor | None = None, nvec: Sequence[int] | None = None) -> Tensor:
+    """The most probable allowed action, a_h = argmax_k l_{h,k} per head (the greedy policy).
+
+    Returns:
+        int64 [*B] (Discrete) or [*B, H] (MultiDiscrete).
+
+    Raises:
+        ShapeError / ConfigError: as ``categorical_log_prob``.
+    """
+    heads = _check_logits(logits, action_mask, nvec)
+    modes = [x.argmax(-1) for x in _heads(logits, action_mask, heads)]
+    return modes[0] if nvec is None else torch.stack(modes, -1)

@@ -1,5 +1,6 @@
 """Diffusion policies: noise schedules (``schedule``), DDPM training (``ddpm``) and the DDIM sampler
-with in-graph gradients and a per-step chain log-likelihood for policy-gradient fine-tuning (``ddim``).
+with in-graph gradients and a per-step chain log-likelihood for policy-gradient fine-tuning (``ddim``);
+DACER's entropy estimate of a policy from its samples, a Gaussian mixture fitted by EM (``entropy``).
 
 Conventions shared by every module here: an action chunk is ``[*B, H, A]`` (batch dims, horizon,
 action dim), float32; a diffusion timestep is an int64 tensor in ``[0, T)`` where ``T`` is the number

@@ -4,6 +4,7 @@ References: Fujimoto et al. (2018), "Addressing Function Approximation Error in 
 (clipped double-Q target, eq. 10; target policy smoothing, eq. 14); Wang et al. (2022),
 "Diffusion Policies as an Expressive Policy Class for Offline RL" (Diffusion-QL), eq. 3: the actor
 minimises a denoising (behaviour) loss minus a normalised Q of actions sampled through the chain.
+The soft (SAC) variants of the target and critic loss reuse these in :mod:`rlfunc.losses.sac`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from torch import Tensor
 from rlfunc.errors import ConfigError, ShapeError
 
 
-def td3_target(next_q: Tensor, reward: Tensor, terminated: Tensor, gamma: float) -> Tensor:
-    """Clipped double-Q target ``y = r + gamma (1 - terminated) min_e Q'_e(s', a~')``.
+def td3_target(
+    next_q: Tensor, reward: Tensor, terminated: Tensor, gamma: float, *, discount: Tensor | None = None
+) -> Tensor:
+    """Clipped double-Q target ``y = r + gamma (1 - terminated) min_e Q'_e(s', a~')`` (Fujimoto et al. 2018, eq. 10).
 
     Args:
-        next_q: [E, *B, 1] float, target critics at the next state and the smoothed target action.
-        reward: [*B, 1] float; terminated: [*B, 1] bool (truncation still bootstraps).
+        next_q: [E, *B, 1] float, target critics at the next state and the smoothed target action
+            (:func:`smoothed_target_action`); the min is taken over the ensemble dim E.
+        reward: [*B, 1] float, the reward (for an n-step target, the discounted sum
+            ``sum_{k<n} gamma^k r_{t+k}``); terminated: [*B, 1] bool (truncation still bootstraps).
         gamma: discount in [0, 1].
+        discount: optional [*B, 1] float in [0, 1], the bootstrap's discount per sample, replacing
+            ``gamma``: ``gamma^n`` for an n-step target, with n the steps actually taken (fewer when the
+            episode ended or was truncated inside the window). Values are not checked (that would read
+            them back to the host). ``terminated`` still zeroes the bootstrap.
 
     Returns:
         [*B, 1] float, without gradient.
@@ -36,8 +45,72 @@ def td3_target(next_q: Tensor, reward: Tensor, terminated: Tensor, gamma: float)
             f"td3_target: next_q {tuple(next_q.shape)} must be [E, *reward.shape] and terminated "
             f"{tuple(terminated.shape)} like reward {tuple(reward.shape)}"
         )
+    if discount is not None and (discount.shape != reward.shape or not discount.is_floating_point()):
+        raise ShapeError(f"discount: {tuple(discount.shape)} {discount.dtype}, expected a float tensor shaped like reward {tuple(reward.shape)}")
     with torch.no_grad():
-        return reward + gamma * (~terminated.bool()).to(reward.dtype) * next_q.min(0).values
+        scale = gamma if discount is None else discount
+        return reward + scale * (~terminated.bool()).to(reward.dtype) * next_q.min(0).values
+
+
+def smoothed_target_action(
+    target_action: Tensor,
+    noise: Tensor,
+    *,
+    policy_noise: float,
+    noise_clip: float,
+    low: Tensor | float = -1.0,
+    high: Tensor | float = 1.0,
+) -> Tensor:
+    """Target policy smoothing ``a~' = clip(mu'(s') + clip(sigma eps, -c, c), low, high)`` (Fujimoto et al. 2018, eq. 14).
+
+    Args:
+        target_action: [*B, A] float, the target actor's action mu'(s').
+        noise: [*B, A] float, standard-normal eps (``rlfunc.core.distributions.standard_normal``),
+            scaled here by ``policy_noise``.
+        policy_noise: sigma >= 0, the smoothing std (TD3: 0.2 for actions in [-1, 1]).
+        noise_clip: c >= 0, the clip of the scaled noise (TD3: 0.5).
+        low, high: action bounds, floats or tensors broadcasting to [A] (default: the box [-1, 1]).
+
+    Returns:
+        [*B, A] float in [low, high], without gradient.
+
+    Raises:
+        ConfigError: ``policy_noise`` or ``noise_clip`` < 0. ShapeError: ``noise`` is not shaped like
+            ``target_action`` or either is not floating.
+    """
+    if policy_noise < 0 or noise_clip < 0:
+        raise ConfigError(f"policy_noise={policy_noise}, noise_clip={noise_clip}: expected values >= 0")
+    for name, t in (("target_action", target_action), ("noise", noise)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ShapeError(f"{name}: expected a float tensor [*B, A], got {getattr(t, 'dtype', type(t).__name__)}")
+    if noise.shape != target_action.shape:
+        raise ShapeError(f"noise: shape {tuple(noise.shape)}, expected target_action's {tuple(target_action.shape)}")
+    with torch.no_grad():
+        smooth = (policy_noise * noise).clamp(-noise_clip, noise_clip)
+        action = target_action + smooth
+        if isinstance(low, Tensor) or isinstance(high, Tensor):
+            low_t = torch.as_tensor(low, dtype=action.dtype, device=action.device)
+            high_t = torch.as_tensor(high, dtype=action.dtype, device=action.device)
+            return torch.maximum(torch.minimum(action, high_t), low_t)
+        return action.clamp(low, high)
+
+
+def td3_actor_loss(q1_pi: Tensor) -> tuple[Tensor, TensorDict]:
+    """Deterministic policy gradient objective ``-E[Q_1(s, mu(s))]`` (Fujimoto et al. 2018, alg. 1; Silver et al. 2014).
+
+    Args:
+        q1_pi: [*B, 1] float, the first critic at the actor's own action (with gradient into the actor).
+
+    Returns:
+        (loss 0-dim, metrics {"loss_actor", "q_policy"}).
+
+    Raises:
+        ShapeError: ``q1_pi`` is not a float tensor with a last dim of 1.
+    """
+    if not isinstance(q1_pi, Tensor) or not q1_pi.is_floating_point() or q1_pi.ndim == 0 or q1_pi.shape[-1] != 1:
+        raise ShapeError(f"q1_pi: expected a float tensor [*B, 1], got {getattr(q1_pi, 'shape', type(q1_pi).__name__)}")
+    loss = -q1_pi.mean()
+    return loss, TensorDict({"loss_actor": loss.detach(), "q_policy": q1_pi.detach().mean()}, batch_size=[])
 
 
 def critic_loss(q: Tensor, target: Tensor) -> tuple[Tensor, TensorDict]:
@@ -45,6 +118,12 @@ def critic_loss(q: Tensor, target: Tensor) -> tuple[Tensor, TensorDict]:
 
     Args:
         q: [E, *B, 1] float; target: [*B, 1] float (no gradient).
+
+    Returns:
+        (loss 0-dim, metrics {"loss_critic", "q_mean"}).
+
+    Raises:
+        ShapeError: ``q`` is not [E, *target.shape].
     """
     if q.shape[1:] != target.shape:
         raise ShapeError(f"critic_loss: q {tuple(q.shape)} must be [E, *target.shape], target {tuple(target.shape)}")

@@ -8,11 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlfunc.algos.mappo import (
-    MAPPOConfig, categorical_entropy, categorical_log_prob, categorical_sample, critic_input, make_mappo, masked_logits,
-    ppo_agent_loss, sequence_advantage,
-)
-from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.algos.mappo import MAPPOConfig, critic_input, make_mappo, ppo_agent_loss, sequence_advantage
+from rlfunc.errors import ConfigError
 
 SMALL_LAYOUT = (
     "P......D",
@@ -37,27 +34,6 @@ def test_permuting_agents_permutes_actions():
     a2, lp2, _ = algo.act(state, obs2, None, None, greedy=True)
     keep = torch.tensor([0, 2, 3])
     torch.testing.assert_close(lp2[:, keep], lp[:, keep])
-
-
-def test_masked_categorical_never_picks_masked_actions():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2000, 5, generator=g) * 3
-    mask = torch.rand(2000, 5, generator=g) > 0.5
-    mask[:, 4] |= ~mask.any(-1)  # at least one allowed action per row
-    ml = masked_logits(logits, mask)
-    for _ in range(5):
-        action = categorical_sample(ml, g)
-        assert mask.gather(-1, action[:, None]).all()
-    assert mask.gather(-1, ml.argmax(-1)[:, None]).all()
-    # probabilities: 0 on masked actions, renormalised on the others; entropy only over allowed ones
-    p = torch.softmax(ml, -1)
-    assert (p[~mask] == 0).all()
-    ref = torch.where(mask, logits, torch.tensor(float("-inf"))).double()
-    torch.testing.assert_close(p.double(), torch.softmax(ref, -1))
-    h_ref = torch.distributions.Categorical(logits=ref).entropy()
-    torch.testing.assert_close(categorical_entropy(ml).squeeze(-1).double(), h_ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ShapeError, match="action_mask"):
-        masked_logits(logits, mask[:, :4])
 
 
 def test_critic_input_shapes():

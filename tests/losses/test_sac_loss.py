@@ -1,0 +1,121 @@
+"""SAC's soft target, critic, actor and temperature losses and REDQ's subset min, against hand-computed values."""
+
+import itertools
+
+import pytest
+import torch
+
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.sac import ensemble_min, sac_actor_loss, sac_critic_loss, soft_q_target, temperature_loss
+
+# two states s'_1, s'_2; two target critics
+NEXT_Q = torch.tensor([[[2.0], [1.0]], [[1.5], [3.0]]])  # [E=2, B=2, 1]: min over E = [1.5, 1.0]
+NEXT_LOG_PROB = torch.tensor([[-1.0], [0.5]])
+REWARD = torch.tensor([[1.0], [-1.0]])
+
+
+def test_soft_q_target_by_hand():
+    term = torch.tensor([[False], [True]])
+    # V(s'_1) = 1.5 - 0.2 * (-1) = 1.7: y_1 = 1 + 0.9 * 1.7; s'_2 is terminal: y_2 = r_2
+    y = soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, term, 0.9, 0.2)
+    torch.testing.assert_close(y, torch.tensor([[2.53], [-1.0]]))
+    assert not y.requires_grad
+    # truncated, not terminated: bootstraps; V(s'_2) = 1.0 - 0.2 * 0.5 = 0.9
+    live = torch.zeros(2, 1, dtype=torch.bool)
+    torch.testing.assert_close(soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, live, 0.9, 0.2), torch.tensor([[2.53], [-1.0 + 0.81]]))
+    # an already-reduced next_q gives the same; alpha as a (learnable) tensor is detached
+    alpha = torch.tensor(0.2, requires_grad=True)
+    torch.testing.assert_close(soft_q_target(NEXT_Q.min(0).values, NEXT_LOG_PROB, REWARD, term, 0.9, alpha), y)
+    # n-step: the per-sample bootstrap discount gamma^n (n = 2, and n = 1 where the window was cut)
+    disc = torch.tensor([[0.81], [0.9]])
+    y_n = soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, live, 0.9, 0.2, discount=disc)
+    torch.testing.assert_close(y_n, torch.tensor([[1.0 + 0.81 * 1.7], [-1.0 + 0.9 * 0.9]]))
+    # alpha = 0 is TD3's target
+    from rlfunc.losses.td3 import td3_target
+    torch.testing.assert_close(soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, term, 0.9, 0.0), td3_target(NEXT_Q, REWARD, term, 0.9))
+
+
+def test_soft_q_target_errors():
+    term = torch.zeros(2, 1, dtype=torch.bool)
+    with pytest.raises(ConfigError, match="gamma"):
+        soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, term, 1.5, 0.2)
+    with pytest.raises(ConfigError, match="alpha"):
+        soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, term, 0.9, -0.1)
+    with pytest.raises(ShapeError, match="next_q"):
+        soft_q_target(NEXT_Q[:, :1], NEXT_LOG_PROB, REWARD, term, 0.9, 0.2)
+    with pytest.raises(ShapeError, match="next_log_prob"):
+        soft_q_target(NEXT_Q, NEXT_LOG_PROB[:1], REWARD, term, 0.9, 0.2)
+    with pytest.raises(ShapeError, match="discount"):
+        soft_q_target(NEXT_Q, NEXT_LOG_PROB, REWARD, term, 0.9, 0.2, discount=torch.ones(2))
+
+
+def test_sac_critic_loss_by_hand():
+    y = torch.tensor([[2.53], [-1.0]])
+    q = torch.tensor([[[2.0], [0.0]], [[3.0], [-1.0]]], requires_grad=True)
+    loss, metrics = sac_critic_loss(q, y)
+    want = 0.5 * (((2 - 2.53) ** 2 + 1.0) / 2 + ((3 - 2.53) ** 2 + 0.0) / 2)
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    assert float(metrics["loss_critic"]) == pytest.approx(want, rel=1e-6)
+    loss.backward()
+    # d/dQ_e,i of 1/2 mean_i (Q_e,i - y_i)^2 = (Q_e,i - y_i) / B
+    torch.testing.assert_close(q.grad, (q.detach() - y) / 2)
+    with pytest.raises(ShapeError, match="critic_loss"):
+        sac_critic_loss(q, y[:1])
+
+
+def test_sac_actor_loss_by_hand():
+    q_pi = torch.tensor([[[1.0], [4.0]], [[2.0], [3.0]]], requires_grad=True)  # min over E: [1, 3]
+    log_prob = torch.tensor([[-1.0], [0.5]], requires_grad=True)
+    loss, metrics = sac_actor_loss(q_pi, log_prob, 0.5)
+    assert float(loss) == pytest.approx(((0.5 * -1 - 1) + (0.5 * 0.5 - 3)) / 2)
+    assert float(metrics["entropy"]) == pytest.approx(0.25)
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.full((2, 1), 0.25))
+    torch.testing.assert_close(q_pi.grad, torch.tensor([[[-0.5], [0.0]], [[0.0], [-0.5]]]))  # only the min member
+    # REDQ's actor: the mean over the ensemble, passed reduced
+    loss_mean, _ = sac_actor_loss(q_pi.detach().mean(0), log_prob.detach(), torch.tensor(0.5))
+    assert float(loss_mean) == pytest.approx(((0.5 * -1 - 1.5) + (0.5 * 0.5 - 3.5)) / 2)
+    with pytest.raises(ShapeError, match="q_pi"):
+        sac_actor_loss(q_pi[:, :1], log_prob, 0.5)
+    with pytest.raises(ShapeError, match="log_prob"):
+        sac_actor_loss(q_pi, log_prob.squeeze(-1), 0.5)
+
+
+@pytest.mark.parametrize("log_prob, grows", [([1.0, 2.0], True), ([-2.0, -3.0], False)])
+def test_temperature_gradient_sign(log_prob, grows):
+    # target entropy -1 (one action dim); entropy estimate -mean(log_prob): -1.5 (below) or 2.5 (above)
+    lp = torch.tensor(log_prob).unsqueeze(-1)
+    log_alpha = torch.tensor(0.3, requires_grad=True)
+    loss, metrics = temperature_loss(log_alpha, lp, target_entropy=-1.0)
+    assert float(loss) == pytest.approx(-0.3 * (lp.mean().item() - 1.0))
+    assert float(metrics["alpha"]) == pytest.approx(torch.tensor(0.3).exp().item())
+    loss.backward()
+    assert float(log_alpha.grad) == pytest.approx(-(lp.mean().item() - 1.0))  # H - H_bar
+    opt = torch.optim.SGD([log_alpha], lr=0.1)
+    opt.step()
+    assert (float(log_alpha) > 0.3) is grows
+    with pytest.raises(ShapeError, match="log_alpha"):
+        temperature_loss(torch.zeros(2), lp, -1.0)
+
+
+def test_ensemble_min_subset_by_hand():
+    q = torch.tensor([3.0, -1.0, 2.0, 0.5, 4.0]).view(5, 1, 1).expand(5, 3, 1).contiguous()  # [E=5, B=3, 1]
+    torch.testing.assert_close(ensemble_min(q), torch.full((3, 1), -1.0))
+    # the subset is the first M entries of randperm(E) with the generator: one subset for the whole batch
+    index = torch.randperm(5, generator=torch.Generator().manual_seed(7))[:2].tolist()
+    want = min([3.0, -1.0, 2.0, 0.5, 4.0][i] for i in index)
+    got = ensemble_min(q, 2, torch.Generator().manual_seed(7))
+    torch.testing.assert_close(got, torch.full((3, 1), want))
+    torch.testing.assert_close(ensemble_min(q, 5, torch.Generator().manual_seed(7)), ensemble_min(q))
+    # over many draws every 2-subset of the 5 occurs, each with probability 1/10: the min of M = 2
+    # members is -1 exactly when member 1 is drawn (probability 2/5), 4.0 never (it is the largest)
+    g = torch.Generator().manual_seed(0)
+    values = torch.tensor([float(ensemble_min(q, 2, g)[0, 0]) for _ in range(4000)])
+    assert abs(float((values == -1.0).float().mean()) - 0.4) < 0.03  # 4 sigma at n = 4000
+    assert not (values == 4.0).any()
+    pair_mins = {min(a, b) for a, b in itertools.combinations([3.0, -1.0, 2.0, 0.5, 4.0], 2)}
+    assert set(values.tolist()) == pair_mins
+    with pytest.raises(ConfigError, match="subset"):
+        ensemble_min(q, 6)
+    with pytest.raises(ConfigError, match="subset"):
+        ensemble_min(q, 0)
