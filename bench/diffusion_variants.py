@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from rlfunc.config import replace
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.run.diffusion import train_dppo, train_td3_diffusion
@@ -25,9 +26,9 @@ def main() -> None:
     torch.set_num_threads(1)
     shutil.rmtree(OUT, ignore_errors=True)
     runs = [
-        ("dppo output-noise from bc-s0", train_dppo, DPPOConfig(init_from=BC, likelihood="output-noise", eval_episodes=1000, device="cpu")),
-        ("td3-diffusion from scratch (horizon 1)", train_td3_diffusion, TD3DiffusionConfig(eval_episodes=1000, device="cpu")),
-        ("td3-diffusion from bc-s0 (horizon 4)", train_td3_diffusion, TD3DiffusionConfig(init_from=BC, eval_episodes=1000, device="cpu")),
+        ("dppo output-noise from bc-s0", train_dppo, replace(DPPOConfig(), init_from=BC, likelihood="output-noise", eval_episodes=1000, device="cpu")),
+        ("td3-diffusion from scratch (horizon 1)", train_td3_diffusion, replace(TD3DiffusionConfig(), eval_episodes=1000, device="cpu")),
+        ("td3-diffusion from bc-s0 (horizon 4)", train_td3_diffusion, replace(TD3DiffusionConfig(), init_from=BC, eval_episodes=1000, device="cpu")),
     ]
     for i, (name, fn, config) in enumerate(runs):
         t = time.perf_counter()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import make_ppo, preset
@@ -38,7 +39,7 @@ def ppo_mode_statistics(run_dir: Path, episodes: int, seed: int) -> dict:
     venv.close()
     algo = make_ppo(config, spec, torch.device("cpu"))
     state = algo.init()
-    carry = collect.empty_carry(config.num_seeds * config.num_envs, spec.obs_dim)
+    carry = collect.empty_carry(config.run.num_seeds * config.num_envs, spec.obs_dim)
     loaded = _load_snapshot(snap, _saved_state(state, carry), torch.device("cpu"))
     with torch.no_grad():
         state.update_(loaded["learner"])
@@ -73,11 +74,11 @@ def main() -> None:
         for d in (bc_dir, dppo_dir, ppo_dir):
             shutil.rmtree(d, ignore_errors=True)
         t = time.perf_counter()
-        bc = train_bc(BCConfig(num_updates=a.bc_updates, seed=seed, eval_episodes=a.episodes, device="cpu"), bc_dir, progress=False)
+        bc = train_bc(replace(BCConfig(), num_updates=a.bc_updates, seed=seed, eval_episodes=a.episodes, device="cpu"), bc_dir, progress=False)
         rows.append({"method": "diffusion bc", "seed": seed, "budget": f"{a.bc_updates} updates",
                      "wall_s": time.perf_counter() - t, **bc.evaluation})
         t = time.perf_counter()
-        dppo = train_dppo(DPPOConfig(init_from=str(bc_dir), total_steps=a.dppo_steps, seed=seed,
+        dppo = train_dppo(replace(DPPOConfig(), init_from=str(bc_dir), total_steps=a.dppo_steps, seed=seed,
                                      eval_episodes=a.episodes, device="cpu"), dppo_dir, progress=False)
         rows.append({"method": "diffusion bc + dppo", "seed": seed, "budget": f"+{a.dppo_steps} env steps",
                      "wall_s": time.perf_counter() - t, **dppo.evaluation})

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
@@ -52,14 +53,14 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
         t = time.perf_counter()
         spec = ActorSpec(horizon=4, act_steps=a.act_steps)
-        bc = train_bc(BCConfig(env=a.env, actor=spec, num_demos=a.demos, demo_noise_std=a.demo_noise_std,
+        bc = train_bc(replace(BCConfig(), env=a.env, actor=spec, num_demos=a.demos, demo_noise_std=a.demo_noise_std,
                                num_updates=a.bc_updates, seed=seed, eval_episodes=a.episodes, device="cpu"),
                       bc_dir, progress=False, tensorboard=False)
         rows.append({"method": "diffusion bc", "seed": seed, "budget": f"{a.demos} demos, {a.bc_updates} updates",
                      "wall_s": time.perf_counter() - t, **bc.evaluation})
         print(json.dumps(rows[-1]), flush=True)
         t = time.perf_counter()
-        dppo = train_dppo(DPPOConfig(env=a.env, init_from=str(bc_dir), likelihood=a.likelihood, total_steps=a.dppo_steps,
+        dppo = train_dppo(replace(DPPOConfig(), env=a.env, init_from=str(bc_dir), likelihood=a.likelihood, total_steps=a.dppo_steps,
                                      num_envs=64, num_steps=chunks, minibatch_size=64 * chunks // 5, seed=seed,
                                      eval_episodes=a.episodes, device="cpu"),
                           dppo_dir, progress=False, tensorboard=False)

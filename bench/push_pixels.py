@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from envs.push import env as push_env
+from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
@@ -81,16 +82,16 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     spec = ActorSpec(horizon=4, act_steps=4)
     t = time.perf_counter()
-    bc = train_bc(BCConfig(env="Push-v0", actor=spec, num_demos=a.demos, num_updates=a.bc_updates, batch_size=64,
+    bc = train_bc(replace(BCConfig(), env="Push-v0", actor=spec, num_demos=a.demos, num_updates=a.bc_updates, batch_size=64,
                            eval_episodes=2, device=str(device)), out / "bc", progress=False, tensorboard=False)
     bc_s = time.perf_counter() - t
     chunks = 25
-    config = DPPOConfig(env="Push-v0", init_from=str(out / "bc"), num_envs=a.envs, num_steps=chunks,
+    config = replace(DPPOConfig(), env="Push-v0", init_from=str(out / "bc"), num_envs=a.envs, num_steps=chunks,
                         minibatch_size=a.envs * chunks // 5, num_epochs=2, device=str(device))
     config, info, actor_params, obs_stats, encoder = _init_actor(config, device)
     algo = make_dppo(config, config.actor, info, info.act_dim, device)
     state = algo.init(actor_params, obs_stats, encoder)
-    prec = precision(device, config.precision)
+    prec = precision(device, config.run.precision)
     env = make_env("Push-v0", a.envs, spec.act_steps, device, 0)
     gen = torch.Generator(device=device).manual_seed(0)
     _timed(push_env.PushEnv, "_images", "render")

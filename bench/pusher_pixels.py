@@ -16,7 +16,6 @@ steps, with steps/s and the final deterministic evaluation of each.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rlfunc.config import replace
 from rlfunc.algos.ppo import preset
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
 from rlfunc.run.log import read_metrics
@@ -37,7 +37,7 @@ SMALL_ENCODER = dict(encoder_widths=(16, 32), encoder_blocks=(1, 1), encoder_d_m
 def pixel_config(env: str, steps: int, seed: int, device: str = "cpu", envs: int = 8,
                  encoder: str = "small") -> PPOEncoderConfig:
     """``encoder``: "small" (SMALL_ENCODER) or "default" (the library's PPOEncoderConfig widths)."""
-    return PPOEncoderConfig(
+    return replace(PPOEncoderConfig(),
         env=env, total_steps=steps, num_envs=envs, num_steps=64, num_epochs=2, minibatch_size=min(256, envs * 64),
         lr=3e-4, gamma=0.99, lmbda=0.95, seed=seed, device=device, torch_threads=2, checkpoint_every=0,
         eval_episodes=10, **(SMALL_ENCODER if encoder == "small" else {}),
@@ -101,7 +101,7 @@ def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = T
 def run_push(out: Path, steps: int, seed: int, **pixel_kw) -> dict:
     from rlfunc.run.ppo_encoder import train_ppo_encoder
 
-    cfg = dataclasses.replace(pixel_config("Push-v0", steps, seed, **pixel_kw), eval_episodes=20)
+    cfg = replace(pixel_config("Push-v0", steps, seed, **pixel_kw), eval_episodes=20)
     t = time.perf_counter()
     res = train_ppo_encoder(cfg, out / "push-images", progress=False, tensorboard=False)
     records = read_metrics(out / "push-images" / "metrics.jsonl")

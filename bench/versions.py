@@ -120,7 +120,7 @@ def update_step(repeats: int) -> dict[str, float]:
     from rlfunc.run.ppo import _generators, env_spec
 
     config = preset("Pendulum-v1", device="cpu")
-    torch.set_num_threads(config.torch_threads)
+    torch.set_num_threads(config.run.torch_threads)
     venv = collect.make_vec_env(config.env, config.num_envs)
     device = torch.device("cpu")
     algo = make_ppo(config, env_spec(venv), device)

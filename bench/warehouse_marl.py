@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from rlfunc.config import replace
+
 OUT = Path(__file__).parent / "out" / "warehouse_marl.jsonl"
 EVAL_SEEDS = (1000, 1001, 1002)
 KEYS = ("deliveries_per_100_steps", "conflicts_per_100_steps", "idle_fraction")
@@ -41,7 +43,7 @@ def learned(loss: str, seed: int, a) -> dict:
     from rlfunc.algos.mappo import MAPPOConfig
     from rlfunc.run.mappo import train_mappo
 
-    config = MAPPOConfig(
+    config = replace(MAPPOConfig(),
         loss=loss, n_agents=20, seed=seed, device="cpu", total_steps=a.total_steps, num_envs=16,
         rollout_steps=50, episode_steps=a.episode_steps, shaping_scale=a.shaping, group_size=4,
         sequence_reward="agent", conflict_penalty=a.conflict_penalty, lr=1e-3, hidden=(128, 128), eval_episodes=a.eval_episodes, eval_seeds=EVAL_SEEDS,
@@ -76,7 +78,7 @@ def rware_curve(a) -> dict:
     from rlfunc.algos.mappo import MAPPOConfig
     from rlfunc.run.mappo import train_mappo
 
-    config = MAPPOConfig(env="rware-tiny-2ag-v2", loss="ppo", seed=0, device="cpu", total_steps=a.rware_steps,
+    config = replace(MAPPOConfig(), env="rware-tiny-2ag-v2", loss="ppo", seed=0, device="cpu", total_steps=a.rware_steps,
                          num_envs=8, rollout_steps=100, hidden=(64, 64), lr=5e-4, entropy_coef=0.01,
                          eval_episodes=4, eval_seeds=(0,))
     t = time.perf_counter()

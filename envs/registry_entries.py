@@ -65,7 +65,7 @@ def warehouse_eval(config, act, device) -> dict:
 
     result = evaluate(lambda env: lambda td: act(td["agents", "observation"], td["agents", "action_mask"]),
                       warehouse_config(config, train=False), seeds=config.eval_seeds,
-                      num_episodes=config.eval_episodes, device=device)
+                      num_episodes=config.run.eval_episodes, device=device)
     return {"env": config.env, "n_agents": config.n_agents, "greedy": config.eval_greedy, **result}
 
 
@@ -78,16 +78,16 @@ def rware_env(config, num_envs: int, device, seed: int):
 
 def rware_eval(config, act, device) -> dict:
     """eval.json of a mappo run on rware: the mean team return (sum over agents) of
-    ``config.eval_episodes`` episodes per eval seed, and its median over the seeds."""
+    ``config.run.eval_episodes`` episodes per eval seed, and its median over the seeds."""
     import torch
 
     from envs.rware_env import RwareEnv
 
     rows = []
     for seed in config.eval_seeds:
-        env = RwareEnv(config.env, config.eval_episodes, seed=seed)
+        env = RwareEnv(config.env, config.run.eval_episodes, seed=seed)
         td = env.reset()
-        total = torch.zeros(config.eval_episodes)
+        total = torch.zeros(config.run.eval_episodes)
         with torch.no_grad():
             for _ in range(env.envs[0].unwrapped.max_steps):
                 td.set(("agents", "action"), act(td["agents", "observation"], None))

@@ -36,6 +36,7 @@ _PUBLIC = {
     **dict.fromkeys(("GradientTransform", "chain", "adam", "clip_by_global_norm", "apply_updates", "linear_lr"),
                     "rlfunc.optim"),
     **dict.fromkeys(("Run", "RunResult", "run_loop"), "rlfunc.run"),
+    "RunConfig": "rlfunc.config",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -10,7 +10,7 @@ prediction); Chi et al. (2023), "Diffusion Policy" (action chunks, EMA of the we
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 from collections.abc import Callable
 
 import torch
@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.core.normalize import update_running_stats
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
@@ -41,23 +42,14 @@ class BCConfig:
     weight_decay: float = 1e-6  # AdamW's decoupled weight decay, per unit of lr
     ema_decay: float = 0.99  # EMA of the weights per update (Chi et al. use 0.995 over longer runs)
     max_grad_norm: float = 1.0  # global grad-norm clip
-    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the denoiser forward
-    seed: int = 0  # dataset, init and noise seed
-    device: str = "auto"  # auto | cpu | cuda | npu
-    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
-    log_every: int = 100  # updates between metrics lines
-    checkpoint_every: int = 1000  # updates between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # updates between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
-    eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
+    run: RunConfig = field(default_factory=lambda: RunConfig(log_every=100, checkpoint_every=1000, eval_episodes=500))  # seed (dataset, init, noise), device, precision (autocast of the denoiser forward), snapshots (rlfunc.config.RunConfig); iterations are updates; a metrics line per 100, a snapshot per 1000, 500 evaluation episodes (one per env, in parallel)
 
     def __post_init__(self) -> None:
         require_finite(self)
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay}: expected >= 0")
-        for name in ("num_demos", "num_updates", "batch_size", "log_every", "eval_episodes"):
+        require_default(self.run, num_seeds="bc trains one seed per run", vmap="bc trains one seed per run")
+        for name in ("num_demos", "num_updates", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -66,13 +58,8 @@ class BCConfig:
             raise ConfigError(f"ema_decay={self.ema_decay}: expected a value in [0, 1)")
         if not self.lr > 0 or not self.max_grad_norm > 0:
             raise ConfigError("lr and max_grad_norm must be > 0")
-        if self.checkpoint_every < 0 or self.torch_threads < 0 or self.demo_noise_std < 0:
-            raise ConfigError("checkpoint_every, torch_threads and demo_noise_std must be >= 0")
-        for name in ("keep_checkpoints", "version_every", "version_keep_last", "version_keep_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
-        if not 0 <= self.seed < 2**31:
-            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
+        if self.demo_noise_std < 0:
+            raise ConfigError(f"demo_noise_std={self.demo_noise_std}: expected >= 0")
 
 
 class BC(NamedTuple):
@@ -119,11 +106,11 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
         return TensorDict(parts, batch_size=[], device=device)
 
     def init(dataset: TensorDict) -> TensorDict:
-        params = actor.init_params(config.seed)
+        params = actor.init_params(config.run.seed)
         stats = actor.init_stats()
         if actor.info.stats_key is not None:
             stats = update_running_stats(stats, dataset[actor.info.stats_key].float())
-        gen = torch.Generator(device=device).manual_seed(config.seed)
+        gen = torch.Generator(device=device).manual_seed(config.run.seed)
         state = TensorDict(
             {
                 "params": params,
@@ -137,7 +124,7 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
             device=device,
         )
         if actor.encoder is not None:
-            encoder = actor.init_encoder_params(config.seed + 1)
+            encoder = actor.init_encoder_params(config.run.seed + 1)
             state["encoder"], state["encoder_ema"] = encoder, encoder.detach().clone()
         state["optim_actor"] = optimizer.init(trainable_params(state))
         return state

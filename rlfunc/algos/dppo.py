@@ -29,6 +29,7 @@ from torch import Tensor
 
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.core.returns import generalized_advantage_estimate
 from rlfunc.diffusion.ddim import chain_log_prob, sample
@@ -76,16 +77,7 @@ class DPPOConfig:
     reward_scale: float = 1.0  # rewards are multiplied by this
     normalize_advantages: bool = True  # per minibatch
     gradient_checkpointing: bool = False  # checkpoint each denoising step (output-noise update)
-    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks
-    seed: int = 0  # init, env and noise seed
-    device: str = "auto"  # auto | cpu | cuda | npu
-    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
-    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
-    eval_episodes: int = 500  # episodes of the final evaluation (one per env, in parallel)
+    run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes (one per env, in parallel)
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -94,7 +86,9 @@ class DPPOConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "eval_episodes"):
+        require_default(self.run, num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
+                        log_every="dppo logs every iteration")
+        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if (self.num_envs * self.num_steps) % self.minibatch_size:
@@ -118,13 +112,6 @@ class DPPOConfig:
             raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
-        if self.checkpoint_every < 0 or self.torch_threads < 0:
-            raise ConfigError("checkpoint_every and torch_threads must be >= 0")
-        for name in ("keep_checkpoints", "version_every", "version_keep_last", "version_keep_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
-        if not 0 <= self.seed < 2**31:
-            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
 
     @property
     def batch_size(self) -> int:
@@ -172,10 +159,10 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
         if actor_params is None:
-            actor_params = actor.init_params(config.seed)
+            actor_params = actor.init_params(config.run.seed)
         actor_params = func.as_leaves(actor_params.detach().clone())
-        critic_params = func.params_from_module(seeded_init(lambda: MLP(obs_dim, 1, config.critic_hidden, "tanh"), config.seed + 1).to(device))
-        gen = torch.Generator(device=device).manual_seed(config.seed)
+        critic_params = func.params_from_module(seeded_init(lambda: MLP(obs_dim, 1, config.critic_hidden, "tanh"), config.run.seed + 1).to(device))
+        gen = torch.Generator(device=device).manual_seed(config.run.seed)
         state = with_encoder(TensorDict(
             {
                 "params": {"actor": actor_params, "critic": critic_params},
@@ -188,7 +175,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             },
             batch_size=[],
             device=device,
-        ), actor, encoder_params, config.seed)
+        ), actor, encoder_params, config.run.seed)
         state["optim_all"] = optimizer.init(state["params"])
         return state
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
@@ -30,6 +30,7 @@ from torch import Tensor
 from rlfunc.algos import shaped
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_log_prob
 from rlfunc.core.normalize import normalize, update_running_stats
@@ -81,21 +82,11 @@ class GRPOConfig:
     hidden: tuple[int, ...] = (64, 64)  # MLP widths of the actor
     activation: str = "tanh"  # tanh | relu | elu | silu
     init_log_std: float = 0.0  # initial log standard deviation of the actions
-    seed: int = 0  # first seed; seed i of --num-seeds is seed + i
-    num_seeds: int = 1  # independent agents trained together (stacked params)
-    device: str = "auto"  # auto | cpu | npu | ... (rlfunc.device)
-    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
-    vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
-    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
-    eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
+    run: RunConfig = field(default_factory=RunConfig)  # seeds, device, snapshots, final evaluation (deterministic actions) (rlfunc.config.RunConfig)
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "num_groups", "group_size", "max_episode_steps", "num_epochs",
-                     "minibatch_size", "num_seeds", "eval_episodes"):
+                     "minibatch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
@@ -126,16 +117,8 @@ class GRPOConfig:
             raise ConfigError(f"aggregation={self.aggregation!r}: expected 'token', 'sequence' or 'constant'")
         if self.advantage_std not in ("group", "batch", "none"):
             raise ConfigError(f"advantage_std={self.advantage_std!r}: expected 'group', 'batch' or 'none'")
-        if self.torch_threads < 0 or self.keep_checkpoints < 0 or self.checkpoint_every < 0:
-            raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
-        for name in ("version_every", "version_keep_last", "version_keep_every"):
-            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected an int >= 0")
-        if not 0 <= self.seed < 2**31 - self.num_seeds:
-            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
+        require_default(self.run, precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
         shaped.check_config(self)
-        if self.vmap not in ("auto", "vmap", "loop"):
-            raise ConfigError(f"vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses
         self.actor_config()
 
@@ -153,7 +136,7 @@ class GRPOConfig:
 
     @property
     def seeds(self) -> list[int]:
-        return [self.seed + i for i in range(self.num_seeds)]
+        return self.run.seeds
 
     @property
     def use_torch_env(self) -> bool:
@@ -164,7 +147,7 @@ class GRPOConfig:
         return PPOConfig(
             env=self.env, num_envs=1, num_steps=1, minibatch_size=1, hidden=self.hidden, activation=self.activation,
             init_log_std=self.init_log_std, normalize_observations=self.normalize_observations, obs_clip=self.obs_clip,
-            seed=self.seed, num_seeds=self.num_seeds, device=self.device, vmap=self.vmap,
+            run=self.run,
         )
 
 
@@ -178,7 +161,7 @@ PRESETS: dict[tuple[str, str], dict] = {
 
 def preset(env: str, loss: str = "grpo", **overrides) -> GRPOConfig:
     """The preset for (``env``, ``loss``) (defaults for pairs without one) with ``overrides`` applied."""
-    return GRPOConfig(**{**PRESETS.get((env, loss), {}), "env": env, "loss": loss, **overrides})
+    return replace(GRPOConfig(), **{**PRESETS.get((env, loss), {}), "env": env, "loss": loss, **overrides})
 
 
 class GRPO(NamedTuple):
@@ -206,10 +189,10 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
     "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.envs.grouped`), gathered
     with ``policy(state, generators)``.
     """
-    S = config.num_seeds
+    S = config.run.num_seeds
     ppo = make_ppo(config.actor_config(), spec, device)
     net = ppo.net
-    use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
+    use_loop = {"auto": None, "vmap": False, "loop": True}[config.run.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on (rlfunc.algos.shaped)
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)

@@ -32,7 +32,7 @@ Tasks" (parameter sharing, the RWARE tasks); Shao et al. (2024) (GRPO); Zheng et
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
@@ -40,6 +40,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
@@ -85,17 +86,9 @@ class MAPPOConfig:
     value_coef: float = 0.5  # ppo: weight of the value loss
     max_grad_norm: float = 0.5  # global gradient-norm clip
     advantage_std: Literal["group", "batch", "none"] = "group"  # grpo/gspo: group_relative_advantage's std
-    seed: int = 0  # parameters, action sampling and env seeds
-    device: str = "auto"  # "auto" | "cpu" | an accelerator name (rlfunc.device)
-    torch_threads: int = 0  # torch.set_num_threads (0: leave as is)
-    eval_episodes: int = 8  # warehouses (or rware episodes) per eval seed
     eval_seeds: tuple[int, ...] = (1000, 1001, 1002)  # env seeds of the final evaluation
     eval_greedy: bool = False  # evaluate the argmax action instead of sampling
-    checkpoint_every: int = 0  # iterations between snapshots (0: only at the end)
-    keep_checkpoints: int = 2  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
+    run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8))  # seed (parameters, action sampling, envs), device, snapshots (rlfunc.config.RunConfig); torch's threads left as they are, a snapshot only at the end, 2 kept, 8 warehouses (or rware episodes) per eval seed
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -109,11 +102,8 @@ class MAPPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
-        for name in ("torch_threads", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
-                     "version_keep_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{name}={v!r}: expected an int >= 0")
+        require_default(self.run, num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
+                        precision="mappo has no mixed precision", log_every="mappo logs every iteration")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lmbda <= 1):
@@ -152,7 +142,7 @@ PRESETS: dict[str, dict] = {
 
 def preset(env: str, **overrides) -> MAPPOConfig:
     """The preset of ``env`` (MAPPOConfig's defaults for envs without one), then ``overrides``."""
-    return MAPPOConfig(**{**PRESETS.get(env, {}), "env": env, **overrides})
+    return replace(MAPPOConfig(), **{**PRESETS.get(env, {}), "env": env, **overrides})
 
 
 def critic_input(observation: Tensor, critic: str) -> Tensor:
@@ -181,10 +171,10 @@ def critic_in_features(obs_dim: int, n_agents: int, critic: str) -> int:
 
 
 def make_nets(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int) -> Nets:
-    """Actor (out gain 0.01: near-uniform start) and critic (out gain 1) MLPs, seeded by ``config.seed``."""
-    actor = seeded_init(lambda: MLP(obs_dim, n_actions, config.hidden, config.activation, out_gain=0.01), config.seed)
+    """Actor (out gain 0.01: near-uniform start) and critic (out gain 1) MLPs, seeded by ``config.run.seed``."""
+    actor = seeded_init(lambda: MLP(obs_dim, n_actions, config.hidden, config.activation, out_gain=0.01), config.run.seed)
     cin = critic_in_features(obs_dim, n_agents, config.critic)
-    critic = seeded_init(lambda: MLP(cin, 1, config.hidden, config.activation, out_gain=1.0), config.seed + 1)
+    critic = seeded_init(lambda: MLP(cin, 1, config.hidden, config.activation, out_gain=1.0), config.run.seed + 1)
     return Nets(actor, critic)
 
 

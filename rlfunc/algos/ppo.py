@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
@@ -25,6 +25,7 @@ from torch import Tensor
 from rlfunc.algos import ppo_parallel as parallel
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.core.normalize import init_running_stats, normalize, scale_reward, update_running_stats
@@ -82,33 +83,21 @@ class PPOConfig:
     priority_alpha: float = 0.6  # shaping: p_i ~ m_i^alpha (Schaul et al. 2016)
     priority_beta: float = 0.4  # shaping: importance weights (N p_i)^-beta / max, in [0, 1]
     vectorization: Literal["sync", "async"] = "sync"  # gymnasium vector env mode
-    seed: int = 0  # first seed; seed i of --num-seeds is seed + i
-    num_seeds: int = 1  # independent agents trained together (stacked params)
-    device: str = "auto"  # auto | cpu | cuda | npu
-    torch_threads: int = 1  # intra-op CPU threads (0: torch's default); small nets run best on 1
-    vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu)
-    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 1  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     freeze_threshold: float = 0.0  # skip updates of a param leaf whose relative change over a window is below this (0: off)
     freeze_window: int = 10  # iterations per measuring window, and per frozen spell, of freeze_threshold
-    eval_episodes: int = 100  # episodes of the final evaluation (deterministic actions; the protocol asks >= 50)
+    run: RunConfig = field(default_factory=lambda: RunConfig(version_every=1, eval_episodes=100))  # seeds, device, snapshots (rlfunc.config.RunConfig); a version per iteration, 100 evaluation episodes (deterministic actions; the protocol asks >= 50)
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lmbda"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name}={value}: expected a value in [0, 1]")
-        if self.torch_threads < 0 or self.keep_checkpoints < 0 or self.checkpoint_every < 0:
-            raise ConfigError("torch_threads, keep_checkpoints and checkpoint_every must be >= 0")
-        for name in ("version_every", "version_keep_last", "version_keep_every", "freeze_threshold"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
+        require_default(self.run, precision="ppo has no mixed precision", log_every="ppo logs every iteration")
+        if not self.freeze_threshold >= 0:
+            raise ConfigError(f"freeze_threshold={self.freeze_threshold}: expected >= 0")
         if self.freeze_window < 1:
             raise ConfigError(f"freeze_window={self.freeze_window}: expected a positive integer")
-        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "num_seeds"):
+        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.batch_size % self.minibatch_size:
@@ -121,12 +110,8 @@ class PPOConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
         if self.entropy_coef < 0 or self.value_coef < 0:
             raise ConfigError("entropy_coef and value_coef must be >= 0")
-        if not 0 <= self.seed < 2**31 - self.num_seeds:
-            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31 - num_seeds)")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"hidden={self.hidden}: every layer width must be positive")
-        if self.eval_episodes < 1:
-            raise ConfigError(f"eval_episodes={self.eval_episodes}: expected >= 1")
         if self.target_kl is not None and not self.target_kl > 0:
             raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
         if self.activation not in ("tanh", "relu", "elu", "silu"):
@@ -149,7 +134,7 @@ class PPOConfig:
 
     @property
     def seeds(self) -> list[int]:
-        return [self.seed + i for i in range(self.num_seeds)]
+        return self.run.seeds
 
 
 PRESETS: dict[str, dict] = {
@@ -206,7 +191,7 @@ def preset(env: str, shaping: str | None = None, **overrides) -> PPOConfig:
     ``shaping`` (a key of SHAPING_PRESETS, e.g. "ppo-shaped"; None: off), then ``overrides``."""
     if shaping is not None and shaping not in SHAPING_PRESETS:
         raise ConfigError(f"shaping={shaping!r}: expected None or one of {', '.join(map(repr, SHAPING_PRESETS))}")
-    return PPOConfig(**{**PRESETS.get(env, {}), **SHAPING_PRESETS.get(shaping, {}), "env": env, **overrides})
+    return replace(PPOConfig(), **{**PRESETS.get(env, {}), **SHAPING_PRESETS.get(shaping, {}), "env": env, **overrides})
 
 
 class EnvSpec(NamedTuple):
@@ -245,7 +230,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
     per-leaf step counts (0-dim float32) and moments (like "params"); "shaping" when a step transform is on.
     """
-    S, N = config.num_seeds, config.num_envs
+    S, N = config.run.num_seeds, config.num_envs
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
     parallel.check_config(config, W)
     own = parallel.own_rows(rank, W)  # the noise rows of this rank's envs
@@ -257,7 +242,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     gsde = config.exploration == "gsde"
     head = str(len(net.actor) - 1)  # the actor's output layer; body: the layers before it (features z)
     body = torch.nn.Sequential(*list(net.actor)[:-1])
-    use_loop = {"auto": None, "vmap": False, "loop": True}[config.vmap]
+    use_loop = {"auto": None, "vmap": False, "loop": True}[config.run.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos.diffusion_actor import EnvInfo, encoder_config, require_finite
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.core.normalize import init_running_stats, scale_reward, update_running_stats
@@ -81,16 +82,7 @@ class PPOEncoderConfig:
     encoder_blocks: tuple[int, ...] = (1, 1, 1, 1)  # BasicBlocks per stage (ResNet-18: 2 2 2 2)
     freeze_vision: bool = False  # no gradient to the ResNet trunk (pools, proprio, text and fusion still train)
     checkpoint_vision: bool = False  # recompute the trunk's activations in backward (less memory, more compute)
-    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.optim.amp)
-    seed: int = 0  # seeds the parameters, the env resets and the action/minibatch noise
-    device: str = "auto"  # auto | cpu | npu | ... (rlfunc.device)
-    torch_threads: int = 0  # intra-op CPU threads (0: torch's default)
-    checkpoint_every: int = 10  # iterations between snapshots (0: only at the end)
-    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
-    eval_episodes: int = 10  # episodes of the final evaluation (deterministic actions)
+    run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0))  # seed (parameters, env resets, action/minibatch noise), device, precision (autocast of the networks, rlfunc.optim.amp), snapshots, final evaluation (deterministic actions) (rlfunc.config.RunConfig); torch's default threads
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -100,7 +92,9 @@ class PPOEncoderConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size", "eval_episodes"):
+        require_default(self.run, num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
+                        log_every="ppo-encoder logs every iteration")
+        for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.batch_size % self.minibatch_size:
@@ -124,15 +118,6 @@ class PPOEncoderConfig:
         if not self.encoder_widths or len(self.encoder_widths) != len(self.encoder_blocks) or min(*self.encoder_widths, *self.encoder_blocks) < 1:
             raise ConfigError(f"encoder_widths={self.encoder_widths}, encoder_blocks={self.encoder_blocks}: "
                               "expected positive ints, one block count per stage")
-        if self.precision not in ("off", "auto", "bf16", "fp16"):
-            raise ConfigError(f"precision={self.precision!r}: expected off, auto, bf16 or fp16")
-        if not 0 <= self.seed < 2**31:
-            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
-        if self.torch_threads < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
-            raise ConfigError("torch_threads, checkpoint_every and keep_checkpoints must be >= 0")
-        for name in ("version_every", "version_keep_last", "version_keep_every"):
-            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected an integer >= 0")
 
     @property
     def batch_size(self) -> int:
@@ -217,13 +202,13 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
     optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=config.adam_eps))
 
     def init() -> TensorDict:
-        params = func.params_from_module(seeded_init(lambda: EncoderActorCritic(config, info), config.seed).to(device))
+        params = func.params_from_module(seeded_init(lambda: EncoderActorCritic(config, info), config.run.seed).to(device))
         state = TensorDict(
             {
                 "params": params,
                 "return_stats": init_running_stats((), device=device),
                 "discounted_return": torch.zeros(N, 1, device=device),
-                "rng": torch.Generator(device=device).manual_seed(config.seed).get_state(),
+                "rng": torch.Generator(device=device).manual_seed(config.run.seed).get_state(),
                 "iteration": torch.zeros((), dtype=torch.int64, device=device),
                 "env_steps": torch.zeros((), dtype=torch.int64, device=device),
             },

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -24,6 +24,7 @@ from torch import Tensor
 from rlfunc.algos.bc import ema_update_
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
+from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -62,30 +63,20 @@ class TD3DiffusionConfig:
     num_critics: int = 2  # ensemble size (min over members in the target)
     gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
     max_grad_norm: float = 10.0  # global grad-norm clip (actor and critics separately)
-    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks
-    seed: int = 0  # init, env and noise seed
-    device: str = "auto"  # auto | cpu | cuda | npu
-    torch_threads: int = 1  # intra-op CPU threads (0: torch's default)
-    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
-    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
-    version_keep_last: int = 20  # newest versions kept per branch (0: all)
-    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
-    eval_episodes: int = 500  # episodes of the final evaluation
+    run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes
 
     def __post_init__(self) -> None:
         require_finite(self)
-        if self.torch_threads < 0 or self.checkpoint_every < 0 or any(h < 1 for h in self.critic_hidden):
-            raise ConfigError("torch_threads and checkpoint_every must be >= 0 and critic_hidden widths positive")
-        for name in ("keep_checkpoints", "version_every", "version_keep_last", "version_keep_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
+        require_default(self.run, num_seeds="td3-diffusion trains one seed per run",
+                        vmap="td3-diffusion trains one seed per run", log_every="td3-diffusion logs every iteration")
+        if any(h < 1 for h in self.critic_hidden):
+            raise ConfigError(f"critic_hidden={self.critic_hidden}: expected positive widths")
         if not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
         if not 0.0 < self.tau <= 1.0:
             raise ConfigError(f"tau={self.tau}: expected a value in (0, 1]")
         for name in ("total_steps", "num_envs", "num_steps", "updates_per_iteration", "buffer_size",
-                     "batch_size", "policy_delay", "num_critics", "eval_episodes"):
+                     "batch_size", "policy_delay", "num_critics"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.actor.horizon != self.actor.act_steps:
@@ -98,8 +89,6 @@ class TD3DiffusionConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
         if not self.actor_lr > 0 or not self.critic_lr > 0 or not self.max_grad_norm > 0:
             raise ConfigError("actor_lr, critic_lr and max_grad_norm must be > 0")
-        if not 0 <= self.seed < 2**31:
-            raise ConfigError(f"seed={self.seed}: expected an integer in [0, 2**31)")
 
     def num_iterations(self) -> int:
         return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
@@ -137,11 +126,11 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
-        actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.seed)).detach().clone())
+        actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.run.seed)).detach().clone())
         critics = func.init_stacked(
-            lambda s: func.params_from_module(seeded_init(make_critic, s).to(device)), [config.seed + 1 + e for e in range(E)]
+            lambda s: func.params_from_module(seeded_init(make_critic, s).to(device)), [config.run.seed + 1 + e for e in range(E)]
         )
-        gen = torch.Generator(device=device).manual_seed(config.seed)
+        gen = torch.Generator(device=device).manual_seed(config.run.seed)
         state = with_encoder(TensorDict(
             {
                 "params": {"actor": actor_params, "critic": critics},
@@ -155,7 +144,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             },
             batch_size=[],
             device=device,
-        ), actor, encoder_params, config.seed)
+        ), actor, encoder_params, config.run.seed)
         state["optim_critic"] = critic_opt.init(state["params", "critic"])
         state["optim_actor"] = actor_opt.init(state["params", "actor"])
         return state

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 T = TypeVar("T")
 
@@ -45,7 +45,9 @@ _default_rules = contextvars.ContextVar("rlfunc_default_rules", default=False)
 
 def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, description: str) -> T:
     """tyro over ``cls``, an rlfunc config dataclass (its nested configs, e.g. ``--actor.FIELD``, as
-    flags too), from ``default``'s values; ``--help`` shows every field with its comment.
+    flags too; the fields of its :class:`rlfunc.config.RunConfig` ``run`` without the prefix:
+    ``--seed``, ``--device``, ``--checkpoint-every``), from ``default``'s values; ``--help`` shows
+    every field with its comment.
 
     tyro builds each config dataclass as an unbuilt record (a struct rule of tyro's public
     ``ConstructorRegistry`` around its own dataclass rule); the configs are then constructed here,
@@ -57,6 +59,8 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
     """
     import tyro
     from tyro.constructors import ConstructorRegistry, StructConstructorSpec
+
+    from rlfunc.config import RunConfig
 
     registry = ConstructorRegistry()
 
@@ -71,7 +75,9 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
             _default_rules.reset(token)
         if not isinstance(spec, StructConstructorSpec):
             return spec
-        return dataclasses.replace(spec, instantiate=functools.partial(_Unbuilt, info.type))
+        fields = tuple(dataclasses.replace(f, type=Annotated[f.type, tyro.conf.OmitArgPrefixes])
+                       if f.type is RunConfig else f for f in spec.fields)  # --seed, not --run.seed
+        return dataclasses.replace(spec, fields=fields, instantiate=functools.partial(_Unbuilt, info.type))
 
     parsed = tyro.cli(cls, args=args, default=default, prog=prog, description=description, registry=registry)
     return parsed.build() if isinstance(parsed, _Unbuilt) else parsed

@@ -27,7 +27,7 @@ def _train(name: str, argv: list[str], what: str) -> int:
         cls, args=rest, default=cls(),
         prog=f"rlfunc train {name}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{name}-sSEED-TIME).",
     )
-    result = fn(config, known.run_dir or default_run_dir(config.env, name, config.seed))
+    result = fn(config, known.run_dir or default_run_dir(config.env, name, config.run.seed))
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` or start a new run from it with "
                               f"`--init-from {result.run_dir}`")
 

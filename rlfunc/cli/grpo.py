@@ -34,5 +34,5 @@ def train(algo: str, argv: list[str]) -> int:
         from rlfunc.errors import ConfigError
 
         raise ConfigError(f"--loss={config.loss}: the loss is chosen by the subcommand (`rlfunc train {config.loss}`)")
-    result = train_grpo(config, known.run_dir or default_run_dir(config.env, algo, config.seed))
+    result = train_grpo(config, known.run_dir or default_run_dir(config.env, algo, config.run.seed))
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfunc.algos.mappo import PRESETS, MAPPOConfig
+from rlfunc.algos.mappo import MAPPOConfig, preset
 from rlfunc.cli.common import default_run_dir, parse_config, report_run
 
 
@@ -19,12 +19,12 @@ def train(name: str, argv: list[str]) -> int:
     env_arg = argparse.ArgumentParser(add_help=False)
     env_arg.add_argument("--env", default=MAPPOConfig.env)
     known.env = env_arg.parse_known_args(rest)[0].env
-    defaults = MAPPOConfig(**{**PRESETS.get(known.env, {}), "env": known.env})  # the env's preset (algos.mappo.PRESETS)
+    defaults = preset(known.env)  # the env's preset (algos.mappo.PRESETS)
     config = parse_config(
         MAPPOConfig, args=rest, default=defaults, prog="rlfunc train mappo",
         description="Shared-parameter multi-agent PPO (IPPO; --critic mean|concat: MAPPO's centralised critic) or "
         "its critic-free GRPO / GSPO variants (--loss grpo|gspo, grouped rollouts from one start state) on "
         "Warehouse-v0 or an rware id. Also: --run-dir DIR (default runs/ENV-mappo-LOSS-sSEED-TIME).",
     )
-    result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"{name}-{config.loss}", config.seed))
+    result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"{name}-{config.loss}", config.run.seed))
     return report_run(result)

@@ -40,7 +40,7 @@ def train(name: str, argv: list[str]) -> int:
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME); "
         "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
     )
-    run_dir = known.run_dir or default_run_dir(config.env, name, config.seed)
+    run_dir = known.run_dir or default_run_dir(config.env, name, config.run.seed)
     return report_run(train(config, run_dir, final_eval=True))
 
 

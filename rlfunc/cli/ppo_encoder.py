@@ -24,5 +24,5 @@ def train(name: str, argv: list[str]) -> int:
         description="Train Gaussian PPO with a multimodal encoder (Dict observation: cameras, proprio, instruction). "
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-encoder-sSEED-TIME).",
     )
-    result = train_ppo_encoder(config, known.run_dir or default_run_dir(config.env, name, config.seed))
+    result = train_ppo_encoder(config, known.run_dir or default_run_dir(config.env, name, config.run.seed))
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

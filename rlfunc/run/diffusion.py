@@ -57,6 +57,7 @@ from rlfunc.algos.diffusion_actor import (
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
+from rlfunc.config import from_dict
 from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
@@ -81,9 +82,9 @@ DiffusionResult = RunResult  # what these runs returned before rlfunc.run: (stat
 def _setup(config) -> torch.device:
     """The run's device, once ``config.env`` is known to be one the actor runs on (EnvError if not)."""
     check_env(config.env)
-    device = resolve_device(config.device)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
+    device = resolve_device(config.run.device)
+    if config.run.torch_threads:
+        torch.set_num_threads(config.run.torch_threads)
     return device
 
 
@@ -190,8 +191,9 @@ def evaluate_run(
     spec, params, obs_stats, meta, info, encoder = load_actor(run_dir, dev)
     config = meta.get("config")
     try:
-        episodes = int(config.get("eval_episodes", 500)) if episodes is None else episodes
-        seed = int(config.get("seed", 0)) if seed is None else seed
+        run = config.get("run", config)  # RunConfig's fields nested, or flat (written before RunConfig)
+        episodes = int(run.get("eval_episodes", 500)) if episodes is None else episodes
+        seed = int(run.get("seed", 0)) if seed is None else seed
         eta = float(config.get("eval_eta", 0.0)) if eta is None else eta
     except (AttributeError, TypeError, ValueError):
         raise CheckpointError(f"{run_dir}: meta.json holds no valid config (eval_episodes, seed, eval_eta)") from None
@@ -231,14 +233,7 @@ def config_from_meta(meta: dict, path, algo: str | None = None) -> BCConfig | DP
     if got not in _algos() or (algo is not None and got != algo):
         expected = f"a {_algos_phrase()}" if algo is None else f"a {algo}"
         raise CheckpointError(f"{path}: algo={got!r}: expected {expected} snapshot")
-    try:
-        raw = dict(meta["config"])
-        raw["actor"] = ActorSpec(**dict(raw["actor"]))
-        if "critic_hidden" in raw:
-            raw["critic_hidden"] = tuple(raw["critic_hidden"])
-        return algorithms.resolve(algorithms.lookup(got).config)(**raw)
-    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
-        raise CheckpointError(f"{path}: meta.json holds no valid {got} config ({e})") from None
+    return from_dict(algorithms.resolve(algorithms.lookup(got).config), meta.get("config"), path, algo=got)
 
 
 # ------------------------------------------------------------------------------------------ the runs
@@ -286,7 +281,7 @@ class DiffusionRun(Run):
     def __init__(self, config, device: torch.device, name: str) -> None:
         _setup(config)
         self.config, self.device, self.name = config, device, name
-        self.prec = precision(device, config.precision)
+        self.prec = precision(device, config.run.precision)
 
     def _finetune(self, make, config, resumed: bool) -> None:
         """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
@@ -295,8 +290,8 @@ class DiffusionRun(Run):
         self.config = config  # a new run's config is re-validated with init_from's actor spec
         self.algo = make(config, config.actor, self.info, self.info.act_dim, self.device)
         self.state = self.algo.init(params, obs_stats, encoder)
-        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, self.device, config.seed)
-        self.gen = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, self.device, config.run.seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(config.run.seed)
 
     @property
     def variable(self) -> tuple[str, ...]:
@@ -399,7 +394,7 @@ class DiffusionRun(Run):
         key, encoder_key = algorithms.lookup(self.name).deploy
         config, state = self.config, self.state
         return evaluate_episodes(self.algo.actor, state[key], state["obs_stats"], state["schedule"], config.env,
-                                 config.eval_episodes, seed=config.seed + EVAL_SEED_OFFSET,
+                                 config.run.eval_episodes, seed=config.run.seed + EVAL_SEED_OFFSET,
                                  eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None))
 
     def close(self) -> None:
@@ -425,10 +420,10 @@ class BCRun(DiffusionRun):
         check_expert(config.env)
         self.info = env_info(config.env)
         self.algo = make_bc(config, self.info, self.info.act_dim, device)  # checks the encoder settings before the demos are collected
-        dataset, self.demos = expert_demonstrations(config.env, config.num_demos, config.actor.horizon, seed=config.seed,
+        dataset, self.demos = expert_demonstrations(config.env, config.num_demos, config.actor.horizon, seed=config.run.seed,
                                                     noise_std=config.demo_noise_std, device=device)
         self.dataset = dataset.select(*self.info.obs_keys, "action")
-        self.gen = torch.Generator(device=device).manual_seed(config.seed)
+        self.gen = torch.Generator(device=device).manual_seed(config.run.seed)
         self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the learner owns the optimizer
         self.pending, self.count = None, 0  # metrics summed since the last metrics line
         self.total = config.num_updates
@@ -459,7 +454,7 @@ class BCRun(DiffusionRun):
             self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
         self.pending = metrics if self.pending is None else self.pending + metrics
         self.count += 1
-        if not (i % self.config.log_every == 0 or i == self.total or stopping):
+        if not (i % self.config.run.log_every == 0 or i == self.total or stopping):
             return None
         record = {"iteration": i, "step": i, **(self.pending / self.count).to_dict()}
         self.pending, self.count = None, 0

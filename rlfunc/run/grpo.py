@@ -31,6 +31,7 @@ from tensordict import TensorDict
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.core.stats import summarize_returns
+from rlfunc.config import from_dict
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
@@ -64,9 +65,9 @@ class RolloutEnv(NamedTuple):
 
 
 def _rollout_env(config: GRPOConfig, device: torch.device) -> RolloutEnv:
-    S, n, G, T = config.num_seeds, config.num_groups, config.group_size, config.max_episode_steps
+    S, n, G, T = config.run.num_seeds, config.num_groups, config.group_size, config.max_episode_steps
     if config.use_torch_env:
-        env = registry.torch_builder(config.env)(S * n * G, device=device, seed=config.seed)
+        env = registry.torch_builder(config.env)(S * n * G, device=device, seed=config.run.seed)
 
         def rollout(policy, iteration: int) -> TensorDict:
             return grouped_rollout_torchrl(env, policy, G, T).reshape(S, n, G, -1)
@@ -82,7 +83,7 @@ def _rollout_env(config: GRPOConfig, device: torch.device) -> RolloutEnv:
     venv = collect.make_vec_env(config.env, S * n * G)
 
     def rollout(policy, iteration: int) -> TensorDict:
-        seeds = group_seeds(config.seed, iteration, S * n)
+        seeds = group_seeds(config.run.seed, iteration, S * n)
         return grouped_rollout_gym(venv, policy, seeds, G, T, device=device).reshape(S, n, G, T)
 
     return RolloutEnv(rollout, venv.close, lambda: None, lambda saved: None)
@@ -112,8 +113,8 @@ class GRPORun(Run):
 
     def __init__(self, config: GRPOConfig, device: torch.device) -> None:
         collect.check_env_id(config.env)
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        if config.run.torch_threads:
+            torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, config.loss
         self.spec = _spec(config.env)
         self.algo = make_grpo(config, self.spec, device)
@@ -122,7 +123,7 @@ class GRPORun(Run):
         self.env = _rollout_env(config, device)
 
     def step(self, i: int, stopping: bool) -> dict:
-        config, S = self.config, self.config.num_seeds
+        config, S = self.config, self.config.run.num_seeds
         t0 = time.perf_counter()
         gens = _generators(self.state, self.device)
         with span("rollout"):
@@ -165,7 +166,7 @@ class GRPORun(Run):
         return upgrade_layout_1(loaded, meta, where, self.saved()[0], algo="grpo/gspo", commit=LAYOUT_1_COMMIT)
 
     def evaluate(self) -> dict:
-        return evaluate_policy(self.config, self.state, self.spec, self.device, self.config.eval_episodes, self.config.seed)
+        return evaluate_policy(self.config, self.state, self.spec, self.device, self.config.run.eval_episodes, self.config.run.seed)
 
     def close(self) -> None:
         self.env.close()
@@ -179,13 +180,13 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
         :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed.
     """
     algo = make_grpo(config, spec, device)
-    venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
+    venv = collect.make_vec_env(config.env, config.run.num_seeds * episodes)
     try:
-        seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(seed + EVAL_SEED_OFFSET + i, episodes)]
+        seeds = [s for i in range(config.run.num_seeds) for s in collect.env_seeds(seed + EVAL_SEED_OFFSET + i, episodes)]
         returns = collect.episode_returns(venv, algo.policy(state, [], deterministic=True), seeds, device=device)
     finally:
         venv.close()
-    per_seed = returns.view(config.num_seeds, episodes)
+    per_seed = returns.view(config.run.num_seeds, episodes)
     return {
         "env": config.env,
         **summarize_returns(returns),
@@ -199,12 +200,7 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot") -> GRPOConfig:
     """The GRPOConfig of a grpo/gspo snapshot's meta; CheckpointError naming ``path`` if invalid."""
     if meta.get("algo") not in ("grpo", "gspo"):
         raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'grpo' or 'gspo'")
-    try:
-        cfg = dict(meta["config"])
-        cfg["hidden"] = tuple(int(h) for h in cfg["hidden"])
-        return GRPOConfig(**cfg)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: snapshot config is not a valid GRPOConfig: {e}") from e
+    return from_dict(GRPOConfig, meta.get("config"), path, algo=meta["algo"])
 
 
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
@@ -223,7 +219,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     meta = checkpoint.load_meta(snap)
     config = config_from_meta(meta, snap)
     state_layout(str(snap), meta, "grpo/gspo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
-    episodes = config.eval_episodes if episodes is None else episodes
+    episodes = config.run.eval_episodes if episodes is None else episodes
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     dev = resolve_device(device)
@@ -234,7 +230,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), like, generators="fresh")
     with torch.no_grad():
         like.update_(learner)
-    return evaluate_policy(config, like, spec, dev, episodes, config.seed if seed is None else seed)
+    return evaluate_policy(config, like, spec, dev, episodes, config.run.seed if seed is None else seed)
 
 
 def train_grpo(

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from tensordict import TensorDict
 
+from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint, versions
@@ -54,8 +55,10 @@ class Cadence(NamedTuple):
 
 
 def cadence(config: Any) -> Cadence:
-    """The :class:`Cadence` a config asks for: its fields of those names, the defaults for those it lacks."""
-    return Cadence(**{f: getattr(config, f) for f in Cadence._fields if hasattr(config, f)})
+    """The :class:`Cadence` an algorithm's config asks for: its ``run``'s fields of those names
+    (:class:`rlfunc.config.RunConfig`), the defaults for a config without ``run``."""
+    run = getattr(config, "run", None)
+    return Cadence(**{f: getattr(run, f) for f in Cadence._fields if hasattr(run, f)})
 
 
 class Run:
@@ -333,10 +336,10 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
         config = from_meta(meta, name)
         if total_steps is not None:
             check_budget(total_steps, unit)
-            config = dataclasses.replace(config, **{budget_field: total_steps})
+            config = replace(config, **{budget_field: total_steps})
         if device is not None:
             resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
-            config = dataclasses.replace(config, device=str(device))
+            config = replace(config, device=str(device))
     else:
         if total_steps is not None:
             raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
@@ -344,7 +347,7 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
             raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
         if not isinstance(config, config_type):
             raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
-    built = build(config, resolve_device(config.device))
+    built = build(config, resolve_device(config.run.device))
     try:
         time_offset = 0.0
         if source is not None:
@@ -353,10 +356,10 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
                 raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
             if total_steps is not None:
                 check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), unit)
-            load(built, run_dir, source, resolve_device(config.device))
+            load(built, run_dir, source, resolve_device(config.run.device))
             time_offset = truncate_metrics(run_dir, built.done())
         return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
                         progress=progress, tensorboard=tensorboard, profile=profile,
-                        device=resolve_device(config.device))
+                        device=resolve_device(config.run.device))
     finally:
         built.close()

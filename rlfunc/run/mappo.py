@@ -37,6 +37,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
+from rlfunc.config import from_dict, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_reset
@@ -136,7 +137,7 @@ def _episode_returns(reward: torch.Tensor, done: torch.Tensor, running: torch.Te
 
 def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.device) -> dict:
     """eval.json's content for ``state`` (see the module docstring)."""
-    gen = torch.Generator(device=device).manual_seed(config.seed + 12345)
+    gen = torch.Generator(device=device).manual_seed(config.run.seed + 12345)
 
     def act(obs, mask):
         return algo.act(state, obs, mask, gen, config.eval_greedy)[0]
@@ -175,8 +176,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     if not all(type(v) is int and v >= 1 for v in dims.values()):
         raise CheckpointError(f"{snap}: meta.json {dims}: expected ints >= 1")
     dev = resolve_device(device)
-    config = dataclasses.replace(config, device=str(dev),
-                                 eval_episodes=config.eval_episodes if episodes is None else episodes,
+    config = replace(config, device=str(dev),
+                                 eval_episodes=config.run.eval_episodes if episodes is None else episodes,
                                  eval_seeds=config.eval_seeds if seed is None else (seed,))
     algo = make_mappo(config, dims["obs_dim"], dims["n_agents"], dims["n_actions"], dev)
     state = algo.init().exclude("optim")
@@ -191,13 +192,7 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot") -> MAPPOConfig:
     """The MAPPOConfig of a mappo snapshot's meta; CheckpointError naming ``path`` if invalid."""
     if meta.get("algo") != "mappo":
         raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'mappo'")
-    try:
-        cfg = dict(meta["config"])
-        cfg["hidden"] = tuple(int(h) for h in cfg["hidden"])
-        cfg["eval_seeds"] = tuple(int(s) for s in cfg["eval_seeds"])
-        return MAPPOConfig(**cfg)
-    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
-        raise CheckpointError(f"{path}: snapshot config is not a valid MAPPOConfig: {e}") from e
+    return from_dict(MAPPOConfig, meta.get("config"), path, algo="mappo")
 
 
 def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
@@ -221,11 +216,11 @@ class MAPPORun(Run):
     """
 
     def __init__(self, config: MAPPOConfig, device: torch.device) -> None:
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        if config.run.torch_threads:
+            torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, f"mappo-{config.loss}"
         self.settable = env_entry(config).settable_state
-        self.env = env = make_env(config, config.num_envs, device, config.seed)
+        self.env = env = make_env(config, config.num_envs, device, config.run.seed)
         self.obs_dim = env.observation_spec["agents", "observation"].shape[-1]
         self.n_actions = env.action_spec["agents", "action"].n
         self.n_agents = env.n_agents
@@ -234,7 +229,7 @@ class MAPPORun(Run):
         self.algo = make_mappo(config, self.obs_dim, self.n_agents, self.n_actions, device)
         self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
         self.total = config.num_iterations
-        self.gen = torch.Generator(device=device).manual_seed(config.seed)
+        self.gen = torch.Generator(device=device).manual_seed(config.run.seed)
         self.carry = env.reset()
         self.carry_keys = list(self.carry.keys(True, True))  # what a step reads of the carry (not the stale action)
         self.running = torch.zeros(config.num_envs, device=device)  # team return of each env's episode so far

@@ -43,6 +43,7 @@ from tensordict import TensorDict
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import mean_interval, success_interval, summarize_returns
+from rlfunc.config import from_dict, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
@@ -200,16 +201,15 @@ def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> 
     """
     if meta.get("algo") != "ppo":
         raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'ppo'")
+    config = from_dict(PPOConfig, meta.get("config"), path, algo="ppo")
     try:
-        cfg = {**dict(meta["config"]), **overrides}
-        cfg["hidden"] = tuple(int(h) for h in cfg["hidden"])
-        return PPOConfig(**cfg)
-    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
-        raise CheckpointError(f"{path}: snapshot config is not a valid PPOConfig: {e}") from e
+        return replace(config, **overrides)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: snapshot config is not a valid PPOConfig with {overrides}: {e}") from e
 
 
 class PPORun(Run):
-    """A PPO run as :func:`rlfunc.run.run_loop` drives it: ``config.num_seeds * config.num_envs``
+    """A PPO run as :func:`rlfunc.run.run_loop` drives it: ``config.run.num_seeds * config.num_envs``
     gymnasium envs, the learner state of ``make_ppo(config, ...)``, the rollout carry and, with
     ``freeze_threshold`` > 0, the freeze tracker. A snapshot or version holds
     :func:`_saved_state` of them; its meta the env's state (``collect.env_state``: None for envs whose
@@ -218,7 +218,7 @@ class PPORun(Run):
     Args:
         config: the run's hyperparameters. device: where the learner state lives.
         final_eval: :meth:`evaluate` gives the final evaluation (:func:`evaluate` of the last
-            snapshot, ``config.eval_episodes`` per seed); False: None (no eval.json).
+            snapshot, ``config.run.eval_episodes`` per seed); False: None (no eval.json).
 
     Raises:
         EnvError: ``config.env`` cannot be built, or has no Box observations and actions.
@@ -233,10 +233,10 @@ class PPORun(Run):
         self.config, self.device, self.final_eval = config, device, final_eval
         self.run_dir: Path | None = None  # set by open()
         self.total = config.num_iterations
-        self.venv = collect.make_vec_env(config.env, config.num_seeds * config.num_envs, vectorization=config.vectorization)
+        self.venv = collect.make_vec_env(config.env, config.run.num_seeds * config.num_envs, vectorization=config.vectorization)
         try:
-            if config.torch_threads:
-                torch.set_num_threads(config.torch_threads)
+            if config.run.torch_threads:
+                torch.set_num_threads(config.run.torch_threads)
             self.spec = env_spec(self.venv)
             self.algo: PPO = make_ppo(config, self.spec, device)
             self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
@@ -250,7 +250,7 @@ class PPORun(Run):
 
     def step(self, i: int, stopping: bool) -> dict:
         config = self.config
-        S, N, T = config.num_seeds, config.num_envs, config.num_steps
+        S, N, T = config.run.num_seeds, config.num_envs, config.num_steps
         it = i - 1  # iterations done before this one
         t0 = time.perf_counter()
         gens = _generators(self.state, self.device)
@@ -327,11 +327,11 @@ class PPORun(Run):
 
     def evaluate(self) -> dict | None:
         """With ``final_eval``: :func:`evaluate` of the run's latest snapshot (the one the loop wrote
-        at the end of the budget) on ``config.eval_episodes`` episodes per seed, so eval.json is
+        at the end of the budget) on ``config.run.eval_episodes`` episodes per seed, so eval.json is
         what ``rlfunc eval RUN_DIR`` repeats. Else None."""
         if not self.final_eval:
             return None
-        return evaluate(self.run_dir, self.config.eval_episodes, device=self.config.device)
+        return evaluate(self.run_dir, self.config.run.eval_episodes, device=self.config.run.device)
 
     def close(self) -> None:
         self.venv.close()
@@ -368,7 +368,7 @@ def train(
             a run continues exactly only on the device type it ran on (its generator states are
             device-specific).
         final_eval: when the budget is done, :func:`evaluate` the latest snapshot (the final
-            policy; ``config.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
+            policy; ``config.run.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
             and the result's ``evaluation``, as ``rlfunc train ppo`` and ``rlfunc resume`` do;
             False: no evaluation (None).
         profile: record this many iterations (after a warm-up) with the device's profiler into
@@ -417,14 +417,14 @@ def evaluate(
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
     trained = config_from_meta(checkpoint.load_meta(path), path)
-    episodes = trained.eval_episodes if episodes is None else episodes
+    episodes = trained.run.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
-    config = dataclasses.replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
-    venv = collect.make_vec_env(config.env, config.num_seeds * episodes)
+    config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
+    venv = collect.make_vec_env(config.env, config.run.num_seeds * episodes)
     try:
         spec = env_spec(venv)
         like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
-        carry = collect.empty_carry(trained.num_seeds * trained.num_envs, spec.obs_dim)
+        carry = collect.empty_carry(trained.run.num_seeds * trained.num_envs, spec.obs_dim)
         freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
         # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
         loaded = _load_snapshot(path, _saved_state(like, carry, freeze), dev)
@@ -433,12 +433,12 @@ def evaluate(
         with torch.no_grad():
             state["params"].update_(loaded["learner", "params"])
             state["obs_stats"].update_(loaded["learner", "obs_stats"])
-        base = (config.seed if seed is None else seed) + EVAL_SEED_OFFSET
-        seeds = [s for i in range(config.num_seeds) for s in collect.env_seeds(base + i, episodes)]
+        base = (config.run.seed if seed is None else seed) + EVAL_SEED_OFFSET
+        seeds = [s for i in range(config.run.num_seeds) for s in collect.env_seeds(base + i, episodes)]
         returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)
     finally:
         venv.close()
-    per_seed = returns.view(config.num_seeds, episodes)
+    per_seed = returns.view(config.run.num_seeds, episodes)
     out = {
         "env": config.env,
         **summarize_returns(returns),
@@ -446,7 +446,7 @@ def evaluate(
         "per_seed_mean": per_seed.mean(1).tolist(),
         "env_steps": int(loaded["learner", "env_steps"]),
     }
-    if config.num_seeds > 1:
+    if config.run.num_seeds > 1:
         out["per_seed_ci95"] = [list(mean_interval(r)) if episodes > 1 else None for r in per_seed]
     if success is not None:  # envs that report info["is_success"] (Push-v0, PushState-v0, ...)
         out["success_rate"] = float(success.float().mean())

@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from rlfunc.algos.diffusion_actor import EnvInfo, check_env, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
 from rlfunc.core import func
+from rlfunc.config import from_dict
 from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
@@ -110,17 +111,17 @@ class EncoderRun(Run):
 
     def __init__(self, config: PPOEncoderConfig, device: torch.device, *, evaluate_at_end: bool = True) -> None:
         check_env(config.env)
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        if config.run.torch_threads:
+            torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.evaluate_at_end = config, device, evaluate_at_end
         self.info = env_info(config.env)
         check_dict_info(self.info, config.env)
-        self.algo = make_ppo_encoder(config, self.info, device, precision(device, config.precision))
+        self.algo = make_ppo_encoder(config, self.info, device, precision(device, config.run.precision))
         self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
         self.total = config.num_iterations
-        self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=device).manual_seed(config.run.seed)
         self.success = reports_success(config.env)
-        self.env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.seed)
+        self.env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.run.seed)
         self.carry = self.env.reset()
 
     def step(self, i: int, stopping: bool) -> dict:
@@ -194,7 +195,7 @@ class EncoderRun(Run):
     def evaluate(self) -> dict | None:
         if not self.evaluate_at_end:
             return None
-        return evaluate_state(self.config, self.info, self.state, self.config.eval_episodes, device=self.device)
+        return evaluate_state(self.config, self.info, self.state, self.config.run.eval_episodes, device=self.device)
 
     def close(self) -> None:
         self.env.close()
@@ -225,7 +226,7 @@ def train_ppo_encoder(
     Returns:
         RunResult(state, run_dir, evaluation, interrupted): ``state`` is the learner state without its
         optimizer's (the snapshot's "learner"; the Adam state is its "optim"); ``evaluation`` is
-        :func:`evaluate_state`'s dict on ``config.eval_episodes`` episodes (None when a signal stopped
+        :func:`evaluate_state`'s dict on ``config.run.eval_episodes`` episodes (None when a signal stopped
         the run or ``evaluate_at_end`` is False); ``interrupted`` names the signal (SIGINT/SIGTERM)
         that stopped it after a snapshot.
 
@@ -278,10 +279,7 @@ def config_from_meta(meta: dict, path) -> PPOEncoderConfig:
     """The PPOEncoderConfig of a snapshot's meta; CheckpointError when it is not a valid encoder-PPO one."""
     if meta.get("algo") != ALGO:
         raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected {ALGO!r}")
-    try:
-        return PPOEncoderConfig(**dict(meta["config"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: snapshot config is not a valid PPOEncoderConfig: {e}") from e
+    return from_dict(PPOEncoderConfig, meta.get("config"), path, algo=ALGO)
 
 
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto",
@@ -306,7 +304,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     meta = checkpoint.load_meta(snap)
     config = config_from_meta(meta, snap)
     state_layout(str(snap), meta, ALGO)  # layouts 1 and 2 keep the same "learner" (the optimizer aside)
-    episodes = config.eval_episodes if episodes is None else episodes
+    episodes = config.run.eval_episodes if episodes is None else episodes
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     try:
@@ -342,7 +340,7 @@ def evaluate_state(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict, e
             that ended; "unfinished" counts the others).
     """
     algo = make_ppo_encoder(config, info, device)
-    base = (config.seed + EVAL_SEED_OFFSET) if seed is None else seed
+    base = (config.run.seed + EVAL_SEED_OFFSET) if seed is None else seed
     returns, successes, done = [], [], 0
     limit = None
     for r in range(-(-episodes // max_envs)):

@@ -61,6 +61,7 @@ from rlfunc.run.checkpoint import (
     _match_like,
     _one_line,
 )
+from rlfunc.config import RUN_FIELDS
 from rlfunc.device import resolve_device
 from rlfunc.errors import CheckpointError, ConfigError
 
@@ -376,9 +377,20 @@ def diff_versions(run_dir: str | os.PathLike, a: str, b: str) -> dict:
         for name in sorted(fa)
         if name.startswith(PARAMS_PREFIX) and name in fb and fa[name].shape == fb[name].shape
     }
-    ca, cb = ma["meta"].get("config", {}), mb["meta"].get("config", {})
+    ca, cb = _flat_config(ma["meta"].get("config", {})), _flat_config(mb["meta"].get("config", {}))
     hyper = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
     return {"from": a, "to": b, "steps": mb["step"] - ma["step"], "layers": layers, "hyperparameters": hyper}
+
+
+def _flat_config(config: object) -> dict:
+    """A config's JSON form with its RunConfig fields as "run.NAME", whether nested in "run" or flat
+    (written before RunConfig), so that versions of both layouts compare field by field."""
+    if not isinstance(config, dict):
+        return {}
+    run = config.get("run") if isinstance(config.get("run"), dict) else {}
+    flat = {k: v for k, v in config.items() if k != "run" or not run}
+    out = {(f"run.{k}" if k in RUN_FIELDS else k): v for k, v in flat.items()}
+    return {**out, **{f"run.{k}": v for k, v in run.items()}}
 
 
 def current_branch(run_dir: str | os.PathLike) -> str:

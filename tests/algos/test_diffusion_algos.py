@@ -7,6 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
@@ -27,7 +28,7 @@ SMALL = ActorSpec(hidden=(128, 128, 128), horizon=4, act_steps=4, num_train_step
 @pytest.fixture(scope="module")
 def bc_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("bc") / "run"
-    config = BCConfig(actor=SMALL, num_demos=300, num_updates=2000, batch_size=512, lr=3e-3, ema_decay=0.99,
+    config = replace(BCConfig(), actor=SMALL, num_demos=300, num_updates=2000, batch_size=512, lr=3e-3, ema_decay=0.99,
                       log_every=500, checkpoint_every=1000, eval_episodes=400, device="cpu")
     return train_bc(config, d, progress=False, tensorboard=False)
 
@@ -97,7 +98,7 @@ def test_evaluate_run_matches_the_final_evaluation(bc_run):
 
 def _dppo(bc_run, **kw):
     spec, params, obs_stats, *_ = load_actor(bc_run.run_dir, CPU)
-    config = DPPOConfig(**{"num_envs": 32, "num_steps": 8, "minibatch_size": 256, "num_epochs": 1, "device": "cpu", **kw})
+    config = replace(DPPOConfig(), **{"num_envs": 32, "num_steps": 8, "minibatch_size": 256, "num_epochs": 1, "device": "cpu", **kw})
     algo = make_dppo(config, spec, 6, 2, CPU)
     state = algo.init(params, obs_stats)
     env = make_env("PointReach-v0", 32, spec.act_steps, CPU, 0)
@@ -117,7 +118,7 @@ def test_dppo_first_update_starts_at_ratio_one(bc_run, likelihood, prec):
     if likelihood == "chain":
         assert batch["chain"].shape == (32, 8, 11, 4, 2)
         torch.testing.assert_close(batch["chain"][:, :, -1], batch["action"])
-    new, metrics = algo.iteration(state, batch, gen, precision(CPU, config.precision))  # steps state["optim_all"]
+    new, metrics = algo.iteration(state, batch, gen, precision(CPU, config.run.precision))  # steps state["optim_all"]
     assert float(metrics["approx_kl"]) == pytest.approx(0.0, abs=1e-6)
     assert float(metrics["clip_fraction"]) == 0.0
     assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=1e-4)
@@ -151,7 +152,7 @@ def test_dppo_finetune_steps_keeps_the_frozen_prefix(bc_run):
 
 
 def test_dppo_run_from_bc(bc_run, tmp_path):
-    config = DPPOConfig(init_from=str(bc_run.run_dir), total_steps=2 * 64 * 8 * 4, num_envs=64, num_steps=8,
+    config = replace(DPPOConfig(), init_from=str(bc_run.run_dir), total_steps=2 * 64 * 8 * 4, num_envs=64, num_steps=8,
                         minibatch_size=256, num_epochs=2, eval_episodes=64, checkpoint_every=1, device="cpu")
     result = train_dppo(config, tmp_path / "dppo", progress=False, tensorboard=False)
     records = [json.loads(l) for l in (tmp_path / "dppo" / "metrics.jsonl").read_text().splitlines()]
@@ -164,7 +165,7 @@ def test_dppo_run_from_bc(bc_run, tmp_path):
 
 def test_td3_diffusion_run(tmp_path):
     actor = ActorSpec(hidden=(64, 64), horizon=1, act_steps=1, num_train_steps=9, ddim_steps=3)
-    config = TD3DiffusionConfig(actor=actor, total_steps=3 * 32 * 30, num_envs=32, num_steps=30, warmup_steps=1000,
+    config = replace(TD3DiffusionConfig(), actor=actor, total_steps=3 * 32 * 30, num_envs=32, num_steps=30, warmup_steps=1000,
                                 updates_per_iteration=8, batch_size=64, critic_hidden=(64, 64), eval_episodes=32,
                                 device="cpu")
     result = train_td3_diffusion(config, tmp_path / "td3", progress=False, tensorboard=False)
@@ -182,7 +183,7 @@ def test_td3_diffusion_run(tmp_path):
 def test_runs_from_bc_record_and_use_the_bc_actor(bc_run, tmp_path):
     """td3-diffusion --init-from a bc run (horizon 4 = act_steps 4): config.json records the bc
     actor, and the step budget counts its 4 actions per chunk (it once used the default's 1)."""
-    config = TD3DiffusionConfig(init_from=str(bc_run.run_dir), total_steps=2 * 16 * 8 * 4, num_envs=16, num_steps=8,
+    config = replace(TD3DiffusionConfig(), init_from=str(bc_run.run_dir), total_steps=2 * 16 * 8 * 4, num_envs=16, num_steps=8,
                                 warmup_steps=0, updates_per_iteration=2, batch_size=32, eval_episodes=8, device="cpu")
     result = train_td3_diffusion(config, tmp_path / "td3", progress=False, tensorboard=False)
     records = [json.loads(l) for l in (tmp_path / "td3" / "metrics.jsonl").read_text().splitlines()]
@@ -215,7 +216,7 @@ def test_signal_stops_a_run_with_a_snapshot(tmp_path, monkeypatch):
         return algo._replace(iteration=iteration)
 
     monkeypatch.setattr(td, "make_bc", make_bc)
-    config = BCConfig(actor=ActorSpec(hidden=(32, 32), ddim_steps=5), num_demos=10, num_updates=1000, batch_size=32,
+    config = replace(BCConfig(), actor=ActorSpec(hidden=(32, 32), ddim_steps=5), num_demos=10, num_updates=1000, batch_size=32,
                       log_every=100, eval_episodes=8, device="cpu")
     result = td.train_bc(config, tmp_path / "bc", progress=False, tensorboard=False)
     assert result.interrupted == "SIGINT" and result.evaluation is None
@@ -281,11 +282,11 @@ def test_bc_config_errors():
         ActorSpec(num_train_steps=20, ddim_steps=11)
     for bad in (dict(eta=float("nan")), dict(output_noise_std=float("inf")), dict(clip_rate=float("nan"))):
         with pytest.raises(ConfigError, match="finite"):
-            DPPOConfig(**bad)
+            replace(DPPOConfig(), **bad)
     with pytest.raises(ConfigError, match="weight_decay"):
         BCConfig(weight_decay=-1.0)
     with pytest.raises(ConfigError, match="torch_threads"):
-        TD3DiffusionConfig(torch_threads=-3)
+        replace(TD3DiffusionConfig(), torch_threads=-3)
 
 
 def test_ema_is_a_lerp():

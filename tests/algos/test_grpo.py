@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlfunc.config import replace
 from rlfunc.core.returns import group_relative_advantage
 from rlfunc.errors import ConfigError, EnvError, ShapeError
 from rlfunc.losses.grpo import grpo_loss, k3_kl, masked_aggregate
@@ -415,7 +416,7 @@ def _point_reach_setup(**overrides):
     from rlfunc.algos.grpo import GRPOConfig, make_grpo
     from rlfunc.run.grpo import _rollout_fn, _spec
 
-    config = GRPOConfig(env="PointReach-v0", num_groups=4, group_size=4, minibatch_size=16, **overrides)
+    config = replace(GRPOConfig(), env="PointReach-v0", num_groups=4, group_size=4, minibatch_size=16, **overrides)
     device = torch.device("cpu")
     spec = _spec(config.env)
     algo = make_grpo(config, spec, device)
@@ -466,7 +467,7 @@ def test_grpo_improves_point_reach(tmp_path):
     from rlfunc.algos.grpo import GRPOConfig
     from rlfunc.run.grpo import _spec, evaluate_policy, train_grpo, make_grpo
 
-    config = GRPOConfig(env="PointReach-v0", total_steps=46_080, num_groups=16, group_size=8, minibatch_size=32,
+    config = replace(GRPOConfig(), env="PointReach-v0", total_steps=46_080, num_groups=16, group_size=8, minibatch_size=32,
                         checkpoint_every=0, eval_episodes=20, seed=0)
     device = torch.device("cpu")
     spec = _spec(config.env)
@@ -532,7 +533,7 @@ def test_train_grpo_gym_backend_and_seeds(tmp_path):
     from rlfunc.run.grpo import _rollout_fn, group_seeds, train_grpo
 
     assert group_seeds(0, 0, 3) != group_seeds(0, 1, 3) and len(set(group_seeds(0, 0, 3))) == 3
-    config = GRPOConfig(env="Pendulum-v1", num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5,
+    config = replace(GRPOConfig(), env="Pendulum-v1", num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5,
                         total_steps=60, num_seeds=2, checkpoint_every=0, eval_episodes=2, kl_coef=0.1)
     assert not config.use_torch_env and config.num_iterations == 2
     rollout, close = _rollout_fn(config, torch.device("cpu"))

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlfunc.config import replace
 from rlfunc.algos.mappo import MAPPOConfig, critic_input, make_mappo, ppo_agent_loss, sequence_advantage
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, ShapeError
 
 SMALL_LAYOUT = (
     "P......D",
@@ -105,7 +106,7 @@ def test_config_errors():
 def _small(loss: str, **kw) -> MAPPOConfig:
     from envs.warehouse import WarehouseConfig  # noqa: F401  (skip cleanly if the env is missing)
 
-    return MAPPOConfig(loss=loss, n_agents=2, **kw)
+    return replace(MAPPOConfig(), loss=loss, n_agents=2, **kw)
 
 
 def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch):
@@ -122,7 +123,7 @@ def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch
         return small if train else WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=100)
 
     monkeypatch.setattr(registry_entries, "warehouse_config", wh_config)
-    config = MAPPOConfig(loss="ppo", n_agents=2, num_envs=16, rollout_steps=25, total_steps=16 * 25 * 12,
+    config = replace(MAPPOConfig(), loss="ppo", n_agents=2, num_envs=16, rollout_steps=25, total_steps=16 * 25 * 12,
                          hidden=(32,), lr=3e-3, num_epochs=4, entropy_coef=0.0, eval_episodes=16, eval_seeds=(5,),
                          device="cpu", critic="mean")
     result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
@@ -145,7 +146,7 @@ def test_grouped_losses_run(tmp_path, monkeypatch, loss):
 
     small = WarehouseConfig(n_agents=2, layout=SMALL_LAYOUT, obs_radius=1, max_steps=10)
     monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
-    config = MAPPOConfig(loss=loss, n_agents=2, num_envs=8, group_size=4, episode_steps=10, total_steps=160,
+    config = replace(MAPPOConfig(), loss=loss, n_agents=2, num_envs=8, group_size=4, episode_steps=10, total_steps=160,
                          hidden=(8,), eval_episodes=2, eval_seeds=(0,), device="cpu")
     result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -32,7 +32,7 @@ def _run(config, dist=None, iterations=2):
     """(final learner state, [actions of each rollout]) of ``iterations`` rollouts + updates; with
     ``dist`` this rank's envs of every seed (envs rank*N/W ... of the single process's)."""
     W, r = (1, 0) if dist is None else (dist.world_size, dist.rank)
-    S, N, T = config.num_seeds, config.num_envs // W, config.num_steps
+    S, N, T = config.run.num_seeds, config.num_envs // W, config.num_steps
     seeds = [collect.env_seeds(seed, config.num_envs)[r * N:(r + 1) * N] for seed in config.seeds]
     venv = collect.make_vec_env(config.env, S * N)
     try:
@@ -108,7 +108,7 @@ def test_each_rank_draws_the_noise_of_its_envs(case):
     # for all 4 envs and keeps its rows; the generators advance alike (every rank draws the same numbers)
     config = _config(**CASES[case])
     spec = SimpleNamespace(obs_dim=3, act_dim=1, action_low=[-2.0], action_high=[2.0])
-    S = config.num_seeds
+    S = config.run.num_seeds
     obs = torch.randn(S, 4, 3, generator=torch.Generator().manual_seed(1))
     single = make_ppo(config, spec, CPU)
     state = single.init()

@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from envs.push import env as pe
+from rlfunc.config import replace
 from rlfunc.algos.diffusion_actor import EnvInfo, env_info
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig, make_ppo_encoder
 from rlfunc.core import func
@@ -58,7 +59,7 @@ def _batch(n: int, seed: int = 0) -> TensorDict:
 
 
 def test_loss_equals_the_ppo_loss_computed_by_hand():
-    config = PPOEncoderConfig(env="none", **{**TINY, "entropy_coef": 0.01, "value_coef": 0.7, "clip_epsilon": 0.1})
+    config = replace(PPOEncoderConfig(), env="none", **{**TINY, "entropy_coef": 0.01, "value_coef": 0.7, "clip_epsilon": 0.1})
     algo = make_ppo_encoder(config, INFO, CPU)
     state = algo.init()
     with torch.no_grad():
@@ -90,7 +91,7 @@ def test_loss_equals_the_ppo_loss_computed_by_hand():
 def test_micro_batches_give_the_gradient_of_the_whole_minibatch():
     grads = []
     for micro in (None, 2):
-        config = PPOEncoderConfig(env="none", **{**TINY, "micro_batch_size": micro, "num_envs": 1, "minibatch_size": 8, "num_epochs": 1})
+        config = replace(PPOEncoderConfig(), env="none", **{**TINY, "micro_batch_size": micro, "num_envs": 1, "minibatch_size": 8, "num_epochs": 1})
         algo = make_ppo_encoder(config, INFO, CPU)
         state = algo.init()
         from rlfunc.optim.amp import accumulate_gradients
@@ -101,7 +102,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_minibatch():
 
 
 def test_policy_log_prob_is_the_gaussian_density_of_the_action():
-    algo = make_ppo_encoder(PPOEncoderConfig(env="none", **TINY), INFO, CPU)
+    algo = make_ppo_encoder(replace(PPOEncoderConfig(), env="none", **TINY), INFO, CPU)
     state = algo.init()
     td = _batch(4).select("cam", "proprio")
     out = algo.policy(state, torch.Generator().manual_seed(1))(td.clone())
@@ -118,14 +119,14 @@ def test_policy_log_prob_is_the_gaussian_density_of_the_action():
 def _train(tmp_path, name, **overrides):
     from rlfunc.run.ppo_encoder import train_ppo_encoder
 
-    config = PPOEncoderConfig(env="Push-v0", total_steps=32, **{**TINY, **overrides})
+    config = replace(PPOEncoderConfig(), env="Push-v0", total_steps=32, **{**TINY, **overrides})
     return train_ppo_encoder(config, tmp_path / name, progress=False, tensorboard=False, evaluate_at_end=False)
 
 
 @needs_rendering
 def test_iterations_on_push_change_encoder_and_heads_and_are_deterministic(tmp_path):
     info = env_info("Push-v0")
-    config = PPOEncoderConfig(env="Push-v0", **TINY)
+    config = replace(PPOEncoderConfig(), env="Push-v0", **TINY)
     start = make_ppo_encoder(config, info, CPU).init()["params"]
     a = _train(tmp_path, "a")
     b = _train(tmp_path, "b")
@@ -146,7 +147,7 @@ def test_iterations_on_push_change_encoder_and_heads_and_are_deterministic(tmp_p
 @needs_rendering
 def test_envs_keep_running_across_iterations():
     info = env_info("Push-v0")
-    config = PPOEncoderConfig(env="Push-v0", **{**TINY, "num_steps": 4})
+    config = replace(PPOEncoderConfig(), env="Push-v0", **{**TINY, "num_steps": 4})
     algo = make_ppo_encoder(config, info, CPU)
     state = algo.init()
     env = GymChunkEnv("Push-v0", 2, act_steps=1, seed=0)
@@ -198,16 +199,16 @@ def test_box_observation_env_is_a_clear_error(tmp_path):
     from rlfunc.run.ppo_encoder import train_ppo_encoder
 
     with pytest.raises(EnvError, match="Box observation.*Dict observation"):
-        train_ppo_encoder(PPOEncoderConfig(env="PushState-v0", **TINY), tmp_path / "run", progress=False)
+        train_ppo_encoder(replace(PPOEncoderConfig(), env="PushState-v0", **TINY), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
     box = EnvInfo(21, 3, "observation", 21, ("observation",))
     with pytest.raises(EnvError, match="PushState-v0"):
-        make_ppo_encoder(PPOEncoderConfig(env="PushState-v0", **TINY), box, CPU)
+        make_ppo_encoder(replace(PPOEncoderConfig(), env="PushState-v0", **TINY), box, CPU)
 
 
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="minibatch_size=5"):
-        PPOEncoderConfig(**{**TINY, "minibatch_size": 5})
+        replace(PPOEncoderConfig(), **{**TINY, "minibatch_size": 5})
     with pytest.raises(ConfigError, match="gamma"):
         PPOEncoderConfig(gamma=1.5)
     with pytest.raises(ConfigError, match="encoder_widths"):
@@ -236,7 +237,7 @@ def test_bf16_autocast_with_checkpointed_vision_is_close_to_float32():
 
     losses, grads = [], []
     for mode, ckpt in (("off", False), ("bf16", True)):
-        config = PPOEncoderConfig(env="none", **{**TINY, "precision": mode, "checkpoint_vision": ckpt})
+        config = replace(PPOEncoderConfig(), env="none", **{**TINY, "precision": mode, "checkpoint_vision": ckpt})
         prec = precision(CPU, mode)
         algo = make_ppo_encoder(config, INFO, CPU, prec)
         state = algo.init()

@@ -299,7 +299,7 @@ def test_resume_on_a_named_device(tmp_path, run_dir, capsys):
         assert "cuda" in capsys.readouterr().err
     assert main(["resume", str(run), "--device", "cpu", "--total-steps", "384"]) == 0
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
-    assert meta["env_steps"] == 384 and meta["config"]["device"] == "cpu"
+    assert meta["env_steps"] == 384 and meta["config"]["run"]["device"] == "cpu"
 
 
 def test_a_version_saved_on_another_device_type_names_the_device_on_resume(tmp_path, run_dir, capsys):

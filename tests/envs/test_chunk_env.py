@@ -11,6 +11,7 @@ from torchrl.envs.utils import check_env_specs
 
 import envs  # noqa: F401
 from envs.push import env as pe
+from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec, env_info
 from rlfunc.algos.dppo import DPPOConfig
@@ -123,20 +124,20 @@ def test_push_state_demonstrations_are_the_experts_scaled_chunks():
 def test_push_state_bc_then_dppo_from_the_cli_functions(tmp_path):
     """A few bc updates and one dppo iteration on PushState-v0 run, change the parameters, and the
     dppo run refuses a bc run of another env."""
-    bc = BCConfig(env="PushState-v0", num_demos=2, num_updates=3, batch_size=16, eval_episodes=2, log_every=1,
+    bc = replace(BCConfig(), env="PushState-v0", num_demos=2, num_updates=3, batch_size=16, eval_episodes=2, log_every=1,
                   actor=ActorSpec(hidden=(32, 32), horizon=4, act_steps=4, num_train_steps=4, ddim_steps=2), device="cpu")
     r = train_bc(bc, tmp_path / "bc", progress=False, tensorboard=False)
     assert json.loads((tmp_path / "bc" / "demos.json").read_text())["num_episodes"] == 2
     assert r.evaluation["num_episodes"] == 2.0 and 0.0 <= r.evaluation["success_rate"] <= 1.0
     loaded = load_actor(tmp_path / "bc", CPU)
     assert loaded.info == env_info("PushState-v0") and loaded.encoder is None
-    d = DPPOConfig(env="PushState-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 4, num_envs=2, num_steps=2,
+    d = replace(DPPOConfig(), env="PushState-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 4, num_envs=2, num_steps=2,
                    minibatch_size=4, num_epochs=1, eval_episodes=2, target_kl=None, device="cpu")
     out = train_dppo(d, tmp_path / "dppo", progress=False, tensorboard=False)
     moved = [(a - b).abs().max().item() for a, b in zip(func.leaves(out.state["params", "actor"]), func.leaves(loaded.params))]
     assert max(moved) > 0
     with pytest.raises(CheckpointError, match="observations"):
-        train_dppo(DPPOConfig(env="PointReach-v0", init_from=str(tmp_path / "bc"), device="cpu"), tmp_path / "x",
+        train_dppo(replace(DPPOConfig(), env="PointReach-v0", init_from=str(tmp_path / "bc"), device="cpu"), tmp_path / "x",
                    progress=False, tensorboard=False)
 
 
@@ -149,7 +150,7 @@ def test_push_pixels_bc_and_dppo_with_images_proprio_and_text(tmp_path):
     the denoiser (every encoder part moves), dppo starts from it (encoder frozen) and moves the actor
     and the critic; eval reads the run back."""
     spec = ActorSpec(hidden=(32, 32), horizon=2, act_steps=2, num_train_steps=4, ddim_steps=2, **TINY_VISION)
-    bc = BCConfig(env="Push-v0", num_demos=1, num_updates=2, batch_size=8, eval_episodes=1, log_every=1, actor=spec,
+    bc = replace(BCConfig(), env="Push-v0", num_demos=1, num_updates=2, batch_size=8, eval_episodes=1, log_every=1, actor=spec,
                   lr=1e-2, device="cpu")
     r = train_bc(bc, tmp_path / "bc", progress=False, tensorboard=False)
     state = r.state
@@ -158,11 +159,11 @@ def test_push_pixels_bc_and_dppo_with_images_proprio_and_text(tmp_path):
     assert sorted(fresh.info.cameras) == ["side", "top"] and fresh.info.text == "learned"
     from rlfunc.algos.diffusion_actor import DiffusionActor
 
-    init = DiffusionActor(spec, fresh.info, 3, CPU).init_encoder_params(bc.seed + 1)
+    init = DiffusionActor(spec, fresh.info, 3, CPU).init_encoder_params(bc.run.seed + 1)
     for part in ("vision", "proprio", "text", "fusion"):
         changed = [not torch.equal(a, b) for a, b in zip(func.leaves(state["encoder", part]), func.leaves(init[part]))]
         assert any(changed), part
-    d = DPPOConfig(env="Push-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 2, num_envs=2, num_steps=2,
+    d = replace(DPPOConfig(), env="Push-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 2, num_envs=2, num_steps=2,
                    minibatch_size=4, num_epochs=1, eval_episodes=1, target_kl=None, device="cpu")
     out = train_dppo(d, tmp_path / "dppo", progress=False, tensorboard=False)
     for part in ("actor", "critic"):

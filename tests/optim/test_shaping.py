@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlfunc.config import replace
 from rlfunc.algos.ppo import PPOConfig, EnvSpec, SHAPING_PRESETS, make_ppo, preset
 from rlfunc.errors import ConfigError
 from rlfunc.optim import shaping
@@ -232,7 +233,7 @@ def _run(config: PPOConfig, iterations: int = 1):
     gens = [torch.Generator().manual_seed(s) for s in config.seeds]
     metrics = []
     for i in range(iterations):
-        state, m = algo.iteration(state, _batch(config.num_seeds, config.num_envs, config.num_steps, i), gens)
+        state, m = algo.iteration(state, _batch(config.run.num_seeds, config.num_envs, config.num_steps, i), gens)
         metrics.append(m)
     return state, metrics
 
@@ -241,12 +242,12 @@ SMALL = dict(num_envs=4, num_steps=64, minibatch_size=64, num_epochs=2)
 
 
 def test_all_off_is_plain_ppo():
-    config = PPOConfig(**SMALL)
+    config = replace(PPOConfig(), **SMALL)
     assert not (config.oscillation_damping or config.adaptive_clip or config.prioritized_minibatches)
     state, _ = _run(config)
     assert "shaping" not in state.keys()
     # the shaping knobs do nothing while their transforms are off
-    other, _ = _run(PPOConfig(**SMALL, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5, priority_alpha=2.0, priority_beta=1.0))
+    other, _ = _run(replace(PPOConfig(), **SMALL, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5, priority_alpha=2.0, priority_beta=1.0))
     for a, b in zip(state["params"].values(True, True), other["params"].values(True, True)):
         assert torch.equal(a, b)
     # and the update is the one before shaping existed (sums of the first leaves after one
@@ -271,7 +272,7 @@ def test_shaped_preset_has_the_issue_values():
                                  dict(priority_beta=2.0), dict(priority_alpha=-0.1), dict(trust_radius_scale=0.0)])
 def test_config_errors(bad):
     with pytest.raises(ConfigError):
-        PPOConfig(**bad)
+        replace(PPOConfig(), **bad)
 
 
 def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
@@ -279,8 +280,8 @@ def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
 
     kw = dict(num_envs=2, num_steps=32, minibatch_size=16, num_epochs=1, num_seeds=2, hessian_interval=2,
               oscillation_damping=True, adaptive_clip=True, prioritized_minibatches=True)
-    a, ma = _run(PPOConfig(**kw, vmap="vmap"), iterations=2)
-    b, mb = _run(PPOConfig(**kw, vmap="loop"), iterations=2)
+    a, ma = _run(replace(PPOConfig(), **kw, vmap="vmap"), iterations=2)
+    b, mb = _run(replace(PPOConfig(), **kw, vmap="loop"), iterations=2)
     for x, y in zip(a.values(True, True), b.values(True, True)):
         assert torch.allclose(x.float(), y.float(), atol=1e-5)
     assert torch.allclose(ma[1]["clip_epsilon"], torch.full((2,), 0.2 * 0.995))
@@ -294,7 +295,7 @@ def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
 def test_trust_region_bounds_ppo_policy_change():
     """Within one PPO iteration each policy tensor stays within its radius of the start."""
     kw = dict(num_envs=2, num_steps=32, minibatch_size=16, num_epochs=4, adaptive_clip=True, lr=0.05, max_grad_norm=100.0)
-    config = PPOConfig(**kw)
+    config = replace(PPOConfig(), **kw)
     algo = make_ppo(config, SPEC, torch.device("cpu"))
     state = algo.init()
     start = state["params"].clone()
@@ -334,7 +335,7 @@ def _run_grpo(config, iterations: int = 1):
     start = state["params"].clone()
     gens = [torch.Generator().manual_seed(s) for s in config.seeds]
     for i in range(iterations):
-        state, m = algo.iteration(state, _grouped_batch(config.num_seeds, config.num_groups, config.group_size, 6, i), gens)
+        state, m = algo.iteration(state, _grouped_batch(config.run.num_seeds, config.num_groups, config.group_size, 6, i), gens)
     return state, m, start
 
 
@@ -343,12 +344,12 @@ def test_grpo_gspo_shaping(loss):
     from rlfunc.algos.grpo import GRPOConfig
 
     kw = dict(env="PointReach-v0", loss=loss, num_groups=2, group_size=4, minibatch_size=4, num_epochs=3, num_seeds=2)
-    plain, _, _ = _run_grpo(GRPOConfig(**kw))
-    knobs, _, _ = _run_grpo(GRPOConfig(**kw, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5))
+    plain, _, _ = _run_grpo(replace(GRPOConfig(), **kw))
+    knobs, _, _ = _run_grpo(replace(GRPOConfig(), **kw, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5))
     assert "shaping" not in plain.keys()
     for a, b in zip(plain["params"].values(True, True), knobs["params"].values(True, True)):
         assert torch.equal(a, b)  # off means off
-    state, m, _ = _run_grpo(GRPOConfig(**kw, oscillation_damping=True, adaptive_clip=True, hessian_interval=2), iterations=2)
+    state, m, _ = _run_grpo(replace(GRPOConfig(), **kw, oscillation_damping=True, adaptive_clip=True, hessian_interval=2), iterations=2)
     base = 0.2 if loss == "grpo" else 0.03
     assert torch.allclose(m["clip_epsilon"], torch.full((2,), base * 0.995))
     assert int(state["shaping", "step"]) == 2 * 3 * 2
@@ -379,8 +380,8 @@ def test_ppo_shaped_resume_is_exact(tmp_path):
 
 def test_trust_radius_scale_multiplies_the_radii():
     kw = dict(num_envs=2, num_steps=32, minibatch_size=32, num_epochs=1, adaptive_clip=True)
-    a, _ = _run(PPOConfig(**kw))
-    b, _ = _run(PPOConfig(**kw, trust_radius_scale=3.0))
+    a, _ = _run(replace(PPOConfig(), **kw))
+    b, _ = _run(replace(PPOConfig(), **kw, trust_radius_scale=3.0))
     ra, rb = a["shaping", "transform", "0"], b["shaping", "transform", "0"]
     for name in ra.keys():
         x, y = ra[name, "radius"], rb[name, "radius"]
@@ -421,5 +422,5 @@ def test_shaping_transforms_see_the_clipped_gradients(monkeypatch):
         return real(step, transform, state, names, leaves, curvature, grads=grads)
 
     monkeypatch.setattr(shaped, "shaped_step", recording)
-    _run(PPOConfig(**SMALL, num_seeds=2, max_grad_norm=1e-3, oscillation_damping=True, hessian_interval=2))
+    _run(replace(PPOConfig(), **SMALL, num_seeds=2, max_grad_norm=1e-3, oscillation_damping=True, hessian_interval=2))
     assert len(seen) == 8 and all(bool((n <= 1e-3 + 1e-7).all()) for n in seen), seen

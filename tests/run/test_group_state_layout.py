@@ -12,6 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlfunc.config import replace
 from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.algos.mappo import MAPPOConfig
 from rlfunc.cli.commands import main
@@ -84,13 +85,13 @@ def _assert_same(full, resumed, full_dir, resumed_dir):
 def _grpo_config(iterations: int, **kw) -> GRPOConfig:
     base = dict(env="PointReach-v0", num_groups=2, group_size=4, minibatch_size=4, max_episode_steps=30, num_epochs=2,
                 eval_episodes=2, seed=5, device="cpu", kl_coef=0.1, keep_checkpoints=0, hidden=(8, 8), checkpoint_every=2, **kw)
-    return GRPOConfig(**{**base, "total_steps": iterations * GRPOConfig(**base).steps_per_iteration})
+    return replace(GRPOConfig(), **{**base, "total_steps": iterations * replace(GRPOConfig(), **base).steps_per_iteration})
 
 
 def _mappo_config(loss: str, iterations: int, **kw) -> MAPPOConfig:
     base = dict(loss=loss, n_agents=2, num_envs=4, rollout_steps=8, group_size=2, episode_steps=6, hidden=(8,),
                 num_epochs=2, num_minibatches=2, eval_episodes=1, eval_seeds=(0,), device="cpu", seed=3, checkpoint_every=2, **kw)
-    return MAPPOConfig(**{**base, "total_steps": iterations * MAPPOConfig(**base).steps_per_iteration})
+    return replace(MAPPOConfig(), **{**base, "total_steps": iterations * replace(MAPPOConfig(), **base).steps_per_iteration})
 
 
 @pytest.mark.parametrize("num_seeds", [1, 2])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlfunc.run.diffusion as td
+from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
@@ -22,18 +23,18 @@ QUIET = dict(progress=False, tensorboard=False)
 
 
 def _bc(**kw) -> BCConfig:
-    return BCConfig(**{"actor": ACTOR, "num_demos": 8, "num_updates": 10, "batch_size": 32, "log_every": 3,
+    return replace(BCConfig(), **{"actor": ACTOR, "num_demos": 8, "num_updates": 10, "batch_size": 32, "log_every": 3,
                        "checkpoint_every": 0, "eval_episodes": 4, "device": "cpu", **kw})
 
 
 def _dppo(**kw) -> DPPOConfig:  # 8 envs x 4 chunk steps x 4 actions = 128 env steps per iteration
-    return DPPOConfig(**{"actor": ACTOR, "num_envs": 8, "num_steps": 4, "minibatch_size": 16, "num_epochs": 2,
+    return replace(DPPOConfig(), **{"actor": ACTOR, "num_envs": 8, "num_steps": 4, "minibatch_size": 16, "num_epochs": 2,
                          "critic_hidden": (32,), "total_steps": 4 * 128, "eval_episodes": 4, "device": "cpu", **kw})
 
 
 def _td3(**kw) -> TD3DiffusionConfig:  # 80 env steps per iteration; the first is warm-up; the buffer wraps in the 3rd
     actor = ActorSpec(hidden=(32, 32), horizon=1, act_steps=1, num_train_steps=6, ddim_steps=3)
-    return TD3DiffusionConfig(**{"actor": actor, "num_envs": 8, "num_steps": 10, "warmup_steps": 160, "buffer_size": 200,
+    return replace(TD3DiffusionConfig(), **{"actor": actor, "num_envs": 8, "num_steps": 10, "warmup_steps": 160, "buffer_size": 200,
                                  "updates_per_iteration": 2, "batch_size": 16, "critic_hidden": (32,),
                                  "total_steps": 6 * 80, "eval_episodes": 4, "device": "cpu", **kw})
 

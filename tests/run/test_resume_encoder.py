@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from envs.push import env as pe
+from rlfunc.config import replace
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
 from rlfunc.errors import CheckpointError
 from rlfunc.run import checkpoint
@@ -31,7 +32,7 @@ TIMING = {"time", "steps_per_s", "collect_s", "update_s"}
 def _train(run_dir, iterations: int, **kw):
     from rlfunc.run.ppo_encoder import train_ppo_encoder
 
-    config = PPOEncoderConfig(**{**TINY, "total_steps": 8 * iterations, **kw})
+    config = replace(PPOEncoderConfig(), **{**TINY, "total_steps": 8 * iterations, **kw})
     return train_ppo_encoder(config, run_dir, evaluate_at_end=False, **QUIET)
 
 

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from rlfunc.config import replace
 from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.algos.mappo import MAPPOConfig
 from rlfunc.errors import CheckpointError, ConfigError
@@ -44,8 +45,8 @@ def _mappo_config(loss: str, iterations: int, **kw) -> MAPPOConfig:
     base = dict(loss=loss, n_agents=2, num_envs=4, rollout_steps=8, group_size=2, episode_steps=6, hidden=(8,),
                 num_epochs=2, num_minibatches=2, eval_episodes=1, eval_seeds=(0,), device="cpu", seed=3)
     base.update(kw)
-    spi = MAPPOConfig(**base).steps_per_iteration
-    return MAPPOConfig(**{**base, "total_steps": iterations * spi})
+    spi = replace(MAPPOConfig(), **base).steps_per_iteration
+    return replace(MAPPOConfig(), **{**base, "total_steps": iterations * spi})
 
 
 def _grpo_config(env: str, iterations: int, **kw) -> GRPOConfig:
@@ -54,8 +55,8 @@ def _grpo_config(env: str, iterations: int, **kw) -> GRPOConfig:
     else:  # Pendulum-v1 through the gymnasium backend
         base = dict(env=env, num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5)
     base.update(num_epochs=2, eval_episodes=2, seed=5, device="cpu", kl_coef=0.1, keep_checkpoints=0, **kw)
-    spi = GRPOConfig(**base).steps_per_iteration
-    return GRPOConfig(**{**base, "total_steps": iterations * spi})
+    spi = replace(GRPOConfig(), **base).steps_per_iteration
+    return replace(GRPOConfig(), **{**base, "total_steps": iterations * spi})
 
 
 def _snapshot_tensors(run_dir) -> dict[str, torch.Tensor]:
@@ -215,7 +216,7 @@ def test_mappo_rware_resume_warns_and_starts_new_episodes(tmp_path):
     pytest.importorskip("rware")
     from rlfunc.run.mappo import resume_mappo, train_mappo
 
-    config = MAPPOConfig(env="rware-tiny-2ag-v2", loss="ppo", num_envs=1, rollout_steps=5, total_steps=10, hidden=(8,),
+    config = replace(MAPPOConfig(), env="rware-tiny-2ag-v2", loss="ppo", num_envs=1, rollout_steps=5, total_steps=10, hidden=(8,),
                          num_epochs=1, num_minibatches=1, eval_episodes=1, eval_seeds=(0,), device="cpu")
     train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
     assert checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "run"))["rware_resets"] == 1

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from rlfunc.config import RunConfig
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.run import checkpoint, resume
 
@@ -70,7 +71,7 @@ def _td(env, action):
 class _Config:
     total_steps: int = 40
     steps_per_iteration: int = 10
-    device: str = "cpu"
+    run: RunConfig = dataclasses.field(default_factory=lambda: RunConfig(device="cpu"))
 
     @property
     def num_iterations(self) -> int:

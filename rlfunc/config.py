@@ -1,0 +1,202 @@
+"""The run's settings, shared by every algorithm: :class:`RunConfig`, nested as ``config.run`` in each
+algorithm's config (which holds only its hyperparameters); :func:`replace`, a copy of a config with
+changes (run fields routed into ``run``); :func:`from_dict`, a config from its JSON form (a snapshot's
+meta "config", config.json), nested or of the flat layout written before RunConfig existed.
+
+It sits at the top of the package beside ``device.py`` and ``errors.py``, not in ``rlfunc/run/``:
+every algorithm's config (``rlfunc/algos/``) nests it, and ``run/`` sits above ``algos/``, so there
+it would be an upward import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from rlfunc.errors import CheckpointError, ConfigError
+
+T = TypeVar("T")
+
+VMAP_MODES = ("auto", "vmap", "loop")
+PRECISIONS = ("off", "auto", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a run is run: seeds, device, threads, how seeds are mapped, mixed precision, the snapshot
+    and version cadence, metrics lines and the final evaluation. Each algorithm's config nests one
+    (``config.run``) with its own defaults; an algorithm that cannot honour a field refuses a value
+    other than the default in its config's ``__post_init__``."""
+
+    seed: int = 0  # first seed (init, env and noise); seed i of --num-seeds is seed + i
+    num_seeds: int = 1  # independent agents trained together (stacked params; ppo, grpo)
+    device: str = "auto"  # auto | cpu | cuda | npu (rlfunc.device)
+    torch_threads: int = 1  # intra-op CPU threads (0: torch's default); small nets run best on 1
+    vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu; ppo, grpo)
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.optim.amp; bc, dppo, td3-diffusion, ppo-encoder)
+    checkpoint_every: int = 10  # iterations between snapshots in RUN_DIR/checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
+    version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions
+    version_keep_last: int = 20  # newest versions kept per branch (0: all)
+    version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
+    log_every: int = 1  # iterations between metrics lines (bc)
+    eval_episodes: int = 10  # episodes of the final evaluation (mappo: per eval seed)
+
+    def __post_init__(self) -> None:
+        for name in ("num_seeds", "log_every", "eval_episodes"):
+            _check_int(name, getattr(self, name), 1, "a positive integer")
+        for name in ("torch_threads", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
+                     "version_keep_every"):
+            _check_int(name, getattr(self, name), 0, "an integer >= 0")
+        _check_int("seed", self.seed, 0, "an integer in [0, 2**31 - num_seeds]")
+        if self.seed + self.num_seeds > 2**31:
+            raise ConfigError(f"run.seed={self.seed}: expected an integer in [0, 2**31 - num_seeds], "
+                              f"num_seeds={self.num_seeds} (every seed used is < 2**31)")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"run.device={self.device!r}: expected a device name (auto, cpu, cuda, npu ...)")
+        if self.vmap not in VMAP_MODES:
+            raise ConfigError(f"run.vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"run.precision={self.precision!r}: expected off, auto, bf16 or fp16")
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds of the run's members: seed, seed + 1, ..., seed + num_seeds - 1."""
+        return [self.seed + i for i in range(self.num_seeds)]
+
+
+def _check_int(name: str, value: Any, low: int, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"run.{name}={value!r}: expected {expected}")
+
+
+RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
+_RUN_DEFAULTS = RunConfig()
+
+
+def require_default(run: RunConfig, **why: str) -> None:
+    """ConfigError for the first of ``why``'s run fields that ``run`` sets to a value other than
+    RunConfig's default: the algorithm cannot honour it, and ``why[name]`` says so ("bc trains one
+    seed per run").
+
+    Raises:
+        ConfigError: "run.NAME=VALUE: WHY"; or ``run`` is not a RunConfig.
+    """
+    if not isinstance(run, RunConfig):
+        raise ConfigError(f"run={run!r}: expected a RunConfig")
+    for name, reason in why.items():
+        value = getattr(run, name)
+        if value != getattr(_RUN_DEFAULTS, name):
+            raise ConfigError(f"run.{name}={value!r}: {reason}")
+
+
+def replace(config: T, **changes: Any) -> T:
+    """A copy of ``config`` (a config dataclass) with ``changes`` applied, validated as a new one. A
+    name that is not a field of ``config`` but is one of RunConfig goes into its ``run`` field, so
+    ``replace(PPOConfig(), seed=3, lr=1e-3)`` sets ``run.seed`` and ``lr``; a ``run`` given in
+    ``changes`` is the one those go into.
+
+    Raises:
+        ConfigError: a name that is neither a field of ``config`` nor (for a config with ``run``) of
+            RunConfig; or a value the config refuses.
+    """
+    names = {f.name for f in dataclasses.fields(config)}
+    nested = "run" in names and isinstance(config.run, RunConfig)
+    unknown = [k for k in changes if k not in names and not (nested and k in RUN_FIELDS)]
+    if unknown:
+        also = " nor of RunConfig" if nested else ""
+        raise ConfigError(f"{unknown[0]}: not a field of {type(config).__name__}{also}")
+    run_changes = {k: changes.pop(k) for k in list(changes) if k not in names}
+    if run_changes:
+        changes["run"] = dataclasses.replace(changes.get("run", config.run), **run_changes)
+    return dataclasses.replace(config, **changes)
+
+
+def from_dict(config_type: type[T], raw: Any, path: Any = "config", *, algo: str | None = None) -> T:
+    """The ``config_type`` whose JSON form (``dataclasses.asdict`` through JSON) is ``raw``.
+
+    RunConfig's fields may come nested in "run" or flat beside the others (the layout written before
+    RunConfig existed); JSON lists become tuples where the field's type is a tuple; nested config
+    dataclasses (``run``, a diffusion config's ``actor``) are built from their dicts, fields they lack
+    taking the values of the field's default (so a flat config of an older rlfunc, without a run
+    field added since, keeps the algorithm's default of it).
+
+    Raises:
+        CheckpointError: naming ``path`` (and ``algo``, the snapshot's algorithm, when given): ``raw``
+            is not a dict, has a key that is no field, a value of the wrong type, or one the config refuses.
+    """
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a dict, got {type(raw).__name__}")
+        return _build(config_type, _nest_run(config_type, raw), None)
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
+        what = f"{algo} config" if algo else "config"
+        raise CheckpointError(f"{path}: meta.json holds no valid {what}: not a valid {config_type.__name__} ({e})") from None
+
+
+def _nest_run(config_type: type, raw: dict) -> dict:
+    """``raw`` with the RunConfig fields found at its top level moved into "run" (when
+    ``config_type`` nests a RunConfig and has no field of that name itself)."""
+    names = {f.name for f in dataclasses.fields(config_type)}
+    if "run" not in names:
+        return raw
+    flat = {k: raw[k] for k in raw if k in RUN_FIELDS and k not in names}
+    if not flat:
+        return raw
+    run = raw.get("run", {})
+    if not isinstance(run, dict):
+        raise TypeError(f"run={run!r}: expected a dict")
+    both = sorted(set(flat) & set(run))
+    if both:
+        raise ValueError(f"{both[0]!r} is given both flat and in 'run'")
+    return {**{k: v for k, v in raw.items() if k not in flat}, "run": {**flat, **run}}
+
+
+def _build(cls: type, raw: dict, default: Any) -> Any:
+    """``cls(**raw)``, its values converted by :func:`_convert` to the field types; fields missing
+    from ``raw`` take ``default``'s values (``cls``'s own defaults when ``default`` is None)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        raise TypeError(f"{unknown[0]!r} is not a field of {cls.__name__}")
+    values = {} if default is None else {name: getattr(default, name) for name in fields if fields[name].init}
+    for name, value in raw.items():
+        values[name] = _convert(hints[name], value, _field_default(fields[name]))
+    return cls(**values)
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _convert(tp: Any, value: Any, default: Any = None) -> Any:
+    """``value`` (parsed JSON) as type ``tp``: a dict as a dataclass, a list as a tuple; else as is
+    (the config's own ``__post_init__`` checks it)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        for option in options:
+            if (isinstance(value, dict) and dataclasses.is_dataclass(option)) or (
+                    isinstance(value, list) and typing.get_origin(option) is tuple):
+                return _convert(option, value)
+        return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        return _build(tp, value, default if isinstance(default, tp) else None)
+    if origin is tuple and isinstance(value, (list, tuple)):
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v) for v in value)
+        if len(args) == len(value):
+            return tuple(_convert(a, v) for a, v in zip(args, value))
+        return tuple(value)
+    return value

@@ -1,0 +1,132 @@
+"""rlfunc.config: RunConfig's validation, replace's routing of run fields, and from_dict over the
+nested layout and the flat one written before RunConfig (the state-layout-1 fixtures)."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from rlfunc.algos import registry
+from rlfunc.algos.bc import BCConfig
+from rlfunc.algos.dppo import DPPOConfig
+from rlfunc.algos.grpo import GRPOConfig
+from rlfunc.algos.mappo import MAPPOConfig
+from rlfunc.algos.ppo import PPOConfig, preset
+from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
+from rlfunc.config import RUN_FIELDS, RunConfig, from_dict, replace
+from rlfunc.errors import CheckpointError, ConfigError
+
+DATA = Path(__file__).parent / "data"
+CONFIGS = (PPOConfig, PPOEncoderConfig, BCConfig, DPPOConfig, TD3DiffusionConfig, GRPOConfig, MAPPOConfig)
+
+
+def _flat(config) -> dict:
+    """The JSON form of ``config`` in the layout written before RunConfig: run fields beside the others."""
+    raw = json.loads(json.dumps(dataclasses.asdict(config)))
+    return {**{k: v for k, v in raw.items() if k != "run"}, **raw["run"]}
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(seed=-1), "run.seed=-1"), (dict(seed=2**31 - 1, num_seeds=2), "run.seed=2147483647"),
+    (dict(num_seeds=0), "run.num_seeds=0"), (dict(torch_threads=-1), "run.torch_threads=-1"),
+    (dict(vmap="map"), "run.vmap='map'"), (dict(precision="fp8"), "run.precision='fp8'"),
+    (dict(checkpoint_every=-1), "run.checkpoint_every=-1"), (dict(keep_checkpoints=-2), "run.keep_checkpoints=-2"),
+    (dict(version_every=True), "run.version_every=True"), (dict(version_keep_last=-1), "run.version_keep_last=-1"),
+    (dict(version_keep_every=-1), "run.version_keep_every=-1"), (dict(log_every=0), "run.log_every=0"),
+    (dict(eval_episodes=0), "run.eval_episodes=0"), (dict(device=""), "run.device=''"),
+])
+def test_run_config_errors_name_the_field(bad, field):
+    with pytest.raises(ConfigError, match=f"^{field.replace('(', '[(]')}: expected"):
+        RunConfig(**bad)
+    assert RunConfig(seed=2**31 - 2, num_seeds=2).seeds == [2**31 - 2, 2**31 - 1]
+
+
+def test_each_algorithm_keeps_its_run_defaults():
+    assert PPOConfig().run == RunConfig(version_every=1, eval_episodes=100)
+    assert BCConfig().run == RunConfig(log_every=100, checkpoint_every=1000, eval_episodes=500)
+    assert DPPOConfig().run == TD3DiffusionConfig().run == RunConfig(eval_episodes=500)
+    assert GRPOConfig().run == RunConfig()
+    assert PPOEncoderConfig().run == RunConfig(torch_threads=0)
+    assert MAPPOConfig().run == RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8)
+    for cls in CONFIGS:  # each config holds only its hyperparameters
+        assert not {f.name for f in dataclasses.fields(cls)} & set(RUN_FIELDS), cls
+
+
+@pytest.mark.parametrize("cls, change, message", [
+    (BCConfig, dict(num_seeds=2), "run.num_seeds=2: bc trains one seed per run"),
+    (PPOConfig, dict(precision="bf16"), "run.precision='bf16': ppo has no mixed precision"),
+    (MAPPOConfig, dict(vmap="loop"), "run.vmap='loop': mappo trains one seed per run"),
+    (GRPOConfig, dict(log_every=5), "run.log_every=5: grpo logs every iteration"),
+    (DPPOConfig, dict(num_seeds=3), "run.num_seeds=3: dppo trains one seed per run"),
+    (PPOEncoderConfig, dict(vmap="vmap"), "run.vmap='vmap': ppo-encoder trains one seed per run"),
+])
+def test_an_algorithm_refuses_a_run_field_it_cannot_honour(cls, change, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        cls(run=RunConfig(**change))
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        replace(cls(), **change)
+
+
+def test_replace_routes_run_fields_into_run():
+    config = replace(PPOConfig(), seed=3, lr=1e-3, device="cpu")
+    assert config.run == replace(PPOConfig().run, seed=3, device="cpu") and config.lr == 1e-3
+    assert config.run.version_every == 1 and config.seeds == [3]  # ppo's other run defaults kept
+    assert replace(config, run=RunConfig(), seed=5).run == RunConfig(seed=5)  # into the run given
+    assert preset("Pendulum-v1", seed=4, num_seeds=2).seeds == [4, 5]  # presets take run fields
+    with pytest.raises(ConfigError, match="^sed: not a field of PPOConfig nor of RunConfig$"):
+        replace(PPOConfig(), sed=3)
+    with pytest.raises(ConfigError, match="run.seed=-1"):
+        replace(PPOConfig(), seed=-1)
+    assert replace(RunConfig(), seed=1) == RunConfig(seed=1)  # any config dataclass: its own fields
+    with pytest.raises(ConfigError, match="^lr: not a field of RunConfig$"):
+        replace(RunConfig(), seed=1, lr=2)
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_from_dict_reads_the_nested_and_the_flat_layout_alike(cls):
+    config = replace(cls(), seed=7, device="cpu", checkpoint_every=3)
+    nested = json.loads(json.dumps(dataclasses.asdict(config)))
+    assert from_dict(cls, nested, "snap") == from_dict(cls, _flat(config), "snap") == config
+    # a flat config without a run field added since keeps the algorithm's default of it
+    old = {k: v for k, v in _flat(cls()).items() if k not in ("version_every", "eval_episodes")}
+    assert from_dict(cls, old, "snap") == cls()
+
+
+def test_from_dict_converts_lists_to_tuples_in_nested_configs():
+    config = replace(DPPOConfig(), critic_hidden=(16, 8))
+    config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, hidden=(32, 32), down_dims=(8, 16)))
+    raw = json.loads(json.dumps(dataclasses.asdict(config)))
+    assert isinstance(raw["actor"]["hidden"], list)
+    got = from_dict(DPPOConfig, raw, "snap")
+    assert got == config and got.actor.hidden == (32, 32) and got.critic_hidden == (16, 8)
+    assert from_dict(MAPPOConfig, _flat(MAPPOConfig()), "snap").eval_seeds == MAPPOConfig().eval_seeds
+
+
+@pytest.mark.parametrize("raw, why", [
+    ({"not_a_field": 1}, "'not_a_field' is not a field of PPOConfig"),
+    ({"run": {"sed": 1}}, "'sed' is not a field of RunConfig"),
+    ({"seed": 1, "run": {"seed": 2}}, "'seed' is given both flat and in 'run'"),
+    ({"seed": -1}, "run.seed=-1"),
+    ({"num_envs": 0}, "num_envs=0"),
+    (None, "expected a dict"),
+])
+def test_from_dict_errors_name_the_path(raw, why):
+    with pytest.raises(CheckpointError) as info:
+        from_dict(PPOConfig, raw, "runs/x/checkpoints/step_1", algo="ppo")
+    message = str(info.value)
+    assert message.startswith("runs/x/checkpoints/step_1: meta.json holds no valid ppo config: not a valid PPOConfig")
+    assert why in message
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in DATA.glob("*_state_layout_1")))
+def test_the_flat_configs_of_the_layout_1_fixtures_load(fixture):
+    (snap,) = (DATA / fixture / "checkpoints").glob("step_*")
+    meta = json.loads((snap / "meta.json").read_text())
+    meta = meta.get("meta", meta)
+    assert "run" not in meta["config"] and "seed" in meta["config"]  # written flat, before RunConfig
+    config = registry.config_from_meta(meta, snap)
+    assert config.run.seed == meta["config"]["seed"] and config.run.device == meta["config"]["device"]
+    nested = json.loads(json.dumps({**meta, "config": dataclasses.asdict(config)}))
+    assert registry.config_from_meta(nested, snap) == config
