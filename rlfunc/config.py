@@ -44,11 +44,13 @@ class RunConfig:
     version_keep_every: int = 0  # also keep versions whose iteration is a multiple of this (0: no such rule)
     log_every: int = 1  # iterations between metrics lines (bc)
     eval_episodes: int = 10  # episodes of the final evaluation (mappo: per eval seed)
+    nproc: int = 1  # data-parallel processes on this node: `rlfunc train` starts them with torchrun (ppo)
+    profile: int = 0  # iterations to record with the device's profiler into RUN_DIR/profile (0: none)
 
     def __post_init__(self) -> None:
-        for name in ("num_seeds", "log_every", "eval_episodes"):
+        for name in ("num_seeds", "log_every", "eval_episodes", "nproc"):
             _check_int(name, getattr(self, name), 1, "a positive integer")
-        for name in ("torch_threads", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
+        for name in ("profile", "torch_threads", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
                      "version_keep_every"):
             _check_int(name, getattr(self, name), 0, "an integer >= 0")
         _check_int("seed", self.seed, 0, "an integer in [0, 2**31 - num_seeds]")

@@ -84,14 +84,51 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
 
 
 def default_run_dir(env: str, name: str, seed: int) -> str:
-    """``runs/ENV-NAME-sSEED-YYYYmmdd-HHMMSS``."""
+    """``runs/ENV-NAME-sSEED-YYYYmmdd-HHMMSS``; under torchrun ``runs/ENV-NAME-sSEED-RUN_ID`` (its
+    rendezvous id, the same on every rank, where a clock reading might not be)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return os.path.join("runs", f"{env}-{name}-s{seed}-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}")
     return os.path.join("runs", f"{env}-{name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
+    """``rlfunc COMMAND...`` in ``nproc`` data-parallel processes on this node, started by torchrun
+    (``torch.distributed.run --standalone --nproc-per-node NPROC -m rlfunc COMMAND... --run-dir RUN_DIR``,
+    torch's elastic launcher: its c10d rendezvous on a free local port); its exit code. None when
+    there is nothing to launch: ``nproc`` is 1, or this process is already one of torchrun's.
+    Across nodes, run torchrun yourself (README: "Data-parallel training").
+
+    Raises:
+        ConfigError: a rank failed; the message names the first failed rank and its exit code or signal.
+    """
+    if nproc <= 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return None
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from rlfunc.errors import ConfigError
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "rlfunc"])
+    # the command's own flags (--nproc among them) are the script's, not torchrun's to parse
+    args.training_script_args = [*command, *(["--run-dir", run_dir] if "--run-dir" not in command else [])]
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()  # the earliest: the others were stopped because of it
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        others = sorted(set(e.failures) - {rank})
+        raise ConfigError(f"data-parallel run: rank {rank} of {nproc} failed ({how})"
+                          + (f"; ranks {others} stopped with it" if others else "")
+                          + f"; the run dir's latest snapshot is intact: rlfunc resume {run_dir}") from None
+    return 0
 
 
 def report_run(result, also: str = "") -> int:
     """Print what ``result`` (with ``run_dir``, ``interrupted`` and ``evaluation``) says; return the
     exit code: 0, or 130 / 143 when SIGINT / SIGTERM stopped the run. The interruption line says how
     to continue the run (``rlfunc resume RUN_DIR``), then ``also`` (other things to do with it)."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # a data-parallel run reports from rank 0 alone
+        return 128 + int(getattr(signal, result.interrupted)) if result.interrupted else 0
     print(f"run dir: {result.run_dir}", file=sys.stderr)
     if result.interrupted:
         print(f"interrupted ({result.interrupted}): snapshot saved; continue with `rlfunc resume {result.run_dir}`"

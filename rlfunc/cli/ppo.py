@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.algos.ppo import PPOConfig
-from rlfunc.cli.common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
 from rlfunc.errors import ConfigError
 
 
@@ -41,6 +41,9 @@ def train(name: str, argv: list[str]) -> int:
         "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
     )
     run_dir = known.run_dir or default_run_dir(config.env, name, config.run.seed)
+    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
+    if launched is not None:
+        return launched
     return report_run(train(config, run_dir, final_eval=True))
 
 

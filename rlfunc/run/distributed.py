@@ -220,6 +220,35 @@ class Distributed:
             result.set(k, gathered[i])
         return result
 
+    def sum(self, t: Tensor) -> Tensor:
+        """The sum of every rank's ``t`` (same shape everywhere), on ``t``'s device; ``t`` at world size 1."""
+        if not self.active:
+            return t
+        out = self._to_comm(t.detach().clone())
+        tdist.all_reduce(out, op=tdist.ReduceOp.SUM, group=self.group)
+        return out.to(t.device)
+
+    def gather_objects(self, obj: Any) -> list:
+        """Every rank's ``obj`` (a small picklable value: env states, metadata), in rank order, on
+        every rank; ``[obj]`` at world size 1. Values travel between the run's own processes only:
+        nothing read from disk is unpickled."""
+        if not self.active:
+            return [obj]
+        out: list = [None] * self.world_size
+        tdist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def agree_stop(self, signal_name: str | None) -> str | None:
+        """The stop every rank takes after this iteration: a signal's name when any rank got one
+        (SIGTERM before SIGINT), else None; so all ranks stop after the same iteration and write
+        the same snapshot. One all_reduce(MAX) of one number."""
+        if not self.active:
+            return signal_name
+        code = {None: 0, "SIGINT": 1, "SIGTERM": 2}.get(signal_name, 2)
+        flag = self._to_comm(torch.tensor([code], dtype=torch.int64))
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.group)
+        return {0: None, 1: "SIGINT", 2: "SIGTERM"}[int(flag.item())]
+
     def close(self) -> None:
         """Leave the process group (nothing at world size 1)."""
         if self.active and tdist.is_initialized():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -210,7 +211,7 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
 
 
 def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0, max_iterations: int | None = None,
-        progress: bool = True, tensorboard: bool = True, profile: int = 0, device=None) -> RunResult:
+        progress: bool = True, tensorboard: bool = True, profile: int = 0, device=None, dist=None) -> RunResult:
     """The iterations left of ``run`` (from ``run.done()`` to ``run.total``, at most ``max_iterations``
     of them), with its snapshots, versions and metrics in ``run_dir``, then its final evaluation.
 
@@ -221,13 +222,21 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     run with nothing left writes nothing. With ``profile`` N > 0, N iterations after a warm-up are
     recorded with ``device``'s profiler into ``run_dir/profile`` (:mod:`rlfunc.run.profile`).
 
+    Data-parallel (``dist``, a :class:`rlfunc.run.distributed.Distributed` of W > 1 ranks): every rank
+    steps and calls ``run.saved()`` (which gathers the ranks' parts), rank 0 alone writes files, shows
+    the bar and evaluates; the ranks agree on a signal's stop after each iteration
+    (:meth:`~rlfunc.run.distributed.Distributed.agree_stop`) and compare their learner states at
+    each snapshot (:meth:`~rlfunc.run.distributed.Distributed.check_in_sync`).
+
     Returns:
         :class:`RunResult`; eval.json is written when the budget was done and ``run.evaluate()`` gives one.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
-    run.open(run_dir)
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    main = dist is None or dist.is_main
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
+        run.open(run_dir)
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard) if main else None
     start = min(run.done(), run.total)
     end = run.total if max_iterations is None else min(run.total, start + max_iterations)
     branch = versions.current_branch(run_dir)
@@ -239,7 +248,11 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
             _save(record, version, snapshot)
 
     def _save(record: dict | None, version: bool, snapshot: bool) -> None:
-        tensors, meta = run.saved()
+        tensors, meta = run.saved()  # on every rank: it may gather the ranks' parts
+        if dist is not None:
+            dist.check_in_sync(run.state, f"iteration {meta['iteration']}")
+            if not dist.is_main:
+                return
         meta = {**meta, "branch": branch}
         step = int(meta["env_steps"])
         if version:  # first: killed between the two, the run keeps the version, and resume_source takes it (newer)
@@ -250,23 +263,26 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
             checkpoint.save_run_snapshot(run_dir, tensors, meta, step=step, keep_last=when.keep_checkpoints or None)
 
     interrupted = None
-    profiler = IterationProfiler(run_dir, profile, resolve_device("cpu" if device is None else device))
+    profiler = IterationProfiler(run_dir, profile, resolve_device("cpu" if device is None else device),
+                                 rank=0 if dist is None else dist.rank)
+    agree = (lambda name: name) if dist is None else dist.agree_stop
     with StopOnSignal() as stop, profiler:
         try:
             from tqdm import tqdm
 
-            with tqdm(total=run.total, initial=start, desc=run.name, disable=not progress, dynamic_ncols=True) as bar:
+            with tqdm(total=run.total, initial=start, desc=run.name, disable=not (progress and main), dynamic_ncols=True) as bar:
                 for i in range(start + 1, end + 1):
                     with span("iteration"):
                         record = run.step(i, stop.signal is not None)
                     if record is not None:
                         record = {**record, "time": time.perf_counter() - clock}
-                        logger.log(record)
+                        if main:
+                            logger.log(record)
                         last_record = record
-                        if progress:  # the postfix only for a bar that is shown
+                        if progress and main:  # the postfix only for a bar that is shown
                             bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
                     bar.update(1)
-                    signal_name = stop.signal  # read once: the loop stops here only after this iteration's final save
+                    signal_name = agree(stop.signal)  # read once: the loop stops here only after this iteration's final save
                     final = signal_name is not None or i == end
                     version = bool(when.version_every) and (final or i % when.version_every == 0)
                     snapshot = final or (bool(when.checkpoint_every) and i % when.checkpoint_every == 0)
@@ -277,11 +293,14 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         interrupted = signal_name
                         break
                 else:  # a signal during the last iteration (saved as the final one) still stopped the run
-                    interrupted = stop.signal
+                    interrupted = agree(stop.signal)
         finally:
-            logger.close()
-    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
+            if logger is not None:
+                logger.close()
     evaluation = None
+    if not main:
+        return RunResult(run.state, run_dir, None, interrupted)
+    plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
     if interrupted is None and run.done() >= run.total:
         evaluation = run.evaluate()
         if evaluation is not None:
@@ -303,7 +322,7 @@ def _scalar(value) -> float:
 def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, resume: bool = False,
           total_steps: int | None = None, device: str | None = None, budget_field: str = "total_steps",
           unit: str = "env steps", max_iterations: int | None = None, progress: bool = True,
-          tensorboard: bool = True, profile: int = 0) -> RunResult:
+          tensorboard: bool = True, data_parallel: bool = False) -> RunResult:
     """A whole run of one algorithm: check ``run_dir``, on resume find the source and its config,
     ``build(config, device) -> Run``, load the source into it, then :func:`run_loop`.
 
@@ -318,7 +337,12 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
             cover the iterations done. The schedule (lr decay ...) is then stretched over it.
         device: with ``resume``, run on this device instead of the config's; a run continues
             exactly only on the device type it ran on.
-        profile: iterations to record with the device's profiler (0: none; :mod:`rlfunc.run.profile`).
+        data_parallel: ``build`` takes ``dist=`` and its run trains data-parallel. Under torchrun
+            (WORLD_SIZE > 1 in the environment) the process joins the group
+            (:meth:`rlfunc.run.distributed.Distributed.from_env`, the device per local rank) and
+            the run gets it; an algorithm without ``data_parallel`` is refused there.
+
+    ``config.run.profile`` iterations are recorded with the device's profiler (:mod:`rlfunc.run.profile`).
 
     Raises:
         ConfigError: a bad run dir or config; ``total_steps``/``device`` without ``resume``; a budget
@@ -347,7 +371,16 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
             raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
         if not isinstance(config, config_type):
             raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
-    built = build(config, resolve_device(config.run.device))
+    dist = None
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        if not data_parallel:
+            raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {getattr(config, 'name', type(config).__name__)} "
+                              "is not data-parallel yet (ppo is): run it in one process")
+        from rlfunc.run.distributed import Distributed
+
+        dist = Distributed.from_env(config.run.device)  # the rendezvous: every rank has checked the run dir
+    device = resolve_device(config.run.device) if dist is None else dist.device
+    built = build(config, device) if dist is None else build(config, device, dist=dist)
     try:
         time_offset = 0.0
         if source is not None:
@@ -356,10 +389,12 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
                 raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
             if total_steps is not None:
                 check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), unit)
-            load(built, run_dir, source, resolve_device(config.run.device))
-            time_offset = truncate_metrics(run_dir, built.done())
+            load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
+            if dist is None or dist.is_main:
+                time_offset = truncate_metrics(run_dir, built.done())
         return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
-                        progress=progress, tensorboard=tensorboard, profile=profile,
-                        device=resolve_device(config.run.device))
+                        progress=progress, tensorboard=tensorboard, profile=config.run.profile, device=device, dist=dist)
     finally:
         built.close()
+        if dist is not None:
+            dist.close()

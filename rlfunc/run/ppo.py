@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from rlfunc.algos import ppo_parallel
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import mean_interval, success_interval, summarize_returns
@@ -76,8 +77,18 @@ def _generators(state: TensorDict, device: torch.device) -> list[torch.Generator
     return [generator_from_state(saved, device) for saved in state["rng"]]
 
 
-def _member_seeds(config: PPOConfig) -> list[int]:
-    return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)]
+def _member_seeds(config: PPOConfig, rank: int = 0, world_size: int = 1) -> list[int]:
+    """The reset seeds of the envs a rank steps, seed member by member: envs rank*N/W .. of each
+    member's N (all of them at world size 1)."""
+    n = config.num_envs // world_size
+    return [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)[rank * n:(rank + 1) * n]]
+
+
+def _global_order(parts: list[list], members: int) -> list:
+    """Per-rank lists of per-env items (member-major: member 0's envs, member 1's ...) as the one
+    list of the single process's envs: for each member, rank 0's envs, rank 1's, ..."""
+    n = len(parts[0]) // members
+    return [item for m in range(members) for part in parts for item in part[m * n:(m + 1) * n]]
 
 
 def _saved_state(state: TensorDict, carry: TensorDict, freeze: TensorDict | None = None) -> TensorDict:
@@ -229,18 +240,23 @@ class PPORun(Run):
     # carry (the structure check refuses one that does not), so there is nothing for it to mark
     requires_format = False
 
-    def __init__(self, config: PPOConfig, device: torch.device, *, final_eval: bool = False) -> None:
-        self.config, self.device, self.final_eval = config, device, final_eval
+    def __init__(self, config: PPOConfig, device: torch.device, *, final_eval: bool = False, dist=None) -> None:
+        self.config, self.device, self.final_eval, self.dist = config, device, final_eval, dist
+        self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
+        ppo_parallel.check_config(config, self.world_size)
+        self.local_envs = config.num_envs // self.world_size  # this rank's envs per seed
         self.run_dir: Path | None = None  # set by open()
         self.total = config.num_iterations
-        self.venv = collect.make_vec_env(config.env, config.run.num_seeds * config.num_envs, vectorization=config.vectorization)
+        self.venv = collect.make_vec_env(config.env, config.run.num_seeds * self.local_envs, vectorization=config.vectorization)
         try:
             if config.run.torch_threads:
                 torch.set_num_threads(config.run.torch_threads)
             self.spec = env_spec(self.venv)
-            self.algo: PPO = make_ppo(config, self.spec, device)
+            self.algo: PPO = make_ppo(config, self.spec, device, dist)
             self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
-            self.carry = collect.reset(self.venv, _member_seeds(config))
+            if dist is not None:  # the same init on every rank, by seed; made certain
+                dist.broadcast_state(self.state)
+            self.carry = collect.reset(self.venv, _member_seeds(config, self.rank, self.world_size))
             self.freeze = init_freeze(self.state["params"]) if config.freeze_threshold > 0 else None
             self.leaves = func.leaves(self.state["params"])  # restore and iteration update these in place
             self.env_meta = _env_meta(config, self.venv)
@@ -250,7 +266,7 @@ class PPORun(Run):
 
     def step(self, i: int, stopping: bool) -> dict:
         config = self.config
-        S, N, T = config.run.num_seeds, config.num_envs, config.num_steps
+        S, N, T = config.run.num_seeds, self.local_envs, config.num_steps
         it = i - 1  # iterations done before this one
         t0 = time.perf_counter()
         gens = _generators(self.state, self.device)
@@ -277,10 +293,13 @@ class PPORun(Run):
             if i % config.freeze_window == 0:
                 self.freeze = update_freeze(self.freeze, self.state["params"], i, config)
         ep_return, ep_count = _episode_stats(batch)
+        if self.dist is not None:  # over every rank's episodes
+            total, ep_count = self.dist.sum(torch.stack([ep_return.nan_to_num(0.0) * ep_count, ep_count])).unbind(0)
+            ep_return = torch.where(ep_count > 0, total / ep_count.clamp_min(1), torch.full_like(total, float("nan")))
         return {
             "iteration": i,
             "step": int(self.state["env_steps"]),
-            "steps_per_s": S * N * T / (t2 - t0),
+            "steps_per_s": S * config.num_envs * T / (t2 - t0),  # of the whole job
             "collect_s": t1 - t0,
             "update_s": t2 - t1,
             "env_wait_s": timing["env_wait_s"],
@@ -291,28 +310,50 @@ class PPORun(Run):
         }
 
     def saved(self) -> tuple[TensorDict, dict]:
+        """The snapshot of the single process that steps all the envs: a data-parallel run gathers
+        its ranks' carries and env states into that env order (every rank calls this), so its
+        snapshot resumes on any number of ranks that divides ``num_envs``, one process included."""
+        S = self.config.run.num_seeds
+        carry, env_state = self.carry, collect.env_state(self.venv)
+        if self.dist is not None and self.dist.active:
+            carry = self.dist.all_gather_batch(carry.reshape(S, self.local_envs), dim=1).reshape(-1)
+            parts = self.dist.gather_objects(env_state)
+            env_state = None if any(p is None for p in parts) else _global_order(parts, S)
         meta = {
             "algo": "ppo",
             "config": dataclasses.asdict(self.config),
             "env_spec": self.spec._asdict(),
-            "env_state": collect.env_state(self.venv),
+            "env_state": env_state,
             "iteration": int(self.state["iteration"]),
             "env_steps": int(self.state["env_steps"]),
             "state_layout": STATE_LAYOUT,
+            "world_size": self.world_size,
             **self.env_meta,
         }
-        return _saved_state(self.state, self.carry, self.freeze), meta
+        return _saved_state(self.state, carry, self.freeze), meta
+
+    def _own(self, items, members: int):
+        """This rank's part of a per-env sequence in the single process's order ([S*N] -> [S*N/W])."""
+        n, lo = self.local_envs, self.rank * self.local_envs
+        if isinstance(items, TensorDict):
+            if self.world_size == 1:
+                return items
+            items = items.clone(False).auto_batch_size_(batch_dims=1)  # a loaded TensorDict has batch_size []
+            return items.reshape(members, self.config.num_envs)[:, lo:lo + n].reshape(-1)
+        N = self.config.num_envs
+        return [items[m * N + lo + j] for m in range(members) for j in range(n)]
 
     def restore(self, loaded: TensorDict, meta: dict) -> None:
+        S = self.config.run.num_seeds
         with torch.no_grad():  # in place: self.leaves (the freeze mask's) are these
             self.state.update_(loaded["learner"])
-        self.carry = loaded["carry"].to("cpu")
+        self.carry = self._own(loaded["carry"].to("cpu"), S)
         if self.freeze is not None:
             self.freeze = loaded["freeze"]
         if meta.get("env_state") is not None:
-            collect.set_env_state(self.venv, meta["env_state"])
+            collect.set_env_state(self.venv, self._own(meta["env_state"], S))
         else:  # an env whose state can't be captured (async vector envs, ...): fresh episodes
-            self.carry = collect.reset(self.venv, _member_seeds(self.config))
+            self.carry = collect.reset(self.venv, _member_seeds(self.config, self.rank, self.world_size))
             warnings.warn(
                 f"{self.config.env} ({self.config.vectorization} vectorization): env state was not captured, so the "
                 "resumed run starts new episodes and is not bit-identical to an uninterrupted one",
@@ -348,7 +389,6 @@ def train(
     total_steps: int | None = None,
     device: str | None = None,
     final_eval: bool = False,
-    profile: int = 0,
 ) -> RunResult:
     """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``): a
     :class:`PPORun` through :func:`rlfunc.run.train`.
@@ -371,8 +411,6 @@ def train(
             policy; ``config.run.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
             and the result's ``evaluation``, as ``rlfunc train ppo`` and ``rlfunc resume`` do;
             False: no evaluation (None).
-        profile: record this many iterations (after a warm-up) with the device's profiler into
-            RUN_DIR/profile (:mod:`rlfunc.run.profile`); 0: none.
 
     Returns:
         RunResult(state, run_dir, evaluation, interrupted): interrupted names the signal
@@ -386,7 +424,7 @@ def train(
     return run_train(functools.partial(PPORun, final_eval=final_eval), config_from_meta, config, run_dir,
                      config_type=PPOConfig, resume=resume, total_steps=total_steps, device=device,
                      unit="env steps per seed", max_iterations=max_iterations, progress=progress,
-                     tensorboard=tensorboard, profile=profile)
+                     tensorboard=tensorboard, data_parallel=True)
 
 
 def evaluate(

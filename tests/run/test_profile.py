@@ -23,7 +23,7 @@ def _trace_names(run_dir) -> set[str]:
 
 def test_profile_writes_one_trace_with_the_ranges_of_the_recorded_iterations(tmp_path):
     run = tmp_path / "run"
-    train(preset("Pendulum-v1", total_steps=5 * 64, **TINY), run, progress=False, tensorboard=False, profile=2)
+    train(preset("Pendulum-v1", total_steps=5 * 64, profile=2, **TINY), run, progress=False, tensorboard=False)
     names = _trace_names(run)
     for name in ("iteration", "rollout", "update", "policy_forward", "env_step"):
         assert name in names, name
@@ -36,8 +36,8 @@ def test_profile_writes_one_trace_with_the_ranges_of_the_recorded_iterations(tmp
 
 def test_a_run_shorter_than_the_warm_up_and_the_recording_still_writes_what_it_recorded(tmp_path):
     run = tmp_path / "run"
-    train(preset("Pendulum-v1", total_steps=3 * 64, checkpoint_every=1, **TINY), run, progress=False,
-          tensorboard=False, profile=10)
+    train(preset("Pendulum-v1", total_steps=3 * 64, checkpoint_every=1, profile=10, **TINY), run, progress=False,
+          tensorboard=False)
     names = _trace_names(run)  # iteration 3 and its snapshot were recorded when the run stopped
     assert {"iteration", "checkpoint", "update"} <= names
 
