@@ -14,6 +14,7 @@ global grad clipping) follow Huang et al. (2022) "The 37 Implementation Details 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -32,6 +33,7 @@ from rlfunc.core.normalize import init_running_stats, normalize, scale_reward, u
 from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.core.sde import EPSILON as SDE_EPSILON
 from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
+from rlfunc.device import span
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic, actor_critic_apply, sequential_apply
@@ -475,9 +477,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
         adam's ``mask``: its parameters and moments stay bit for bit."""
         flat, new_stats, finite = prepare(state, batch)
+        comm_s = 0.0  # seconds in the collectives below (gloo: exact; nccl/hccl: until queued)
         if W > 1:  # the global batch, rank order = the single process's env order
-            flat = dist.all_gather_batch(flat, dim=1)
-            finite, new_return = parallel.gather_env_rows(dist, finite, new_stats.get("discounted_return", None))
+            t0 = time.perf_counter()
+            with span("all_gather"):
+                flat = dist.all_gather_batch(flat, dim=1)
+                finite, new_return = parallel.gather_env_rows(dist, finite, new_stats.get("discounted_return", None))
+            comm_s += time.perf_counter() - t0
             if new_return is not None:
                 new_stats["discounted_return"] = new_return
         data_ok = finite.all(0)  # [S]
@@ -533,7 +539,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                 del graph_grads
                 grads = [p.grad for p in leaves]
                 if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
-                    grads, loss, metrics = parallel.average(reduce, grads, treedef, loss, metrics)
+                    t0 = time.perf_counter()
+                    with span("all_reduce"):
+                        grads, loss, metrics = parallel.average(reduce, grads, treedef, loss, metrics)
+                    comm_s += time.perf_counter() - t0
                 norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
                 ok = data_ok & loss.isfinite() & norms.isfinite()
                 if not bool(ok.all()):
@@ -583,6 +592,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         metrics["skipped_loss"] = skipped[:, 1]
         metrics["skipped_gradient"] = skipped[:, 2]
         metrics["updates"] = torch.full((S,), updates, device=device)
+        if W > 1:
+            metrics["allreduce_s"] = torch.full((S,), comm_s, device=device)
         metrics["value_target_mean"] = flat["value_target"].mean((1, 2))
         return out, metrics
 
