@@ -129,3 +129,21 @@ def span(name: str):
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return _NO_RANGE
+
+
+def local_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of data-parallel rank ``local_rank`` on its host: index ``local_rank`` of
+    ``device``'s kind (cuda, npu), made the current device; ``device`` itself on CPU.
+
+    Raises:
+        ConfigError: the host has fewer devices of that kind than ``local_rank + 1``.
+    """
+    if device.type not in ("cuda", "npu"):
+        return device
+    backend = torch.cuda if device.type == "cuda" else torch.npu
+    count = backend.device_count()
+    if not 0 <= local_rank < count:
+        raise ConfigError(f"LOCAL_RANK={local_rank}: this host has {count} {device.type} device(s)")
+    local = torch.device(device.type, local_rank)
+    backend.set_device(local)
+    return local

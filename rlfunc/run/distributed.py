@@ -32,7 +32,7 @@ import torch.distributed as tdist
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc.device import distributed_backend, resolve_device
+from rlfunc.device import distributed_backend, local_device, resolve_device
 from rlfunc.errors import ConfigError, RLFuncError
 from rlfunc.optim.distributed import buckets, flatten_dense, unflatten_dense
 
@@ -63,7 +63,7 @@ class Distributed:
         """Join the process group torchrun describes in ``env`` (default ``os.environ``).
 
         Args:
-            device_name: "auto" | "cpu" | "cuda" | "npu" (:func:`rlfunc.device.resolve_device`); a
+            device_name: a device name of :func:`rlfunc.device.resolve_device` (auto, cpu, cuda, npu); a
                 rank of a multi-process run gets index LOCAL_RANK of that kind.
             backend: None (the device's: :func:`rlfunc.device.distributed_backend`), or "gloo",
                 "nccl", "hccl".
@@ -90,12 +90,7 @@ class Distributed:
         rank, local_rank = _int_var(env, "RANK", None), _int_var(env, "LOCAL_RANK", 0)
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank}: expected an integer in [0, WORLD_SIZE={world_size})")
-        if device.type in ("cuda", "npu"):
-            count = torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count()
-            if not 0 <= local_rank < count:
-                raise ConfigError(f"LOCAL_RANK={local_rank}: this host has {count} {device.type} device(s)")
-            device = torch.device(device.type, local_rank)
-            (torch.cuda if device.type == "cuda" else torch.npu).set_device(device)
+        device = local_device(device, local_rank)
         backend = distributed_backend(device) if backend is None else backend
         check_backend(backend, device)
         if tdist.is_initialized():
