@@ -72,9 +72,9 @@ class BC(NamedTuple):
 
 
 def ema_update_(ema: TensorDict, params: TensorDict, decay: float) -> None:
-    """``ema <- decay * ema + (1 - decay) * params`` in place, leaf by leaf."""
-    with torch.no_grad():
-        torch._foreach_lerp_(func.leaves(ema), [p.detach() for p in func.leaves(params)], 1.0 - decay)
+    """``ema <- decay * ema + (1 - decay) * params`` in place, leaf by leaf (:func:`rlfunc.core.func.polyak_update_`
+    with tau = 1 - decay)."""
+    func.polyak_update_(ema, params, 1.0 - decay)
 
 
 def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC:

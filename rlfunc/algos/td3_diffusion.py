@@ -21,15 +21,14 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.bc import ema_update_
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos.offpolicy import q_ensemble
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, smoothed_target_action, td3_target
-from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm
 from rlfunc.optim.amp import Precision, backward, transform_step
 
@@ -117,19 +116,16 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
     obs_dim = actor.obs_dim  # the condition's width
     chunk_dim = spec.act_steps * act_dim
-    make_critic = lambda: MLP(obs_dim + chunk_dim, 1, config.critic_hidden, "relu")  # noqa: E731
-    critic = make_critic().to(device)
     E = config.num_critics
+    critics_of = q_ensemble(obs_dim, chunk_dim, config.critic_hidden, [config.run.seed + 1 + e for e in range(E)], device)
     critic_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.critic_lr))
     actor_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.actor_lr))
-    q_all = func.vmap(lambda p, s, a: func.apply(critic, p, torch.cat([s, a], -1)), in_dims=(0, None, None), device=device)
+    q_all = critics_of.values
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
         actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.run.seed)).detach().clone())
-        critics = func.init_stacked(
-            lambda s: func.params_from_module(seeded_init(make_critic, s).to(device)), [config.run.seed + 1 + e for e in range(E)]
-        )
+        critics = critics_of.init()
         gen = torch.Generator(device=device).manual_seed(config.run.seed)
         state = with_encoder(TensorDict(
             {
@@ -194,7 +190,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         params = state["params"]
         with prec.autocast():
             a = deterministic_chunk(params["actor"], state, mb["cond"], generator, checkpoint=config.gradient_checkpointing)
-            q = func.apply(critic, params["critic"][0], torch.cat([mb["cond"], a.flatten(1)], -1))
+            q = critics_of.value(params["critic"][0], mb["cond"], a.flatten(1))
             t = sample_timesteps((mb.batch_size[0],), spec.num_train_steps, generator=generator, device=device)
             noise = torch.randn(mb["chunk"].shape, generator=generator, device=device)
             bc = denoising_loss(actor.apply, params["actor"], mb["chunk"], mb["cond"], t, noise,
@@ -226,8 +222,8 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
                 am = actor_update(state, mb, generator, opt, prec)
                 actor_sum = am if actor_sum is None else actor_sum + am
                 n_actor += 1
-                ema_update_(state["target", "actor"], state["params", "actor"], 1.0 - config.tau)
-                ema_update_(state["target", "critic"], state["params", "critic"], 1.0 - config.tau)
+                func.polyak_update_(state["target", "actor"], state["params", "actor"], config.tau)
+                func.polyak_update_(state["target", "critic"], state["params", "critic"], config.tau)
         metrics = metric_sum / config.updates_per_iteration
         if actor_sum is not None:
             metrics.update(actor_sum / n_actor)

@@ -155,6 +155,20 @@ def leaves(params: TensorDictBase) -> list[torch.Tensor]:
     return [params.get(k) for k in sorted(params.keys(include_nested=True, leaves_only=True), key=str)]
 
 
+def polyak_update_(target: TensorDictBase, online: TensorDictBase, tau: float) -> None:
+    """Polyak averaging ``target <- (1 - tau) target + tau online``, in place, leaf by leaf (``func.leaves`` order).
+
+    Args:
+        target: the averaged parameters (target networks, an EMA), updated in place.
+        online: parameters of the same structure (read, detached).
+        tau: the rate in [0, 1]; 1 copies ``online``, 0 leaves ``target`` as it is.
+
+    Reference: Lillicrap et al. (2016) (DDPG), the "soft" target update; one ``torch._foreach_lerp_``.
+    """
+    with torch.no_grad():
+        torch._foreach_lerp_(leaves(target), [p.detach() for p in leaves(online)], tau)
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-dim bool tensor, True when every element of every tensor is finite (no host sync)."""
     flags = [torch.isfinite(t).all() for t in tensors if t is not None]

@@ -16,7 +16,7 @@ from rlfunc.cli.commands import main
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
 
-CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "grpo", "gspo", "mappo")
+CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "sac", "td3", "grpo", "gspo", "mappo")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +24,7 @@ def test_every_cli_algorithm_is_registered_and_resolves():
     assert registry.names() == CLI_NAMES
     assert registry.names(commands=False) == ("ppo", "ppo-encoder", *CLI_NAMES[1:])
     assert registry.names(family="diffusion") == ("bc", "dppo", "td3-diffusion")
+    assert registry.names(family="offpolicy") == ("sac", "td3")
     for name in registry.names(commands=False):
         entry = registry.lookup(name)
         assert dataclasses.is_dataclass(registry.resolve(entry.config)), name
@@ -35,12 +36,12 @@ def test_every_cli_algorithm_is_registered_and_resolves():
 
 
 def test_unknown_names_are_refused_naming_the_known_ones(capsys):
-    with pytest.raises(ConfigError, match="algorithm='sac': expected one of ppo, ppo-encoder, bc, .*, mappo"):
-        registry.lookup("sac")
-    assert main(["train", "sac"]) == 2
+    with pytest.raises(ConfigError, match="algorithm='redq': expected one of ppo, ppo-encoder, bc, .*, sac, td3, .*, mappo"):
+        registry.lookup("redq")
+    assert main(["train", "redq"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["rlfunc: error: algorithm: expected one of ppo, bc, dppo, td3-diffusion, grpo, gspo, mappo after "
-                   "`rlfunc train`, got 'sac'"]
+    assert err == ["rlfunc: error: algorithm: expected one of ppo, bc, dppo, td3-diffusion, sac, td3, grpo, gspo, mappo "
+                   "after `rlfunc train`, got 'redq'"]
     with pytest.raises(ConfigError, match="expected both or neither"):
         registry.register("half", dataclasses.replace(registry.lookup("ppo"), variant_of="ppo"))
     with pytest.raises(ConfigError, match="registered already"):
@@ -55,8 +56,8 @@ def test_config_from_meta_goes_through_the_snapshot_algo():
     assert registry.config_from_meta(meta, "snap") == BCConfig()
     ppo = {"algo": "ppo", "config": json.loads(json.dumps(dataclasses.asdict(PPOConfig())))}
     assert registry.config_from_meta(ppo, "snap") == PPOConfig()
-    with pytest.raises(CheckpointError, match="snap: snapshot algo='sac': expected 'ppo'"):  # the fallback's refusal
-        registry.config_from_meta({"algo": "sac"}, "snap")
+    with pytest.raises(CheckpointError, match="snap: snapshot algo='redq': expected 'ppo'"):  # the fallback's refusal
+        registry.config_from_meta({"algo": "redq"}, "snap")
 
 
 # A toy algorithm: what a new one adds is its files and one entry.
@@ -148,7 +149,8 @@ def _algorithm_name_literals(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("module", ["cli/commands.py", "cli/common.py", "cli/ppo.py", "cli/diffusion.py", "run/diffusion.py"])
+@pytest.mark.parametrize("module", ["cli/commands.py", "cli/common.py", "cli/ppo.py", "cli/diffusion.py", "run/diffusion.py",
+                                    "cli/offpolicy.py", "run/offpolicy.py"])
 def test_dispatch_modules_hold_no_ladder_over_algorithm_names(module):
     assert _algorithm_name_literals(ROOT / "rlfunc" / module) == []
 

@@ -138,7 +138,7 @@ def test_refused_resume_from_a_snapshot_leaves_latest_as_it_was(tmp_path, run_di
 
 @pytest.mark.parametrize(
     "argv, message",
-    [([], "no command"), (["bogus"], "unknown command 'bogus'"), (["train"], "algorithm"), (["train", "sac"], "'sac'")],
+    [([], "no command"), (["bogus"], "unknown command 'bogus'"), (["train"], "algorithm"), (["train", "redq"], "'redq'")],
 )
 def test_bad_commands_are_one_line_exit_2(capsys, argv, message):
     assert main(argv) == 2

@@ -1,0 +1,300 @@
+"""Whole runs of the replay-buffer algorithms over gymnasium vector envs (sac, td3): :class:`OffPolicyRun`,
+driven by the one run loop (:mod:`rlfunc.run.loop`).
+
+An iteration is ``num_steps`` steps of the ``num_envs`` envs; after each step its transitions go
+into a TorchRL replay buffer on the learner's device and, once ``learning_starts`` env steps are
+done, ``updates_per_step * num_envs`` gradient steps follow (before that, actions are uniform in the
+action box). Each iteration writes one metrics line: the mean return of the episodes that ended in
+it, the means of the algorithm's metrics over its gradient steps (losses, Q values, alpha and the
+entropy estimate -log pi for sac), steps per second.
+
+A snapshot holds {"learner": the learner state (its update chains' states, its generator),
+"carry": the rollout carry (observations, running episode statistics), "buffer": the buffer's filled
+rows}; meta.json the env's state (``collect.env_state``: RNG, time limit, physics), the buffer's
+length and writer cursor (:func:`rlfunc.run.resume.buffer_snapshot`), "resume_format" and
+"state_layout". Resume is therefore exact on CPU: N iterations, stop, resume to 2N give the tensors of
+2N in one go, buffer included (``checkpoint_buffer=False``: smaller snapshots, an empty buffer on
+resume, with a warning).
+
+The final evaluation (eval.json, and ``rlfunc eval RUN_DIR``): deterministic actions (sac: tanh of
+the mean; td3: the actor's output) on ``eval_episodes`` episodes whose reset seeds derive from
+``seed + EVAL_SEED_OFFSET``, disjoint from training's; :func:`rlfunc.core.stats.summarize_returns`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from rlfunc.algos import registry as algorithms
+from rlfunc.algos.offpolicy import OffPolicy, transitions, uniform_policy
+from rlfunc.algos.ppo import EnvSpec
+from rlfunc.algos.sac import SACConfig, make_sac
+from rlfunc.algos.td3 import TD3Config, make_td3
+from rlfunc.config import from_dict
+from rlfunc.core.stats import success_interval, summarize_returns
+from rlfunc.device import resolve_device, span
+from rlfunc.envs import collect
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.run import Run, RunResult, checkpoint, resume_source
+from rlfunc.run import train as run_train
+from rlfunc.run.loop import source_meta
+from rlfunc.run.ppo import EVAL_SEED_OFFSET
+from rlfunc.run.resume import NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, restore_buffer, set_generator_state, state_meta
+
+# the algorithm each config type builds (the registry entry names the config type)
+MAKERS = {SACConfig: make_sac, TD3Config: make_td3}
+
+
+def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
+    """Sizes and bounds of a vector env; EnvError unless its observations are a Box and its actions a
+    Box with finite bounds."""
+    obs_space, act_space = venv.single_observation_space, venv.single_action_space
+    if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, gym.spaces.Box):
+        raise EnvError(f"sac and td3 need Box observations and actions; got {type(obs_space).__name__} observations "
+                       f"and {type(act_space).__name__} actions")
+    if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
+        raise EnvError(f"sac and td3 scale their actions to the env's bounds; this env's are not finite "
+                       f"(low={act_space.low.tolist()}, high={act_space.high.tolist()})")
+    return EnvSpec(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)),
+                   act_space.low.astype(float).reshape(-1).tolist(), act_space.high.astype(float).reshape(-1).tolist())
+
+
+def _algos() -> tuple[str, ...]:
+    return algorithms.names(family="offpolicy", commands=False)
+
+
+def config_from_meta(meta: dict, path, algo: str | None = None) -> SACConfig | TD3Config:
+    """The config saved in a sac / td3 snapshot's meta.
+
+    Raises:
+        CheckpointError: not a sac or td3 snapshot (given ``algo``, not one of ``algo``), or no valid
+            config in its meta (the message names ``path``).
+    """
+    got = meta.get("algo")
+    if got not in _algos() or (algo is not None and got != algo):
+        expected = " or ".join(_algos()) if algo is None else algo
+        raise CheckpointError(f"{path}: snapshot algo={got!r}: expected a {expected} snapshot")
+    return from_dict(algorithms.resolve(algorithms.lookup(got).config), meta.get("config"), path, algo=got)
+
+
+def evaluate_policy(algo: OffPolicy, state: TensorDict, config, episodes: int, seed: int, device: torch.device) -> dict:
+    """Deterministic-action returns of ``state``'s actor on ``episodes`` episodes of ``config.env``
+    (reset seeds from ``seed + EVAL_SEED_OFFSET``): {"env", "mean", "std", "episodes", "ci95",
+    "env_steps"[, "success_rate", "success_ci95"]}."""
+    venv = collect.make_vec_env(config.env, episodes)
+    try:
+        seeds = collect.env_seeds(seed + EVAL_SEED_OFFSET, episodes)
+        returns, success = collect.episode_outcomes(venv, algo.policy(state, None, deterministic=True), seeds, device=device)
+    finally:
+        venv.close()
+    out = {"env": config.env, **summarize_returns(returns), "episodes": episodes, "env_steps": int(state["env_steps"])}
+    if success is not None:
+        out["success_rate"] = float(success.float().mean())
+        out["success_ci95"] = list(success_interval(int(success.sum()), success.numel()))
+    return out
+
+
+class OffPolicyRun(Run):
+    """A sac or td3 run (``name``) as :func:`rlfunc.run.run_loop` drives it; see the module docstring.
+
+    Raises:
+        EnvError: ``config.env`` cannot be built, or has no Box observations and bounded Box actions.
+    """
+
+    variable = ("buffer",)  # its rows depend on how far the run got; restore checks them
+
+    def __init__(self, config, device: torch.device, name: str) -> None:
+        from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+        self.config, self.device, self.name = config, device, name
+        self.total = config.num_iterations()
+        self.venv = collect.make_vec_env(config.env, config.num_envs)
+        try:
+            if config.run.torch_threads:
+                torch.set_num_threads(config.run.torch_threads)
+            self.spec = env_spec(self.venv)
+            self.algo = MAKERS[type(config)](config, self.spec, device)
+            self.state = self.algo.init()
+            self.gen = torch.Generator(device=device).manual_seed(config.run.seed)  # its state: state["rng"]
+            self.seeds = collect.env_seeds(config.run.seed, config.num_envs)
+            self.carry = collect.reset(self.venv, self.seeds)
+            self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+        except BaseException:
+            self.venv.close()
+            raise
+
+    def step(self, i: int, stopping: bool) -> dict:
+        config, state, N = self.config, self.state, self.config.num_envs
+        steps = int(state["env_steps"])
+        per_step = config.updates_per_step * N
+        acting = self.algo.policy(state, self.gen)
+        warm = uniform_policy(self.algo.scale, self.gen)
+        returns, sums, counts = [], {}, {}
+        collect_s = update_s = 0.0
+        for _ in range(config.num_steps):
+            t0 = time.perf_counter()
+            with span("rollout"):
+                batch, self.carry = collect.rollout(self.venv, warm if steps < config.learning_starts else acting, self.carry, 1,
+                                                    device=self.device)
+                self.buffer.extend(transitions(batch, self.algo.scale))
+            steps += N
+            done = batch["next", "done"]
+            if bool(done.any()):
+                returns.extend(batch["next", "episode_reward"][done].tolist())
+            t1 = time.perf_counter()
+            collect_s += t1 - t0
+            if steps >= config.learning_starts:
+                with span("update"):
+                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_step)
+                for key, value in m.items():  # td3's actor metrics come only every policy_delay-th step
+                    sums[key] = sums.get(key, 0.0) + value
+                    counts[key] = counts.get(key, 0) + 1
+                update_s += time.perf_counter() - t1
+        state["env_steps"] = torch.tensor(steps, device=self.device)
+        state["iteration"] = state["iteration"] + 1
+        state["rng"] = self.gen.get_state()
+        self.state = state
+        finite = [r for r in returns if r == r]
+        record = {"iteration": i, "step": steps, "episodes": len(returns),
+                  "steps_per_s": config.num_steps * N / max(collect_s + update_s, 1e-9), "collect_s": collect_s,
+                  "update_s": update_s, "updates": int(state["updates"])}
+        if finite:
+            record["episode_return"] = sum(finite) / len(finite)
+        record.update({key: float(total / counts[key]) for key, total in sums.items()})  # one host read per metric
+        return record
+
+    def saved(self) -> tuple[TensorDict, dict]:
+        rows, buffer_meta = buffer_snapshot(self.buffer, self.config.checkpoint_buffer)
+        tensors = TensorDict({"learner": self.state, "carry": self.carry}, batch_size=[])
+        for key, value in rows.items():
+            tensors[key] = value
+        meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "env_spec": self.spec._asdict(),
+                "env_state": collect.env_state(self.venv), "env_seeds": self.seeds,
+                "iteration": int(self.state["iteration"]), "env_steps": int(self.state["env_steps"]),
+                **state_meta(), **buffer_meta}
+        return tensors, meta
+
+    def restore(self, loaded: TensorDict, meta: dict) -> None:
+        with torch.no_grad():  # in place: the policies and the update chains hold these leaves
+            self.state.update_(loaded["learner"])
+        set_generator_state(self.gen, self.state["rng"])
+        self.carry = loaded["carry"].to("cpu")
+        point = ResumePoint(f"the {self.name} snapshot of iteration {meta.get('iteration')}", meta, self.config)
+        if meta.get("env_state") is not None:
+            collect.set_env_state(self.venv, meta["env_state"])
+        else:
+            self.carry = collect.reset(self.venv, self.seeds)
+            warnings.warn(f"{point.snapshot}: holds no env state, so the resumed run starts new episodes and is not "
+                          "identical to an uninterrupted one", stacklevel=3)
+        restore_buffer(self.buffer, loaded, point)
+
+    def evaluate(self) -> dict:
+        return {"algo": self.name, **evaluate_policy(self.algo, self.state, self.config, self.config.run.eval_episodes, self.config.run.seed,
+                                                     self.device)}
+
+    def close(self) -> None:
+        self.venv.close()
+
+
+# --------------------------------------------------------------------------------------- the calls
+
+
+def _train(algo: str, config, run_dir, **kw) -> RunResult:
+    entry = algorithms.lookup(algo)
+    return run_train(lambda c, d: OffPolicyRun(c, d, algo), lambda meta, path: config_from_meta(meta, path, algo),
+                     config, run_dir, config_type=algorithms.resolve(entry.config), budget_field=entry.budget,
+                     unit=entry.unit, **kw)
+
+
+def train_sac(config: SACConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+              max_iterations: int | None = None, progress: bool = True, tensorboard: bool = True,
+              device: str | None = None) -> RunResult:
+    """Train SAC (:mod:`rlfunc.algos.sac`) per ``config`` into ``run_dir``, or continue it (``resume``).
+
+    Args:
+        config: every hyperparameter; ignored on resume (the snapshot's is used; may be None then).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot (or the current branch's head version).
+        total_steps: on resume, a new budget in env steps, at least those done.
+        max_iterations: stop after this many iterations of this call (to split a run).
+        progress: a tqdm bar. tensorboard: also log to TensorBoard when installed.
+        device: on resume, run on this device instead of the config's (exact only on the same device type).
+
+    Returns:
+        RunResult(state, run_dir, evaluation, interrupted); evaluation (eval.json) once the budget is done.
+
+    Raises:
+        ConfigError, EnvError, CheckpointError: bad config, env, run dir or snapshot. Nothing is written then.
+    """
+    return _train("sac", config, run_dir, resume=resume, total_steps=total_steps, max_iterations=max_iterations,
+                  progress=progress, tensorboard=tensorboard, device=device)
+
+
+def train_td3(config: TD3Config | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+              max_iterations: int | None = None, progress: bool = True, tensorboard: bool = True,
+              device: str | None = None) -> RunResult:
+    """Train TD3 with an MLP actor (:mod:`rlfunc.algos.td3`); arguments, result and errors as :func:`train_sac`."""
+    return _train("td3", config, run_dir, resume=resume, total_steps=total_steps, max_iterations=max_iterations,
+                  progress=progress, tensorboard=tensorboard, device=device)
+
+
+def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None, progress: bool = True,
+           tensorboard: bool = True) -> RunResult:
+    """Continue the sac or td3 run in ``run_dir`` (its algorithm read from the snapshot or version it
+    continues from), optionally with a new budget ``total_steps`` (env steps).
+
+    Raises:
+        ConfigError: ``run_dir`` is not a directory. CheckpointError: no snapshot, or not a sac / td3 one.
+    """
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume=True)
+    source = resume_source(run_dir)
+    if source is None:
+        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
+    meta, name = source_meta(run_dir, source)
+    config_from_meta(meta, name)
+    fn = algorithms.resolve(algorithms.lookup(meta["algo"]).train)
+    return fn(None, run_dir, resume=True, total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard)
+
+
+def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
+    """:func:`evaluate_policy` of the latest snapshot of ``run_dir`` (or of ``run_dir`` itself, a snapshot
+    directory) on ``episodes`` episodes (None: the run's ``eval_episodes``), reset seeds from ``seed``
+    (None: the run's) + EVAL_SEED_OFFSET; the default call repeats the run's eval.json.
+
+    Raises:
+        CheckpointError: no snapshot, not a sac / td3 one, or one that does not fit its config.
+        ConfigError: ``episodes`` < 1 or ``seed`` outside [0, 2**31).
+    """
+    path = Path(run_dir) if (Path(run_dir) / checkpoint.META_FILE).is_file() else checkpoint.latest_snapshot(run_dir)
+    if path is None:
+        raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
+    meta = checkpoint.load_meta(path)
+    config = config_from_meta(meta, path)
+    episodes = config.run.eval_episodes if episodes is None else episodes
+    seed = config.run.seed if seed is None else seed
+    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
+        raise ConfigError(f"episodes={episodes!r}: expected >= 1")
+    if not 0 <= seed < 2**31:
+        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
+    dev = resolve_device(device)
+    venv = collect.make_vec_env(config.env, 1)
+    try:
+        spec = env_spec(venv)
+    finally:
+        venv.close()
+    algo = MAKERS[type(config)](config, spec, dev)
+    state = algo.init()
+    loaded, _ = checkpoint.load_snapshot(path, device=dev)
+    learner = checkpoint.check_learner(str(path), loaded.get("learner", None), state, generators="fresh")
+    with torch.no_grad():
+        state.update_(learner)
+    return {"algo": meta["algo"], **evaluate_policy(algo, state, config, episodes, seed, dev)}

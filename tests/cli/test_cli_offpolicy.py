@@ -1,0 +1,46 @@
+"""`rlfunc train sac|td3`, `rlfunc eval` and `rlfunc resume` of their runs; one-line errors."""
+
+import json
+
+import pytest
+
+from rlfunc.cli.commands import main, usage
+
+SMALL = ["--total-steps", "200", "--num-steps", "100", "--learning-starts", "150", "--hidden", "16", "16",
+         "--batch-size", "16", "--eval-episodes", "2", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("name", ["sac", "td3"])
+def test_train_eval_resume_through_the_cli(tmp_path, capsys, name):
+    d = tmp_path / name
+    assert main(["train", name, "--env", "Pendulum-v1", "--run-dir", str(d), *SMALL]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["algo"] == name and out["episodes"] == 2 and out == json.loads((d / "eval.json").read_text())
+    config = json.loads((d / "config.json").read_text())
+    assert config["hidden"] == [16, 16] and config["run"]["eval_episodes"] == 2
+    assert config["actor_lr"] == 1e-3  # the Pendulum-v1 preset's (both algorithms)
+    assert len((d / "metrics.jsonl").read_text().splitlines()) == 2
+    assert main(["eval", str(d), "--episodes", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+    assert main(["resume", str(d), "--total-steps", "300"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["env_steps"] == 300
+    assert len((d / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_usage_lists_sac_and_td3():
+    text = usage()
+    assert "rlfunc train sac --env ENV_ID" in text and "rlfunc train td3 --env ENV_ID" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "sac", "--tau", "0"], "tau=0"),
+    (["train", "sac", "--n-step", "3"], "n_step=3"),
+    (["train", "td3", "--policy-delay", "0"], "policy_delay=0"),
+    (["train", "sac", "--env", "CartPole-v1", "--total-steps", "10"], "Box"),
+    (["train", "td3", "--env", "Pendulum-v9"], "Pendulum-v9"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlfunc: error:") and message in err[0]
+    assert not (tmp_path / "run").exists()
