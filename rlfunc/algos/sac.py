@@ -66,7 +66,7 @@ class SACConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 
     def __post_init__(self) -> None:
-        require_default(self.run, num_seeds="sac trains one seed per run", vmap="sac trains one seed per run",
+        require_default(self.run, nproc="sac is not data-parallel yet (ppo is): train it in one process", num_seeds="sac trains one seed per run", vmap="sac trains one seed per run",
                         precision="sac has no mixed precision", log_every="sac logs every iteration")
         check_common(self)
         if not self.alpha_lr > 0 or not self.init_alpha > 0:

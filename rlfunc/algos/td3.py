@@ -60,7 +60,7 @@ class TD3Config:
     run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 
     def __post_init__(self) -> None:
-        require_default(self.run, num_seeds="td3 trains one seed per run", vmap="td3 trains one seed per run",
+        require_default(self.run, nproc="td3 is not data-parallel yet (ppo is): train it in one process", num_seeds="td3 trains one seed per run", vmap="td3 trains one seed per run",
                         precision="td3 has no mixed precision", log_every="td3 logs every iteration")
         check_common(self)
         for name in ("exploration_noise", "policy_noise", "noise_clip"):
