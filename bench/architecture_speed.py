@@ -49,8 +49,12 @@ try:
     from rlfunc.run.diffusion import train_dppo
 except ImportError:
     from rlfunc.train_diffusion import train_dppo
-train_dppo(DPPOConfig(env="PointReach-v0", total_steps=128 * 8 * 4 * {its}, eval_episodes=16, device="cpu"), RUN,
-           progress=False, tensorboard=False)
+try:  # a tree with RunConfig (config.run)
+    from rlfunc.config import replace
+    config = replace(DPPOConfig(env="PointReach-v0", total_steps=128 * 8 * 4 * {its}), eval_episodes=16, device="cpu")
+except ImportError:
+    config = DPPOConfig(env="PointReach-v0", total_steps=128 * 8 * 4 * {its}, eval_episodes=16, device="cpu")
+train_dppo(config, RUN, progress=False, tensorboard=False)
 """, "iteration_s", False),
 }
 
