@@ -258,12 +258,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
     parallel.check_config(config, W)
     own = parallel.own_rows(rank, W)  # the noise rows of this rank's envs
-    discrete = spec.action_kind != "box"
+    kind = getattr(spec, "action_kind", "box")  # a spec-like object without one (tests, benches) is a Box env's
+    discrete = kind != "box"
     if discrete and config.exploration != "gaussian":
-        raise ConfigError(f"exploration={config.exploration!r}: env={config.env!r} has {spec.action_kind} actions, which "
+        raise ConfigError(f"exploration={config.exploration!r}: env={config.env!r} has {kind} actions, which "
                           "the categorical policy explores by sampling; expected exploration='gaussian' (gSDE needs Box actions)")
-    nvec = spec.nvec if spec.action_kind == "multi_discrete" else None  # the heads of categorical_* (None: one head)
-    action_tail = (spec.act_dim,) if spec.action_kind != "discrete" else ()  # per-env action shape in the batch
+    nvec = spec.nvec if kind == "multi_discrete" else None  # the heads of categorical_* (None: one head)
+    action_tail = (spec.act_dim,) if kind != "discrete" else ()  # per-env action shape in the batch
     if discrete:
         make_net = lambda: CategoricalActorCritic(spec.obs_dim, sum(spec.nvec), config.hidden, config.activation)  # noqa: E731
     else:
