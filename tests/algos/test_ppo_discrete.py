@@ -178,3 +178,21 @@ def test_each_rank_draws_the_uniforms_of_its_envs(env):
             assert torch.equal(got, rows)
             torch.testing.assert_close(got_logp, logp.view(2, 4, 1)[:, 2 * r:2 * r + 2].reshape(-1, 1))
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(rank_gens, gens))
+
+
+def test_a_multi_discrete_run_snapshots_resumes_and_evaluates(tmp_path):
+    from rlfunc.run import checkpoint
+    from rlfunc.run.ppo import evaluate, train
+
+    config = preset(TWO_HEADS, total_steps=2 * 64, num_envs=2, num_steps=32, minibatch_size=32, num_epochs=1,
+                    checkpoint_every=1, device="cpu")
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    train(config, tmp_path / "part", max_iterations=1, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    for a, b in zip(func.leaves(full.state), func.leaves(resumed.state)):
+        assert torch.equal(a, b)
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "full"))
+    assert meta["env_spec"]["action_kind"] == "multi_discrete" and meta["env_spec"]["nvec"] == [2, 3]
+    assert meta["env_spec"]["action_low"] == [0.0, 1.0] and meta["env_spec"]["action_high"] == [1.0, 3.0]
+    result = evaluate(tmp_path / "full", episodes=2, device="cpu")
+    assert result["episodes"] == 2 and result["mean"] >= 8
