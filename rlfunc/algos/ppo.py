@@ -668,6 +668,6 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
 register("ppo", AlgorithmEntry(
     config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli.ppo:train", train="rlfunc.run.ppo:train",
     resume="rlfunc.cli.ppo:resume", evaluate="rlfunc.cli.ppo:evaluate", config_from_meta="rlfunc.run.ppo:config_from_meta",
-    needs="box-actions",  # gymnasium vector envs, Box observations and actions
+    needs="box-actions",  # gymnasium vector envs, Box observations; Box (Gaussian), Discrete or MultiDiscrete (categorical) actions
     usage="    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]",
 ))
