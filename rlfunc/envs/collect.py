@@ -116,7 +116,8 @@ def _action_codec(space: gym.Space) -> tuple[tuple[int, ...], torch.dtype, Calla
     """How the policy's actions of ``space`` are stored and handed to the env: (the per-env shape of
     a stored action, its dtype, ``to_env(actions [N, *shape]) -> a new array for venv.step``).
 
-    Box: float32 [act_dim] (flattened), clipped to the bounds by :func:`_env_action`. Discrete(n):
+    Box: float32 [act_dim] (flattened), clipped to the bounds by :func:`_env_action` (the rollout
+    calls that itself, one Python frame fewer per step). Discrete(n):
     int64 [] indices in [0, n), the env gets ``start + index`` [N] in the space's dtype.
     MultiDiscrete(nvec): int64 [H] (H = nvec.size, flattened), the env gets ``start + index``
     reshaped to [N, *nvec.shape]. Discrete actions are not clipped: a categorical policy draws
@@ -180,6 +181,8 @@ def rollout(
     space = venv.single_action_space
     obs_dim = carry["observation"].shape[-1]
     act_shape, act_dtype, to_env = _action_codec(space)
+    box = isinstance(space, gym.spaces.Box)
+    bounds = _action_bounds(space) if box else None
     observation = torch.empty(num_steps + 1, n, obs_dim)  # [t] observed at t; [T] the next carry
     action = torch.empty(num_steps, n, *act_shape, dtype=act_dtype)
     log_prob = torch.empty(num_steps, n, 1)
@@ -200,7 +203,7 @@ def rollout(
                 with_log_prob = False
             else:
                 log_prob[t] = logp
-            env_action = to_env(action[t])
+            env_action = _env_action(action[t], bounds, space.shape) if box else to_env(action[t])
             with span("env_step"):
                 t0 = time.perf_counter()
                 next_obs, rew, term, trunc, info = venv.step(env_action)
