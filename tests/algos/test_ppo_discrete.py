@@ -2,7 +2,7 @@
 
 The policy's log-probabilities, the loss's and the entropy against torch.distributions.Categorical;
 int64 actions of the right shape in the batch and start + index in the env; one update on a
-MultiDiscrete env; gSDE refused; the data-parallel rows of the uniforms."""
+MultiDiscrete env; gSDE refused; data parallel (the rows of the uniforms; 2 gloo ranks = 1 process)."""
 
 from types import SimpleNamespace
 
@@ -196,3 +196,51 @@ def test_a_multi_discrete_run_snapshots_resumes_and_evaluates(tmp_path):
     assert meta["env_spec"]["action_low"] == [0.0, 1.0] and meta["env_spec"]["action_high"] == [1.0, 3.0]
     result = evaluate(tmp_path / "full", episodes=2, device="cpu")
     assert result["episodes"] == 2 and result["mean"] >= 8
+
+
+def _two_iterations(config, dist=None):
+    """(learner state, [actions of each rollout]) of 2 rollouts + updates; with ``dist`` this rank's
+    envs of every seed (envs rank*N/W ... of the single process's), as tests/algos/test_ppo_data_parallel.py."""
+    W, r = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    S, N, T = config.run.num_seeds, config.num_envs // W, config.num_steps
+    seeds = [s for seed in config.seeds for s in collect.env_seeds(seed, config.num_envs)[r * N:(r + 1) * N]]
+    venv = collect.make_vec_env(config.env, S * N)
+    try:
+        algo = make_ppo(config, env_spec(venv), CPU, dist)
+        state, carry, actions = algo.init(), collect.reset(venv, seeds), []
+        for _ in range(2):
+            gens = _generators(state, CPU)
+            batch, carry = collect.rollout(venv, algo.policy(state, gens, log_prob=False), carry, T, device=CPU)
+            actions.append(batch.reshape(S, N, T)["action"])
+            state, _ = algo.iteration(state, batch.reshape(S, N, T), gens)
+        return state, actions
+    finally:
+        venv.close()
+
+
+def _dp_config(env):
+    return _config(env, num_steps=16, minibatch_size=16, num_epochs=2, normalize_observations=True, normalize_rewards=True)
+
+
+def _rank(dist, env, out_dir):
+    torch.use_deterministic_algorithms(True)
+    state, actions = _two_iterations(_dp_config(env), dist)
+    dist.check_in_sync(state, "after two iterations")
+    torch.save({"state": {k: v.detach().clone() for k, v in state.items(True, True)}, "actions": actions},
+               f"{out_dir}/rank{dist.rank}.pt")
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", TWO_HEADS])
+def test_two_ranks_with_two_envs_each_equal_one_process_with_four(env, gloo, tmp_path):
+    gloo(_rank, env, str(tmp_path))
+    torch.use_deterministic_algorithms(True)
+    state, actions = _two_iterations(_dp_config(env))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for it, a in enumerate(actions):  # the same draws: int64 actions, exactly
+        assert torch.equal(torch.cat([ranks[0]["actions"][it], ranks[1]["actions"][it]], 1), a)
+    for key, value in state.items(True, True):
+        for got in ranks:
+            if value.is_floating_point():
+                torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(got["state"][key], value), key
