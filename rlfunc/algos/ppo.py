@@ -1,4 +1,5 @@
-"""PPO with a Gaussian actor, as ``make_ppo(config, env_spec) -> (init, iteration)`` over stacked seeds.
+"""PPO with a Gaussian actor (Box actions) or a categorical one (Discrete and MultiDiscrete actions),
+as ``make_ppo(config, env_spec) -> (init, iteration)`` over stacked seeds.
 
 Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but
 Adam's per-leaf step counts (Adam is elementwise), so S seeds train exactly as S separate runs
@@ -28,7 +29,9 @@ from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, replace, require_default
 from rlfunc.core import func
-from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
+from rlfunc.core.distributions import (
+    categorical_entropy, categorical_log_prob, categorical_mode, categorical_sample, gaussian_entropy, gaussian_log_prob,
+)
 from rlfunc.core.normalize import init_running_stats, normalize, scale_reward, update_running_stats
 from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.core.sde import EPSILON as SDE_EPSILON
@@ -36,7 +39,7 @@ from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, 
 from rlfunc.device import span
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
-from rlfunc.nets.actor_critic import GaussianActorCritic, actor_critic_apply, sequential_apply
+from rlfunc.nets.actor_critic import CategoricalActorCritic, GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
 from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
 from rlfunc.optim.shaping import importance_weights, priorities, sample_prioritized
@@ -46,7 +49,7 @@ from rlfunc.optim.shaping import importance_weights, priorities, sample_prioriti
 class PPOConfig:
     """Every PPO hyperparameter, with its default. Steps are env steps per seed."""
 
-    env: str = "Pendulum-v1"  # gymnasium env id (Box observations and actions)
+    env: str = "Pendulum-v1"  # gymnasium env id (Box observations; Box, Discrete or MultiDiscrete actions)
     total_steps: int = 200_000  # env steps per seed (rounded up to whole iterations of the batch)
     num_envs: int = 8  # parallel envs per seed
     num_steps: int = 256  # steps per env per rollout; batch = num_envs * num_steps
@@ -173,6 +176,15 @@ PRESETS: dict[str, dict] = {
         total_steps=1_000_000, num_envs=8, num_steps=256, num_epochs=10, minibatch_size=64,
         lr=3e-4, gamma=0.98, lmbda=0.92, clip_epsilon=0.2, max_grad_norm=0.5, hidden=(256, 256),
     ),
+    # CartPole (Discrete(2) actions, a categorical actor): RL-Zoo's PPO settings: 8 envs x 32 steps,
+    # 20 epochs of one 256-sample minibatch, lr 1e-3 decaying linearly to 0, gamma 0.98, lmbda 0.8,
+    # no entropy bonus, no observation/reward normalisation, 100k steps. RL-Zoo also anneals the clip
+    # range (lin_0.2); there is no clip schedule here outside gradient shaping, so it stays 0.2.
+    "CartPole-v1": dict(
+        total_steps=100_000, num_envs=8, num_steps=32, num_epochs=20, minibatch_size=256,
+        lr=1e-3, anneal_lr=True, gamma=0.98, lmbda=0.8, clip_epsilon=0.2, entropy_coef=0.0, max_grad_norm=0.5,
+        normalize_observations=False, normalize_rewards=False,
+    ),
 }
 
 
@@ -197,12 +209,21 @@ def preset(env: str, shaping: str | None = None, **overrides) -> PPOConfig:
 
 
 class EnvSpec(NamedTuple):
-    """What the learner needs to know of an env: sizes and action bounds (env units)."""
+    """What the learner needs to know of an env: sizes, the kind of action space and its bounds (env units).
+
+    ``action_kind`` "box": ``act_dim`` floats per step, a Gaussian actor. "discrete" (Discrete(n)):
+    one integer per step, ``act_dim`` 1, ``nvec`` (n,); the actor outputs n logits and the batch holds
+    int64 actions [S, N, T]. "multi_discrete" (MultiDiscrete(nvec), flattened): ``act_dim`` = H =
+    len(nvec) integers per step, sum(nvec) logits, actions int64 [S, N, T, H]. Discrete actions are
+    indices from 0; ``action_low`` / ``action_high`` are the env's values (start, start + n - 1).
+    """
 
     obs_dim: int
     act_dim: int
     action_low: list[float]
     action_high: list[float]
+    action_kind: Literal["box", "discrete", "multi_discrete"] = "box"
+    nvec: tuple[int, ...] = ()  # the heads' sizes of a discrete action space (empty for Box)
 
 
 class PPO(NamedTuple):
@@ -212,7 +233,7 @@ class PPO(NamedTuple):
     init: Callable[[], TensorDict]
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
     policy: Callable[..., Callable[[Tensor], tuple[Tensor, Tensor]]]
-    net: GaussianActorCritic
+    net: GaussianActorCritic | CategoricalActorCritic
 
 
 def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) -> PPO:
@@ -226,7 +247,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     the chain). The learner state is the same on every rank and has the single process's layout.
 
     The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
-    "params" (actor, critic, log_std: [S, act_dim], or [S, L, act_dim or 1] with gSDE), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
+    "params" (actor, critic, log_std: [S, act_dim], or [S, L, act_dim or 1] with gSDE; no log_std for
+    discrete actions, whose actor outputs logits), "obs_stats", "return_stats", "discounted_return" [S, N, 1],
     "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64), and "optim", the
     state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr, eps=adam_eps))``:
     "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
@@ -236,10 +258,20 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
     parallel.check_config(config, W)
     own = parallel.own_rows(rank, W)  # the noise rows of this rank's envs
-    make_net = lambda: GaussianActorCritic(  # noqa: E731
-        spec.obs_dim, spec.act_dim, config.hidden, config.activation, config.init_log_std,
-        config.exploration, config.full_std,
-    )
+    kind = getattr(spec, "action_kind", "box")  # a spec-like object without one (tests, benches) is a Box env's
+    discrete = kind != "box"
+    if discrete and config.exploration != "gaussian":
+        raise ConfigError(f"exploration={config.exploration!r}: env={config.env!r} has {kind} actions, which "
+                          "the categorical policy explores by sampling; expected exploration='gaussian' (gSDE needs Box actions)")
+    nvec = spec.nvec if kind == "multi_discrete" else None  # the heads of categorical_* (None: one head)
+    action_tail = (spec.act_dim,) if kind != "discrete" else ()  # per-env action shape in the batch
+    if discrete:
+        make_net = lambda: CategoricalActorCritic(spec.obs_dim, sum(spec.nvec), config.hidden, config.activation)  # noqa: E731
+    else:
+        make_net = lambda: GaussianActorCritic(  # noqa: E731
+            spec.obs_dim, spec.act_dim, config.hidden, config.activation, config.init_log_std,
+            config.exploration, config.full_std,
+        )
     net = make_net().to(device)
     gsde = config.exploration == "gsde"
     head = str(len(net.actor) - 1)  # the actor's output layer; body: the layers before it (features z)
@@ -302,6 +334,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         log-probability is log N(a; mu, (z^2) @ sigma^2 + 1e-6) as in ``sde_log_prob``. The
         normaliser and sigma are read when the policy is built: build one per rollout (the
         trainer does), which also starts each rollout with fresh matrices, as stable-baselines3.
+
+        Discrete actions: the actor's logits [S, N', K] and ``categorical_sample`` with explicit
+        uniforms [S, N', K] drawn from each seed's generator (data parallel: drawn for all N envs,
+        this rank's rows kept, as the Gaussian noise); the action is int64 [S*N'] (Discrete) or
+        [S*N', H] (MultiDiscrete), ``deterministic`` takes ``categorical_mode``.
         """
         half_log_2pi = 0.5 * math.log(2.0 * math.pi)
         params = state["params"]
@@ -320,7 +357,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             variance_scale = sde_log_std.mul(2.0).exp()  # sigma^2
             sde_log_norm = torch.tensor(-spec.act_dim * half_log_2pi, device=variance_scale.device)
             rollout = {"step": 0, "theta": None}
-        else:
+        elif not discrete:  # a categorical actor has no log_std
             log_std = params["log_std"].detach().unsqueeze(1)  # [S, 1, act]
             std, log_norm = log_std.exp(), -(log_std + half_log_2pi).sum(-1, keepdim=True)
 
@@ -333,6 +370,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                 loc = torch.baddbmm(head_bias, latent, head_weight)
             else:
                 loc = forward(x)
+            if discrete:
+                return sample_categorical(loc)
             if deterministic:
                 return loc.reshape(-1, spec.act_dim), loc.new_zeros(loc.shape[0] * loc.shape[1], 1)
             if gsde:
@@ -364,10 +403,27 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             logp = noise.square().sum(-1, keepdim=True).mul_(-0.5).add_(log_norm)
             return action.reshape(-1, spec.act_dim), logp.reshape(-1, 1)
 
+        def sample_categorical(logits: Tensor) -> tuple[Tensor, Tensor | None]:
+            if deterministic:
+                action = categorical_mode(logits, nvec=nvec)
+                return action.reshape(-1, *action_tail), logits.new_zeros(logits.shape[0] * logits.shape[1], 1)
+            K = logits.shape[2]
+            if S == 1:
+                u = own(lambda n: torch.rand((1, n, K), generator=generators[0], device=logits.device), logits.shape[1], 1)
+            else:
+                u = torch.stack([own(lambda n, g=g: torch.rand((n, K), generator=g, device=logits.device), logits.shape[1], 0)
+                                 for g in generators])
+            action = categorical_sample(logits, noise=u, nvec=nvec)  # [S, N'(, H)]
+            if not log_prob:
+                return action.reshape(-1, *action_tail), None
+            return action.reshape(-1, *action_tail), categorical_log_prob(logits, action, nvec=nvec).reshape(-1, 1)
+
         return act
 
     def sample_log_prob(params: TensorDict, observation: Tensor, action: Tensor) -> Tensor:
         """log pi(action | observation) of one sample (0-dim), as member_loss computes it."""
+        if discrete:
+            return categorical_log_prob(sequential_apply(net.actor, params["actor"], observation[None]), action[None], nvec=nvec).sum()
         loc, log_std, _, latent = actor_critic_apply(net, params, observation[None])
         if gsde:
             return sde_log_prob(action[None], loc, latent if config.sde_learn_features else latent.detach(), log_std).sum()
@@ -391,12 +447,18 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         return p, importance_weights(p, config.priority_beta)
 
     def member_loss(params: TensorDict, mb: TensorDict, clip_epsilon: float = config.clip_epsilon) -> tuple[Tensor, TensorDict]:
-        loc, log_std, value, latent = actor_critic_apply(net, params, mb["observation"])
-        if gsde:
+        if discrete:
+            logits = sequential_apply(net.actor, params["actor"], mb["observation"])
+            value = sequential_apply(net.critic, params["critic"], mb["observation"])
+            log_prob = categorical_log_prob(logits, mb["action"], nvec=nvec)
+            entropy = categorical_entropy(logits, nvec=nvec)
+        elif gsde:
+            loc, log_std, value, latent = actor_critic_apply(net, params, mb["observation"])
             latent = latent if config.sde_learn_features else latent.detach()
             log_prob = sde_log_prob(mb["action"], loc, latent, log_std)
             entropy = sde_entropy(latent, log_std, spec.act_dim)
         else:
+            loc, log_std, value, latent = actor_critic_apply(net, params, mb["observation"])
             log_prob = gaussian_log_prob(mb["action"], loc, log_std)
             entropy = gaussian_entropy(log_std, loc.shape[:-1])
         return ppo_loss(
@@ -411,6 +473,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     def member_log_prob_and_value(params: TensorDict, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
         """(log pi(action | obs), V(obs)), each [*B, 1], of one member in one pass, as member_loss
         computes them (obs normalised)."""
+        if discrete:
+            logits = sequential_apply(net.actor, params["actor"], obs)
+            return categorical_log_prob(logits, action, nvec=nvec), sequential_apply(net.critic, params["critic"], obs)
         loc, log_std, value, latent = actor_critic_apply(net, params, obs)
         if gsde:
             return sde_log_prob(action, loc, latent, log_std), value
@@ -603,6 +668,6 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
 register("ppo", AlgorithmEntry(
     config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli.ppo:train", train="rlfunc.run.ppo:train",
     resume="rlfunc.cli.ppo:resume", evaluate="rlfunc.cli.ppo:evaluate", config_from_meta="rlfunc.run.ppo:config_from_meta",
-    needs="box-actions",  # gymnasium vector envs, Box observations and actions
+    needs="box-actions",  # gymnasium vector envs, Box observations; Box (Gaussian), Discrete or MultiDiscrete (categorical) actions
     usage="    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]",
 ))

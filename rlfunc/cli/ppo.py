@@ -36,7 +36,7 @@ def train(name: str, argv: list[str]) -> int:
         return registry.resolve(registry.lookup(chosen).command)(chosen, argv)
     config = parse_config(
         PPOConfig, args=["--env", known.env, *rest], default=preset(known.env, shaping=known.shaping), prog="rlfunc train ppo",
-        description="Train PPO with a Gaussian actor. Defaults: the env's preset. "
+        description="Train PPO with a Gaussian actor (Box actions) or a categorical one (Discrete, MultiDiscrete). Defaults: the env's preset. "
         "Also: --run-dir DIR, the output directory (default runs/ENV-ppo-sSEED-TIME); "
         "--shaping ppo-shaped, the gradient-shaping preset on top of the env's (rlfunc.algos.ppo.SHAPING_PRESETS).",
     )

@@ -112,6 +112,33 @@ def _env_action(action: Tensor, bounds: tuple[Tensor, Tensor], shape: tuple[int,
     return torch.clamp(action, *bounds).nan_to_num_(0.0).numpy().reshape(action.shape[0], *shape)
 
 
+def _action_codec(space: gym.Space) -> tuple[tuple[int, ...], torch.dtype, Callable[[Tensor], np.ndarray]]:
+    """How the policy's actions of ``space`` are stored and handed to the env: (the per-env shape of
+    a stored action, its dtype, ``to_env(actions [N, *shape]) -> a new array for venv.step``).
+
+    Box: float32 [act_dim] (flattened), clipped to the bounds by :func:`_env_action` (the rollout
+    calls that itself, one Python frame fewer per step). Discrete(n):
+    int64 [] indices in [0, n), the env gets ``start + index`` [N] in the space's dtype.
+    MultiDiscrete(nvec): int64 [H] (H = nvec.size, flattened), the env gets ``start + index``
+    reshaped to [N, *nvec.shape]. Discrete actions are not clipped: a categorical policy draws
+    valid indices only.
+
+    Raises:
+        EnvError: any other action space.
+    """
+    if isinstance(space, gym.spaces.Box):
+        bounds, shape = _action_bounds(space), space.shape
+        return (int(np.prod(shape)),), torch.float32, lambda action: _env_action(action, bounds, shape)
+    if isinstance(space, gym.spaces.Discrete):
+        start, dtype = int(space.start), space.dtype
+        return (), torch.int64, lambda action: (action.numpy() + start).astype(dtype, copy=False)
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        start, shape, dtype = space.start.reshape(-1).astype(np.int64), space.shape, space.dtype
+        return ((int(np.prod(shape)),), torch.int64,
+                lambda action: (action.numpy() + start).astype(dtype, copy=False).reshape(action.shape[0], *shape))
+    raise EnvError(f"action space {space}: expected Box, Discrete or MultiDiscrete")
+
+
 def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
     """Reset every env with its seed; returns :func:`empty_carry` holding the first observations."""
     obs, _ = venv.reset(seed=list(seeds))
@@ -134,9 +161,11 @@ def rollout(
 
     Args:
         venv: a gymnasium vector env with SAME_STEP autoreset (:func:`make_vec_env`) with Box
-            observations and actions of any shape; both are flattened (obs_dim, act_dim).
+            observations of any shape (flattened, obs_dim) and Box actions of any shape (flattened,
+            act_dim), Discrete or MultiDiscrete actions (:func:`_action_codec`).
         policy: ``observation [N, obs_dim] (device) -> (action [N, act_dim], sample_log_prob [N, 1])``;
             the env receives the action clipped to its bounds (NaN -> 0), the batch stores it as drawn.
+            Discrete: int64 indices ``action [N]``, MultiDiscrete ``[N, H]``, stored as drawn (int64).
             A policy that returns None for the log-probability (every step) leaves "sample_log_prob"
             out of the batch, for a learner that computes it over the whole batch afterwards.
         carry: the previous rollout's carry (or :func:`reset`'s); host tensors.
@@ -151,9 +180,11 @@ def rollout(
     n = venv.num_envs
     space = venv.single_action_space
     obs_dim = carry["observation"].shape[-1]
-    act_dim = int(np.prod(space.shape))
+    act_shape, act_dtype, to_env = _action_codec(space)
+    box = isinstance(space, gym.spaces.Box)
+    bounds = _action_bounds(space) if box else None
     observation = torch.empty(num_steps + 1, n, obs_dim)  # [t] observed at t; [T] the next carry
-    action = torch.empty(num_steps, n, act_dim)
+    action = torch.empty(num_steps, n, *act_shape, dtype=act_dtype)
     log_prob = torch.empty(num_steps, n, 1)
     with_log_prob = True
     reward = np.empty((num_steps, n), np.float32)
@@ -161,7 +192,6 @@ def rollout(
     truncated = np.empty((num_steps, n), bool)
     final = []  # (t, env indices, final observations) at episode ends
 
-    bounds = _action_bounds(space)
     observation[0] = carry["observation"]
     env_wait = 0.0
     with torch.inference_mode():  # cheaper per op than no_grad; the buffers above stay normal tensors
@@ -173,7 +203,7 @@ def rollout(
                 with_log_prob = False
             else:
                 log_prob[t] = logp
-            env_action = _env_action(action[t], bounds, space.shape)
+            env_action = _env_action(action[t], bounds, space.shape) if box else to_env(action[t])
             with span("env_step"):
                 t0 = time.perf_counter()
                 next_obs, rew, term, trunc, info = venv.step(env_action)
@@ -363,8 +393,7 @@ def episode_outcomes(
     """
     carry = reset(venv, seeds)
     obs = carry["observation"]
-    space = venv.single_action_space
-    bounds = _action_bounds(space)
+    to_env = _action_codec(venv.single_action_space)[2]
     n = venv.num_envs
     total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
     finished = np.zeros(venv.num_envs, bool)
@@ -372,7 +401,7 @@ def episode_outcomes(
     for _ in range(max_steps):
         with torch.no_grad():
             act, _ = policy(obs.to(device))
-        next_obs, rew, term, trunc, info = venv.step(_env_action(act.cpu(), bounds, space.shape))
+        next_obs, rew, term, trunc, info = venv.step(to_env(act.cpu()))
         total += np.where(finished, 0.0, rew)
         ended = (term | trunc) & ~finished
         flags = _final_success(info, ended)

@@ -1,4 +1,4 @@
-"""Gaussian actor and state-value critic: the skeleton PPO's parameter TensorDict is made from."""
+"""Gaussian and categorical actors with a state-value critic: the skeletons PPO's parameter TensorDict is made from."""
 
 from __future__ import annotations
 
@@ -48,6 +48,28 @@ class GaussianActorCritic(nn.Module):
         for layer in body:
             latent = layer(latent)
         return head(latent), self.log_std, self.critic(observation), latent
+
+    def value(self, observation: Tensor) -> Tensor:
+        return self.critic(observation)
+
+
+class CategoricalActorCritic(nn.Module):
+    """Separate MLPs for the action logits and V(s), for Discrete and MultiDiscrete actions.
+
+    ``forward(observation [*B, obs_dim]) -> (logits [*B, num_logits], state_value [*B, 1])``:
+    ``num_logits`` is n for Discrete(n), sum(nvec) for MultiDiscrete(nvec) (the heads concatenated,
+    as ``rlfunc.core.distributions.categorical_log_prob`` reads them). No log-std: the categorical
+    distribution is the exploration. Gains as :class:`GaussianActorCritic`: 0.01 for the last actor
+    layer (near-uniform initial policy), 1 for the critic's (Huang et al. 2022, detail 2).
+    """
+
+    def __init__(self, obs_dim: int, num_logits: int, hidden: Sequence[int] = (64, 64), activation: str = "tanh") -> None:
+        super().__init__()
+        self.actor = MLP(obs_dim, num_logits, hidden, activation, out_gain=0.01)
+        self.critic = MLP(obs_dim, 1, hidden, activation, out_gain=1.0)
+
+    def forward(self, observation: Tensor):
+        return self.actor(observation), self.critic(observation)
 
     def value(self, observation: Tensor) -> Tensor:
         return self.critic(observation)

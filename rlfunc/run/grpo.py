@@ -36,7 +36,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
 from rlfunc.run import Run, RunResult, train
@@ -98,7 +98,10 @@ def _rollout_fn(config: GRPOConfig, device: torch.device):
 def _spec(env_id: str) -> EnvSpec:
     venv = collect.make_vec_env(env_id, 1)
     try:
-        return env_spec(venv)
+        spec = env_spec(venv)
+        if spec.action_kind != "box":  # grpo's actor is PPO's Gaussian one
+            raise EnvError(f"env={env_id!r}: grpo needs Box actions; got {type(venv.single_action_space).__name__} actions")
+        return spec
     finally:
         venv.close()
 

@@ -59,15 +59,25 @@ LAYOUT_1_COMMIT = "c0e6595"  # the last rlfunc that wrote PPO snapshots of state
 
 
 def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
-    """Sizes and bounds of a vector env; EnvError unless observations and actions are flat Boxes."""
+    """Sizes, action kind and bounds of a vector env (:class:`rlfunc.algos.ppo.EnvSpec`; shapes
+    flattened); EnvError unless observations are a Box and actions a Box (Gaussian actor), Discrete
+    or MultiDiscrete (categorical actor)."""
     obs_space, act_space = venv.single_observation_space, venv.single_action_space
-    if not isinstance(act_space, gym.spaces.Box) or not isinstance(obs_space, gym.spaces.Box):
+    if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
         raise EnvError(
-            f"PPO with a Gaussian actor needs Box observations and actions; got "
-            f"{type(obs_space).__name__} observations and {type(act_space).__name__} actions"
+            f"PPO needs Box observations and Box (Gaussian actor), Discrete or MultiDiscrete (categorical actor) "
+            f"actions; got {type(obs_space).__name__} observations and {type(act_space).__name__} actions"
         )
+    obs_dim = int(np.prod(obs_space.shape))
+    if isinstance(act_space, gym.spaces.Discrete):
+        start = int(act_space.start)
+        return EnvSpec(obs_dim, 1, [float(start)], [float(start + act_space.n - 1)], "discrete", (int(act_space.n),))
+    if isinstance(act_space, gym.spaces.MultiDiscrete):
+        nvec, start = act_space.nvec.reshape(-1), act_space.start.reshape(-1)
+        return EnvSpec(obs_dim, int(nvec.size), start.astype(float).tolist(), (start + nvec - 1).astype(float).tolist(),
+                       "multi_discrete", tuple(int(n) for n in nvec))
     return EnvSpec(
-        int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)),
+        obs_dim, int(np.prod(act_space.shape)),
         act_space.low.astype(float).tolist(), act_space.high.astype(float).tolist(),
     )
 
@@ -232,7 +242,8 @@ class PPORun(Run):
             snapshot, ``config.run.eval_episodes`` per seed); False: None (no eval.json).
 
     Raises:
-        EnvError: ``config.env`` cannot be built, or has no Box observations and actions.
+        EnvError: ``config.env`` cannot be built, or has no Box observations, or actions other than
+            Box, Discrete and MultiDiscrete. ConfigError: gSDE exploration on discrete actions.
     """
 
     name = "ppo"

@@ -48,7 +48,8 @@ def test_eval_prints_one_json_line(run_dir, capsys):
         (["--env", "Pendulum-v1", "--seed", "-1"], "seed=-1"),
         (["--env", "Pendulum-v1", "--hidden", "0"], "hidden="),
         (["--env", "Pendulum-v1", "--eval-episodes", "0"], "eval_episodes=0"),
-        (["--env", "CartPole-v1"], "Box"),
+        (["--env", "FrozenLake-v1"], "Box observations"),  # Discrete observations (Discrete actions are fine: CartPole below)
+        (["--env", "CartPole-v1", "--exploration", "gsde"], "exploration='gsde'"),
     ],
 )
 def test_bad_train_input_is_one_line_exit_2(tmp_path, capsys, args, message):
@@ -57,6 +58,20 @@ def test_bad_train_input_is_one_line_exit_2(tmp_path, capsys, args, message):
     assert code == 2
     assert err[-1].startswith("rlfunc: error:") and message in err[-1]
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_train_ppo_on_cartpole_discrete_actions(tmp_path, capsys):
+    # `rlfunc train ppo --env CartPole-v1`: the preset (8 envs x 32 steps, a categorical actor) for 2048 steps
+    run = tmp_path / "cartpole"
+    code = main(["train", "ppo", "--env", "CartPole-v1", "--total-steps", "2048", "--eval-episodes", "5",
+                 "--device", "cpu", "--run-dir", str(run)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(out) == 1
+    summary = json.loads(out[0])
+    assert summary["env"] == "CartPole-v1" and summary["episodes"] == 5 and summary["env_steps"] == 2048
+    assert summary["mean"] >= 8  # one point per step, and no episode is shorter than 8 steps
+    assert json.loads((run / "eval.json").read_text()) == summary
+    assert main(["eval", str(run), "--episodes", "2"]) == 0 and json.loads(capsys.readouterr().out)["episodes"] == 2
 
 
 def test_existing_run_is_not_overwritten(run_dir, capsys):

@@ -1,0 +1,63 @@
+"""PPO runs on Discrete actions (CartPole-v1): exact resume, deterministic evaluation, a short learning run."""
+
+import json
+
+import pytest
+import torch
+
+from rlfunc.algos.ppo import preset
+from rlfunc.run import checkpoint
+from rlfunc.run.ppo import evaluate, train
+
+TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu")
+
+
+def _leaves(state):
+    return {k: v.detach().clone() for k, v in state.items(include_nested=True, leaves_only=True)}
+
+
+def test_cartpole_resume_is_exact_and_evaluates(tmp_path):
+    # 4 iterations in one go == 2, stop, resume for 2 more: every learner tensor and the metrics
+    config = preset("CartPole-v1", total_steps=4 * 128, **TINY)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    part = train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    assert int(part.state["iteration"]) == 2
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "part"))
+    assert meta["env_spec"]["action_kind"] == "discrete" and meta["env_spec"]["nvec"] == [2]
+    assert meta["env_state"] is not None  # CartPole's state, RNG and time limit: the episodes continue
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    assert int(resumed.state["iteration"]) == 4
+    a, b = _leaves(full.state), _leaves(resumed.state)
+    assert a.keys() == b.keys() and not any("log_std" in str(k) for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    m_full = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    m_part = [json.loads(l) for l in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert len(m_full) == len(m_part) == 4
+    for x, y in zip(m_full, m_part):
+        assert x["loss_objective"] == y["loss_objective"] and x["episode_return"] == y["episode_return"]
+    # deterministic actions (categorical_mode), the same on a repeat
+    first = evaluate(tmp_path / "full", episodes=3, device="cpu")
+    again = evaluate(tmp_path / "full", episodes=3, device="cpu")
+    assert first["episodes"] == 3 and first["env_steps"] == 512 and first["mean"] >= 8  # CartPole pays 1 per step
+    assert first == again
+
+
+def test_two_seeds_of_cartpole_equal_separate_runs(tmp_path):
+    base = dict(TINY, total_steps=2 * 128, checkpoint_every=0)
+    together = train(preset("CartPole-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "t", progress=False, tensorboard=False)
+    for i, seed in enumerate((3, 4)):
+        alone = train(preset("CartPole-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False)
+        for key, value in _leaves(alone.state["params"]).items():
+            torch.testing.assert_close(together.state["params"].get(key)[i], value[0], atol=1e-6, rtol=1e-5)
+
+
+def test_short_cartpole_run_learns(tmp_path):
+    # The CartPole-v1 preset (RL-Zoo's PPO settings) for 20480 of its 100k steps, seed 0: a random
+    # policy lasts about 22 steps. Measured here over 20 deterministic episodes: 141 on seed 0 (the
+    # test's), 134 on seed 1, 363 on seed 2 (25-30 s of training on a loaded 2-core machine). Asserts > 100.
+    config = preset("CartPole-v1", total_steps=20_480, checkpoint_every=0, version_every=0, device="cpu")
+    result = train(config, tmp_path / "r", progress=False, tensorboard=False)
+    assert result.interrupted is None and int(result.state["env_steps"]) == 20_480
+    trained = evaluate(tmp_path / "r", episodes=20, device="cpu")
+    assert trained["mean"] > 100.0, trained
