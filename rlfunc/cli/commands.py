@@ -97,9 +97,19 @@ def _resume(argv: list[str]) -> int:
 
 
 def _resume_from(a, snap) -> int:
+    from rlfunc.cli.common import launch
     from rlfunc.run import checkpoint
 
-    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
+    meta = checkpoint.load_meta(snap) if snap is not None else {}
+    run = (meta.get("config") or {}).get("run") if isinstance(meta.get("config"), dict) else None
+    nproc = run.get("nproc", 1) if isinstance(run, dict) else 1
+    if isinstance(nproc, int) and nproc > 1:  # a data-parallel run continues on as many ranks, under torchrun
+        flags = [*(["--total-steps", str(a.total_steps)] if a.total_steps is not None else []),
+                 *(["--device", a.device] if a.device is not None else [])]
+        launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir))
+        if launched is not None:
+            return launched
+    entry = registry.for_snapshot(meta.get("algo") if snap is not None else None)
     result = registry.resolve(entry.resume)(a.run_dir, a.total_steps, device=a.device)
     return registry.resolve(entry.report)(result)
 

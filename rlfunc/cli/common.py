@@ -98,6 +98,8 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     there is nothing to launch: ``nproc`` is 1, or this process is already one of torchrun's.
     Across nodes, run torchrun yourself (README: "Data-parallel training").
 
+    ``rlfunc resume RUN_DIR`` of a run trained with ``--nproc N`` comes here too and continues on N ranks.
+
     Raises:
         ConfigError: a rank failed; the message names the first failed rank and its exit code or signal.
     """
@@ -110,7 +112,8 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "rlfunc"])
     # the command's own flags (--nproc among them) are the script's, not torchrun's to parse
-    args.training_script_args = [*command, *(["--run-dir", run_dir] if "--run-dir" not in command else [])]
+    run_dir_flag = ["--run-dir", run_dir] if command[0] == "train" and "--run-dir" not in command else []
+    args.training_script_args = [*command, *run_dir_flag]
     try:
         run(args)
     except ChildFailedError as e:

@@ -151,4 +151,6 @@ def test_a_killed_rank_stops_the_job_in_one_line_and_the_snapshot_resumes(tmp_pa
     done = checkpoint.load_meta(snap)["iteration"]
     out = _rlfunc("resume", str(run), "--total-steps", str(128 * (done + 1)))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert checkpoint.load_meta(checkpoint.latest_snapshot(run))["iteration"] == done + 1
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
+    assert meta["iteration"] == done + 1
+    assert meta["world_size"] == 2  # `rlfunc resume` of an --nproc 2 run continues on 2 ranks
