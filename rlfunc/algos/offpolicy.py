@@ -1,6 +1,6 @@
 """What the replay-buffer actor-critics (sac, td3, td3-diffusion) share: an ensemble of Q critics as
 one stacked parameter TensorDict, the [-1, 1] <-> env-bounds action map, the uniform warm-up policy,
-the checks of their common hyperparameters, and :class:`OffPolicy`, the algorithm that
+their common hyperparameters (:class:`OffPolicyConfig`), and :class:`OffPolicy`, the algorithm that
 :class:`rlfunc.run.offpolicy.OffPolicyRun` drives.
 
 The Polyak update of the target networks is :func:`rlfunc.core.func.polyak_update_`.
@@ -8,13 +8,16 @@ The Polyak update of the target networks is :func:`rlfunc.core.func.polyak_updat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.nets.mlp import MLP, seeded_init
@@ -133,27 +136,63 @@ def sample(buffer, batch_size: int, generator: torch.Generator, device: torch.de
     return buffer[idx]
 
 
-def check_common(config) -> None:
-    """ConfigError for a bad value of the hyperparameters sac and td3 share."""
-    for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: expected a positive integer")
-    if isinstance(config.learning_starts, bool) or not isinstance(config.learning_starts, int) or config.learning_starts < 0:
-        raise ConfigError(f"learning_starts={config.learning_starts!r}: expected an integer >= 0")
-    if not 0.0 <= config.gamma <= 1.0:
-        raise ConfigError(f"gamma={config.gamma}: expected a value in [0, 1]")
-    if not 0.0 < config.tau <= 1.0:
-        raise ConfigError(f"tau={config.tau}: expected a value in (0, 1]")
-    for name in ("actor_lr", "critic_lr"):
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"{name}={getattr(config, name)}: expected > 0")
-    if config.max_grad_norm is not None and not config.max_grad_norm >= 0:
-        raise ConfigError(f"max_grad_norm={config.max_grad_norm}: expected > 0, or 0 / None (off)")
-    if not config.hidden or any(h < 1 for h in config.hidden):
-        raise ConfigError(f"hidden={config.hidden}: expected positive widths")
-    if config.activation not in ("tanh", "relu", "elu", "silu"):
-        raise ConfigError(f"activation={config.activation!r}: expected tanh, relu, elu or silu")
-    if config.n_step != 1:
-        raise ConfigError(f"n_step={config.n_step!r}: only 1-step targets are implemented (n-step returns over the "
-                          "vector env's replay are not yet)")
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """The hyperparameters sac and td3 share, with their defaults (Stable-Baselines3's / RL-Zoo's),
+    checked in one place; each algorithm's config extends it (and redeclares a field whose default
+    differs). Steps count env steps."""
+
+    name: ClassVar[str] = "off-policy"  # the algorithm, in messages
+
+    env: str = "Pendulum-v1"  # gymnasium env id (Box observations, bounded Box actions)
+    total_steps: int = 20_000  # env steps (rounded up to whole iterations)
+    num_envs: int = 1  # parallel envs (sync vector env)
+    num_steps: int = 1_000  # vector-env steps per iteration (a metrics line, and the snapshot cadence's unit)
+    buffer_size: int = 1_000_000  # replay capacity, transitions (kept on the device)
+    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
+    batch_size: int = 256  # transitions per gradient step
+    learning_starts: int = 100  # env steps of uniform random actions before the actor acts and updates begin
+    updates_per_step: int = 1  # gradient steps per env step (the update-to-data ratio, UTD)
+    gamma: float = 0.99  # discount, in [0, 1]
+    tau: float = 0.005  # Polyak rate of the target networks, in (0, 1]
+    actor_lr: float = 3e-4  # Adam lr of the actor
+    critic_lr: float = 3e-4  # Adam lr of the critics (one chain over the ensemble)
+    num_critics: int = 2  # ensemble size E
+    n_step: int = 1  # n-step targets (only 1 is implemented)
+    hidden: tuple[int, ...] = (256, 256)  # MLP widths of the actor and of each critic
+    activation: str = "relu"  # tanh | relu | elu | silu
+    max_grad_norm: float | None = None  # global grad-norm clip per network (None or 0: off)
+    run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
+
+    def __post_init__(self) -> None:
+        """ConfigError for a bad value of the shared hyperparameters, or a run field these
+        algorithms cannot honour."""
+        n = self.name
+        require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
+                        num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
+                        precision=f"{n} has no mixed precision", log_every=f"{n} logs every iteration")
+        for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        if isinstance(self.learning_starts, bool) or not isinstance(self.learning_starts, int) or self.learning_starts < 0:
+            raise ConfigError(f"learning_starts={self.learning_starts!r}: expected an integer >= 0")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
+        if not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"tau={self.tau}: expected a value in (0, 1]")
+        for name in ("actor_lr", "critic_lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            raise ConfigError(f"max_grad_norm={self.max_grad_norm}: expected > 0, or 0 / None (off)")
+        if not self.hidden or any(h < 1 for h in self.hidden):
+            raise ConfigError(f"hidden={self.hidden}: expected positive widths")
+        if self.activation not in ("tanh", "relu", "elu", "silu"):
+            raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
+        if self.n_step != 1:
+            raise ConfigError(f"n_step={self.n_step!r}: only 1-step targets are implemented (n-step returns over the "
+                              "vector env's replay are not yet)")
+
+    def num_iterations(self) -> int:
+        return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps)))

@@ -15,16 +15,17 @@ scaled to its bounds (:class:`rlfunc.algos.offpolicy.ActionScale`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.offpolicy import OffPolicy, action_scale, check_common, q_ensemble, sample
+from rlfunc.algos.offpolicy import OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, replace, require_default
+from rlfunc.config import replace
 from rlfunc.core import func
 from rlfunc.core.distributions import tanh_gaussian_log_prob, tanh_gaussian_sample
 from rlfunc.errors import ConfigError
@@ -37,47 +38,25 @@ LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0  # the actor's log std is clamped to this 
 
 
 @dataclass(frozen=True)
-class SACConfig:
+class SACConfig(OffPolicyConfig):
     """Every SAC hyperparameter, with its default (Stable-Baselines3's / RL-Zoo's). Steps count env steps."""
 
-    env: str = "Pendulum-v1"  # gymnasium env id (Box observations, bounded Box actions)
-    total_steps: int = 20_000  # env steps (rounded up to whole iterations)
-    num_envs: int = 1  # parallel envs (sync vector env)
-    num_steps: int = 1_000  # vector-env steps per iteration (a metrics line, and the snapshot cadence's unit)
-    buffer_size: int = 1_000_000  # replay capacity, transitions (kept on the device)
-    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
-    batch_size: int = 256  # transitions per gradient step
-    learning_starts: int = 100  # env steps of uniform random actions before the actor acts and updates begin
-    updates_per_step: int = 1  # gradient steps per env step (the update-to-data ratio, UTD)
-    gamma: float = 0.99  # discount, in [0, 1]
-    tau: float = 0.005  # Polyak rate of the target critics, in (0, 1]
-    actor_lr: float = 3e-4  # Adam lr of the actor
-    critic_lr: float = 3e-4  # Adam lr of the critics (one chain over the ensemble)
+    name: ClassVar[str] = "sac"
+
     alpha_lr: float = 3e-4  # Adam lr of log alpha
     init_alpha: float = 1.0  # initial temperature alpha (> 0)
     target_entropy: float | None = None  # H_bar of the temperature loss (None: -dim(A))
     autotune: bool = True  # learn alpha (False: alpha stays init_alpha)
-    num_critics: int = 2  # ensemble size E
     redq_subset: int | None = None  # REDQ: min over this many members drawn per step in the target, mean over all in the actor loss (None: min over all)
-    n_step: int = 1  # n-step targets (only 1 is implemented)
-    hidden: tuple[int, ...] = (256, 256)  # MLP widths of the actor and of each critic
-    activation: str = "relu"  # tanh | relu | elu | silu
-    max_grad_norm: float | None = None  # global grad-norm clip per network (None or 0: off)
-    run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 
     def __post_init__(self) -> None:
-        require_default(self.run, nproc="sac is not data-parallel yet (ppo is): train it in one process", num_seeds="sac trains one seed per run", vmap="sac trains one seed per run",
-                        precision="sac has no mixed precision", log_every="sac logs every iteration")
-        check_common(self)
+        super().__post_init__()
         if not self.alpha_lr > 0 or not self.init_alpha > 0:
             raise ConfigError(f"alpha_lr={self.alpha_lr}, init_alpha={self.init_alpha}: expected > 0")
         if self.target_entropy is not None and not math.isfinite(self.target_entropy):
             raise ConfigError(f"target_entropy={self.target_entropy}: expected a finite number or None")
         if self.redq_subset is not None and not 1 <= self.redq_subset <= self.num_critics:
             raise ConfigError(f"redq_subset={self.redq_subset}: expected None or an int in [1, num_critics={self.num_critics}]")
-
-    def num_iterations(self) -> int:
-        return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps)))
 
 
 PRESETS: dict[str, dict] = {

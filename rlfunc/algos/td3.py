@@ -12,17 +12,17 @@ see; the env gets it scaled to its bounds.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.offpolicy import OffPolicy, action_scale, check_common, q_ensemble, sample
+from rlfunc.algos.offpolicy import OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, replace, require_default
+from rlfunc.config import replace
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, smoothed_target_action, td3_actor_loss, td3_target
@@ -32,19 +32,11 @@ from rlfunc.optim.amp import transform_step
 
 
 @dataclass(frozen=True)
-class TD3Config:
+class TD3Config(OffPolicyConfig):
     """Every TD3 hyperparameter, with its default (Stable-Baselines3's / RL-Zoo's). Steps count env steps."""
 
-    env: str = "Pendulum-v1"  # gymnasium env id (Box observations, bounded Box actions)
-    total_steps: int = 20_000  # env steps (rounded up to whole iterations)
-    num_envs: int = 1  # parallel envs (sync vector env)
-    num_steps: int = 1_000  # vector-env steps per iteration (a metrics line, and the snapshot cadence's unit)
-    buffer_size: int = 1_000_000  # replay capacity, transitions (kept on the device)
-    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
-    batch_size: int = 256  # transitions per gradient step
-    learning_starts: int = 100  # env steps of uniform random actions before the actor acts and updates begin
-    updates_per_step: int = 1  # gradient steps per env step (UTD)
-    gamma: float = 0.99  # discount, in [0, 1]
+    name: ClassVar[str] = "td3"
+
     tau: float = 0.005  # Polyak rate of the target actor and critics, in (0, 1]
     actor_lr: float = 1e-3  # Adam lr of the actor
     critic_lr: float = 1e-3  # Adam lr of the critics
@@ -53,24 +45,15 @@ class TD3Config:
     noise_clip: float = 0.5  # clip of the smoothing noise
     policy_delay: int = 2  # critic updates per actor (and target) update
     num_critics: int = 2  # ensemble size (min over members in the target; the actor follows member 0)
-    n_step: int = 1  # n-step targets (only 1 is implemented)
     hidden: tuple[int, ...] = (400, 300)  # MLP widths of the actor and of each critic (SB3's TD3 default)
-    activation: str = "relu"  # tanh | relu | elu | silu
-    max_grad_norm: float | None = None  # global grad-norm clip per network (None or 0: off)
-    run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 
     def __post_init__(self) -> None:
-        require_default(self.run, nproc="td3 is not data-parallel yet (ppo is): train it in one process", num_seeds="td3 trains one seed per run", vmap="td3 trains one seed per run",
-                        precision="td3 has no mixed precision", log_every="td3 logs every iteration")
-        check_common(self)
+        super().__post_init__()
         for name in ("exploration_noise", "policy_noise", "noise_clip"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
         if isinstance(self.policy_delay, bool) or not isinstance(self.policy_delay, int) or self.policy_delay < 1:
             raise ConfigError(f"policy_delay={self.policy_delay!r}: expected a positive integer")
-
-    def num_iterations(self) -> int:
-        return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps)))
 
 
 PRESETS: dict[str, dict] = {
