@@ -46,6 +46,7 @@ class RunConfig:
     eval_episodes: int = 10  # episodes of the final evaluation (mappo: per eval seed)
     nproc: int = 1  # data-parallel processes on this node: `rlfunc train` starts them with torchrun (ppo)
     profile: int = 0  # iterations to record with the device's profiler into RUN_DIR/profile (0: none)
+    compile: Literal["off", "auto", "on"] = "off"  # torch.compile of the gradient step (rlfunc.device.compile_step; ppo)
 
     def __post_init__(self) -> None:
         for name in ("num_seeds", "log_every", "eval_episodes", "nproc"):
@@ -63,6 +64,8 @@ class RunConfig:
             raise ConfigError(f"run.vmap={self.vmap!r}: expected 'auto', 'vmap' or 'loop'")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"run.precision={self.precision!r}: expected off, auto, bf16 or fp16")
+        if self.compile not in ("off", "auto", "on"):
+            raise ConfigError(f"run.compile={self.compile!r}: expected off, auto or on")
 
     @property
     def seeds(self) -> list[int]:

@@ -147,3 +147,55 @@ def local_device(device: torch.device, local_rank: int) -> torch.device:
     local = torch.device(device.type, local_rank)
     backend.set_device(local)
     return local
+
+
+def compile_backend(device: torch.device) -> str | None:
+    """The torch.compile backend for ``device``, or None where rlfunc runs eager: inductor on CUDA,
+    and on CPU where a C++ compiler is on PATH (inductor builds its CPU kernels with one); None on
+    NPUs (torchair is untested here) and other devices."""
+    import shutil
+
+    if device.type == "cuda":
+        return "inductor"
+    if device.type == "cpu" and any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "inductor"
+    return None
+
+
+def compile_step(fn, device: torch.device, mode: str, what: str):
+    """``fn`` through torch.compile for ``--compile mode`` (off | auto | on), or ``fn`` itself.
+
+    One whole graph (fullgraph=True: a graph break is an error, not a slow path), static shapes
+    (dynamic=False: the hot loop's minibatches have one shape). On CUDA mode "reduce-overhead"
+    (CUDA graphs). Compilation happens at the first call (inductor caches its kernels on disk across
+    runs, ``TORCHINDUCTOR_CACHE_DIR``).
+
+    Raises:
+        ConfigError: ``mode`` "on" and no backend for ``device`` (:func:`compile_backend`); "auto"
+            then warns once and returns ``fn``.
+    """
+    if mode == "off":
+        return fn
+    backend = compile_backend(device)
+    if backend is None:
+        msg = f"--compile {mode}: {what} has no torch.compile backend on device {device.type} (inductor needs cuda or a cpu with a C++ compiler)"
+        if mode == "on":
+            raise ConfigError(msg + "; use --compile off")
+        import warnings
+
+        warnings.warn(msg + "; running eager", stacklevel=2)
+        return fn
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False,
+                             mode="reduce-overhead" if device.type == "cuda" else None)
+    first = [True]
+
+    def call(*args):
+        if first[0]:  # once eager, on copies: bad input fails here in plain Python, and the caches
+            # tensordict fills at first use (which dynamo guards on) are full before the trace
+            from torch.utils._pytree import tree_map
+
+            fn(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args))
+            first[0] = False
+        return compiled(*args)
+
+    return call

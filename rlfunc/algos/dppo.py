@@ -86,7 +86,7 @@ class DPPOConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        require_default(self.run, nproc="dppo is not data-parallel yet (ppo is): train it in one process", num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
+        require_default(self.run, compile="dppo has no compiled update yet (ppo has)", nproc="dppo is not data-parallel yet (ppo is): train it in one process", num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
                         log_every="dppo logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) < 1:

@@ -168,7 +168,7 @@ class OffPolicyConfig:
         """ConfigError for a bad value of the shared hyperparameters, or a run field these
         algorithms cannot honour."""
         n = self.name
-        require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
+        require_default(self.run, compile="no compiled update yet (ppo has)", nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
                         num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         precision=f"{n} has no mixed precision", log_every=f"{n} logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics"):

@@ -36,12 +36,13 @@ from rlfunc.core.normalize import init_running_stats, normalize, scale_reward, u
 from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.core.sde import EPSILON as SDE_EPSILON
 from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
-from rlfunc.device import span
+from rlfunc.device import compile_step, span
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.actor_critic import CategoricalActorCritic, GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
 from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
+from rlfunc.optim.base import leaves_at_each, unflatten
 from rlfunc.optim.shaping import importance_weights, priorities, sample_prioritized
 
 
@@ -310,6 +311,40 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             device=device,
         )
 
+    def grad_step(leaves: list[Tensor], treedef: tuple, adam_state: tuple[list[Tensor], list[Tensor], list[Tensor]],
+                  mb: dict, lr: Tensor, allowed: Tensor):
+        """One minibatch's gradient step as one pure function (the form torch.compile takes whole):
+        loss and gradients by torch.func.grad over the trainable ``leaves`` (rlfunc.optim.flatten
+        order), the per-seed norms, the finiteness mask, then ``optimizer``'s chain, the same
+        ``update_leaves`` the eager loop calls, and the update added to ``leaves`` in place (and
+        Adam's ``adam_state`` = (step, exp_avg, exp_avg_sq) leaves of the same order). ``mb``: the
+        minibatch's tensors [S, M, ...]; ``lr``: 0-dim float32; ``allowed``: [S] bool (finite data,
+        not stopped by target_kl). Returns (loss [S], metrics {name: [S]}, norms [S]). Lists and dicts
+        in and out, no TensorDict: tensordict's pytree cache would make the second call recompile."""
+
+        def total(ls):
+            loss, metrics = torch.func.vmap(member_loss)(unflatten(treedef, ls), mb)
+            return loss.sum(), (loss, metrics)
+
+        grads, (loss, metrics) = torch.func.grad(total, has_aux=True)(leaves)
+        norms = member_grad_norms(grads, stacked=True)
+        mask = allowed & loss.isfinite() & norms.isfinite()
+        grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]
+        steps, exp_avg, exp_avg_sq = adam_state
+        state = unflatten((("0", (("norm", None),)), ("1", (("exp_avg", treedef), ("exp_avg_sq", treedef), ("step", treedef)))),
+                          [norms, *exp_avg, *exp_avg_sq, *steps])
+        delta, _ = optimizer.update_leaves(grads, treedef, state, None, lr=lr, mask=mask, grad_norm=norms)
+        with torch.no_grad():
+            torch._foreach_add_(leaves, delta)
+        return loss.detach(), {k: v.detach() for k, v in metrics.items()}, norms
+
+    compiled = config.run.compile != "off" and transform is None and not config.adaptive_clip \
+        and not config.prioritized_minibatches and W == 1
+    if config.run.compile == "on" and not compiled:
+        raise ConfigError("run.compile='on': ppo compiles the plain gradient step only; expected no step transform, "
+                          "adaptive_clip, prioritized_minibatches or nproc > 1 with it (or --compile off)")
+    compiled_step = compile_step(grad_step, device, config.run.compile, "ppo") if compiled else None
+
     def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
         if not config.normalize_observations:
             return obs
@@ -561,6 +596,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             raise ShapeError("ppo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.core.func.leaves")
         lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
         optim_state = state["optim"]
+        lr_tensor = torch.tensor(lr, dtype=torch.float32, device=device) if compiled_step is not None else None
+        detached = [p.detach() for p in leaves]  # the compiled step writes them in place (views of the params)
+        adam_leaves = tuple(leaves_at_each([optim_state["1", k] for k in ("step", "exp_avg", "exp_avg_sq")], treedef, "ppo")) \
+            if compiled_step is not None else None
         B = flat.batch_size[1]
         num_mb = B // config.minibatch_size
         share = config.minibatch_size // W  # this rank's samples of each minibatch
@@ -595,6 +634,20 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     mb["advantage"] = parallel.normalized_share(
                         vmap(normalize_advantage), flat["advantage"], rows,
                         perm[:, k * config.minibatch_size : (k + 1) * config.minibatch_size], rank, W)
+                if compiled_step is not None:
+                    mb_tensors = {k: mb.get(k) for k in ("observation", "action", "sample_log_prob", "advantage", "value_target", "state_value")}
+                    loss, metrics, norms = compiled_step(detached, treedef, adam_leaves, mb_tensors, lr_tensor, data_ok & active)
+                    metrics = TensorDict(metrics, batch_size=[S])
+                    optim_state = TensorDict({"0": {"norm": norms}, "1": optim_state["1"]}, batch_size=[])
+                    skipped += torch.stack([~data_ok, data_ok & ~loss.isfinite(), data_ok & loss.isfinite() & ~norms.isfinite()], 1).long()
+                    metrics["grad_norm"] = norms
+                    metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                    updates += 1
+                    if config.target_kl is not None:
+                        active = active & ~(metrics["approx_kl"] > config.target_kl)
+                        if not bool(active.any()):
+                            break
+                    continue
                 loss, metrics = loss_fn(params, mb, *loss_args)
                 for p in leaves:
                     p.grad = None

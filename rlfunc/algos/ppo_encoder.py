@@ -92,7 +92,7 @@ class PPOEncoderConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        require_default(self.run, nproc="ppo-encoder is not data-parallel yet (ppo is): train it in one process", num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
+        require_default(self.run, compile="ppo-encoder has no compiled update yet (ppo has)", nproc="ppo-encoder is not data-parallel yet (ppo is): train it in one process", num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
                         log_every="ppo-encoder logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:

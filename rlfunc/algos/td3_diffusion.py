@@ -66,7 +66,7 @@ class TD3DiffusionConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
-        require_default(self.run, nproc="td3-diffusion is not data-parallel yet (ppo is): train it in one process", num_seeds="td3-diffusion trains one seed per run",
+        require_default(self.run, compile="td3-diffusion has no compiled update yet (ppo has)", nproc="td3-diffusion is not data-parallel yet (ppo is): train it in one process", num_seeds="td3-diffusion trains one seed per run",
                         vmap="td3-diffusion trains one seed per run", log_every="td3-diffusion logs every iteration")
         if any(h < 1 for h in self.critic_hidden):
             raise ConfigError(f"critic_hidden={self.critic_hidden}: expected positive widths")

@@ -89,7 +89,7 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
         check_shapes(g, m, treedef, "adam")  # v and the steps come with m from init (or a checked snapshot)
         kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,
-                  lr=float(base_lr if lr is None else lr), weight_decay=weight_decay, eps=eps, maximize=False)
+                  lr=base_lr if lr is None else (lr if isinstance(lr, Tensor) and torch.compiler.is_compiling() else float(lr)), weight_decay=weight_decay, eps=eps, maximize=False)
         if weight_decay:
             if params is None:
                 raise ConfigError("adam(weight_decay > 0).update: expected the params (the decay is of their values)")
@@ -100,6 +100,8 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         else:
             old = None
             updates = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in g]
+        if torch.compiler.is_compiling():  # a compiled step (rlfunc.device.compile_step): no host reads
+            return _traced_step(updates, g, m, v, steps, old, mask, kw, lr), state
         with torch.no_grad():
             bad = None
             if mask is None or bool(mask.all()):
@@ -122,6 +124,35 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         return updates, state
 
     return from_leaves(init, update_leaves)
+
+
+def _traced_step(updates, g, m, v, steps, old, mask, kw, lr):
+    """The masked step of ``update_leaves`` without data-dependent branches, for torch.compile:
+    ``lr`` may be a 0-dim tensor (capturable: one graph for every lr of a schedule); a member with
+    ``mask`` False keeps its moments and gets a zero update, and a single member's step count stays
+    too, as the eager branches do."""
+    if isinstance(lr, Tensor):
+        kw = {**kw, "lr": lr, "capturable": True}
+    if mask is None:
+        torch_adam(updates, g, m, v, [], steps, **kw)
+        if old is not None:
+            torch._foreach_sub_(updates, old)
+        return updates
+    keep = [mask.view(-1, *([1] * (x.dim() - 1))) for x in g]
+    saved = [(a.clone(), b.clone()) for a, b in zip(m, v)]
+    saved_steps = [t.clone() for t in steps] if mask.numel() == 1 else None
+    g = [torch.where(k, x, torch.zeros_like(x)) for k, x in zip(keep, g)]
+    torch_adam(updates, g, m, v, [], steps, **kw)
+    if old is not None:
+        torch._foreach_sub_(updates, old)
+    for k, a, b, u, (sa, sb) in zip(keep, m, v, updates, saved):
+        a.copy_(torch.where(k, a, sa))
+        b.copy_(torch.where(k, b, sb))
+        u.copy_(torch.where(k, u, torch.zeros_like(u)))
+    if saved_steps is not None:
+        for t, st in zip(steps, saved_steps):
+            t.copy_(torch.where(mask.reshape(()), t, st))
+    return updates
 
 
 def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, params: TensorDictBase, *,
