@@ -162,13 +162,21 @@ def compile_backend(device: torch.device) -> str | None:
     return None
 
 
+def _skip_tensordict_cache_guards(guard_entries) -> list[bool]:
+    """torch.compile's guard filter: drop the guards on tensordict's module globals (memo caches such as
+    ``_TENSORCLASS_MEMO`` that grow whenever the rest of a run meets a new type, which would recompile the
+    step mid-run although nothing it computes changed); keep every other guard."""
+    return [not (entry.is_global and "tensordict" in entry.name) for entry in guard_entries]
+
+
 def compile_step(fn, device: torch.device, mode: str, what: str):
     """``fn`` through torch.compile for ``--compile mode`` (off | auto | on), or ``fn`` itself.
 
     One whole graph (fullgraph=True: a graph break is an error, not a slow path), static shapes
     (dynamic=False: the hot loop's minibatches have one shape). On CUDA mode "reduce-overhead"
     (CUDA graphs). Compilation happens at the first call (inductor caches its kernels on disk across
-    runs, ``TORCHINDUCTOR_CACHE_DIR``).
+    runs, ``TORCHINDUCTOR_CACHE_DIR``). The returned function's ``compile_s`` is the wall-clock of
+    its first call (None before it).
 
     Raises:
         ConfigError: ``mode`` "on" and no backend for ``device`` (:func:`compile_backend`); "auto"
@@ -186,10 +194,21 @@ def compile_step(fn, device: torch.device, mode: str, what: str):
         warnings.warn(msg + "; running eager", stacklevel=2)
         return fn
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False,
-                             mode="reduce-overhead" if device.type == "cuda" else None)
+                             mode="reduce-overhead" if device.type == "cuda" else None,
+                             options={"guard_filter_fn": _skip_tensordict_cache_guards})
     first = [True]
 
     def call(*args):
+        if not first[0]:
+            return compiled(*args)
+        import time
+
+        t0 = time.perf_counter()
+        out = warm_and_compile(*args)
+        call.compile_s = time.perf_counter() - t0
+        return out
+
+    def warm_and_compile(*args):
         if first[0]:  # once eager, on copies: bad input fails here in plain Python, and the caches
             # tensordict fills at first use (which dynamo guards on) are full before the trace
             from torch.utils._pytree import tree_map
@@ -198,4 +217,5 @@ def compile_step(fn, device: torch.device, mode: str, what: str):
             first[0] = False
         return compiled(*args)
 
+    call.compile_s = None  # seconds of the first call (warm-up, trace, compile and one step); None before it
     return call

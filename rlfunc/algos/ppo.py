@@ -237,6 +237,12 @@ class PPO(NamedTuple):
     net: GaussianActorCritic | CategoricalActorCritic
 
 
+# --compile auto compiles a run of at least this many gradient steps: a cold compile took 14-15 s on this
+# 2-core CPU and saved 0.75-1.1 ms per step (bench/RESULTS.md, "Compiled updates"), so about 20k steps
+# break even; the quick start (Pendulum-v1, 4,000 steps) runs eager, HalfCheetah-v5's (39,120) compiled.
+AUTO_COMPILE_STEPS = 20_000
+
+
 def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) -> PPO:
     """Build PPO's pure pieces for ``config`` on envs described by ``spec``.
 
@@ -340,6 +346,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
 
     compiled = config.run.compile != "off" and transform is None and not config.adaptive_clip \
         and not config.prioritized_minibatches and W == 1
+    if config.run.compile == "auto":  # on where the run is long enough to pay for compiling (bench/compiled_update.py)
+        compiled = compiled and config.num_iterations * config.num_epochs * (config.batch_size // config.minibatch_size) >= AUTO_COMPILE_STEPS
     if config.run.compile == "on" and not compiled:
         raise ConfigError("run.compile='on': ppo compiles the plain gradient step only; expected no step transform, "
                           "adaptive_clip, prioritized_minibatches or nproc > 1 with it (or --compile off)")
@@ -712,6 +720,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         metrics["updates"] = torch.full((S,), updates, device=device)
         if W > 1:
             metrics["allreduce_s"] = torch.full((S,), comm_s, device=device)
+        if compiled_step is not None and compiled_step.compile_s is not None and int(state["iteration"]) == 0:
+            metrics["compile_s"] = torch.full((S,), compiled_step.compile_s, device=device)  # the first iteration's metrics line
         metrics["value_target_mean"] = flat["value_target"].mean((1, 2))
         return out, metrics
 
