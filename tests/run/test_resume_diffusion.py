@@ -233,7 +233,7 @@ def _layout_1_run(tmp_path, name: str) -> Path:
     return run
 
 
-def _assert_reached_expected(name: str, state) -> None:
+def _assert_reached_expected(name: str, state, rtol: float = 1e-5, atol: float = 1e-7) -> None:
     """``state``'s tensors are those the layout-1 code reached resuming the same run (expected/)."""
     from safetensors.torch import load_file
 
@@ -243,7 +243,7 @@ def _assert_reached_expected(name: str, state) -> None:
     got = {f"{g}.{'.'.join(k) if isinstance(k, tuple) else k}": v for g in groups for k, v in state[g].items(True, True)}
     assert got.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-7, msg=key)
+        torch.testing.assert_close(got[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def _optim_steps(run_dir, entry: str) -> set[int]:
@@ -279,7 +279,10 @@ def test_a_bc_run_of_layout_1_with_an_encoder_resumes_as_the_old_code_did(tmp_pa
     run = _layout_1_run(tmp_path, "bc_push_state_layout_1")
     resumed = td.resume_diffusion(run, 4, **QUIET)
     assert int(resumed.state["iteration"]) == 4
-    _assert_reached_expected("bc_push_state_layout_1", resumed.state)
+    # the camera images are rendered again at resume, and GL implementations round pixels differently
+    # (on an EGL machine of 2026-12-02 the params differed from the recorded ones by up to 1.6e-4);
+    # a moment renumbered onto the wrong leaf moves a parameter by ~lr = 1e-2 in these 2 steps
+    _assert_reached_expected("bc_push_state_layout_1", resumed.state, rtol=0.0, atol=2e-3)
     assert _optim_steps(run, "optim_actor") == {4}
 
 
