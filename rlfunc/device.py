@@ -196,26 +196,21 @@ def compile_step(fn, device: torch.device, mode: str, what: str):
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False,
                              mode="reduce-overhead" if device.type == "cuda" else None,
                              options={"guard_filter_fn": _skip_tensordict_cache_guards})
-    first = [True]
 
     def call(*args):
-        if not first[0]:
+        if call.compile_s is not None:
             return compiled(*args)
         import time
 
+        from torch.utils._pytree import tree_map
+
         t0 = time.perf_counter()
-        out = warm_and_compile(*args)
+        # once eager, on copies: bad input fails here in plain Python, and the caches tensordict
+        # fills at first use are full before the trace
+        fn(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args))
+        out = compiled(*args)
         call.compile_s = time.perf_counter() - t0
         return out
-
-    def warm_and_compile(*args):
-        if first[0]:  # once eager, on copies: bad input fails here in plain Python, and the caches
-            # tensordict fills at first use (which dynamo guards on) are full before the trace
-            from torch.utils._pytree import tree_map
-
-            fn(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args))
-            first[0] = False
-        return compiled(*args)
 
     call.compile_s = None  # seconds of the first call (warm-up, trace, compile and one step); None before it
     return call

@@ -648,53 +648,46 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     metrics = TensorDict(metrics, batch_size=[S])
                     optim_state = TensorDict({"0": {"norm": norms}, "1": optim_state["1"]}, batch_size=[])
                     skipped += torch.stack([~data_ok, data_ok & ~loss.isfinite(), data_ok & loss.isfinite() & ~norms.isfinite()], 1).long()
-                    metrics["grad_norm"] = norms
-                    metric_sum = metrics if metric_sum is None else metric_sum + metrics
-                    updates += 1
-                    if config.target_kl is not None:
-                        active = active & ~(metrics["approx_kl"] > config.target_kl)
-                        if not bool(active.any()):
-                            break
-                    continue
-                loss, metrics = loss_fn(params, mb, *loss_args)
-                for p in leaves:
-                    p.grad = None
-                with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
-                graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
-                curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
-                del graph_grads
-                grads = [p.grad for p in leaves]
-                if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
-                    t0 = time.perf_counter()
-                    with span("all_reduce"):
-                        grads, loss, metrics = parallel.average(reduce, grads, treedef, loss, metrics)
-                    comm_s += time.perf_counter() - t0
-                norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
-                ok = data_ok & loss.isfinite() & norms.isfinite()
-                if not bool(ok.all()):
-                    loss_ok = loss.isfinite()
-                    skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1).long()
-                    for g in grads:
-                        g.nan_to_num_(0.0, 0.0, 0.0)
-                mask = ok & active
+                else:
+                    loss, metrics = loss_fn(params, mb, *loss_args)
+                    for p in leaves:
+                        p.grad = None
+                    with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
+                    graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
+                    curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
+                    del graph_grads
+                    grads = [p.grad for p in leaves]
+                    if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
+                        t0 = time.perf_counter()
+                        with span("all_reduce"):
+                            grads, loss, metrics = parallel.average(reduce, grads, treedef, loss, metrics)
+                        comm_s += time.perf_counter() - t0
+                    norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
+                    ok = data_ok & loss.isfinite() & norms.isfinite()
+                    if not bool(ok.all()):
+                        loss_ok = loss.isfinite()
+                        skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1).long()
+                        for g in grads:
+                            g.nan_to_num_(0.0, 0.0, 0.0)
+                    mask = ok & active
 
-                def step(grads=grads, norms=norms, mask=mask):
-                    nonlocal optim_state  # the chain over the leaf lists (rlfunc.optim.base): no TensorDict per step
-                    delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params,
-                                                                 lr=lr, mask=mask, grad_norm=norms)
-                    with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
-                        torch._foreach_add_(leaves, delta)
+                    def step(grads=grads, norms=norms, mask=mask):
+                        nonlocal optim_state  # the chain over the leaf lists (rlfunc.optim.base): no TensorDict per step
+                        delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params,
+                                                                     lr=lr, mask=mask, grad_norm=norms)
+                        with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
+                            torch._foreach_add_(leaves, delta)
 
-                if transform is None:
-                    step()
-                else:  # the transforms see the clipped gradients (the chain's first link), as Adam does
-                    clipped, _ = clip.update_leaves(grads, treedef, optim_state["0"], grad_norm=norms)
-                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature,
-                                                                        grads=clipped)
-                    for key, value in shaping_metrics.items():
-                        metrics[key] = value
-                if config.adaptive_clip:
-                    metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
+                    if transform is None:
+                        step()
+                    else:  # the transforms see the clipped gradients (the chain's first link), as Adam does
+                        clipped, _ = clip.update_leaves(grads, treedef, optim_state["0"], grad_norm=norms)
+                        shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature,
+                                                                            grads=clipped)
+                        for key, value in shaping_metrics.items():
+                            metrics[key] = value
+                    if config.adaptive_clip:
+                        metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
                 metrics["grad_norm"] = norms
                 metric_sum = metrics if metric_sum is None else metric_sum + metrics
                 updates += 1
