@@ -28,6 +28,7 @@ ORDER = (
     "rlfunc.algos.bc",
     "rlfunc.algos.dppo",
     "rlfunc.algos.td3_diffusion",
+    "rlfunc.algos.sac_diffusion",
     "rlfunc.algos.sac",
     "rlfunc.algos.td3",
     "rlfunc.algos.grpo",

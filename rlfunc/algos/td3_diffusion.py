@@ -12,19 +12,18 @@ References: Fujimoto et al. (2018) (TD3); Wang et al. (2022) (Diffusion-QL), eq.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for, with_encoder
 from rlfunc.algos.offpolicy import q_ensemble
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, require_default
+from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_transitions
 from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -34,63 +33,23 @@ from rlfunc.optim.amp import Precision, backward, transform_step
 
 
 @dataclass(frozen=True)
-class TD3DiffusionConfig:
-    """Every TD3-diffusion hyperparameter, with its default. Steps count env steps."""
+class TD3DiffusionConfig(ReplayDiffusionConfig):
+    """Every TD3-diffusion hyperparameter, with its default: the shared ones of
+    :class:`~rlfunc.algos.replay_diffusion.ReplayDiffusionConfig` and TD3's. Steps count env steps."""
 
-    env: str = "PointReach-v0"  # torch-batched env
-    init_from: str | None = None  # bc (or dppo/td3-diffusion) run dir or snapshot to start the actor from; needs horizon == act_steps
-    actor: ActorSpec = field(default_factory=lambda: ActorSpec(horizon=1, act_steps=1, num_train_steps=10, ddim_steps=5))
-    total_steps: int = 60_000  # env steps
-    num_envs: int = 64  # parallel envs
-    num_steps: int = 30  # chunk steps per env per iteration (from a reset)
-    updates_per_iteration: int = 64  # gradient steps after each rollout
-    warmup_steps: int = 5_000  # env steps of uniform random actions before the actor acts
-    buffer_size: int = 200_000  # replay capacity, transitions (kept on the device)
-    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
-    batch_size: int = 256  # transitions per gradient step
-    actor_lr: float = 3e-4  # Adam lr of the denoiser
-    critic_lr: float = 1e-3  # Adam lr of the twin critics
-    gamma: float = 0.99  # discount per chunk step, in [0, 1]
-    tau: float = 0.005  # Polyak rate of the target networks
+    name: ClassVar[str] = "td3-diffusion"
+
     exploration_noise: float = 0.2  # std of Gaussian noise on executed actions
     policy_noise: float = 0.2  # target policy smoothing std
     noise_clip: float = 0.5  # clip of the smoothing noise
-    policy_delay: int = 2  # critic updates per actor update
     q_coef: float = 1.0  # alpha of Diffusion-QL: weight of -Q / |Q|
     bc_coef: float = 1.0  # weight of the denoising (behaviour) term on replayed actions
-    critic_hidden: tuple[int, ...] = (256, 256)  # critic MLP widths
-    num_critics: int = 2  # ensemble size (min over members in the target)
-    gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
-    max_grad_norm: float = 10.0  # global grad-norm clip (actor and critics separately)
-    run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes
 
     def __post_init__(self) -> None:
-        require_finite(self)
-        require_default(self.run, compile="td3-diffusion has no compiled update yet (ppo has)", nproc="td3-diffusion is not data-parallel yet (ppo is): train it in one process", num_seeds="td3-diffusion trains one seed per run",
-                        vmap="td3-diffusion trains one seed per run", log_every="td3-diffusion logs every iteration")
-        if any(h < 1 for h in self.critic_hidden):
-            raise ConfigError(f"critic_hidden={self.critic_hidden}: expected positive widths")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
-        if not 0.0 < self.tau <= 1.0:
-            raise ConfigError(f"tau={self.tau}: expected a value in (0, 1]")
-        for name in ("total_steps", "num_envs", "num_steps", "updates_per_iteration", "buffer_size",
-                     "batch_size", "policy_delay", "num_critics"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
-        if self.actor.horizon != self.actor.act_steps:
-            raise ConfigError(
-                f"actor.horizon={self.actor.horizon}, actor.act_steps={self.actor.act_steps}: td3-diffusion's critic "
-                "scores the executed chunk, so the two must be equal"
-            )
-        for name in ("exploration_noise", "policy_noise", "noise_clip", "q_coef", "bc_coef", "warmup_steps"):
+        super().__post_init__()
+        for name in ("exploration_noise", "policy_noise", "noise_clip", "q_coef", "bc_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
-        if not self.actor_lr > 0 or not self.critic_lr > 0 or not self.max_grad_norm > 0:
-            raise ConfigError("actor_lr, critic_lr and max_grad_norm must be > 0")
-
-    def num_iterations(self) -> int:
-        return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
 
 
 class TD3Diffusion(NamedTuple):
@@ -101,6 +60,7 @@ class TD3Diffusion(NamedTuple):
     actor: DiffusionActor
     critic_optimizer: GradientTransform  # the update chain of "params"/"critic", its state state["optim_critic"]
     actor_optimizer: GradientTransform  # the update chain of "params"/"actor", its state state["optim_actor"]
+    optim_keys: tuple[str, ...] = ("optim_critic", "optim_actor")  # the learner's update-chain states
 
 
 def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> TD3Diffusion:
@@ -235,20 +195,8 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         return out, metrics
 
     def transitions(state: TensorDict, batch: TensorDict) -> TensorDict:
-        """A rollout [N, T] -> flat transitions [N*T] with "cond", "next_cond" (normalised
-        observations, or the frozen encoder's features), "action" [A*act_steps] in [-1, 1], "chunk" [H, A], "reward", "terminated"."""
-        with torch.no_grad():
-            encoder = state.get("encoder", None)
-            cond = actor.condition(encoder, state["obs_stats"], batch)
-            next_cond = actor.condition(encoder, state["obs_stats"], batch["next"])
-        chunk = batch["action"].reshape(*batch.batch_size, spec.horizon, act_dim)
-        return TensorDict(
-            {
-                "cond": cond, "next_cond": next_cond, "action": chunk.flatten(-2), "chunk": chunk,
-                "reward": batch["next", "reward"], "terminated": batch["next", "terminated"],
-            },
-            batch_size=batch.batch_size,
-        ).flatten(0, 1)
+        """A rollout [N, T] -> flat transitions [N*T] (:func:`rlfunc.algos.replay_diffusion.replay_transitions`)."""
+        return replay_transitions(actor, state, batch)
 
     return TD3Diffusion(init, rollout, iteration, transitions, actor, critic_opt, actor_opt)
 

@@ -1,4 +1,4 @@
-"""``rlfunc train bc|dppo|td3-diffusion [...]``: every field of the algorithm's config (its actor spec
+"""``rlfunc train bc|dppo|td3-diffusion|sac-diffusion [...]``: every field of the algorithm's config (its actor spec
 included, as ``--actor.FIELD``) is a flag; ``--demos N`` and ``--init RUN_DIR`` are short for
 ``--num-demos`` and ``--init-from``."""
 
@@ -45,3 +45,8 @@ def train_dppo(name: str, argv: list[str]) -> int:
 def train_td3_diffusion(name: str, argv: list[str]) -> int:
     """``rlfunc train td3-diffusion [...]``."""
     return _train(name, argv, "TD3 with a diffusion actor (Diffusion-QL)")
+
+
+def train_sac_diffusion(name: str, argv: list[str]) -> int:
+    """``rlfunc train sac-diffusion [...]``."""
+    return _train(name, argv, "SAC with a diffusion actor and a GMM entropy estimate (DACER)")

@@ -1,6 +1,6 @@
 """Whole runs of the diffusion algorithms (bc, dppo, td3-diffusion), each one function of its config,
 driven by the one run loop (:mod:`rlfunc.run.loop`): :class:`BCRun`, :class:`DPPORun`,
-:class:`TD3DiffusionRun`, which share :class:`DiffusionRun`.
+:class:`ReplayDiffusionRun` (td3-diffusion, sac-diffusion), which share :class:`DiffusionRun`.
 
 Each writes RUN_DIR/config.json, metrics.jsonl (one line per logged iteration), checkpoints/
 (safetensors snapshots whose learner state includes the noise schedule, verified against the actor
@@ -56,6 +56,7 @@ from rlfunc.algos.diffusion_actor import (
     POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
+from rlfunc.algos.sac_diffusion import SACDiffusionConfig, make_sac_diffusion
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.config import from_dict
 from rlfunc.device import resolve_device, span
@@ -500,22 +501,23 @@ class DPPORun(DiffusionRun):
                 **metrics.to_dict()}
 
 
-class TD3DiffusionRun(DiffusionRun):
-    """A td3-diffusion run: per iteration a rollout into a device-resident TorchRL replay buffer, then
-    (past ``warmup_steps``) ``updates_per_iteration`` updates with one update chain (clip, Adam) per
-    side, their states the learner's "optim_critic" and "optim_actor". A snapshot also holds the
-    buffer's filled rows ("buffer"; meta "buffer": their count and the writer's cursor, None with
-    ``checkpoint_buffer=False``)."""
+class ReplayDiffusionRun(DiffusionRun):
+    """A td3-diffusion or sac-diffusion run (``name``, its pieces built by ``make``): per iteration a
+    rollout into a device-resident TorchRL replay buffer, then (past ``warmup_steps``)
+    ``updates_per_iteration`` updates with one update chain (clip, Adam) per side, their states the
+    learner's ``optim_keys`` ("optim_critic", "optim_actor"; sac-diffusion's "optim_alpha" too). A
+    snapshot also holds the buffer's filled rows ("buffer"; meta "buffer": their count and the writer's
+    cursor, None with ``checkpoint_buffer=False``)."""
 
     carry = ("buffer",)
-    optim_keys = ("optim_critic", "optim_actor")
 
-    def __init__(self, config: TD3DiffusionConfig, device: torch.device, resumed: bool = False) -> None:
+    def __init__(self, config, device: torch.device, name: str, make, resumed: bool = False) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-        super().__init__(config, device, "td3-diffusion")
-        self._finetune(make_td3_diffusion, config, resumed)
+        super().__init__(config, device, name)
+        self._finetune(make, config, resumed)
         config = self.config
+        self.optim_keys = self.algo.optim_keys
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
         self.total = config.num_iterations()
 
@@ -631,8 +633,19 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
     device-resident TorchRL replay buffer. Arguments, result and errors as :func:`train_dppo`; a
     resumed run refills an empty buffer, with a warning, when the run did not save it
     (``checkpoint_buffer=False``)."""
-    return _train("td3-diffusion", lambda c, d: TD3DiffusionRun(c, d, resumed=resume), config, run_dir, resume=resume,
-                  total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
+    return _train("td3-diffusion", lambda c, d: ReplayDiffusionRun(c, d, "td3-diffusion", make_td3_diffusion, resumed=resume),
+                  config, run_dir, resume=resume, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
+                  device=device)
+
+
+def train_sac_diffusion(config: SACDiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
+                        total_steps: int | None = None, progress: bool = True, tensorboard: bool = True,
+                        device: str | None = None) -> RunResult:
+    """SAC with a diffusion actor after DACER (:class:`ReplayDiffusionRun`, :mod:`rlfunc.algos.sac_diffusion`).
+    Arguments, result and errors as :func:`train_td3_diffusion`."""
+    return _train("sac-diffusion", lambda c, d: ReplayDiffusionRun(c, d, "sac-diffusion", make_sac_diffusion, resumed=resume),
+                  config, run_dir, resume=resume, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
+                  device=device)
 
 
 def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,

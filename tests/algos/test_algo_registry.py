@@ -16,14 +16,14 @@ from rlfunc.cli.commands import main
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
 
-CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "sac", "td3", "grpo", "gspo", "mappo")
+CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "sac-diffusion", "sac", "td3", "grpo", "gspo", "mappo")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_cli_algorithm_is_registered_and_resolves():
     assert registry.names() == CLI_NAMES
     assert registry.names(commands=False) == ("ppo", "ppo-encoder", *CLI_NAMES[1:])
-    assert registry.names(family="diffusion") == ("bc", "dppo", "td3-diffusion")
+    assert registry.names(family="diffusion") == ("bc", "dppo", "td3-diffusion", "sac-diffusion")
     assert registry.names(family="offpolicy") == ("sac", "td3")
     for name in registry.names(commands=False):
         entry = registry.lookup(name)
@@ -40,7 +40,7 @@ def test_unknown_names_are_refused_naming_the_known_ones(capsys):
         registry.lookup("redq")
     assert main(["train", "redq"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["rlfunc: error: algorithm: expected one of ppo, bc, dppo, td3-diffusion, sac, td3, grpo, gspo, mappo "
+    assert err == ["rlfunc: error: algorithm: expected one of ppo, bc, dppo, td3-diffusion, sac-diffusion, sac, td3, grpo, gspo, mappo "
                    "after `rlfunc train`, got 'redq'"]
     with pytest.raises(ConfigError, match="expected both or neither"):
         registry.register("half", dataclasses.replace(registry.lookup("ppo"), variant_of="ppo"))

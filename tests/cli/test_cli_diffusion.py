@@ -1,4 +1,4 @@
-"""`rlfunc train bc | dppo | td3-diffusion` and `rlfunc eval` on their runs; one-line errors."""
+"""`rlfunc train bc | dppo | td3-diffusion | sac-diffusion` and `rlfunc eval` on their runs; one-line errors."""
 
 import json
 import shutil
@@ -66,9 +66,26 @@ def test_train_td3_diffusion(tmp_path, capsys):
     assert len((d / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_train_sac_diffusion_then_eval(tmp_path, capsys):
+    d = tmp_path / "sac"
+    args = ["train", "sac-diffusion", "--total-steps", "960", "--num-envs", "16", "--num-steps", "30",
+            "--warmup-steps", "480", "--updates-per-iteration", "2", "--batch-size", "32", "--eval-episodes", "4",
+            "--entropy-every", "1", "--entropy-states", "4", "--entropy-samples", "10",
+            "--actor.hidden", "32", "32", "--actor.ddim-steps", "2", "--device", "cpu", "--run-dir", str(d)]
+    assert main(args) == 0
+    lines = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[-1]["alpha"] > 0 and "entropy" in lines[-1]
+    capsys.readouterr()
+    assert main(["eval", str(d), "--episodes", "6"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["algo"] == "sac-diffusion" and out["episodes"] == 6 and 0.0 <= out["success_rate"] <= 1.0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["train", "sac-diffusion", "--entropy-samples", "2"], "entropy_samples=2"),
+        (["train", "sac-diffusion", "--actor.horizon", "4"], "sac-diffusion's critic scores the executed chunk"),
         (["train", "dppo", "--init-from", "/no/such/run"], "/no/such/run"),
         (["train", "dppo", "--gamma", "2"], "gamma=2"),
         (["train", "dppo", "--likelihood", "chain", "--minibatch-size", "7"], "minibatch_size=7"),

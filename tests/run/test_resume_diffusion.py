@@ -1,4 +1,4 @@
-"""Resume of bc / dppo / td3-diffusion runs: N iterations, stop, resume to 2N equals 2N in one go,
+"""Resume of bc / dppo / td3-diffusion / sac-diffusion runs: N iterations, stop, resume to 2N equals 2N in one go,
 tensor for tensor (learner, optimizers, generator states, replay buffer); crashes, budgets, errors."""
 
 import dataclasses
@@ -14,6 +14,7 @@ from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
+from rlfunc.algos.sac_diffusion import SACDiffusionConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
@@ -37,6 +38,14 @@ def _td3(**kw) -> TD3DiffusionConfig:  # 80 env steps per iteration; the first i
     return replace(TD3DiffusionConfig(), **{"actor": actor, "num_envs": 8, "num_steps": 10, "warmup_steps": 160, "buffer_size": 200,
                                  "updates_per_iteration": 2, "batch_size": 16, "critic_hidden": (32,),
                                  "total_steps": 6 * 80, "eval_episodes": 4, "device": "cpu", **kw})
+
+
+def _sac(**kw) -> SACDiffusionConfig:  # as _td3; an entropy estimate and alpha step every 2nd update
+    actor = ActorSpec(hidden=(32, 32), horizon=1, act_steps=1, num_train_steps=6, ddim_steps=3)
+    return replace(SACDiffusionConfig(), **{"actor": actor, "num_envs": 8, "num_steps": 10, "warmup_steps": 160, "buffer_size": 200,
+                                 "updates_per_iteration": 3, "batch_size": 16, "critic_hidden": (32,), "entropy_every": 2,
+                                 "entropy_states": 4, "entropy_samples": 12, "total_steps": 6 * 80, "eval_episodes": 4,
+                                 "device": "cpu", **kw})
 
 
 def _snapshot(run_dir):
@@ -109,6 +118,25 @@ def test_td3_n_stop_resume_n_equals_2n(tmp_path):
     assert int(resumed.state["iteration"]) == 6 and int(resumed.state["updates"]) == 5 * 2  # iterations 2..6
     _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
     assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
+    assert resumed.evaluation == whole.evaluation
+
+
+def test_sac_diffusion_n_stop_resume_n_equals_2n(tmp_path):
+    """As td3's: stops in the warm-up and after the buffer wrapped; the learner's alpha, its Adam
+    state, the entropy estimate and the buffer come back exactly."""
+    whole = td.train_sac_diffusion(_sac(), tmp_path / "whole", **QUIET)
+    td.train_sac_diffusion(_sac(total_steps=80), tmp_path / "split", **QUIET)
+    td.resume_diffusion(tmp_path / "split", 3 * 80, **QUIET)
+    state, meta = _snapshot(tmp_path / "split")
+    assert meta["algo"] == "sac-diffusion" and meta["buffer"]["length"] == 200
+    assert int(state["optim_alpha", "0", "step", "log_alpha"]) == 3  # updates 0, 2 (iteration 2), 4 (iteration 3)
+    resumed = td.resume_diffusion(tmp_path / "split", 6 * 80, **QUIET)
+    assert int(resumed.state["iteration"]) == 6 and int(resumed.state["updates"]) == 5 * 3
+    assert float(resumed.state["params", "log_alpha"]) != pytest.approx(float(torch.tensor(3.0).log()))  # alpha moved
+    _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
+    records = _without_time(_records(tmp_path / "split"))
+    assert records == _without_time(_records(tmp_path / "whole"))
+    assert {"alpha", "entropy", "loss_actor", "loss_critic", "target_entropy"} <= records[-1].keys()
     assert resumed.evaluation == whole.evaluation
 
 
@@ -189,8 +217,8 @@ def test_bad_budgets_and_wrong_algorithm(tmp_path):
 
 
 def test_config_from_meta_round_trips():
-    for config in (_bc(), _dppo(), _td3()):
-        algo = {BCConfig: "bc", DPPOConfig: "dppo", TD3DiffusionConfig: "td3-diffusion"}[type(config)]
+    for config in (_bc(), _dppo(), _td3(), _sac()):
+        algo = {BCConfig: "bc", DPPOConfig: "dppo", TD3DiffusionConfig: "td3-diffusion", SACDiffusionConfig: "sac-diffusion"}[type(config)]
         meta = json.loads(json.dumps({"algo": algo, "config": dataclasses.asdict(config)}))
         assert td.config_from_meta(meta, "snap") == config
     with pytest.raises(CheckpointError, match="snap: meta.json holds no valid bc config"):

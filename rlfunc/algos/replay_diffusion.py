@@ -1,0 +1,102 @@
+"""What the replay-buffer diffusion actor-critics (td3-diffusion, sac-diffusion) share: their common
+hyperparameters and checks (:class:`ReplayDiffusionConfig`) and the rollout -> flat transitions map
+(:func:`replay_transitions`) that fills their device-resident TorchRL replay buffer.
+
+Both score the executed action chunk with Q(cond, a) (so ``actor.horizon == actor.act_steps``), keep
+an ensemble of critics as one stacked parameter TensorDict (:func:`rlfunc.algos.offpolicy.q_ensemble`)
+with Polyak targets, and run a diffusion actor (:class:`rlfunc.algos.diffusion_actor.DiffusionActor`)
+on PointReach-v0, gymnasium envs and Dict-observation envs through a frozen bc encoder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from tensordict import TensorDict
+
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite
+from rlfunc.config import RunConfig, require_default
+from rlfunc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ReplayDiffusionConfig:
+    """The hyperparameters td3-diffusion and sac-diffusion share, with their defaults, checked in one
+    place; each algorithm's config extends it. Steps count env steps."""
+
+    name: ClassVar[str] = "replay-diffusion"  # the algorithm, in messages
+
+    env: str = "PointReach-v0"  # torch-batched env, or a gymnasium id with bounded Box actions
+    init_from: str | None = None  # bc (or dppo/td3-diffusion/sac-diffusion) run dir or snapshot to start the actor from; needs horizon == act_steps
+    actor: ActorSpec = field(default_factory=lambda: ActorSpec(horizon=1, act_steps=1, num_train_steps=10, ddim_steps=5))
+    total_steps: int = 60_000  # env steps
+    num_envs: int = 64  # parallel envs
+    num_steps: int = 30  # chunk steps per env per iteration (from a reset)
+    updates_per_iteration: int = 64  # gradient steps after each rollout
+    warmup_steps: int = 5_000  # env steps of uniform random actions before the actor acts
+    buffer_size: int = 200_000  # replay capacity, transitions (kept on the device)
+    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
+    batch_size: int = 256  # transitions per gradient step
+    actor_lr: float = 3e-4  # Adam lr of the denoiser
+    critic_lr: float = 1e-3  # Adam lr of the critics
+    gamma: float = 0.99  # discount per chunk step, in [0, 1]
+    tau: float = 0.005  # Polyak rate of the target networks
+    policy_delay: int = 2  # critic updates per actor (and target) update
+    critic_hidden: tuple[int, ...] = (256, 256)  # critic MLP widths
+    num_critics: int = 2  # ensemble size (min over members in the target)
+    gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
+    max_grad_norm: float = 10.0  # global grad-norm clip (actor and critics separately)
+    run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes
+
+    def __post_init__(self) -> None:
+        """ConfigError for a bad shared value, or a run field these algorithms cannot honour."""
+        n = self.name
+        require_finite(self)
+        require_default(self.run, compile=f"{n} has no compiled update yet (ppo has)",
+                        nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
+                        num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
+                        log_every=f"{n} logs every iteration")
+        if any(h < 1 for h in self.critic_hidden):
+            raise ConfigError(f"critic_hidden={self.critic_hidden}: expected positive widths")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
+        if not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"tau={self.tau}: expected a value in (0, 1]")
+        for name in ("total_steps", "num_envs", "num_steps", "updates_per_iteration", "buffer_size",
+                     "batch_size", "policy_delay", "num_critics"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.actor.horizon != self.actor.act_steps:
+            raise ConfigError(
+                f"actor.horizon={self.actor.horizon}, actor.act_steps={self.actor.act_steps}: {n}'s critic "
+                "scores the executed chunk, so the two must be equal"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps}: expected >= 0")
+        if not self.actor_lr > 0 or not self.critic_lr > 0 or not self.max_grad_norm > 0:
+            raise ConfigError("actor_lr, critic_lr and max_grad_norm must be > 0")
+
+    def num_iterations(self) -> int:
+        return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
+
+
+def replay_transitions(actor: DiffusionActor, state: TensorDict, batch: TensorDict) -> TensorDict:
+    """A rollout [N, T] -> flat transitions [N*T] with "cond", "next_cond" (normalised observations,
+    or the frozen encoder's features, float32 [C]), "action" [H*A] in [-1, 1], "chunk" [H, A],
+    "reward" [1], "terminated" [1] bool."""
+    spec = actor.spec
+    with torch.no_grad():
+        encoder = state.get("encoder", None)
+        cond = actor.condition(encoder, state["obs_stats"], batch)
+        next_cond = actor.condition(encoder, state["obs_stats"], batch["next"])
+    chunk = batch["action"].reshape(*batch.batch_size, spec.horizon, actor.act_dim)
+    return TensorDict(
+        {
+            "cond": cond, "next_cond": next_cond, "action": chunk.flatten(-2), "chunk": chunk,
+            "reward": batch["next", "reward"], "terminated": batch["next", "terminated"],
+        },
+        batch_size=batch.batch_size,
+    ).flatten(0, 1)
