@@ -329,7 +329,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         in and out, no TensorDict: tensordict's pytree cache would make the second call recompile."""
 
         def total(ls):
-            loss, metrics = torch.func.vmap(member_loss)(unflatten(treedef, ls), mb)
+            params = unflatten(treedef, ls)
+            # the seeds' dim, which tensordict's vmap would infer from a top-level tensor (a Gaussian
+            # actor's log_std): a categorical actor-critic has none, and vmap saw a 0-dim input
+            params.batch_size = ls[0].shape[:1]
+            loss, metrics = torch.func.vmap(member_loss)(params, mb)
             return loss.sum(), (loss, metrics)
 
         grads, (loss, metrics) = torch.func.grad(total, has_aux=True)(leaves)
@@ -345,12 +349,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         return loss.detach(), {k: v.detach() for k, v in metrics.items()}, norms
 
     compiled = config.run.compile != "off" and transform is None and not config.adaptive_clip \
-        and not config.prioritized_minibatches and W == 1 and not discrete
+        and not config.prioritized_minibatches and W == 1
     if config.run.compile == "auto":  # on where the run is long enough to pay for compiling (bench/compiled_update.py)
         compiled = compiled and config.num_iterations * config.num_epochs * (config.batch_size // config.minibatch_size) >= AUTO_COMPILE_STEPS
     if config.run.compile == "on" and not compiled:
-        raise ConfigError("run.compile='on': ppo compiles the plain gradient step of Box actions only; expected no step transform, "
-                          "adaptive_clip, prioritized_minibatches, nproc > 1 or Discrete actions with it (or --compile off)")
+        raise ConfigError("run.compile='on': ppo compiles its plain gradient step only; expected no step transform, "
+                          "adaptive_clip, prioritized_minibatches or nproc > 1 with it (or --compile off)")
     compiled_step = compile_step(grad_step, device, config.run.compile, "ppo") if compiled else None
 
     def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
