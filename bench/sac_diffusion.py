@@ -5,6 +5,7 @@ wall-clock. sac-diffusion acts with its chain (eta = eval_eta, no entropy noise)
 its mean; the episodes of both are PointReach's torch-batched env reset from the same seed.
 
     OMP_NUM_THREADS=1 python -m bench.sac_diffusion --seeds 0 1 2 3 4 --no-sac     # 120k env steps each
+    OMP_NUM_THREADS=1 python -m bench.sac_diffusion --seeds 0 1 2 --sac-only --sac-steps 30000
     python -m bench.sac_diffusion --seeds 0 --steps 3000 --episodes 50 --sac-steps 600   # a smoke run
 """
 
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--sac-steps", type=int, default=None, help="env steps of Gaussian SAC (default: --steps)")
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--no-sac", action="store_true", help="sac-diffusion only")
+    parser.add_argument("--sac-only", action="store_true", help="Gaussian SAC only")
     parser.add_argument("--out", default="bench/out/sac_diffusion")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -89,8 +91,9 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     rows = []
     for seed in args.seeds:
-        rows.append(run_sac_diffusion(seed, args.steps, args.episodes, out))
-        print(json.dumps(rows[-1]), flush=True)
+        if not args.sac_only:
+            rows.append(run_sac_diffusion(seed, args.steps, args.episodes, out))
+            print(json.dumps(rows[-1]), flush=True)
         if not args.no_sac:
             rows.append(run_sac(seed, args.sac_steps or args.steps, args.episodes, out))
             print(json.dumps(rows[-1]), flush=True)

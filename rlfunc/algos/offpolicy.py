@@ -143,6 +143,7 @@ class OffPolicyConfig:
     differs). Steps count env steps."""
 
     name: ClassVar[str] = "off-policy"  # the algorithm, in messages
+    compiles: ClassVar[bool] = False  # whether its update honours run.compile (sac's does)
 
     env: str = "Pendulum-v1"  # gymnasium env id (Box observations, bounded Box actions)
     total_steps: int = 20_000  # env steps (rounded up to whole iterations)
@@ -168,7 +169,9 @@ class OffPolicyConfig:
         """ConfigError for a bad value of the shared hyperparameters, or a run field these
         algorithms cannot honour."""
         n = self.name
-        require_default(self.run, compile="no compiled update yet (ppo has)", nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
+        if not self.compiles:
+            require_default(self.run, compile=f"{n} has no compiled update yet (ppo and sac have)")
+        require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
                         num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         precision=f"{n} has no mixed precision", log_every=f"{n} logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics"):

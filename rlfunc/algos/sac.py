@@ -10,6 +10,13 @@ members drawn per step and the actor the mean over all (REDQ, Chen et al. 2021).
 
 Actions: the actor's tanh output in (-1, 1) is what the critics and the buffer see; the env gets it
 scaled to its bounds (:class:`rlfunc.algos.offpolicy.ActionScale`).
+
+The update is one pure function of flat leaf lists (``step`` in :func:`make_sac`): gradients by
+``torch.func.grad``, the three update chains' ``update_leaves``, in-place writes of params, moments
+and targets; the noise comes in as tensors drawn from the run's generator. ``--compile on`` (or
+``auto`` for a run of >= :data:`AUTO_COMPILE_UPDATES` gradient steps) runs it through
+:func:`rlfunc.device.compile_step` as one torch.compile graph; eager and compiled agree within 1e-5
+(tests/optim/test_compiled_step.py).
 """
 
 from __future__ import annotations
@@ -29,12 +36,26 @@ from rlfunc.config import replace
 from rlfunc.core import func
 from rlfunc.core.distributions import tanh_gaussian_log_prob, tanh_gaussian_sample
 from rlfunc.errors import ConfigError
-from rlfunc.losses.sac import ensemble_min, sac_actor_loss, sac_critic_loss, soft_q_target, temperature_loss
+from rlfunc.device import compile_step
+from rlfunc.losses.sac import sac_actor_loss, sac_critic_loss, soft_q_target, temperature_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import adam, chain, clip_by_global_norm
-from rlfunc.optim.amp import transform_step
+from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, member_grad_norms
+from rlfunc.optim.base import unflatten
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0  # the actor's log std is clamped to this range (SB3's, Haarnoja's code)
+# --compile auto compiles a run of at least this many gradient steps: the compile took ~45 s on the
+# loaded 2-core CPU and saved ~13 ms of a ~27 ms update (256x256, batch 256), a break-even of ~3.5k
+# updates; the Pendulum-v1 preset (19,900) and HalfCheetah-v5's compile, short test runs do not
+AUTO_COMPILE_UPDATES = 5_000
+ALPHA_DEF = (("log_alpha", None),)  # the tree definition (rlfunc.optim.flatten) of params.select("log_alpha")
+
+
+def _stacked(treedef: tuple, leaves: list[Tensor], n: int) -> TensorDict:
+    """The ensemble's params from their flat leaves, batch_size [n] (the members' dim, which
+    tensordict's vmap cannot infer from nested TensorDicts alone)."""
+    td = unflatten(treedef, leaves)
+    td.batch_size = [n]
+    return td
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,7 @@ class SACConfig(OffPolicyConfig):
     """Every SAC hyperparameter, with its default (Stable-Baselines3's / RL-Zoo's). Steps count env steps."""
 
     name: ClassVar[str] = "sac"
+    compiles: ClassVar[bool] = True  # --compile: the update step through torch.compile
 
     alpha_lr: float = 3e-4  # Adam lr of log alpha
     init_alpha: float = 1.0  # initial temperature alpha (> 0)
@@ -115,17 +137,6 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
         state["optim_alpha"] = alpha_opt.init(params.select("log_alpha"))
         return state
 
-    def heads(actor_params: TensorDict, observation: Tensor) -> tuple[Tensor, Tensor]:
-        loc, log_std = func.apply(actor, actor_params, observation).chunk(2, -1)
-        return loc, log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
-
-    def draw(actor_params: TensorDict, observation: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """(a [B, A] in (-1, 1), log pi(a|s) [B, 1]), reparameterised."""
-        loc, log_std = heads(actor_params, observation)
-        noise = torch.randn(loc.shape, generator=generator, device=device)
-        action, pre_tanh = tanh_gaussian_sample(loc, log_std, noise)
-        return action, tanh_gaussian_log_prob(None, loc, log_std, pre_tanh)
-
     def policy(state: TensorDict, generator: torch.Generator | None, deterministic: bool = False):
         forward = func.sequential_forward(actor, state["params", "actor"], stacked=False)
 
@@ -139,52 +150,119 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
 
         return act
 
-    def step_side(loss: Tensor, transform, state: TensorDict, key: str, params: TensorDict) -> Tensor:
-        for leaf in func.leaves(params):
-            leaf.grad = None
-        loss.backward()
-        norm, _, state[key] = transform_step(transform, state[key], params)
-        return norm
+    # the update as one pure function of flat leaf lists (the form torch.compile takes whole; no
+    # TensorDict in or out): tree definitions of the params and of the three update chains' states
+    _, actor_def = flatten(func.params_from_module(actor))
+    _, critic_def = flatten(critics.init())
+    E = config.num_critics
 
-    def update(state: TensorDict, mb: TensorDict, generator: torch.Generator) -> TensorDict:
-        params = state["params"]
-        obs, next_obs = mb["observation"], mb["next", "observation"]
-        log_alpha = params["log_alpha"]
-        alpha = log_alpha.detach().exp()  # this step's temperature, before its update
-        action_pi, log_prob_pi = draw(params["actor"], obs, generator)
-        metrics = TensorDict({}, batch_size=[])
-        if config.autotune:
-            loss_alpha, m = temperature_loss(log_alpha, log_prob_pi, target_entropy)
-            step_side(loss_alpha, alpha_opt, state, "optim_alpha", params.select("log_alpha"))
-            metrics.update(m)
+    def step(actor_w: list[Tensor], critic_w: list[Tensor], log_alpha: list[Tensor], target_w: list[Tensor],
+             opts: tuple[tuple[list[Tensor], tuple], ...], mb: dict, noise_pi: Tensor, noise_next: Tensor,
+             subset: Tensor | None) -> dict:
+        """One SAC gradient step (the eager order of SB3's SAC, see the module docstring), in place on
+        every leaf list: temperature, critics, actor (through the just-updated critics), Polyak
+        targets. ``opts``: (leaves, tree definition) of the alpha, critic and actor chains' states;
+        ``noise_*``: [B, A] standard normal; ``subset``: REDQ's member indices [M] (None: all).
+        Returns the metrics (0-dim tensors). A side whose loss or gradient is not finite skips its
+        step (adam's mask), as the eager transform_step did."""
+        (alpha_s, alpha_def), (critic_s, critic_sdef), (actor_s, actor_sdef) = opts
+        obs, next_obs = mb["observation"], mb["next_observation"]
+        alpha = log_alpha[0].detach().exp()  # this step's temperature, before its update
+
+        def pi(w: list[Tensor], observation: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+            loc, log_std = func.apply(actor, unflatten(actor_def, w), observation).chunk(2, -1)
+            log_std = log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
+            action, pre_tanh = tanh_gaussian_sample(loc, log_std, noise)
+            return action, tanh_gaussian_log_prob(None, loc, log_std, pre_tanh)
+
+        def apply_chain(transform, grads, leaves, pdef, opt_leaves, sdef, loss) -> Tensor:
+            norm = member_grad_norms(grads, stacked=False)
+            ok = norm.isfinite() & loss.detach().isfinite().reshape(1)
+            opt_state = unflatten(sdef, opt_leaves)
+            delta, new_state = transform.update_leaves([g.nan_to_num(0.0, 0.0, 0.0) for g in grads], pdef, opt_state,
+                                                       None, mask=ok, grad_norm=norm)
+            for old, new in zip(opt_leaves, flatten(new_state)[0]):  # clip's norm is a new tensor; adam's moments in place
+                if new is not old:
+                    old.copy_(new)
+            with torch.no_grad():
+                torch._foreach_add_(leaves, delta)
+            return norm.reshape(())
+
+        metrics = {}
         with torch.no_grad():
-            next_action, next_log_prob = draw(params["actor"], next_obs, generator)
-            next_q = critics.values(state["target", "critic"], next_obs, next_action)
+            _, log_prob_pi = pi(actor_w, obs, noise_pi)
+        if config.autotune:
+            loss_alpha, m = temperature_loss(log_alpha[0], log_prob_pi, target_entropy)
+            grad_alpha = -(log_prob_pi.detach() + target_entropy).mean()  # d loss_alpha / d log_alpha
+            apply_chain(alpha_opt, [grad_alpha], log_alpha, ALPHA_DEF, alpha_s, alpha_def, loss_alpha)
+            metrics.update(m.to_dict())
+        with torch.no_grad():
+            next_action, next_log_prob = pi(actor_w, next_obs, noise_next)
+            next_q = critics.values(_stacked(critic_def, target_w, E), next_obs, next_action)
+            if subset is not None:
+                next_q = next_q.index_select(0, subset)
+            y = soft_q_target(next_q, next_log_prob, mb["reward"], mb["terminated"], config.gamma, alpha)
+
+        def critic_objective(w):
+            loss, m = sac_critic_loss(critics.values(_stacked(critic_def, w, E), obs, mb["action"]), y)
+            return loss, (loss, m)
+
+        grads, (loss_critic, m) = torch.func.grad(critic_objective, has_aux=True)(critic_w)
+        metrics.update(m.to_dict())
+        metrics["critic_grad_norm"] = apply_chain(critic_opt, grads, critic_w, critic_def, critic_s, critic_sdef, loss_critic)
+        updated = _stacked(critic_def, [w.detach() for w in critic_w], E)
+
+        def actor_objective(w):
+            action_pi, log_prob = pi(w, obs, noise_pi)
+            q_pi = critics.values(updated, obs, action_pi)
             if config.redq_subset is not None:
-                next_q = ensemble_min(next_q, config.redq_subset, generator)
-            y = soft_q_target(next_q, next_log_prob, mb["next", "reward"], mb["next", "terminated"], config.gamma, alpha)
-        loss_critic, m = sac_critic_loss(critics.values(params["critic"], obs, mb["action"]), y)
-        metrics.update(m)
-        metrics["critic_grad_norm"] = step_side(loss_critic, critic_opt, state, "optim_critic", params["critic"])
-        q_pi = critics.values(params["critic"].detach(), obs, action_pi)
-        if config.redq_subset is not None:
-            q_pi = q_pi.mean(0)
-        loss_actor, m = sac_actor_loss(q_pi, log_prob_pi, alpha)
-        metrics.update(m)  # its "entropy" is the same -E[log pi] as the temperature loss's
-        metrics["actor_grad_norm"] = step_side(loss_actor, actor_opt, state, "optim_actor", params["actor"])
+                q_pi = q_pi.mean(0)
+            loss, m = sac_actor_loss(q_pi, log_prob, alpha)
+            return loss, (loss, m)
+
+        grads, (loss_actor, m) = torch.func.grad(actor_objective, has_aux=True)(actor_w)
+        metrics.update(m.to_dict())  # its "entropy" is the same -E[log pi] as the temperature loss's
+        metrics["actor_grad_norm"] = apply_chain(actor_opt, grads, actor_w, actor_def, actor_s, actor_sdef, loss_actor)
         metrics["alpha"] = alpha
         metrics["target_q"] = y.mean()
-        func.polyak_update_(state["target", "critic"], params["critic"], config.tau)
-        return metrics
+        with torch.no_grad():
+            torch._foreach_lerp_(target_w, [w.detach() for w in critic_w], config.tau)
+        return {k: v.detach() for k, v in metrics.items()}
+
+    updates_of_run = max(0, config.total_steps - config.learning_starts) * config.updates_per_step
+    compiled = config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES)
+    compiled_step = compile_step(step, device, config.run.compile, "sac") if compiled else None
+    reported: list[bool] = []  # compile_s went into a metrics line already
 
     def iteration(state: TensorDict, buffer, generator: torch.Generator, num_updates: int):
+        """``num_updates`` steps of :func:`step` (compiled with ``--compile``) on minibatches of
+        ``buffer``; per step the minibatch, the noise and REDQ's subset are drawn from ``generator``,
+        in that order. The leaf lists are taken once: the steps write into the state's tensors."""
+        params = state["params"]
+        leaves = lambda td: [t.detach() for t in flatten(td)[0]]  # noqa: E731
+        args = (leaves(params["actor"]), leaves(params["critic"]), [params["log_alpha"].detach()], leaves(state["target", "critic"]),
+                tuple((leaves(state[k]), flatten(state[k])[1]) for k in ("optim_alpha", "optim_critic", "optim_actor")))
+        fn = compiled_step if compiled_step is not None else step
         metric_sum = None
         for _ in range(num_updates):
-            m = update(state, sample(buffer, config.batch_size, generator, device), generator)
-            metric_sum = m if metric_sum is None else metric_sum + m
+            mb = sample(buffer, config.batch_size, generator, device)
+            B = mb.batch_size[0]
+            noise_pi = torch.randn((B, A), generator=generator, device=device)
+            noise_next = torch.randn((B, A), generator=generator, device=device)
+            subset = torch.randperm(E, generator=generator, device=device)[: config.redq_subset] if config.redq_subset is not None else None
+            tensors = {"observation": mb["observation"], "next_observation": mb["next", "observation"], "action": mb["action"],
+                       "reward": mb["next", "reward"], "terminated": mb["next", "terminated"]}
+            m = fn(*args, tensors, noise_pi, noise_next, subset)
+            metric_sum = m if metric_sum is None else {k: metric_sum[k] + v for k, v in m.items()}
         state["updates"] = state["updates"] + num_updates
         state["rng"] = generator.get_state()
-        return state, (metric_sum / num_updates if metric_sum is not None else TensorDict({}, batch_size=[]))
+        if metric_sum is None:
+            return state, TensorDict({}, batch_size=[])
+        metrics = TensorDict({k: v / num_updates for k, v in metric_sum.items()}, batch_size=[])
+        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+            metrics["compile_s"] = torch.tensor(compiled_step.compile_s)  # in the first metrics line with updates
+            reported.append(True)
+        return state, metrics
 
     return OffPolicy(init, policy, iteration, scale, ("optim_actor", "optim_critic", "optim_alpha"), actor)
 

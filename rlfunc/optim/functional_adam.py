@@ -128,17 +128,18 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
 
 def _traced_step(updates, g, m, v, steps, old, mask, kw, lr):
     """The masked step of ``update_leaves`` without data-dependent branches, for torch.compile:
-    ``lr`` may be a 0-dim tensor (capturable: one graph for every lr of a schedule); a member with
+    ``lr`` may be a 0-dim tensor (one graph for every lr of a schedule); a member with
     ``mask`` False keeps its moments and gets a zero update, and a single member's step count stays
     too, as the eager branches do."""
-    if isinstance(lr, Tensor):
-        kw = {**kw, "lr": lr, "capturable": True}
+    # capturable: the bias corrections as tensor ops (the non-capturable foreach path makes host
+    # scalars of the step counts, which a trace cannot), also for a float lr
+    kw = {**kw, "lr": lr, "capturable": True} if isinstance(lr, Tensor) else {**kw, "capturable": True}
     if mask is None:
         torch_adam(updates, g, m, v, [], steps, **kw)
         if old is not None:
             torch._foreach_sub_(updates, old)
         return updates
-    keep = [mask.view(-1, *([1] * (x.dim() - 1))) for x in g]
+    keep = [mask.reshape(()) if x.dim() == 0 else mask.view(-1, *([1] * (x.dim() - 1))) for x in g]  # a 0-dim leaf: one member
     saved = [(a.clone(), b.clone()) for a, b in zip(m, v)]
     saved_steps = [t.clone() for t in steps] if mask.numel() == 1 else None
     g = [torch.where(k, x, torch.zeros_like(x)) for k, x in zip(keep, g)]
