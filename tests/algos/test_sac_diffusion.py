@@ -154,3 +154,21 @@ def _prec():
 def test_bad_config_is_refused_naming_the_field(changes, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         replace(SACDiffusionConfig(), **changes)
+
+
+def test_a_gymnasium_env_trains_through_the_chunk_env(tmp_path):
+    """Pendulum-v1 (a gymnasium id: rlfunc.envs.chunk.GymChunkEnv, actions scaled to [-2, 2]): two
+    iterations past the warm-up give finite losses, a moved alpha and an evaluation."""
+    from rlfunc.run.diffusion import train_sac_diffusion
+
+    config = replace(SACDiffusionConfig(), env="Pendulum-v1", actor=ACTOR, critic_hidden=(32,), num_envs=4, num_steps=50,
+                     warmup_steps=200, updates_per_iteration=4, batch_size=32, entropy_every=2, entropy_states=4,
+                     entropy_samples=20, total_steps=600, eval_episodes=2, device="cpu")
+    result = train_sac_diffusion(config, tmp_path / "run", progress=False, tensorboard=False)
+    import json
+
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [200, 400, 600]
+    assert all(math.isfinite(lines[-1][k]) for k in ("loss_critic", "loss_actor", "entropy", "alpha"))
+    assert float(result.state["params", "log_alpha"]) != pytest.approx(math.log(3.0))
+    assert result.evaluation["num_episodes"] == 2.0 and math.isfinite(result.evaluation["episode_return"])
