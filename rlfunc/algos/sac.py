@@ -14,7 +14,7 @@ scaled to its bounds (:class:`rlfunc.algos.offpolicy.ActionScale`).
 The update is one pure function of flat leaf lists (``step`` in :func:`make_sac`): gradients by
 ``torch.func.grad``, the three update chains' ``update_leaves``, in-place writes of params, moments
 and targets; the noise comes in as tensors drawn from the run's generator. ``--compile on`` (or
-``auto`` for a run of >= :data:`AUTO_COMPILE_UPDATES` gradient steps) runs it through
+``auto`` for a run of >= :data:`rlfunc.algos.offpolicy.AUTO_COMPILE_UPDATES` gradient steps) runs it through
 :func:`rlfunc.device.compile_step` as one torch.compile graph; eager and compiled agree within 1e-5
 (tests/optim/test_compiled_step.py).
 """
@@ -29,7 +29,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.offpolicy import OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample
+from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, chain_state, chain_step,
+                                   leaf_list, q_ensemble, sample, stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -39,23 +40,11 @@ from rlfunc.errors import ConfigError
 from rlfunc.device import compile_step
 from rlfunc.losses.sac import sac_actor_loss, sac_critic_loss, soft_q_target, temperature_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, member_grad_norms
+from rlfunc.optim import adam, chain, clip_by_global_norm, flatten
 from rlfunc.optim.base import unflatten
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0  # the actor's log std is clamped to this range (SB3's, Haarnoja's code)
-# --compile auto compiles a run of at least this many gradient steps: the compile took ~45 s on the
-# loaded 2-core CPU and saved ~13 ms of a ~27 ms update (256x256, batch 256), a break-even of ~3.5k
-# updates; the Pendulum-v1 preset (19,900) and HalfCheetah-v5's compile, short test runs do not
-AUTO_COMPILE_UPDATES = 5_000
 ALPHA_DEF = (("log_alpha", None),)  # the tree definition (rlfunc.optim.flatten) of params.select("log_alpha")
-
-
-def _stacked(treedef: tuple, leaves: list[Tensor], n: int) -> TensorDict:
-    """The ensemble's params from their flat leaves, batch_size [n] (the members' dim, which
-    tensordict's vmap cannot infer from nested TensorDicts alone)."""
-    td = unflatten(treedef, leaves)
-    td.batch_size = [n]
-    return td
 
 
 @dataclass(frozen=True)
@@ -165,7 +154,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
         ``noise_*``: [B, A] standard normal; ``subset``: REDQ's member indices [M] (None: all).
         Returns the metrics (0-dim tensors). A side whose loss or gradient is not finite skips its
         step (adam's mask), as the eager transform_step did."""
-        (alpha_s, alpha_def), (critic_s, critic_sdef), (actor_s, actor_sdef) = opts
+        alpha_s, critic_s, actor_s = opts
         obs, next_obs = mb["observation"], mb["next_observation"]
         alpha = log_alpha[0].detach().exp()  # this step's temperature, before its update
 
@@ -175,42 +164,29 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
             action, pre_tanh = tanh_gaussian_sample(loc, log_std, noise)
             return action, tanh_gaussian_log_prob(None, loc, log_std, pre_tanh)
 
-        def apply_chain(transform, grads, leaves, pdef, opt_leaves, sdef, loss) -> Tensor:
-            norm = member_grad_norms(grads, stacked=False)
-            ok = norm.isfinite() & loss.detach().isfinite().reshape(1)
-            opt_state = unflatten(sdef, opt_leaves)
-            delta, new_state = transform.update_leaves([g.nan_to_num(0.0, 0.0, 0.0) for g in grads], pdef, opt_state,
-                                                       None, mask=ok, grad_norm=norm)
-            for old, new in zip(opt_leaves, flatten(new_state)[0]):  # clip's norm is a new tensor; adam's moments in place
-                if new is not old:
-                    old.copy_(new)
-            with torch.no_grad():
-                torch._foreach_add_(leaves, delta)
-            return norm.reshape(())
-
         metrics = {}
         with torch.no_grad():
             _, log_prob_pi = pi(actor_w, obs, noise_pi)
         if config.autotune:
             loss_alpha, m = temperature_loss(log_alpha[0], log_prob_pi, target_entropy)
             grad_alpha = -(log_prob_pi.detach() + target_entropy).mean()  # d loss_alpha / d log_alpha
-            apply_chain(alpha_opt, [grad_alpha], log_alpha, ALPHA_DEF, alpha_s, alpha_def, loss_alpha)
+            chain_step(alpha_opt, [grad_alpha], log_alpha, ALPHA_DEF, alpha_s, loss_alpha)
             metrics.update(m.to_dict())
         with torch.no_grad():
             next_action, next_log_prob = pi(actor_w, next_obs, noise_next)
-            next_q = critics.values(_stacked(critic_def, target_w, E), next_obs, next_action)
+            next_q = critics.values(stacked(critic_def, target_w, E), next_obs, next_action)
             if subset is not None:
                 next_q = next_q.index_select(0, subset)
             y = soft_q_target(next_q, next_log_prob, mb["reward"], mb["terminated"], config.gamma, alpha)
 
         def critic_objective(w):
-            loss, m = sac_critic_loss(critics.values(_stacked(critic_def, w, E), obs, mb["action"]), y)
+            loss, m = sac_critic_loss(critics.values(stacked(critic_def, w, E), obs, mb["action"]), y)
             return loss, (loss, m)
 
         grads, (loss_critic, m) = torch.func.grad(critic_objective, has_aux=True)(critic_w)
         metrics.update(m.to_dict())
-        metrics["critic_grad_norm"] = apply_chain(critic_opt, grads, critic_w, critic_def, critic_s, critic_sdef, loss_critic)
-        updated = _stacked(critic_def, [w.detach() for w in critic_w], E)
+        metrics["critic_grad_norm"] = chain_step(critic_opt, grads, critic_w, critic_def, critic_s, loss_critic)
+        updated = stacked(critic_def, [w.detach() for w in critic_w], E)
 
         def actor_objective(w):
             action_pi, log_prob = pi(w, obs, noise_pi)
@@ -222,7 +198,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
 
         grads, (loss_actor, m) = torch.func.grad(actor_objective, has_aux=True)(actor_w)
         metrics.update(m.to_dict())  # its "entropy" is the same -E[log pi] as the temperature loss's
-        metrics["actor_grad_norm"] = apply_chain(actor_opt, grads, actor_w, actor_def, actor_s, actor_sdef, loss_actor)
+        metrics["actor_grad_norm"] = chain_step(actor_opt, grads, actor_w, actor_def, actor_s, loss_actor)
         metrics["alpha"] = alpha
         metrics["target_q"] = y.mean()
         with torch.no_grad():
@@ -239,9 +215,8 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
         ``buffer``; per step the minibatch, the noise and REDQ's subset are drawn from ``generator``,
         in that order. The leaf lists are taken once: the steps write into the state's tensors."""
         params = state["params"]
-        leaves = lambda td: [t.detach() for t in flatten(td)[0]]  # noqa: E731
-        args = (leaves(params["actor"]), leaves(params["critic"]), [params["log_alpha"].detach()], leaves(state["target", "critic"]),
-                tuple((leaves(state[k]), flatten(state[k])[1]) for k in ("optim_alpha", "optim_critic", "optim_actor")))
+        args = (leaf_list(params["actor"]), leaf_list(params["critic"]), [params["log_alpha"].detach()], leaf_list(state["target", "critic"]),
+                tuple(chain_state(state[k]) for k in ("optim_alpha", "optim_critic", "optim_actor")))
         fn = compiled_step if compiled_step is not None else step
         metric_sum = None
         for _ in range(num_updates):
