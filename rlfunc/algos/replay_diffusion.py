@@ -1,6 +1,7 @@
 """What the replay-buffer diffusion actor-critics (td3-diffusion, sac-diffusion) share: their common
-hyperparameters and checks (:class:`ReplayDiffusionConfig`) and the rollout -> flat transitions map
-(:func:`replay_transitions`) that fills their device-resident TorchRL replay buffer.
+hyperparameters and checks (:class:`ReplayDiffusionConfig`), their rollout (:func:`replay_rollout`)
+and the rollout -> flat transitions map (:func:`replay_transitions`) that fills their device-resident
+TorchRL replay buffer.
 
 Both score the executed action chunk with Q(cond, a) (so ``actor.horizon == actor.act_steps``), keep
 an ensemble of critics as one stacked parameter TensorDict (:func:`rlfunc.algos.offpolicy.q_ensemble`)
@@ -11,11 +12,13 @@ on PointReach-v0, gymnasium envs and Dict-observation envs through a frozen bc e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
+from torch import Tensor
 
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite
 from rlfunc.config import RunConfig, require_default
@@ -81,6 +84,26 @@ class ReplayDiffusionConfig:
 
     def num_iterations(self) -> int:
         return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
+
+
+def replay_rollout(actor: DiffusionActor, config: ReplayDiffusionConfig, state: TensorDict, env, generator: torch.Generator,
+                   explore: Callable[[Tensor], Tensor]) -> TensorDict:
+    """``config.num_steps`` chunk steps of ``env`` (a TorchRL env of [N, act_steps, A] chunks in
+    [-1, 1]) without gradient: uniform chunks from ``generator`` while ``state["env_steps"]`` <
+    ``warmup_steps``, else ``explore(cond)`` ([N, C] condition -> [N, H, A] chunk, clipped here)."""
+    warm = int(state["env_steps"]) < config.warmup_steps
+    spec, device = actor.spec, actor.device
+
+    @torch.no_grad()
+    def act(td: TensorDict) -> TensorDict:
+        if warm:
+            x = torch.rand((td.batch_size[0], spec.horizon, actor.act_dim), generator=generator, device=device) * 2 - 1
+        else:
+            x = explore(actor.condition(state.get("encoder", None), state["obs_stats"], td))
+        td["action"] = actor.env_action(x.clamp(-1.0, 1.0))
+        return td
+
+    return env.rollout(config.num_steps, act, break_when_any_done=False)
 
 
 def replay_transitions(actor: DiffusionActor, state: TensorDict, batch: TensorDict) -> TensorDict:

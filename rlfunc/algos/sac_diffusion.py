@@ -36,7 +36,7 @@ from torch import Tensor
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for, with_encoder
 from rlfunc.algos.offpolicy import q_ensemble
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_transitions
+from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_rollout, replay_transitions
 from rlfunc.core import func
 from rlfunc.diffusion.entropy import gmm_entropy
 from rlfunc.errors import ConfigError
@@ -170,20 +170,9 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
         return gmm_entropy(a.reshape(S, M, chunk_dim), config.entropy_components, estimate="bound", generator=generator)
 
     def rollout(state: TensorDict, env, generator: torch.Generator) -> TensorDict:
-        warm = int(state["env_steps"]) < config.warmup_steps
-
-        @torch.no_grad()
-        def act(td: TensorDict) -> TensorDict:
-            n = td.batch_size[0]
-            if warm:
-                x = torch.rand((n, spec.horizon, act_dim), generator=generator, device=device) * 2 - 1
-            else:
-                cond = actor.condition(state.get("encoder", None), state["obs_stats"], td)
-                x = noisy_action(state["params", "actor"], state, cond, generator)
-            td["action"] = actor.env_action(x)
-            return td
-
-        return env.rollout(config.num_steps, act, break_when_any_done=False)
+        """:func:`~rlfunc.algos.replay_diffusion.replay_rollout` acting with :func:`noisy_action`."""
+        return replay_rollout(actor, config, state, env, generator,
+                              lambda cond: noisy_action(state["params", "actor"], state, cond, generator))
 
     def step_side(loss: Tensor, transform, opt: dict, key: str, params: TensorDict, prec: Precision | None) -> tuple[Tensor, bool]:
         for leaf in func.leaves(params):

@@ -23,7 +23,7 @@ from torch import Tensor
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for, with_encoder
 from rlfunc.algos.offpolicy import q_ensemble
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_transitions
+from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_rollout, replay_transitions
 from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -110,21 +110,14 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         return actor.act(params, state["schedule"], cond, actor.noise(cond.shape[0], generator), eta=0.0, **kw)
 
     def rollout(state: TensorDict, env, generator: torch.Generator) -> TensorDict:
-        warm = int(state["env_steps"]) < config.warmup_steps
+        """:func:`~rlfunc.algos.replay_diffusion.replay_rollout` acting with deterministic DDIM plus
+        Gaussian exploration noise."""
 
-        @torch.no_grad()
-        def act(td: TensorDict) -> TensorDict:
-            n = td.batch_size[0]
-            if warm:
-                x = torch.rand((n, spec.horizon, act_dim), generator=generator, device=device) * 2 - 1
-            else:
-                cond = actor.condition(state.get("encoder", None), state["obs_stats"], td)
-                x = deterministic_chunk(state["params", "actor"], state, cond, generator)
-                x = x + config.exploration_noise * torch.randn(x.shape, generator=generator, device=device)
-            td["action"] = actor.env_action(x.clamp(-1.0, 1.0))
-            return td
+        def explore(cond: Tensor) -> Tensor:
+            x = deterministic_chunk(state["params", "actor"], state, cond, generator)
+            return x + config.exploration_noise * torch.randn(x.shape, generator=generator, device=device)
 
-        return env.rollout(config.num_steps, act, break_when_any_done=False)
+        return replay_rollout(actor, config, state, env, generator, explore)
 
     def critic_update(state, mb, generator, opt, prec):
         params, target = state["params"], state["target"]

@@ -40,6 +40,28 @@ def _meet_a_new_type(i: int) -> None:
     TensorDict({"x": torch.zeros(1)}, batch_size=[1]).apply(lambda x: x + 1)
 
 
+def _eager_then_compiled(run, graphs: int):
+    """``run("off")``, then ``run("on")`` from a fresh dynamo cache, asserting ``graphs`` graphs;
+    both (state, metrics)."""
+    import torch._dynamo
+
+    eager = run("off")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = run("on")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    return eager, compiled
+
+
+def _assert_close(eager, compiled, me, mc) -> None:
+    """Every leaf of the two learner states within 1e-5 (NaN where both are), ints equal; every eager metric."""
+    for key in eager.keys(True, True):
+        a, b = eager.get(key), compiled.get(key)
+        assert (torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True) if a.is_floating_point() else torch.equal(a, b)), key
+    for key in me.keys():
+        assert torch.allclose(me[key].float(), mc[key].float(), atol=1e-5, rtol=1e-4, equal_nan=True), key
+
+
 @needs_inductor
 def test_compiled_iterations_equal_eager_and_compile_once():
     """Two seeds, 3 iterations of 2 epochs x 2 minibatches with lr decay (a new lr every iteration),
@@ -94,8 +116,6 @@ def test_compiled_categorical_step_equals_eager(env):
     tensordict's vmap had inferred the seeds' dim: the compiled step's warm-up failed with "a Tensor of
     dimensionality 0"): two seeds, 2 iterations on one collected batch, params and Adam state within
     1e-5 of eager, one graph."""
-    import torch._dynamo
-
     from tests.algos.test_ppo_discrete import _config, _rollout
 
     kw = dict(num_epochs=2, minibatch_size=64, total_steps=2 * 2 * 4 * 32)
@@ -110,16 +130,8 @@ def test_compiled_categorical_step_equals_eager(env):
             state, metrics = algo.iteration(state, batch.clone(), gens)
         return state, metrics
 
-    eager, me = run("off")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled, mc = run("on")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    for key in eager.keys(True, True):
-        a, b = eager.get(key), compiled.get(key)
-        assert (torch.allclose(a, b, atol=1e-5, rtol=1e-5) if a.is_floating_point() else torch.equal(a, b)), key
-    for key in me.keys():
-        assert torch.allclose(me[key].float(), mc[key].float(), atol=1e-5, rtol=1e-4, equal_nan=True), key
+    (eager, me), (compiled, mc) = _eager_then_compiled(run, graphs=1)
+    _assert_close(eager, compiled, me, mc)
 
 
 @needs_inductor
@@ -129,7 +141,6 @@ def test_compiled_sac_step_equals_eager(kw):
     """SAC's whole update (temperature, critics, actor, Polyak targets; the clip's norm state and
     REDQ's subset with them) compiled equals the eager step within 1e-5 after 4 updates, one graph;
     a minibatch row with a NaN reward makes both skip the critic's step alike."""
-    import torch._dynamo
 
     from rlfunc.algos.sac import make_sac
     from tests.algos.test_sac import SPEC as SAC_SPEC
@@ -147,16 +158,8 @@ def test_compiled_sac_step_equals_eager(kw):
         assert all(torch.equal(critic.get(k), state["params", "critic"].get(k)) for k in critic.keys(True, True))
         return state, m
 
-    eager, me = run("off")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled, mc = run("on")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    for key in eager.keys(True, True):  # the clip's norm state is NaN after the skipped step, on both
-        a, b = eager.get(key), compiled.get(key)
-        assert (torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True) if a.is_floating_point() else torch.equal(a, b)), key
-    for key in me.keys():
-        assert torch.allclose(me[key].float(), mc[key].float(), atol=1e-5, rtol=1e-4), key
+    (eager, me), (compiled, mc) = _eager_then_compiled(run, graphs=1)
+    _assert_close(eager, compiled, me, mc)  # the clip's norm state is NaN after the skipped step, on both
     assert float(mc["compile_s"]) > 0
 
 
@@ -164,7 +167,6 @@ def test_compiled_sac_step_equals_eager(kw):
 def test_compiled_td3_steps_equal_eager():
     """TD3's critic step and its delayed actor step (with the target updates) compiled: two graphs,
     within 1e-5 of eager after 5 updates (actor steps at updates 2 and 4), clip state included."""
-    import torch._dynamo
 
     from rlfunc.algos.td3 import TD3Config, make_td3
     from tests.algos.test_sac import SPEC as SAC_SPEC
@@ -176,14 +178,6 @@ def test_compiled_td3_steps_equal_eager():
         state = algo.init()
         return algo.iteration(state, _buffer(), torch.Generator().manual_seed(0), 5)
 
-    eager, me = run("off")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled, mc = run("on")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    (eager, me), (compiled, mc) = _eager_then_compiled(run, graphs=2)
     assert int(compiled["updates"]) == 5
-    for key in eager.keys(True, True):
-        a, b = eager.get(key), compiled.get(key)
-        assert (torch.allclose(a, b, atol=1e-5, rtol=1e-5) if a.is_floating_point() else torch.equal(a, b)), key
-    for key in me.keys():
-        assert torch.allclose(me[key].float(), mc[key].float(), atol=1e-5, rtol=1e-4), key
+    _assert_close(eager, compiled, me, mc)
