@@ -1,5 +1,6 @@
 """What the replay-buffer diffusion actor-critics (td3-diffusion, sac-diffusion) share: their common
-hyperparameters and checks (:class:`ReplayDiffusionConfig`), their rollout (:func:`replay_rollout`)
+hyperparameters and checks (:class:`ReplayDiffusionConfig`), their initial learner state
+(:func:`replay_state`), their rollout (:func:`replay_rollout`)
 and the rollout -> flat transitions map (:func:`replay_transitions`) that fills their device-resident
 TorchRL replay buffer.
 
@@ -20,8 +21,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
 from rlfunc.config import RunConfig, require_default
+from rlfunc.core import func
 from rlfunc.errors import ConfigError
 
 
@@ -84,6 +86,34 @@ class ReplayDiffusionConfig:
 
     def num_iterations(self) -> int:
         return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
+
+
+def replay_state(actor: DiffusionActor, config: ReplayDiffusionConfig, critics: TensorDict, actor_params: TensorDict | None,
+                 obs_stats: TensorDict | None, encoder_params: TensorDict | None, *, target_actor: bool) -> TensorDict:
+    """The learner state both algorithms start from, on the actor's device: "params" {"actor" (a copy
+    of ``actor_params``, else a fresh init from the seed), "critic" (``critics``, [E, ...])}, "target"
+    {"critic"[, "actor" with ``target_actor``]} (copies), "obs_stats" (``obs_stats`` or empty),
+    "schedule" (the actor spec's), "rng" (a generator seeded with ``config.run.seed``), "iteration",
+    "env_steps", "updates" (0-dim int64 zeros), and for a Dict observation "encoder" (a copy of
+    ``encoder_params``, else a fresh init). The caller adds its own entries and update-chain states."""
+    seed, device = config.run.seed, actor.device
+    actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(seed)).detach().clone())
+    zero = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
+    target = {"critic": critics.detach().clone()}
+    if target_actor:
+        target["actor"] = actor_params.detach().clone()
+    state = TensorDict(
+        {
+            "params": {"actor": actor_params, "critic": critics}, "target": target,
+            "obs_stats": obs_stats if obs_stats is not None else actor.init_stats(),
+            "schedule": schedule_for(actor.spec, device),
+            "rng": torch.Generator(device=device).manual_seed(seed).get_state(),
+            "iteration": zero(), "env_steps": zero(), "updates": zero(),
+        },
+        batch_size=[],
+        device=device,
+    )
+    return with_encoder(state, actor, encoder_params, seed)
 
 
 def replay_rollout(actor: DiffusionActor, config: ReplayDiffusionConfig, state: TensorDict, env, generator: torch.Generator,

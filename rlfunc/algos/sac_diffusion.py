@@ -33,10 +33,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for, with_encoder
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor
 from rlfunc.algos.offpolicy import q_ensemble
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_rollout, replay_transitions
+from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_rollout, replay_state, replay_transitions
 from rlfunc.core import func
 from rlfunc.diffusion.entropy import gmm_entropy
 from rlfunc.errors import ConfigError
@@ -127,23 +127,9 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
-        actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.run.seed)).detach().clone())
-        critics = critics_of.init()
-        gen = torch.Generator(device=device).manual_seed(config.run.seed)
-        zero = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
-        log_alpha = torch.tensor(math.log(config.init_alpha), device=device).requires_grad_(config.autotune)
-        state = with_encoder(TensorDict(
-            {
-                "params": {"actor": actor_params, "critic": critics, "log_alpha": log_alpha},
-                "target": {"critic": critics.detach().clone()},
-                "obs_stats": obs_stats if obs_stats is not None else actor.init_stats(),
-                "schedule": schedule_for(spec, device),
-                "entropy": torch.zeros((), device=device),
-                "rng": gen.get_state(), "iteration": zero(), "env_steps": zero(), "updates": zero(),
-            },
-            batch_size=[],
-            device=device,
-        ), actor, encoder_params, config.run.seed)
+        state = replay_state(actor, config, critics_of.init(), actor_params, obs_stats, encoder_params, target_actor=False)
+        state["params", "log_alpha"] = torch.tensor(math.log(config.init_alpha), device=device).requires_grad_(config.autotune)
+        state["entropy"] = torch.zeros((), device=device)
         state["optim_critic"] = critic_opt.init(state["params", "critic"])
         state["optim_actor"] = actor_opt.init(state["params", "actor"])
         state["optim_alpha"] = alpha_opt.init(state["params"].select("log_alpha"))

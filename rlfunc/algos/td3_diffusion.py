@@ -20,10 +20,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for, with_encoder
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor
 from rlfunc.algos.offpolicy import q_ensemble
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_rollout, replay_transitions
+from rlfunc.algos.replay_diffusion import ReplayDiffusionConfig, replay_rollout, replay_state, replay_transitions
 from rlfunc.core import func
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
@@ -84,23 +84,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
-        actor_params = func.as_leaves((actor_params if actor_params is not None else actor.init_params(config.run.seed)).detach().clone())
-        critics = critics_of.init()
-        gen = torch.Generator(device=device).manual_seed(config.run.seed)
-        state = with_encoder(TensorDict(
-            {
-                "params": {"actor": actor_params, "critic": critics},
-                "target": {"actor": actor_params.detach().clone(), "critic": critics.detach().clone()},
-                "obs_stats": obs_stats if obs_stats is not None else actor.init_stats(),
-                "schedule": schedule_for(spec, device),
-                "rng": gen.get_state(),
-                "iteration": torch.zeros((), dtype=torch.int64, device=device),
-                "env_steps": torch.zeros((), dtype=torch.int64, device=device),
-                "updates": torch.zeros((), dtype=torch.int64, device=device),
-            },
-            batch_size=[],
-            device=device,
-        ), actor, encoder_params, config.run.seed)
+        state = replay_state(actor, config, critics_of.init(), actor_params, obs_stats, encoder_params, target_actor=True)
         state["optim_critic"] = critic_opt.init(state["params", "critic"])
         state["optim_actor"] = actor_opt.init(state["params", "actor"])
         return state
