@@ -58,6 +58,12 @@ ZOO = {
         kwargs=dict(n_steps=2048, batch_size=64, n_epochs=10, gamma=0.99, gae_lambda=0.95, learning_rate=3e-4,
                     clip_range=0.2, ent_coef=0.0),
     ),
+    # lin_1e-3 / lin_0.2 in RL-Zoo: the learning rate and the clip range decay linearly to 0.
+    "CartPole-v1": dict(
+        n_envs=8, n_timesteps=100_000, normalize=False, linear=("learning_rate", "clip_range"),
+        kwargs=dict(n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20, ent_coef=0.0,
+                    learning_rate=1e-3, clip_range=0.2),
+    ),
 }
 
 
@@ -106,7 +112,10 @@ def run_sb3(env: str, seed: int, eval_every: int, episodes: int, total_steps: in
     policy_kwargs = dict(zoo.get("policy_kwargs", {}))
     if policy_kwargs.get("activation_fn") == "relu":
         policy_kwargs["activation_fn"] = torch.nn.ReLU
-    model = PPO("MlpPolicy", venv, seed=seed, device="cpu", verbose=0, policy_kwargs=policy_kwargs or None, **zoo["kwargs"])
+    kwargs = dict(zoo["kwargs"])
+    for key in zoo.get("linear", ()):  # SB3 calls a schedule with the progress remaining, 1 -> 0
+        kwargs[key] = (lambda start: lambda remaining: remaining * start)(kwargs[key])
+    model = PPO("MlpPolicy", venv, seed=seed, device="cpu", verbose=0, policy_kwargs=policy_kwargs or None, **kwargs)
 
     class Clock(BaseCallback):
         def __init__(self):
