@@ -249,7 +249,7 @@ def report(rows: list[dict], env: str, threshold: float, eval_every: int, episod
         paired = sorted(set(finals["ours"]) & set(finals["sb3"]))
         diffs = [finals["ours"][s] - finals["sb3"][s] for s in paired]
         print(f"paired final returns (same {episodes} episodes per seed), ours - sb3 per seed {[round(d, 2) for d in diffs]}; "
-              f"ours ahead on {sum(d >= 0 for d in diffs)} of {len(diffs)}")
+              f"ours ahead on {sum(d > 0 for d in diffs)}, level on {sum(d == 0 for d in diffs)}, behind on {sum(d < 0 for d in diffs)} of {len(diffs)}")
     if figure:
         sides = {label: [row[who]["curve"] for row in rows if row[who]] for who, label in (("ours", "rlfunc"), ("sb3", "SB3 (RL-Zoo)"))}
         plot_curves({k: v for k, v in sides.items() if v}, Path(figure),

@@ -32,14 +32,19 @@ from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.core.returns import generalized_advantage_estimate
+from rlfunc.device import compile_step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, minibatch_epochs, partition
+from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, flatten, minibatch_epochs, partition, unflatten
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+# --compile auto compiles a run of at least this many gradient steps (bench/compiled_dppo.py)
+AUTO_COMPILE_UPDATES = 5_000
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class DPPOConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        require_default(self.run, compile="dppo has no compiled update yet (ppo has)", nproc="dppo is not data-parallel yet (ppo is): train it in one process", num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
+        require_default(self.run, nproc="dppo is not data-parallel yet (ppo is): train it in one process", num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
                         log_every="dppo logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) < 1:
@@ -210,17 +215,18 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         """``num_steps`` chunk steps of every env from a reset: [N, T] TorchRL keys + the policy's."""
         return env.rollout(config.num_steps, policy(state, generator), break_when_any_done=False)
 
-    def log_prob(actor_params: TensorDict, state: TensorDict, mb: TensorDict) -> Tensor:
-        """[B, K'] per-step log-likelihoods (chain) or [B, 1] (output-noise) of the stored samples."""
+    def log_prob(actor_params: TensorDict, schedule: TensorDict, mb) -> Tensor:
+        """[B, K'] per-step log-likelihoods (chain) or [B, 1] (output-noise) of the stored samples
+        (``mb``: a TensorDict or a dict of its tensors)."""
         if config.likelihood == "chain":
             return chain_log_prob(
-                actor.apply, actor_params, mb["cond"], mb["chain"], state["schedule"], K, config.eta,
+                actor.apply, actor_params, mb["cond"], mb["chain"], schedule, K, config.eta,
                 std_floor=config.logprob_std_floor, first_step=first_step, **sample_kw,
             )
         noise = torch.zeros((K + 1, *mb["x_T"].shape), device=device)
         noise[0] = mb["x_T"]
         loc = actor.env_action(sample(
-            actor.apply, actor_params, mb["cond"], noise, state["schedule"], K, 0.0,
+            actor.apply, actor_params, mb["cond"], noise, schedule, K, 0.0,
             checkpoint=config.gradient_checkpointing, **sample_kw,
         ))
         sigma = config.output_noise_std
@@ -253,9 +259,54 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
                     flat[key] = batch[key]
             flat = flat.flatten(0, 1)
             with prec.autocast():
-                old_log_prob = [log_prob(state["params", "actor"], state, mb) for mb in flat.split(max(config.minibatch_size, 1024))]
+                old_log_prob = [log_prob(state["params", "actor"], state["schedule"], mb) for mb in flat.split(max(config.minibatch_size, 1024))]
             flat["sample_log_prob"] = torch.cat(old_log_prob).float()
         return flat
+
+    def loss_fn(params: TensorDict, schedule: TensorDict, micro) -> tuple[Tensor, TensorDict]:
+        """The DPPO loss of one (micro-)batch ``micro`` (a TensorDict or a dict of its tensors)."""
+        lp = log_prob(params["actor"], schedule, micro)
+        value = func.apply(critic, params["critic"], micro["cond"])
+        return dppo_loss(
+            lp.float(), micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
+            clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
+            denoising_discount=config.denoising_discount,
+            total_steps=K if config.likelihood == "chain" else 1,
+            value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
+        )
+
+    # --compile: one minibatch's gradient step as one pure function of flat leaf lists (the form
+    # torch.compile takes whole), float32 and without micro-batches or checkpointing
+    template = TensorDict({"actor": actor.init_params(config.run.seed),
+                           "critic": func.params_from_module(critic)}, batch_size=[])
+    params_def = flatten(template)[1]
+    schedule_def = flatten(schedule_for(spec, device))[1]
+    mb_keys = ("cond", "advantage", "value_target", "sample_log_prob", *(("chain",) if config.likelihood == "chain" else ("x_T", "action")))
+
+    def grad_step(w: list[Tensor], opt: tuple[list[Tensor], tuple], schedule_w: list[Tensor], mb: dict) -> dict:
+        """The gradient of :func:`loss_fn` by torch.func.grad, then ``optimizer``'s chain in place on
+        ``w`` (the params' leaves) and ``opt`` (its state's; rlfunc.optim.leaves.chain_step). Returns
+        the loss metrics, "grad_norm" and "skipped" (1.0 when the loss or the norm was not finite)."""
+        schedule = unflatten(schedule_def, schedule_w)
+
+        def objective(leaves):
+            loss, m = loss_fn(unflatten(params_def, leaves), schedule, mb)
+            return loss, (loss, m)
+
+        grads, (loss, m) = torch.func.grad(objective, has_aux=True)(w)
+        metrics = m.to_dict()
+        metrics["grad_norm"] = chain_step(optimizer, grads, w, params_def, opt, loss)
+        metrics["skipped"] = (~(metrics["grad_norm"].isfinite() & loss.isfinite())).float()
+        return {k: v.detach() for k, v in metrics.items()}
+
+    updates_of_run = config.num_iterations(spec.act_steps) * config.num_epochs * (config.batch_size // config.minibatch_size)
+    compilable = config.micro_batch_size is None and not config.gradient_checkpointing and config.run.precision == "off"
+    if config.run.compile == "on" and not compilable:
+        raise ConfigError("run.compile='on': dppo compiles its float32 gradient step; expected micro_batch_size=None, "
+                          "gradient_checkpointing=False and run.precision='off' with it (or --compile off)")
+    compiled = compilable and (config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES))
+    compiled_step = compile_step(grad_step, device, config.run.compile, "dppo") if compiled else None
+    reported: list[bool] = []  # compile_s went into a metrics line already
 
     def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, prec: Precision):
         """One DPPO update on a rollout ``batch`` [N, T]: each minibatch's gradient through the update
@@ -267,21 +318,16 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         opt = {"state": state["optim_all"]}
         B = flat.batch_size[0]
 
-        def update(mb: TensorDict) -> TensorDict:
-            def loss_fn(micro: TensorDict):
-                lp = log_prob(params["actor"], state, micro)
-                value = func.apply(critic, params["critic"], micro["cond"])
-                return dppo_loss(
-                    lp.float(), micro["sample_log_prob"], micro["advantage"], value.float(), micro["value_target"],
-                    clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
-                    denoising_discount=config.denoising_discount,
-                    total_steps=K if config.likelihood == "chain" else 1,
-                    value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
-                )
+        if compiled_step is not None:
+            w, opt_leaves, schedule_w = leaf_list(params), chain_state(opt["state"]), leaf_list(state["schedule"])
 
+        def update(mb: TensorDict) -> TensorDict:
+            if compiled_step is not None:
+                return TensorDict(compiled_step(w, opt_leaves, schedule_w, {k: mb[k] for k in mb_keys}), batch_size=[])
             for leaf in leaves:
                 leaf.grad = None
-            _, metrics = accumulate_gradients(loss_fn, mb, config.micro_batch_size, prec=prec)
+            _, metrics = accumulate_gradients(lambda micro: loss_fn(params, state["schedule"], micro), mb,
+                                              config.micro_batch_size, prec=prec)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], params, prec)
             metrics["grad_norm"] = norm
             metrics["skipped"] = torch.tensor(float(not ok))
@@ -295,6 +341,9 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         out["rng"] = generator.get_state()
         out["optim_all"] = opt["state"]
         metrics["updates"] = torch.tensor(float(updates))
+        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+            metrics["compile_s"] = torch.tensor(compiled_step.compile_s)  # the first iteration's metrics line
+            reported.append(True)
         return out, metrics
 
     return DPPO(init, rollout, iteration, actor, critic, optimizer)

@@ -2,7 +2,7 @@
 one stacked parameter TensorDict, the [-1, 1] <-> env-bounds action map, the uniform warm-up policy,
 their common hyperparameters (:class:`OffPolicyConfig`), :class:`OffPolicy`, the algorithm that
 :class:`rlfunc.run.offpolicy.OffPolicyRun` drives, and the pieces of their pure update steps over
-flat leaf lists (:func:`chain_step`, :func:`stacked`; the form torch.compile takes whole).
+flat leaf lists (:func:`stacked`; the update chain's step over leaf lists is rlfunc.optim.leaves').
 
 The Polyak update of the target networks is :func:`rlfunc.core.func.polyak_update_`.
 """
@@ -22,7 +22,6 @@ from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import flatten, member_grad_norms
 from rlfunc.optim.base import unflatten
 
 # --compile auto compiles a run of at least this many gradient steps: the compile took ~45 s on the
@@ -123,43 +122,12 @@ class OffPolicy(NamedTuple):
     extra: Any = None
 
 
-def leaf_list(td: TensorDict) -> list[Tensor]:
-    """``td``'s leaves in :func:`rlfunc.optim.flatten` order, detached: views a pure step writes in place."""
-    return [t.detach() for t in flatten(td)[0]]
-
-
-def chain_state(td: TensorDict) -> tuple[list[Tensor], tuple]:
-    """(leaves, tree definition) of an update chain's state, as a pure step takes it."""
-    leaves, treedef = flatten(td)
-    return [t.detach() for t in leaves], treedef
-
-
 def stacked(treedef: tuple, leaves: list[Tensor], n: int) -> TensorDict:
     """An ensemble's params from their flat leaves, batch_size [n] (the members' dim, which
     tensordict's vmap cannot infer from nested TensorDicts alone)."""
     td = unflatten(treedef, leaves)
     td.batch_size = [n]
     return td
-
-
-def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
-               loss: Tensor) -> Tensor:
-    """One step of the update chain ``transform`` on flat ``leaves`` (tree definition ``treedef``)
-    with their ``grads``, in place on the leaves and on the chain's state ``opt`` (:func:`chain_state`;
-    a link's new state tensors, such as clip's norm, are copied into the old ones). A step whose
-    gradient norm or ``loss`` is not finite is skipped (adam's mask: nothing moves), without a host
-    read, so a pure step compiles whole. Returns the global gradient norm before clipping (0-dim)."""
-    norm = member_grad_norms(grads, stacked=False)
-    ok = norm.isfinite() & loss.detach().isfinite().reshape(1)
-    opt_leaves, opt_def = opt
-    delta, new_state = transform.update_leaves([g.nan_to_num(0.0, 0.0, 0.0) for g in grads], treedef, unflatten(opt_def, opt_leaves),
-                                               None, mask=ok, grad_norm=norm)
-    for old, new in zip(opt_leaves, flatten(new_state)[0]):
-        if new is not old:
-            old.copy_(new)
-    with torch.no_grad():
-        torch._foreach_add_(leaves, delta)
-    return norm.reshape(())
 
 
 def transitions(batch: TensorDict, scale: ActionScale) -> TensorDict:

@@ -23,8 +23,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, chain_state, chain_step,
-                                   leaf_list, q_ensemble, sample, stacked)
+from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample,
+                                   stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -35,6 +35,7 @@ from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.device import compile_step
 from rlfunc.optim import adam, chain, clip_by_global_norm, flatten
 from rlfunc.optim.base import unflatten
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 
 @dataclass(frozen=True)

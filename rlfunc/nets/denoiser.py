@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfunc.errors import ConfigError
+from rlfunc.nets.activations import Mish
 from rlfunc.nets.unet1d import SinusoidalStepEmbedding, _check_positive, flatten_denoiser_inputs
 
 
@@ -20,7 +21,7 @@ class _ResidualBlock(nn.Module):
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Mish(), nn.Linear(width, width), nn.Mish(), nn.Linear(width, width))
+        self.net = nn.Sequential(Mish(), nn.Linear(width, width), Mish(), nn.Linear(width, width))
 
     def forward(self, h: Tensor) -> Tensor:
         return h + self.net(h)
@@ -77,7 +78,7 @@ class DiffusionMLP(nn.Module):
             raise ConfigError(f"DiffusionMLP: residual=True needs an odd number of equal hidden widths (1 + 2 per block), got {hidden!r}")
         self.action_dim, self.horizon, self.cond_dim = action_dim, horizon, cond_dim
         d = step_embed_dim
-        self.step_encoder = nn.Sequential(SinusoidalStepEmbedding(d), nn.Linear(d, 2 * d), nn.Mish(), nn.Linear(2 * d, d))
+        self.step_encoder = nn.Sequential(SinusoidalStepEmbedding(d), nn.Linear(d, 2 * d), Mish(), nn.Linear(2 * d, d))
         in_features = horizon * action_dim + d + cond_dim
         out_features = horizon * action_dim
         layers: list[nn.Module] = []
@@ -85,11 +86,11 @@ class DiffusionMLP(nn.Module):
             width = hidden[0]
             layers.append(nn.Linear(in_features, width))
             layers += [_ResidualBlock(width) for _ in range((len(hidden) - 1) // 2)]
-            layers += [nn.Mish(), nn.Linear(width, out_features)]
+            layers += [Mish(), nn.Linear(width, out_features)]
         else:
             sizes = (in_features, *hidden)
             for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-                layers += [nn.Linear(fan_in, fan_out), nn.Mish()]
+                layers += [nn.Linear(fan_in, fan_out), Mish()]
             layers.append(nn.Linear(sizes[-1], out_features))
         self.mlp = nn.Sequential(*layers)
 

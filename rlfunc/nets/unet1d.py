@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.nets.activations import Mish
 
 
 class SinusoidalStepEmbedding(nn.Module):
@@ -68,7 +69,7 @@ class Conv1dBlock(nn.Sequential):
         super().__init__(
             nn.Conv1d(in_channels, out_channels, kernel_size, padding=kernel_size // 2),
             nn.GroupNorm(n_groups, out_channels),
-            nn.Mish(),
+            Mish(),
         )
 
 
@@ -87,7 +88,7 @@ class ConditionalResidualBlock1D(nn.Module):
             Conv1dBlock(in_channels, out_channels, kernel_size, n_groups),
             Conv1dBlock(out_channels, out_channels, kernel_size, n_groups),
         ])
-        self.cond_encoder = nn.Sequential(nn.Mish(), nn.Linear(cond_dim, 2 * out_channels))
+        self.cond_encoder = nn.Sequential(Mish(), nn.Linear(cond_dim, 2 * out_channels))
         self.residual_conv = nn.Conv1d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
 
     def film(self, cond: Tensor) -> tuple[Tensor, Tensor]:
@@ -180,7 +181,7 @@ class ConditionalUnet1D(nn.Module):
         self.horizon_multiple = 2 ** (len(down_dims) - 1)
 
         d = step_embed_dim
-        self.step_encoder = nn.Sequential(SinusoidalStepEmbedding(d), nn.Linear(d, 4 * d), nn.Mish(), nn.Linear(4 * d, d))
+        self.step_encoder = nn.Sequential(SinusoidalStepEmbedding(d), nn.Linear(d, 4 * d), Mish(), nn.Linear(4 * d, d))
         film_dim = d + cond_dim
 
         def block(c_in: int, c_out: int) -> ConditionalResidualBlock1D:

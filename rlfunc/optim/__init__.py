@@ -12,6 +12,9 @@ Transforms (the learner state owns the optimizer's state):
 - :func:`adam`: torch.optim's foreach Adam over the leaves, with a per-step ``lr``, a per-member
   skip ``mask`` and optionally AdamW's decoupled ``weight_decay`` (rlfunc/optim/functional_adam.py).
 
+The same chain over flat leaf lists, the form a compiled step takes (rlfunc/optim/leaves.py):
+:func:`leaf_list`, :func:`chain_state`, :func:`chain_step`.
+
 torch.optim over a parameter TensorDict's leaves (rlfunc/optim/torch_optim.py): :func:`make_adam`,
 :func:`set_lr`, :func:`masked_step`, :func:`clip_grads_`, :func:`member_grad_norms`,
 :func:`optimizer_state` / :func:`load_optimizer_state`; and the schedules :func:`linear_lr`,

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from rlfunc.core.normalize import init_running_stats, normalize
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.nets.activations import Mish
 from rlfunc.nets.encoders._checks import _check_int, _check_widths
 from rlfunc.nets.encoders.attention import _no_autocast, transformer_layer
 from rlfunc.nets.encoders.text import SentenceEmbedder, TextEncoder, TextTokenizer
@@ -123,7 +124,7 @@ class ProprioEncoder(nn.Module):
     def __init__(self, proprio_dim: int, d_model: int, hidden: int, num_tokens: int) -> None:
         super().__init__()
         self.proprio_dim, self.num_tokens, self.d_model = proprio_dim, num_tokens, d_model
-        self.mlp = nn.Sequential(nn.Linear(proprio_dim, hidden), nn.Mish(), nn.Linear(hidden, num_tokens * d_model))
+        self.mlp = nn.Sequential(nn.Linear(proprio_dim, hidden), Mish(), nn.Linear(hidden, num_tokens * d_model))
 
     def forward(self, proprio: Tensor, stats: TensorDict | None = None, *, clip: float | None = None) -> Tensor:
         if not isinstance(proprio, Tensor) or not proprio.is_floating_point() or proprio.ndim != 2 or proprio.shape[1] != self.proprio_dim:

@@ -1,0 +1,51 @@
+"""The update chain over flat leaf lists: the form a pure gradient step takes, so torch.compile can
+trace it whole (no TensorDict in or out: tensordict's pytree cache would make the second call
+recompile). sac, td3, dppo and their diffusion variants build their compiled steps on these.
+
+Example::
+
+    w, treedef = leaf_list(params), flatten(params)[1]
+    opt = chain_state(state["optim"])
+    grads, loss = ...                         # torch.func.grad over w
+    norm = chain_step(transform, grads, w, treedef, opt, loss)   # w and opt move in place
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlfunc.optim.base import flatten, unflatten
+from rlfunc.optim.torch_optim import member_grad_norms
+
+
+def leaf_list(td: TensorDict) -> list[Tensor]:
+    """``td``'s leaves in :func:`rlfunc.optim.flatten` order, detached: views a pure step writes in place."""
+    return [t.detach() for t in flatten(td)[0]]
+
+
+def chain_state(td: TensorDict) -> tuple[list[Tensor], tuple]:
+    """(leaves, tree definition) of an update chain's state, as a pure step takes it."""
+    leaves, treedef = flatten(td)
+    return [t.detach() for t in leaves], treedef
+
+
+def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
+               loss: Tensor) -> Tensor:
+    """One step of the update chain ``transform`` on flat ``leaves`` (tree definition ``treedef``)
+    with their ``grads``, in place on the leaves and on the chain's state ``opt`` (:func:`chain_state`;
+    a link's new state tensors, such as clip's norm, are copied into the old ones). A step whose
+    gradient norm or ``loss`` is not finite is skipped (adam's mask: nothing moves), without a host
+    read, so a pure step compiles whole. Returns the global gradient norm before clipping (0-dim)."""
+    norm = member_grad_norms(grads, stacked=False)
+    ok = norm.isfinite() & loss.detach().isfinite().reshape(1)
+    opt_leaves, opt_def = opt
+    delta, new_state = transform.update_leaves([g.nan_to_num(0.0, 0.0, 0.0) for g in grads], treedef, unflatten(opt_def, opt_leaves),
+                                               None, mask=ok, grad_norm=norm)
+    for old, new in zip(opt_leaves, flatten(new_state)[0]):
+        if new is not old:
+            old.copy_(new)
+    with torch.no_grad():
+        torch._foreach_add_(leaves, delta)
+    return norm.reshape(())
