@@ -169,18 +169,26 @@ def _skip_tensordict_cache_guards(guard_entries) -> list[bool]:
     return [not (entry.is_global and "tensordict" in entry.name) for entry in guard_entries]
 
 
-def compile_step(fn, device: torch.device, mode: str, what: str):
+def compile_step(fn, device: torch.device, mode: str, what: str, *, static_args: tuple[int, ...] = ()):
     """``fn`` through torch.compile for ``--compile mode`` (off | auto | on), or ``fn`` itself.
 
     One whole graph (fullgraph=True: a graph break is an error, not a slow path), static shapes
-    (dynamic=False: the hot loop's minibatches have one shape). On CUDA mode "reduce-overhead"
-    (CUDA graphs). Compilation happens at the first call (inductor caches its kernels on disk across
-    runs, ``TORCHINDUCTOR_CACHE_DIR``). The returned function's ``compile_s`` is the wall-clock of
-    its first call (None before it).
+    (dynamic=False: the hot loop's minibatches have one shape). On CUDA the compiled code runs as CUDA
+    graphs (inductor's ``triton.cudagraphs``, what mode "reduce-overhead" sets; torch.compile takes a
+    mode or options, not both): the tensors of the arguments named by ``static_args`` (positions of
+    the arguments that persist across calls and are updated in place: parameters, optimizer state,
+    target networks) are marked static addresses, so the graphs read and write them where they are
+    instead of skipping CUDA graphs for a mutated input; every call begins a new graph step
+    (``torch.compiler.cudagraph_mark_step_begin``) and returns copies of the outputs, which the next
+    replay would overwrite. Compilation happens at the first call (inductor caches its kernels on
+    disk across runs, ``TORCHINDUCTOR_CACHE_DIR``). The returned function's ``compile_s`` is the
+    wall-clock of its first call (None before it).
 
     Raises:
-        ConfigError: ``mode`` "on" and no backend for ``device`` (:func:`compile_backend`); "auto"
-            then warns once and returns ``fn``.
+        ConfigError: ``mode`` "on" and no backend for ``device`` (:func:`compile_backend`), or the
+            compiler fails at the first call (a C++ or Triton build error, a broken kernel cache):
+            one line naming the backend and ``--compile off``. "auto" then warns once and runs
+            ``fn`` eagerly (for the whole run).
     """
     if mode == "off":
         return fn
@@ -193,24 +201,47 @@ def compile_step(fn, device: torch.device, mode: str, what: str):
 
         warnings.warn(msg + "; running eager", stacklevel=2)
         return fn
-    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False,
-                             mode="reduce-overhead" if device.type == "cuda" else None,
-                             options={"guard_filter_fn": _skip_tensordict_cache_guards})
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    graphs = device.type == "cuda"
+    options = {"guard_filter_fn": _skip_tensordict_cache_guards}
+    if graphs:
+        options["triton.cudagraphs"] = True
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
+
+    def run(*args):
+        if not graphs:
+            return compiled(*args)
+        for i in static_args:  # every call: a step may be handed new tensor objects over the same storage
+            for leaf in tree_leaves(args[i]):
+                if isinstance(leaf, torch.Tensor):
+                    torch._dynamo.mark_static_address(leaf)
+        torch.compiler.cudagraph_mark_step_begin()
+        return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, compiled(*args))
 
     def call(*args):
         if call.compile_s is not None:
-            return compiled(*args)
+            return fn(*args) if call.eager else run(*args)
         import time
-
-        from torch.utils._pytree import tree_map
 
         t0 = time.perf_counter()
         # once eager, on copies: bad input fails here in plain Python, and the caches tensordict
         # fills at first use are full before the trace
         fn(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args))
-        out = compiled(*args)
+        try:
+            out = run(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler (e.g. inductor's C++ build), not of fn
+            msg = f"--compile {mode}: torch.compile ({backend}) of {what}'s step failed on device {device.type}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if mode == "on":
+                raise ConfigError(msg + "; use --compile off") from e
+            import warnings
+
+            warnings.warn(msg + "; running eager", stacklevel=2)
+            call.eager = True
+            out = fn(*args)
         call.compile_s = time.perf_counter() - t0
         return out
 
     call.compile_s = None  # seconds of the first call (warm-up, trace, compile and one step); None before it
+    call.eager = False  # True once compiling failed under "auto" (warned): every call runs fn
     return call

@@ -355,7 +355,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     if config.run.compile == "on" and not compiled:
         raise ConfigError("run.compile='on': ppo compiles its plain gradient step only; expected no step transform, "
                           "adaptive_clip, prioritized_minibatches or nproc > 1 with it (or --compile off)")
-    compiled_step = compile_step(grad_step, device, config.run.compile, "ppo") if compiled else None
+    compiled_step = compile_step(grad_step, device, config.run.compile, "ppo", static_args=(0, 2)) if compiled else None
 
     def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
         if not config.normalize_observations:

@@ -208,7 +208,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
 
     updates_of_run = max(0, config.total_steps - config.learning_starts) * config.updates_per_step
     compiled = config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES)
-    compiled_step = compile_step(step, device, config.run.compile, "sac") if compiled else None
+    compiled_step = compile_step(step, device, config.run.compile, "sac", static_args=(0, 1, 2, 3, 4)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
     def iteration(state: TensorDict, buffer, generator: torch.Generator, num_updates: int):

@@ -170,7 +170,8 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolic
 
     updates_of_run = max(0, config.total_steps - config.learning_starts) * config.updates_per_step
     compiled = config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES)
-    steps = ((compile_step(critic_step, device, config.run.compile, "td3"), compile_step(actor_step, device, config.run.compile, "td3"))
+    steps = ((compile_step(critic_step, device, config.run.compile, "td3", static_args=(0, 1, 2, 3)),
+              compile_step(actor_step, device, config.run.compile, "td3", static_args=(0, 1, 2, 3, 4)))
              if compiled else (critic_step, actor_step))
     reported: list[bool] = []  # compile_s went into a metrics line already
 

@@ -226,3 +226,31 @@ def test_dppo_compile_on_refuses_what_it_does_not_compile():
     for kw in (dict(micro_batch_size=64), dict(gradient_checkpointing=True, likelihood="output-noise"), dict(precision="bf16")):
         with pytest.raises(ConfigError, match="compile='on': dppo compiles its float32 gradient step"):
             make_dppo(replace(DPPOConfig(), device="cpu", compile="on", **kw), ActorSpec(hidden=(8,), ddim_steps=2), 6, 2, torch.device("cpu"))
+
+
+def test_a_failing_compiler_is_one_line_under_on_and_eager_under_auto(monkeypatch):
+    """The bug: inductor's C++ build of a step failed (a truncated kernel in a shared cache: "file too
+    short") and the run died in a deep traceback. Now ``on`` is one ConfigError line naming the backend
+    and ``--compile off``; ``auto`` warns once and every call runs the eager function, with its numbers."""
+    from rlfunc.device import compile_step
+
+    def broken(fn, **kw):
+        def compiled(*args):
+            raise ImportError("/tmp/inductor/xv/cxvy.main.so: file too short")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr("rlfunc.device.compile_backend", lambda device: "inductor")
+
+    def step(w: list, x):  # in place, as the gradient steps are
+        w[0].add_(x)
+        return w[0].sum()
+
+    with pytest.raises(ConfigError, match=r"--compile on: torch.compile \(inductor\) of toy's step failed on device cpu: "
+                                          r"ImportError: .*file too short; use --compile off"):
+        compile_step(step, torch.device("cpu"), "on", "toy")([torch.zeros(2)], torch.ones(2))
+    fn, w = compile_step(step, torch.device("cpu"), "auto", "toy"), [torch.zeros(2)]
+    with pytest.warns(UserWarning, match="toy's step failed.*running eager"):
+        assert float(fn(w, torch.ones(2))) == 2.0
+    assert float(fn(w, torch.ones(2))) == 4.0 and fn.eager and fn.compile_s is not None
+    assert torch.equal(w[0], torch.full((2,), 2.0))  # each call stepped once, the warm-up on copies
