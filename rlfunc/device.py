@@ -207,6 +207,10 @@ def compile_step(fn, device: torch.device, mode: str, what: str, *, static_args:
     options = {"guard_filter_fn": _skip_tensordict_cache_guards}
     if graphs:
         options["triton.cudagraphs"] = True
+        # inductor's loop reordering after fusion hit an internal assertion (scheduler
+        # reorder_loops_by_dep_pair) on sac's Pendulum-v1 step under torch 2.11 + CUDA; off, it compiles
+        # (bench/RESULTS.md "GPU rows", 2026-12-04)
+        options["loop_ordering_after_fusion"] = False
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
 
     def run(*args):

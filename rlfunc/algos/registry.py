@@ -168,8 +168,9 @@ def resolve(ref: str) -> Any:
     module, sep, attr = ref.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"ref={ref!r}: expected 'module:attribute'")
+    imported = importlib.import_module(module)  # an error inside the import is that error, not a missing attribute
     try:
-        return getattr(importlib.import_module(module), attr)
+        return getattr(imported, attr)
     except AttributeError:
         raise ConfigError(f"ref={ref!r}: module {module!r} has no attribute {attr!r}") from None
 

@@ -159,3 +159,21 @@ def test_the_ladder_check_sees_a_ladder(tmp_path):
     ladder = tmp_path / "ladder.py"
     ladder.write_text('if algo == "mappo":\n    pass\nfn = {"bc": 1}[algo]\nok = algo in ("grpo", "gspo")\n')
     assert len(_algorithm_name_literals(ladder)) == 4
+
+
+def test_resolve_reports_an_import_failure_as_itself(tmp_path, monkeypatch):
+    """The bug (on a GPU machine with MUJOCO_GL=egl and no libEGL): OpenGL raised AttributeError while
+    rlfunc.run.ppo_encoder was being imported, and resolve reported "module 'rlfunc.run.ppo_encoder' has
+    no attribute 'is_dict_env'", hiding the cause. Now the import's own error comes through; a missing
+    attribute of a module that imports is still the one ConfigError line."""
+    from rlfunc.algos.registry import resolve
+    from rlfunc.errors import ConfigError
+
+    (tmp_path / "broken_on_import.py").write_text("raise AttributeError(\"'NoneType' object has no attribute 'eglQueryString'\")\n")
+    (tmp_path / "fine_module.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AttributeError, match="eglQueryString"):
+        resolve("broken_on_import:is_dict_env")
+    assert resolve("fine_module:x") == 1
+    with pytest.raises(ConfigError, match="module 'fine_module' has no attribute 'y'"):
+        resolve("fine_module:y")
