@@ -43,8 +43,11 @@ from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
-# --compile auto compiles a run of at least this many gradient steps (bench/compiled_dppo.py)
-AUTO_COMPILE_UPDATES = 5_000
+# --compile auto compiles a run of at least this many gradient steps. bench/compiled_dppo.py, PointReach's
+# actor on this 2-core CPU: compiled 0.58x eager (169 -> 99 ms per step under a load of ~4.7; the first
+# call 127 s then), so compiling pays after ~1,000-1,800 steps depending on load; the default PointReach
+# run has 1,480 (bench/RESULTS.md, "Compiled DPPO updates")
+AUTO_COMPILE_UPDATES = 1_000
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         raise ConfigError("run.compile='on': dppo compiles its float32 gradient step; expected micro_batch_size=None, "
                           "gradient_checkpointing=False and run.precision='off' with it (or --compile off)")
     compiled = compilable and (config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES))
-    compiled_step = compile_step(grad_step, device, config.run.compile, "dppo") if compiled else None
+    compiled_step = compile_step(grad_step, device, config.run.compile, "dppo", static_args=(0, 1, 2)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
     def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator, prec: Precision):
