@@ -228,16 +228,26 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
     return state
 
 
-def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
+def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int,
+             split: tuple[int, int] | None = None):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
-    :class:`rlfunc.envs.chunk.GymChunkEnv`.
+    :class:`rlfunc.envs.chunk.GymChunkEnv`. ``split`` (rank, world_size) of a data-parallel run:
+    these N envs are envs rank*N .. (rank+1)*N - 1 of the single process's world_size*N (a
+    torch-batched env only: its ``split=``, :class:`rlfunc.envs.registry.EnvEntry`).
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
+        ConfigError: a ``split`` over more than one rank of an env without a torch-batched builder
+            (a GymChunkEnv draws the reset seeds of all its envs from one stream: it does not split).
     """
     check_env(env_id)
     build = registry.torch_builder(env_id)
+    if split is not None and split[1] > 1:
+        if build is None:
+            raise ConfigError(f"env={env_id!r} with {split[1]} ranks: a data-parallel run splits a torch-batched env "
+                              "(one with a torch_env in rlfunc.envs.registry, e.g. PointReach-v0); train it in one process")
+        return build(num_envs, act_steps=act_steps, device=device, seed=seed, split=split)
     if build is not None:
         return build(num_envs, act_steps=act_steps, device=device, seed=seed)
     from rlfunc.envs.chunk import GymChunkEnv
