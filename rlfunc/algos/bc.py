@@ -55,6 +55,7 @@ class BCConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
+        data_parallel.check_divides(self.run.nproc, batch_size=self.batch_size)  # before torchrun starts the ranks
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay={self.ema_decay}: expected a value in [0, 1)")
         if not self.lr > 0 or not self.max_grad_norm > 0:

@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos import data_parallel
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_split, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
@@ -123,6 +123,8 @@ class DPPOConfig:
         if self.run.nproc > 1 and self.run.compile == "on":
             raise ConfigError(f"run.compile='on' with nproc={self.run.nproc}: dppo's compiled step is not data-parallel; "
                               "expected --compile off or auto with --nproc")
+        check_split(self.env, self.run.nproc)  # before torchrun starts the ranks
+        data_parallel.check_divides(self.run.nproc, num_envs=self.num_envs, minibatch_size=self.minibatch_size)
 
     @property
     def batch_size(self) -> int:

@@ -132,3 +132,5 @@ def test_a_split_that_does_not_divide_or_a_compiled_step_is_a_config_error():
         make_dppo(replace(config, compile="on"), SPEC, 6, 2, CPU, SimpleNamespace(world_size=2, rank=0, group=None))
     with pytest.raises(ConfigError, match="splits a torch-batched env"):
         make_env("Pendulum-v1", 2, 1, CPU, 0, split=(0, 2))
+    with pytest.raises(ConfigError, match="env='Pendulum-v1' with 2 ranks"):
+        replace(DPPOConfig(), env="Pendulum-v1", nproc=2)
