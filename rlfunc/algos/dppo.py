@@ -328,7 +328,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
     updates_of_run = config.num_iterations(spec.act_steps) * config.num_epochs * (config.batch_size // config.minibatch_size)
     compilable = config.micro_batch_size is None and not config.gradient_checkpointing and config.run.precision == "off" and W == 1
     if config.run.compile == "on" and not compilable:
-        raise ConfigError("run.compile='on': dppo compiles its single-process float32 gradient step; expected micro_batch_size=None, "
+        raise ConfigError("run.compile='on': dppo compiles its float32 gradient step in one process; expected micro_batch_size=None, "
                           "gradient_checkpointing=False, run.precision='off' and one process with it (or --compile off)")
     compiled = compilable and (config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(grad_step, device, config.run.compile, "dppo") if compiled else None
