@@ -124,7 +124,7 @@ def test_a_split_that_does_not_divide_or_a_compiled_step_is_a_config_error():
     with pytest.raises(ConfigError, match="batch_size=32 does not divide by the 3 ranks"):
         make_bc(replace(BCConfig(), actor=SPEC, batch_size=32), 6, 2, CPU, three)
     config = replace(DPPOConfig(), actor=SPEC, num_envs=6, num_steps=4, minibatch_size=12, device="cpu")
-    with pytest.raises(ConfigError, match="minibatch_size=12 does not divide by the 8 ranks|num_envs=6 does not divide"):
+    with pytest.raises(ConfigError, match="num_envs=6 does not divide by the 4 ranks"):
         make_dppo(config, SPEC, 6, 2, CPU, SimpleNamespace(world_size=4, rank=0, group=None))
     with pytest.raises(ConfigError, match="compile='on' with nproc=2"):
         replace(DPPOConfig(), compile="on", nproc=2)
