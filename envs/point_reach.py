@@ -30,6 +30,7 @@ bimodal expert, :func:`expert_action` / :func:`collect_demonstrations`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -382,6 +383,11 @@ class PointReachEnv(EnvBase):
         split: None, or (rank, world_size): these N envs are envs rank*N .. (rank+1)*N - 1 of the
             world_size*N envs of ``seed`` (every reset draws for all of them and keeps its rows, so
             the world_size envs of a data-parallel run together step the one env of a single process).
+        any_done_of_split: with ``split``, ``fn(done_here: bool) -> bool``, whether an env of any rank
+            of the split is done (a collective every rank calls once per step): TorchRL resets the envs
+            after a step where one is done, and the single process's generator draws then, so a rank
+            whose envs are not done draws too (a reset of none of them). None: the split's ranks
+            draw only when one of their own envs is done (their generators drift apart then).
 
     Raises:
         EnvError: ``num_envs`` or ``act_steps`` is not an int >= 1, or ``split`` not (rank, world_size)
@@ -391,13 +397,14 @@ class PointReachEnv(EnvBase):
     max_episode_steps = MAX_STEPS  # sub-steps per episode at most (as gymnasium's spec; read by chunked evaluation)
 
     def __init__(self, num_envs: int = 1, *, act_steps: int = 1, device: torch.device | str | None = None, seed: int | None = None,
-                 split: tuple[int, int] | None = None):
+                 split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None):
         _check_count("num_envs", num_envs)
         _check_count("act_steps", act_steps)
         rank, world_size = (0, 1) if split is None else split
         if not 0 <= rank < world_size:
             raise EnvError(f"split={split!r}: expected (rank, world_size) with 0 <= rank < world_size")
         self._split = (rank, world_size)
+        self._any_done_of_split = any_done_of_split if world_size > 1 else None
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.num_envs = num_envs
@@ -485,6 +492,16 @@ class PointReachEnv(EnvBase):
         if reward is not None:
             out["reward"] = reward
         return TensorDict(out, batch_size=self.batch_size, device=self.device)
+
+    def any_done(self, tensordict: TensorDictBase) -> bool:
+        """TorchRL's check after a step (True: reset where "_reset"); with ``any_done_of_split``, True
+        when an env of any rank of the split is done, with "_reset" all False here when none of
+        these is (the reset then only draws, as the single process's does)."""
+        done = bool(super().any_done(tensordict))
+        if self._any_done_of_split is None or not self._any_done_of_split(done) or done:
+            return done
+        tensordict.set("_reset", torch.zeros(self.num_envs, 1, dtype=torch.bool, device=self.device))
+        return True
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)

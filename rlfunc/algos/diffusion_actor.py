@@ -238,12 +238,14 @@ def check_split(env_id: str, world_size: int) -> None:
 
 
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int,
-             split: tuple[int, int] | None = None):
+             split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
     :class:`rlfunc.envs.chunk.GymChunkEnv`. ``split`` (rank, world_size) of a data-parallel run:
     these N envs are envs rank*N .. (rank+1)*N - 1 of the single process's world_size*N (a
-    torch-batched env only: its ``split=``, :class:`rlfunc.envs.registry.EnvEntry`).
+    torch-batched env only: its ``split=``, :class:`rlfunc.envs.registry.EnvEntry`), with
+    ``any_done_of_split`` (the ranks' "is an env of any rank done" after each step) so that their
+    generators draw as the single process's.
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
@@ -253,7 +255,7 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
     build = registry.torch_builder(env_id)
     if split is not None and split[1] > 1:
         check_split(env_id, split[1])
-        return build(num_envs, act_steps=act_steps, device=device, seed=seed, split=split)
+        return build(num_envs, act_steps=act_steps, device=device, seed=seed, split=split, any_done_of_split=any_done_of_split)
     if build is not None:
         return build(num_envs, act_steps=act_steps, device=device, seed=seed)
     from rlfunc.envs.chunk import GymChunkEnv

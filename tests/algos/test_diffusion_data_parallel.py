@@ -83,7 +83,7 @@ def _dppo(likelihood, dist=None):
     if dist is None:
         return single, state, batch, None
     algo = make_dppo(config, SPEC, 6, 2, CPU, dist)
-    own_env = make_env("PointReach-v0", N // W, SPEC.act_steps, CPU, 0, split=(r, W))
+    own_env = make_env("PointReach-v0", N // W, SPEC.act_steps, CPU, 0, split=(r, W), any_done_of_split=dist.any_rank)
     own = algo.rollout(state, own_env, torch.Generator().manual_seed(1))
     return algo, state, batch, own
 

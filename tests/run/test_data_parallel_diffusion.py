@@ -17,8 +17,9 @@ SPEC = ActorSpec(hidden=(32, 32), horizon=4, act_steps=4, num_train_steps=8, ddi
 
 
 def _config():
-    return replace(DPPOConfig(), actor=SPEC, num_envs=8, num_steps=4, minibatch_size=16, num_epochs=2, critic_hidden=(32, 32),
-                   total_steps=2 * 8 * 4 * 4, eval_episodes=8, checkpoint_every=1, device="cpu")
+    # 10 chunk steps of 4 actions: every episode is truncated after 8 (30 actions) and the envs reset mid-rollout
+    return replace(DPPOConfig(), actor=SPEC, num_envs=8, num_steps=10, minibatch_size=16, num_epochs=1, critic_hidden=(32, 32),
+                   total_steps=2 * 8 * 10 * 4, eval_episodes=8, checkpoint_every=1, device="cpu")
 
 
 def _rank(dist, run_dir):
@@ -29,7 +30,7 @@ def test_a_two_rank_dppo_run_is_the_single_process_run_and_rank_0_alone_writes(g
     gloo(_rank, str(tmp_path / "dp"))
     single = train_dppo(_config(), tmp_path / "single", progress=False, tensorboard=False)
     a, b = checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp")
-    assert a.name == b.name == "step_000000000256"
+    assert a.name == b.name == "step_000000000640"
     ta, _ = checkpoint.load_snapshot(a)
     tb, meta = checkpoint.load_snapshot(b)
     assert set(ta.keys(True, True)) == set(tb.keys(True, True)) and meta["world_size"] == 2
