@@ -30,6 +30,7 @@ bimodal expert, :func:`expert_action` / :func:`collect_demonstrations`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -180,10 +181,9 @@ def observation(state: TensorDict) -> Tensor:
     return torch.cat([p, goals[:, 0] - p, goals[:, 1] - p], dim=-1)
 
 
-def _reset_where(state: TensorDict, mask: Tensor, generator: torch.Generator) -> TensorDict:
-    """Reset the envs where ``mask`` [N] is True, keep the others. Draws for every env, so the
-    generator advances the same whichever envs reset (reproducible from the seed)."""
-    fresh = reset_state(state.batch_size[0], generator, state.device)
+def _reset_where(state: TensorDict, mask: Tensor, fresh: TensorDict) -> TensorDict:
+    """Reset the envs where ``mask`` [N] is True to ``fresh`` (a :func:`reset_state` drawn for every
+    env, so the generator advances the same whichever envs reset), keep the others."""
     return fresh.apply(
         lambda f, s: torch.where(mask.view(-1, *([1] * (f.ndim - 1))), f, s), state
     )
@@ -380,16 +380,31 @@ class PointReachEnv(EnvBase):
         act_steps: env sub-steps per action, >= 1.
         device: a torch device or its name (None: cpu); fixed for the env's life.
         seed: seed of the generator; None draws a non-deterministic one.
+        split: None, or (rank, world_size): these N envs are envs rank*N .. (rank+1)*N - 1 of the
+            world_size*N envs of ``seed`` (every reset draws for all of them and keeps its rows, so
+            the world_size envs of a data-parallel run together step the one env of a single process).
+        any_done_of_split: with ``split``, ``fn(done_here: bool) -> bool``, whether an env of any rank
+            of the split is done (a collective every rank calls once per step): TorchRL resets the envs
+            after a step where one is done, and the single process's generator draws then, so a rank
+            whose envs are not done draws too (a reset of none of them). None: the split's ranks
+            draw only when one of their own envs is done (their generators drift apart then).
 
     Raises:
-        EnvError: ``num_envs`` or ``act_steps`` is not an int >= 1.
+        EnvError: ``num_envs`` or ``act_steps`` is not an int >= 1, or ``split`` not (rank, world_size)
+            with 0 <= rank < world_size.
     """
 
     max_episode_steps = MAX_STEPS  # sub-steps per episode at most (as gymnasium's spec; read by chunked evaluation)
 
-    def __init__(self, num_envs: int = 1, *, act_steps: int = 1, device: torch.device | str | None = None, seed: int | None = None):
+    def __init__(self, num_envs: int = 1, *, act_steps: int = 1, device: torch.device | str | None = None, seed: int | None = None,
+                 split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None):
         _check_count("num_envs", num_envs)
         _check_count("act_steps", act_steps)
+        rank, world_size = (0, 1) if split is None else split
+        if not 0 <= rank < world_size:
+            raise EnvError(f"split={split!r}: expected (rank, world_size) with 0 <= rank < world_size")
+        self._split = (rank, world_size)
+        self._any_done_of_split = any_done_of_split if world_size > 1 else None
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.num_envs = num_envs
@@ -478,12 +493,23 @@ class PointReachEnv(EnvBase):
             out["reward"] = reward
         return TensorDict(out, batch_size=self.batch_size, device=self.device)
 
+    def any_done(self, tensordict: TensorDictBase) -> bool:
+        """TorchRL's check after a step (True: reset where "_reset"); with ``any_done_of_split``, True
+        when an env of any rank of the split is done, with "_reset" all False here when none of
+        these is (the reset then only draws, as the single process's does)."""
+        done = bool(super().any_done(tensordict))
+        if self._any_done_of_split is None or not self._any_done_of_split(done) or done:
+            return done
+        tensordict.set("_reset", torch.zeros(self.num_envs, 1, dtype=torch.bool, device=self.device))
+        return True
+
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)
-        if mask is None:
-            self._state = reset_state(self.num_envs, self._generator, self.device)
-        else:
-            self._state = _reset_where(self._state, mask.reshape(self.num_envs), self._generator)
+        rank, world_size = self._split
+        fresh = reset_state(self.num_envs * world_size, self._generator, self.device)  # for every env of the split
+        if world_size > 1:
+            fresh = fresh[rank * self.num_envs : (rank + 1) * self.num_envs]
+        self._state = fresh if mask is None else _reset_where(self._state, mask.reshape(self.num_envs), fresh)
         return self._output(self._state)
 
     def _step(self, tensordict: TensorDictBase) -> TensorDict:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict
 
+from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, require_default
@@ -23,7 +24,7 @@ from rlfunc.core import func
 from rlfunc.core.normalize import update_running_stats
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
-from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm
+from rlfunc.optim import GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
 
 
@@ -48,12 +49,13 @@ class BCConfig:
         require_finite(self)
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay}: expected >= 0")
-        require_default(self.run, compile="bc has no compiled update yet (ppo has)", nproc="bc is not data-parallel yet (ppo is): train it in one process", num_seeds="bc trains one seed per run", vmap="bc trains one seed per run")
+        require_default(self.run, compile="bc has no compiled update yet (ppo has)", num_seeds="bc trains one seed per run", vmap="bc trains one seed per run")
         for name in ("num_demos", "num_updates", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
+        data_parallel.check_divides(self.run.nproc, batch_size=self.batch_size)  # before torchrun starts the ranks
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay={self.ema_decay}: expected a value in [0, 1)")
         if not self.lr > 0 or not self.max_grad_norm > 0:
@@ -77,9 +79,16 @@ def ema_update_(ema: TensorDict, params: TensorDict, decay: float) -> None:
     func.polyak_update_(ema, params, 1.0 - decay)
 
 
-def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC:
+def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=None) -> BC:
     """Build diffusion BC's pure pieces; ``obs_dim`` is the env's :class:`EnvInfo` (or a Box
     observation's size).
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks, each holding the whole dataset. ``iteration`` then equals the single-process one, to float
+    rounding (:mod:`rlfunc.algos.data_parallel`): every rank draws the batch's indices, timesteps and
+    noise for all ``batch_size`` samples (the generators stay in sync), takes its share (samples
+    [r m/W, (r+1) m/W) of the m = ``batch_size``) and averages the gradients, the loss and the
+    metrics with one ``all_reduce_mean`` before the norm and the chain. W must divide ``batch_size``.
 
     The learner state is one TensorDict: "params" and "ema" (denoiser), "obs_stats" (of the
     dataset's observations, or of its proprio for a Dict observation; fixed), "schedule" (betas,
@@ -91,6 +100,9 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
     "exp_avg", "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and moments, keyed as
     {"params": ..., "encoder": ...}.
     """
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    data_parallel.check_divides(W, batch_size=config.batch_size)
+    reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
     actor = DiffusionActor(config.actor, obs_dim, act_dim, device)
     T = config.actor.num_train_steps
     obs_keys = actor.info.obs_keys
@@ -142,13 +154,15 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
         """One gradient step on a random batch of ``dataset`` ([M] with "observation", "action"): the
         gradient through the update chain, whose state ``state["optim_actor"]`` it advances; the
         :func:`trainable_params` leaves are stepped in place."""
-        idx = torch.randint(dataset.batch_size[0], (config.batch_size,), generator=generator, device=device)
+        m = config.batch_size
+        idx = torch.randint(dataset.batch_size[0], (m,), generator=generator, device=device)
+        t = sample_timesteps((m,), T, generator=generator, device=device)
+        noise = torch.randn((m, *dataset["action"].shape[1:]), generator=generator, device=device)
+        idx, t, noise = (data_parallel.share(x, rank, W) for x in (idx, t, noise))  # this rank's samples
         batch = dataset[idx]
-        t = sample_timesteps((config.batch_size,), T, generator=generator, device=device)
-        noise = torch.randn(batch["action"].shape, generator=generator, device=device)
         batch = TensorDict(
             {**{k: batch[k] for k in obs_keys}, "x0": batch["action"], "t": t, "noise": noise},
-            batch_size=[config.batch_size],
+            batch_size=[m // W],
         )
         params, encoder = state["params"], state.get("encoder", None)
 
@@ -164,6 +178,8 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device) -> BC
         for leaf in func.leaves(stepped):
             leaf.grad = None
         loss, metrics = accumulate_gradients(loss_fn, batch, config.micro_batch_size, prec=prec)
+        if W > 1:  # the mean over the ranks' shares: the gradient of the whole batch
+            loss, metrics = data_parallel.average_grads_(reduce, func.leaves(stepped), loss, metrics)
         norm, ok, opt_state = transform_step(optimizer, state["optim_actor"], stepped, prec)
         ema_update_(state["ema"], params, config.ema_decay)
         if encoder is not None:

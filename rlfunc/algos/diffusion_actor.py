@@ -228,16 +228,34 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
     return state
 
 
-def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
+def check_split(env_id: str, world_size: int) -> None:
+    """ConfigError unless ``env_id``'s envs split over ``world_size`` ranks of a data-parallel run:
+    a torch-batched env does (its builder's ``split=``); a gymnasium id (GymChunkEnv) draws the
+    reset seeds of all its envs from one stream, so its rows are not those of the single process."""
+    if world_size > 1 and registry.torch_builder(env_id) is None:
+        raise ConfigError(f"env={env_id!r} with {world_size} ranks: a data-parallel run splits a torch-batched env "
+                          "(one with a torch_env in rlfunc.envs.registry, e.g. PointReach-v0); train it in one process")
+
+
+def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int,
+             split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
-    :class:`rlfunc.envs.chunk.GymChunkEnv`.
+    :class:`rlfunc.envs.chunk.GymChunkEnv`. ``split`` (rank, world_size) of a data-parallel run:
+    these N envs are envs rank*N .. (rank+1)*N - 1 of the single process's world_size*N (a
+    torch-batched env only: its ``split=``, :class:`rlfunc.envs.registry.EnvEntry`), with
+    ``any_done_of_split`` (the ranks' "is an env of any rank done" after each step) so that their
+    generators draw as the single process's.
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
+        ConfigError: a ``split`` over more than one rank of an env that does not split (:func:`check_split`).
     """
     check_env(env_id)
     build = registry.torch_builder(env_id)
+    if split is not None and split[1] > 1:
+        check_split(env_id, split[1])
+        return build(num_envs, act_steps=act_steps, device=device, seed=seed, split=split, any_done_of_split=any_done_of_split)
     if build is not None:
         return build(num_envs, act_steps=act_steps, device=device, seed=seed)
     from rlfunc.envs.chunk import GymChunkEnv

@@ -27,7 +27,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos import data_parallel
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_split, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
@@ -36,8 +37,10 @@ from rlfunc.device import compile_step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
+from rlfunc.losses.ppo import normalize_advantage
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, flatten, minibatch_epochs, partition, unflatten
+from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, minibatch_epochs, partition,
+                          unflatten)
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
@@ -94,7 +97,7 @@ class DPPOConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        require_default(self.run, nproc="dppo is not data-parallel yet (ppo is): train it in one process", num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
+        require_default(self.run, num_seeds="dppo trains one seed per run", vmap="dppo trains one seed per run",
                         log_every="dppo logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) < 1:
@@ -120,6 +123,11 @@ class DPPOConfig:
             raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
+        if self.run.nproc > 1 and self.run.compile == "on":
+            raise ConfigError(f"run.compile='on' with nproc={self.run.nproc}: dppo's compiled step is not data-parallel; "
+                              "expected --compile off or auto with --nproc")
+        check_split(self.env, self.run.nproc)  # before torchrun starts the ranks
+        data_parallel.check_divides(self.run.nproc, num_envs=self.num_envs, minibatch_size=self.minibatch_size)
 
     @property
     def batch_size(self) -> int:
@@ -138,9 +146,22 @@ class DPPO(NamedTuple):
     optimizer: GradientTransform  # the update chain whose state is state["optim_all"]
 
 
-def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> DPPO:
+def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device, dist=None) -> DPPO:
     """Build DPPO's pure pieces for an actor described by ``spec`` (that of the BC snapshot) on an
     env described by ``obs_dim`` (its :class:`EnvInfo`, or a Box observation's size).
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks. Rank r then collects envs r*N/W .. (r+1)*N/W - 1 of the ``config.num_envs`` = N (its
+    rollout is [N/W, T]) and ``iteration`` equals the single-process one on all N envs, to float
+    rounding (:mod:`rlfunc.algos.data_parallel`): the policy draws the chains' noise for all N envs and
+    keeps its rows; ``prepare`` (conditions, values, GAE, the stored log-likelihoods) runs on the
+    rank's envs and the flat batch is all-gathered (rank order: the single process's env order);
+    every rank draws the same minibatch order, normalises the advantages over the whole minibatch and
+    takes its share of it; one ``all_reduce_mean`` of the gradients, the loss and the metrics precedes
+    the norm, the skip and the chain, so ``target_kl`` stops every rank alike. W must divide
+    ``num_envs`` and ``minibatch_size``; the compiled step is single-process (``--compile auto`` runs
+    eager with W > 1). With ``micro_batch_size`` the data-parallel update normalises the advantages
+    over the whole minibatch (one process: over each micro-batch).
 
     The learner state is one TensorDict: "params" {"actor", "critic"}, "base" (frozen pretrained
     actor, used by the denoising steps that are not fine-tuned), "obs_stats" (fixed), "schedule",
@@ -151,6 +172,10 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
     gradient norm}, "1" {"actor", "critic"}, each {"step", "exp_avg", "exp_avg_sq"} (Adam's per-leaf
     step counts, 0-dim float32, and moments).
     """
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    data_parallel.check_divides(W, num_envs=config.num_envs, minibatch_size=config.minibatch_size)
+    own = data_parallel.own_rows(rank, W)  # the noise rows of this rank's envs
+    reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
     obs_dim = actor.obs_dim  # the condition's width
     critic = MLP(obs_dim, 1, config.critic_hidden, "tanh").to(device)
@@ -196,7 +221,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         def act(td: TensorDict) -> TensorDict:
             cond = actor.condition(state.get("encoder", None), state["obs_stats"], td)
             td["cond"] = cond  # the update reuses it (the encoder and the statistics are fixed during dppo)
-            noise = actor.noise(cond.shape[0], generator)
+            noise = own(lambda n: actor.noise(n, generator), cond.shape[0], 1)  # [K+1, N', H, A]
             if config.likelihood == "chain":
                 _, chain = sample(
                     actor.apply, params, cond, noise, schedule, K, config.eta, std_floor=config.sample_std_floor,
@@ -207,7 +232,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
                 td["action"] = actor.env_action(chain[:, -1])
             else:
                 loc = actor.env_action(sample(actor.apply, params, cond, noise, schedule, K, 0.0, **sample_kw))
-                z = torch.randn(loc.shape, generator=generator, device=device)
+                z = own(lambda n: torch.randn((n, *loc.shape[1:]), generator=generator, device=device), loc.shape[0], 0)
                 td["x_T"], td["loc"] = noise[0], loc
                 td["action"] = loc + config.output_noise_std * z
             return td
@@ -275,7 +300,8 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             clip_epsilon=clips if config.likelihood == "chain" else config.clip_max,
             denoising_discount=config.denoising_discount,
             total_steps=K if config.likelihood == "chain" else 1,
-            value_coef=config.value_coef, normalize_advantages=config.normalize_advantages,
+            value_coef=config.value_coef,
+            normalize_advantages=config.normalize_advantages and W == 1,  # data parallel: over the whole minibatch, before the share
         )
 
     # --compile: one minibatch's gradient step as one pure function of flat leaf lists (the form
@@ -303,10 +329,10 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         return {k: v.detach() for k, v in metrics.items()}
 
     updates_of_run = config.num_iterations(spec.act_steps) * config.num_epochs * (config.batch_size // config.minibatch_size)
-    compilable = config.micro_batch_size is None and not config.gradient_checkpointing and config.run.precision == "off"
+    compilable = config.micro_batch_size is None and not config.gradient_checkpointing and config.run.precision == "off" and W == 1
     if config.run.compile == "on" and not compilable:
-        raise ConfigError("run.compile='on': dppo compiles its float32 gradient step; expected micro_batch_size=None, "
-                          "gradient_checkpointing=False and run.precision='off' with it (or --compile off)")
+        raise ConfigError("run.compile='on': dppo compiles its float32 gradient step in one process; expected micro_batch_size=None, "
+                          "gradient_checkpointing=False, run.precision='off' and one process with it (or --compile off)")
     compiled = compilable and (config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(grad_step, device, config.run.compile, "dppo", static_args=(0, 1, 2)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
@@ -316,6 +342,8 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
         chain, whose state ``state["optim_all"]`` it advances; "params" are stepped in place (the
         policy holds them). Returns (new state, metrics)."""
         flat = prepare(state, batch, prec)
+        if W > 1:  # the global batch, rank order = the single process's env order
+            flat = dist.all_gather_batch(flat, dim=0)
         params = state["params"]
         leaves = func.leaves(params)
         opt = {"state": state["optim_all"]}
@@ -325,12 +353,18 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             w, opt_leaves, schedule_w = leaf_list(params), chain_state(opt["state"]), leaf_list(state["schedule"])
 
         def update(mb: TensorDict) -> TensorDict:
+            if W > 1:  # the whole minibatch's advantages normalised (as the loss would), then this rank's share
+                if config.normalize_advantages:
+                    mb["advantage"] = normalize_advantage(mb["advantage"])
+                mb = data_parallel.share(mb, rank, W)
             if compiled_step is not None:
                 return TensorDict(compiled_step(w, opt_leaves, schedule_w, {k: mb[k] for k in mb_keys}), batch_size=[])
             for leaf in leaves:
                 leaf.grad = None
-            _, metrics = accumulate_gradients(lambda micro: loss_fn(params, state["schedule"], micro), mb,
-                                              config.micro_batch_size, prec=prec)
+            loss, metrics = accumulate_gradients(lambda micro: loss_fn(params, state["schedule"], micro), mb,
+                                                 config.micro_batch_size, prec=prec)
+            if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
+                _, metrics = data_parallel.average_grads_(reduce, leaves, loss, metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], params, prec)
             metrics["grad_norm"] = norm
             metrics["skipped"] = torch.tensor(float(not ok))

@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.algos import data_parallel
 from rlfunc.algos import ppo_parallel as parallel
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
@@ -249,7 +250,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
     ranks. Rank r then collects envs r*N/W .. (r+1)*N/W - 1 of the ``config.num_envs`` = N (its
     batch is [S, N/W, T]) and ``iteration`` equals the single-process one on all N envs, to float
-    rounding (rlfunc.algos.ppo_parallel: the noise rows, the merged statistics, the gathered batch,
+    rounding (rlfunc.algos.ppo_parallel and data_parallel: the noise rows, the merged statistics, the gathered batch,
     each rank's share of every minibatch, one all_reduce_mean of the gradients before the norms and
     the chain). The learner state is the same on every rank and has the single process's layout.
 
@@ -264,7 +265,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     S, N = config.run.num_seeds, config.num_envs
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
     parallel.check_config(config, W)
-    own = parallel.own_rows(rank, W)  # the noise rows of this rank's envs
+    own = data_parallel.own_rows(rank, W)  # the noise rows of this rank's envs
     kind = getattr(spec, "action_kind", "box")  # a spec-like object without one (tests, benches) is a Box env's
     discrete = kind != "box"
     if discrete and config.exploration != "gaussian":
@@ -664,7 +665,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
                         t0 = time.perf_counter()
                         with span("all_reduce"):
-                            grads, loss, metrics = parallel.average(reduce, grads, treedef, loss, metrics)
+                            grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
                         comm_s += time.perf_counter() - t0
                     norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
                     ok = data_ok & loss.isfinite() & norms.isfinite()

@@ -1,11 +1,12 @@
-"""The pieces that make PPO's iteration data-parallel and equal to the single-process one.
+"""The pieces that make PPO's iteration data-parallel and equal to the single-process one (those
+bc and dppo use too are in :mod:`rlfunc.algos.data_parallel`).
 
 ``make_ppo(config, spec, device, dist)`` with a :class:`rlfunc.run.distributed.Distributed` of W > 1
 ranks runs the update of the single process that steps all ``config.num_envs`` envs, with each rank
 collecting ``num_envs / W`` of them (rank r: envs r*N/W .. (r+1)*N/W - 1 of the single process):
 
 1. the policy draws the action noise (Gaussian noise, or gSDE's exploration matrices) for all N
-   envs from the seed's generator and keeps its own rows (:func:`own_rows`): the same noise as
+   envs from the seed's generator and keeps its own rows (:func:`rlfunc.algos.data_parallel.own_rows`): the same noise as
    the single process's envs, and the generators, which draw the same numbers on every rank, stay
    in sync;
 2. ``prepare`` (normalisation with the old statistics, reward scaling, GAE) runs per env on the
@@ -19,7 +20,7 @@ collecting ``num_envs / W`` of them (rank r: envs r*N/W .. (r+1)*N/W - 1 of the 
    normalised over the whole (global) minibatch before the share is taken
    (:func:`normalized_share`);
 5. the loss is the mean over the local share; the gradients, the loss and the metrics go through
-   one ``all_reduce_mean`` (:func:`average`), so the gradient is the single process's, and the
+   one ``all_reduce_mean`` (:func:`rlfunc.algos.data_parallel.average`), so the gradient is the single process's, and the
    finiteness mask, the grad norms, clipping, Adam and ``target_kl`` decide alike on every rank.
 
 What stays approximate: float rounding (a sum over halves then a mean, not one sum; Chan merges
@@ -35,9 +36,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.algos.data_parallel import check_divides
 from rlfunc.core.normalize import all_reduce_running_stats, merge_running_stats, update_running_stats
 from rlfunc.errors import ConfigError
-from rlfunc.optim.base import GradientTransform
 
 SHAPING = ("oscillation_damping", "adaptive_clip", "prioritized_minibatches")
 
@@ -48,22 +49,10 @@ def check_config(config, world_size: int) -> None:
     and the gradient-shaping options, not yet data-parallel, must be off."""
     if world_size == 1:
         return
-    for name in ("num_envs", "minibatch_size"):
-        value = getattr(config, name)
-        if value % world_size:
-            raise ConfigError(f"{name}={value} does not divide by the {world_size} ranks of the data-parallel run")
+    check_divides(world_size, num_envs=config.num_envs, minibatch_size=config.minibatch_size)
     on = [name for name in SHAPING if getattr(config, name)]
     if on:
         raise ConfigError(f"{', '.join(on)}: gradient shaping is not data-parallel yet; run it in one process")
-
-
-def own_rows(rank: int, world_size: int) -> Callable[[Callable[[int], Tensor], int, int], Tensor]:
-    """``own(draw, n, dim)``: ``draw(n)`` at world size 1, else the rows [rank n, (rank+1) n) along
-    ``dim`` of ``draw(world_size * n)`` (``draw(k)`` draws for k envs). The generator advances by
-    the draws of all the envs, as the single process's does."""
-    if world_size == 1:
-        return lambda draw, n, dim: draw(n)
-    return lambda draw, n, dim: draw(world_size * n).narrow(dim, rank * n, n)
 
 
 def update_stats_across_ranks(vmap: Callable, group=None) -> Callable[[TensorDict, Tensor], TensorDict]:
@@ -114,18 +103,3 @@ def normalized_share(normalize: Callable[[Tensor], Tensor], advantage: Tensor, r
     squares would be a one-pass variance, with its cancellation)."""
     share = minibatch.shape[1] // world_size
     return normalize(advantage[rows, minibatch])[:, rank * share : (rank + 1) * share]
-
-
-_EMPTY = TensorDict({}, batch_size=[])
-
-
-def average(reduce: GradientTransform, grads: list[Tensor], treedef: tuple, loss: Tensor,
-            metrics: TensorDict) -> tuple[list[Tensor], Tensor, TensorDict]:
-    """(gradients, loss [S], metrics [S]) averaged over the ranks by the ``all_reduce_mean`` link
-    ``reduce``, the loss and metrics in the gradients' last bucket: one collective for all."""
-    names = sorted(metrics.keys())
-    packed = torch.stack([loss.detach(), *[metrics[k].to(loss.dtype) for k in names]], -1)  # [S, 1 + K]
-    out, _ = reduce.update_leaves([*grads, packed], treedef, _EMPTY)
-    packed = out[-1]
-    mean = TensorDict({k: packed[:, i + 1] for i, k in enumerate(names)}, batch_size=metrics.batch_size)
-    return out[:-1], packed[:, 0], mean

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from rlfunc.algos import registry
-from rlfunc.cli.common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
 
 
 # Short forms of two diffusion flags: `rlfunc train bc --demos N`, `rlfunc train dppo --init RUN_DIR`.
@@ -27,7 +27,11 @@ def _train(name: str, argv: list[str], what: str) -> int:
         cls, args=rest, default=cls(),
         prog=f"rlfunc train {name}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{name}-sSEED-TIME).",
     )
-    result = fn(config, known.run_dir or default_run_dir(config.env, name, config.run.seed))
+    run_dir = known.run_dir or default_run_dir(config.env, name, config.run.seed)
+    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun (bc, dppo)
+    if launched is not None:
+        return launched
+    result = fn(config, run_dir)
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` or start a new run from it with "
                               f"`--init-from {result.run_dir}`")
 

@@ -34,7 +34,11 @@ class EnvEntry:
     - ``torch_env(N, *, act_steps=1, device, seed)`` -> a TorchRL ``EnvBase`` with batch [N] on
       ``device``, Box "observation" [N, D] float32, actions [N, A] (``act_steps == 1``) or
       [N, act_steps, A] chunks in [-1, 1], and ``state`` / ``set_state`` / ``rng_state`` /
-      ``set_rng_state`` for grouped rollouts and exact resume.
+      ``set_rng_state`` for grouped rollouts and exact resume. A data-parallel run (dppo) passes
+      ``split=(rank, world_size)``: the N envs are then envs rank*N .. (rank+1)*N - 1 of the
+      world_size*N that one env of ``seed`` steps (every reset draws for all and keeps its rows),
+      and ``any_done_of_split(done_here: bool) -> bool`` (a collective, once per step): whether an env
+      of any rank is done, so every rank draws when the single process would.
     - ``demonstrations(env_id, num_episodes, horizon, *, seed, noise_std, device)`` -> (dataset,
       summary) as :func:`rlfunc.envs.demos.expert_demonstrations`: the scripted expert's episodes.
     - ``episode_metrics(rollout)`` -> TensorDict of 0-d tensors: the env's own statistics of the

@@ -279,19 +279,28 @@ class DiffusionRun(Run):
     optim_keys: tuple[str, ...] = ()  # the learner state's optimizer states (update chains), each a snapshot entry
     env = None
 
-    def __init__(self, config, device: torch.device, name: str) -> None:
+    def __init__(self, config, device: torch.device, name: str, dist=None) -> None:
         _setup(config)
-        self.config, self.device, self.name = config, device, name
+        self.config, self.device, self.name, self.dist = config, device, name, dist
+        self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         self.prec = precision(device, config.run.precision)
 
     def _finetune(self, make, config, resumed: bool) -> None:
         """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
-        ``resumed``: the snapshot holds it), ``make``'s algorithm and learner state, env, generator."""
+        ``resumed``: the snapshot holds it), ``make``'s algorithm and learner state, env, generator.
+        Data-parallel (dppo): ``make`` takes the ``dist``, the env is this rank's split of the
+        ``num_envs`` and the learner state is rank 0's."""
         config, self.info, params, obs_stats, encoder = _init_actor(config, self.device, resumed)
         self.config = config  # a new run's config is re-validated with init_from's actor spec
-        self.algo = make(config, config.actor, self.info, self.info.act_dim, self.device)
+        W = self.world_size
+        extra = {} if self.dist is None else {"dist": self.dist}
+        self.algo = make(config, config.actor, self.info, self.info.act_dim, self.device, **extra)
         self.state = self.algo.init(params, obs_stats, encoder)
-        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, self.device, config.run.seed)
+        if self.dist is not None:  # the same init on every rank, by seed; made certain
+            self.dist.broadcast_state(self.state)
+        self.env = make_env(config.env, config.num_envs // W, config.actor.act_steps, self.device, config.run.seed,
+                            split=(self.rank, W) if W > 1 else None,
+                            any_done_of_split=self.dist.any_rank if W > 1 else None)  # the ranks reset when one of them would
         self.gen = torch.Generator(device=self.device).manual_seed(config.run.seed)
 
     @property
@@ -322,7 +331,7 @@ class DiffusionRun(Run):
                 "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
                 "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
                 "grad_scaler": None if scaler is None else scaler.state_dict(), "state_layout": STATE_LAYOUT,
-                **carried_meta}
+                "world_size": self.world_size, **carried_meta}
         return snapshot, meta
 
     def _check_loaded(self, loaded: TensorDict, meta: dict, where) -> None:
@@ -414,18 +423,22 @@ class BCRun(DiffusionRun):
     curve = "loss_denoise"  # against updates (a bc record's "step")
     optim_keys = ("optim_actor",)
 
-    def __init__(self, config: BCConfig, device: torch.device) -> None:
+    def __init__(self, config: BCConfig, device: torch.device, dist=None) -> None:
         from rlfunc.envs.demos import check_expert, expert_demonstrations
 
-        super().__init__(config, device, "bc")
+        super().__init__(config, device, "bc", dist)
         check_expert(config.env)
         self.info = env_info(config.env)
-        self.algo = make_bc(config, self.info, self.info.act_dim, device)  # checks the encoder settings before the demos are collected
+        # checks the encoder settings before the demos are collected; data-parallel: each rank collects the
+        # whole dataset (from the seed) and takes its share of every batch
+        self.algo = make_bc(config, self.info, self.info.act_dim, device, dist)
         dataset, self.demos = expert_demonstrations(config.env, config.num_demos, config.actor.horizon, seed=config.run.seed,
                                                     noise_std=config.demo_noise_std, device=device)
         self.dataset = dataset.select(*self.info.obs_keys, "action")
         self.gen = torch.Generator(device=device).manual_seed(config.run.seed)
         self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the learner owns the optimizer
+        if dist is not None:  # the same init on every rank, by seed; made certain
+            dist.broadcast_state(self.state)
         self.pending, self.count = None, 0  # metrics summed since the last metrics line
         self.total = config.num_updates
 
@@ -470,8 +483,8 @@ class DPPORun(DiffusionRun):
 
     optim_keys = ("optim_all",)
 
-    def __init__(self, config: DPPOConfig, device: torch.device, resumed: bool = False) -> None:
-        super().__init__(config, device, "dppo")
+    def __init__(self, config: DPPOConfig, device: torch.device, resumed: bool = False, dist=None) -> None:
+        super().__init__(config, device, "dppo", dist)
         self._finetune(make_dppo, config, resumed)
         self.total = self.config.num_iterations(self.config.actor.act_steps)
 
@@ -497,7 +510,11 @@ class DPPORun(DiffusionRun):
             batch = self.algo.rollout(self.state, self.env, self.gen)
         with span("update"):
             self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.prec)
-        return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(batch, self.config.env),
+        episodes = batch
+        if self.dist is not None and self.dist.active:  # every rank's episodes: their flags and statistics, gathered
+            ended = self.dist.all_gather_batch(batch["next"].exclude(*self.info.obs_keys), dim=0)  # [N, T]
+            episodes = TensorDict({"next": ended}, batch_size=ended.batch_size)
+        return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(episodes, self.config.env),
                 **metrics.to_dict()}
 
 
@@ -585,7 +602,8 @@ def _resume_meta(run_dir: str | Path) -> tuple[dict, str]:
 
 def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResult:
     """:func:`rlfunc.run.train` of ``build(config, device)``, with ``algo``'s registry entry's config
-    type, budget field and unit; on resume the config of ``run_dir``'s snapshot (one of ``algo``)."""
+    type, budget field and unit; on resume the config of ``run_dir``'s snapshot (one of ``algo``).
+    ``data_parallel=True`` in ``kw``: ``build`` also takes ``dist=`` (bc, dppo)."""
     entry = algorithms.lookup(algo)
     return train(build, lambda meta, path: config_from_meta(meta, path, algo), config, run_dir, resume=resume,
                  config_type=algorithms.resolve(entry.config), budget_field=entry.budget, unit=entry.unit, **kw)
@@ -594,7 +612,9 @@ def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResul
 def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
              progress: bool = True, tensorboard: bool = True, device: str | None = None) -> RunResult:
     """Diffusion BC (:class:`BCRun`) on the env's scripted-expert demonstrations (see
-    :mod:`rlfunc.algos.bc` and :func:`rlfunc.envs.demos.expert_demonstrations`).
+    :mod:`rlfunc.algos.bc` and :func:`rlfunc.envs.demos.expert_demonstrations`). Under torchrun
+    (``rlfunc train bc --nproc N``) data-parallel: every rank holds the dataset and takes its share of
+    each batch; the snapshots are the single process's.
 
     Args:
         config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
@@ -613,7 +633,7 @@ def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = Fal
         CheckpointError: on resume, no snapshot in ``run_dir``, or one that is corrupt or does not fit its config.
     """
     return _train("bc", BCRun, config, run_dir, resume=resume, total_steps=total_steps, progress=progress,
-                  tensorboard=tensorboard, device=device)
+                  tensorboard=tensorboard, device=device, data_parallel=True)
 
 
 def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
@@ -621,9 +641,11 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
     """DPPO fine-tuning (:class:`DPPORun`, :mod:`rlfunc.algos.dppo`), usually from a bc run
     (``init_from``; config.json records the actor spec actually used). Arguments, result and errors
     as :func:`train_bc`, but ``total_steps`` counts env steps, ``init_from`` is not read on resume
-    (the snapshot holds the actor), and CheckpointError also for a missing or unfitting ``init_from``."""
-    return _train("dppo", lambda c, d: DPPORun(c, d, resumed=resume), config, run_dir, resume=resume,
-                  total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)
+    (the snapshot holds the actor), and CheckpointError also for a missing or unfitting ``init_from``.
+    Under torchrun (``--nproc N``) data-parallel: each rank steps its split of the torch-batched env's
+    ``num_envs`` (ConfigError for a gymnasium id) and the update is the single process's."""
+    return _train("dppo", lambda c, d, dist=None: DPPORun(c, d, resumed=resume, dist=dist), config, run_dir, resume=resume,
+                  total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device, data_parallel=True)
 
 
 def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,

@@ -233,6 +233,15 @@ class Distributed:
         tdist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on some rank; ``flag`` at world size 1. One
+        all_reduce(MAX) of one number (a split env's "is an env of any rank done" after each step)."""
+        if not self.active:
+            return flag
+        out = self._to_comm(torch.tensor([int(flag)], dtype=torch.int64))
+        tdist.all_reduce(out, op=tdist.ReduceOp.MAX, group=self.group)
+        return bool(out.item())
+
     def agree_stop(self, signal_name: str | None) -> str | None:
         """The stop every rank takes after this iteration: a signal's name when any rank got one
         (SIGTERM before SIGINT), else None; so all ranks stop after the same iteration and write

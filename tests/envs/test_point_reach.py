@@ -391,3 +391,34 @@ def test_bad_arguments():
         pr.expert_action(torch.zeros(2, 6), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(EnvError, match="render_mode"):
         gym.make("PointReach-v0", render_mode="human")
+
+
+def test_a_split_env_steps_the_rows_of_the_single_env_through_partial_resets():
+    """The 2 ranks' envs of a data-parallel run (split=(r, 2), 3 envs each) step the single process's
+    6 envs, through resets where an env of only one rank reached its goal: told that an env of some
+    rank is done (any_done_of_split), a rank with none done draws the reset too."""
+
+    def policy(td):  # toward goal a, at full speed where x > 0, half speed elsewhere: the envs end at different steps
+        to_goal = td["observation"][:, 2:4]
+        speed = torch.where(td["observation"][:, :1] > 0, 1.0, 0.5)
+        return td.set("action", speed * to_goal / to_goal.norm(dim=-1, keepdim=True).clamp_min(1e-6))
+
+    T = 40
+    single = pr.PointReachEnv(6, seed=3).rollout(T, policy, break_when_any_done=False)
+    any_done = single["next", "done"].any(0).reshape(T).tolist()  # after each step: an env of some rank is done
+    parts = []
+    for r in range(2):
+        steps = iter(any_done)
+
+        def everywhere(done_here, steps=steps):
+            done = next(steps)
+            assert done or not done_here
+            return done
+
+        parts.append(pr.PointReachEnv(3, seed=3, split=(r, 2), any_done_of_split=everywhere).rollout(T, policy, break_when_any_done=False))
+    ranks_done = [p["next", "done"].any(0).reshape(T) for p in parts]
+    assert bool((ranks_done[0] != ranks_done[1]).any())  # a step where one rank's env ended and the other's did not
+    for key in ("observation", ("next", "reward"), ("next", "done"), ("next", "goal_index")):
+        assert torch.equal(torch.cat([p[key] for p in parts]), single[key]), key
+    with pytest.raises(EnvError, match="split"):
+        pr.PointReachEnv(3, split=(2, 2))

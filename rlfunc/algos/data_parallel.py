@@ -1,0 +1,83 @@
+"""What every data-parallel algorithm (ppo, bc, dppo) shares to make its update equal the single
+process's, to float rounding: ``make_X(..., dist)`` with a :class:`rlfunc.run.distributed.Distributed`
+of W > 1 ranks.
+
+- the randomness of the single process is drawn on every rank (every rank's generator draws the same
+  numbers, so they stay in sync); where a rank acts for a part of the envs it keeps its rows
+  (:func:`own_rows`), where it takes a part of a minibatch it keeps its share (:func:`share`);
+- the loss is the mean over the rank's share of the minibatch (m / W samples of m); the gradients,
+  the loss and the metrics go through one ``all_reduce_mean`` (:func:`average`, or
+  :func:`average_grads_` for gradients left in ``.grad``) before the norms, the finiteness mask and
+  the update chain, so clipping, Adam and early stopping decide alike on every rank and the learner
+  state keeps the single process's layout (snapshots move between world sizes).
+
+Metrics that are not means over the samples (a max, an explained variance) come back as the mean of
+the ranks' values of their shares, not as the value of the whole minibatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+
+from rlfunc.errors import ConfigError
+from rlfunc.optim.base import GradientTransform
+
+_EMPTY = TensorDict({}, batch_size=[])
+
+
+def check_divides(world_size: int, **sizes: int) -> None:
+    """ConfigError naming the first of ``sizes`` (name=value: envs, minibatch samples ...) that
+    ``world_size`` does not divide; nothing at world size 1."""
+    for name, value in sizes.items():
+        if value % world_size:
+            raise ConfigError(f"{name}={value} does not divide by the {world_size} ranks of the data-parallel run")
+
+
+def own_rows(rank: int, world_size: int) -> Callable[[Callable[[int], Tensor], int, int], Tensor]:
+    """``own(draw, n, dim)``: ``draw(n)`` at world size 1, else the rows [rank n, (rank+1) n) along
+    ``dim`` of ``draw(world_size * n)`` (``draw(k)`` draws for k envs). The generator advances by
+    the draws of all the envs, as the single process's does."""
+    if world_size == 1:
+        return lambda draw, n, dim: draw(n)
+    return lambda draw, n, dim: draw(world_size * n).narrow(dim, rank * n, n)
+
+
+def share(x: Tensor | TensorDictBase, rank: int, world_size: int, dim: int = 0) -> Tensor | TensorDictBase:
+    """Positions [r m/W, (r+1) m/W) of ``x`` along ``dim`` (of size m, divisible by W): rank r's
+    share of a minibatch; ``x`` itself at world size 1."""
+    if world_size == 1:
+        return x
+    m = x.shape[dim] if isinstance(x, Tensor) else x.batch_size[dim]
+    return x.narrow(dim, rank * (m // world_size), m // world_size)
+
+
+def average(reduce: GradientTransform, grads: list[Tensor], treedef: tuple | None, loss: Tensor,
+            metrics: TensorDictBase) -> tuple[list[Tensor], Tensor, TensorDict]:
+    """(gradients, loss [*S], metrics [*S]) averaged over the ranks by the ``all_reduce_mean`` link
+    ``reduce``, the loss and the metrics in the gradients' last bucket: one collective for all.
+    ``loss`` and every metric share the shape [*S] (0-dim for one seed, [S] for stacked seeds)."""
+    names = sorted(metrics.keys())
+    packed = torch.stack([loss.detach(), *[metrics[k].detach().to(loss.dtype) for k in names]], -1)  # [*S, 1 + K]
+    out, _ = reduce.update_leaves([*grads, packed], treedef, _EMPTY)
+    packed = out[-1]
+    mean = TensorDict({k: packed[..., i + 1] for i, k in enumerate(names)}, batch_size=metrics.batch_size)
+    return out[:-1], packed[..., 0], mean
+
+
+def average_grads_(reduce: GradientTransform, leaves: list[Tensor], loss: Tensor,
+                   metrics: TensorDictBase) -> tuple[Tensor, TensorDict]:
+    """The ``.grad`` of ``leaves`` (those that have one: every rank backpropagated the same graph)
+    replaced by its mean over the ranks, with the loss and the metrics in the same collective
+    (:func:`average`); returns (mean loss, mean metrics). Call it between the backward passes
+    (:func:`rlfunc.optim.amp.accumulate_gradients`) and the step (:func:`rlfunc.optim.amp.transform_step`):
+    an fp16 GradScaler's scale is the same on every rank, and its check of the averaged gradients
+    (non-finite on one rank: non-finite on all) decides alike."""
+    stepped = [p for p in leaves if p.grad is not None]
+    grads, loss, metrics = average(reduce, [p.grad for p in stepped], None, loss, metrics)
+    for p, g in zip(stepped, grads):
+        p.grad = g
+    return loss, metrics
