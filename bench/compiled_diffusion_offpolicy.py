@@ -8,7 +8,8 @@ of 5,000 random transitions, one intra-op thread. One measurement is one ``itera
 run once in it, as in a run; the actor steps every 2nd), after a warm-up iteration (where the compiled
 side compiles: its wall-clock is reported apart). Eager and compiled alternate in each round; the
 result is the median over rounds in ms per gradient step, the ratio, and the break-even run length
-(compile time / time saved per step).
+(compile time / time saved per step). ``--entropy-every 1000000``: sac-diffusion's steps without the
+entropy estimate (only the warm-up iteration's first update makes one).
 
     OMP_NUM_THREADS=1 python -m bench.compiled_diffusion_offpolicy --algos sac-diffusion td3-diffusion --repeats 5
 """
@@ -44,14 +45,15 @@ def _buffer(obs_dim: int, chunk: tuple[int, int]):
     return buffer
 
 
-def side(algo_name: str, compile: str, updates: int):
+def side(algo_name: str, compile: str, updates: int, entropy_every: int | None = None):
     if algo_name == "sac-diffusion":
         from rlfunc.algos.sac_diffusion import SACDiffusionConfig as Config
         from rlfunc.algos.sac_diffusion import make_sac_diffusion as make
     else:
         from rlfunc.algos.td3_diffusion import TD3DiffusionConfig as Config
         from rlfunc.algos.td3_diffusion import make_td3_diffusion as make
-    config = replace(Config(), updates_per_iteration=updates, compile=compile, device="cpu")
+    extra = {"entropy_every": entropy_every} if entropy_every and algo_name == "sac-diffusion" else {}
+    config = replace(Config(), updates_per_iteration=updates, compile=compile, device="cpu", **extra)
     info = env_info(config.env)
     algo = make(config, config.actor, info, info.act_dim, CPU)
     state = algo.init()
@@ -71,10 +73,11 @@ def main() -> None:
     ap.add_argument("--algos", nargs="+", default=["sac-diffusion", "td3-diffusion"], choices=["sac-diffusion", "td3-diffusion"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--updates", type=int, default=20)
+    ap.add_argument("--entropy-every", type=int, default=None, help="sac-diffusion's entropy_every (default: its config's, 20)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     for name in a.algos:
-        sides = {"eager": side(name, "off", a.updates), "compiled": side(name, "on", a.updates)}
+        sides = {"eager": side(name, "off", a.updates, a.entropy_every), "compiled": side(name, "on", a.updates, a.entropy_every)}
         warm = {k: run() for k, run in sides.items()}  # the compiled side compiles here
         times: dict[str, list[float]] = {k: [] for k in sides}
         for _ in range(a.repeats):

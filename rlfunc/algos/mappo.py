@@ -59,8 +59,11 @@ from rlfunc.optim.leaves import chain_state, chain_step
 LOSSES = ("ppo", "grpo", "gspo")
 CRITICS = ("local", "mean", "concat")
 
-# --compile auto compiles a run of at least this many gradient steps (bench/compiled_grpo_mappo.py)
-AUTO_COMPILE_UPDATES = 20_000
+# --compile auto compiles a run of at least this many gradient steps (bench/compiled_grpo_mappo.py, 2-core
+# CPU, one thread, Warehouse-v0's preset: a cold compile took 41 s and saved 5.7 ms of the 50 ms step
+# (matmul-bound: 4,000 agent-steps of 251 observations), a break-even of ~7,200 steps; under load it
+# saved nothing). The preset (6,000 steps) stays eager.
+AUTO_COMPILE_UPDATES = 15_000
 
 
 @dataclass(frozen=True)

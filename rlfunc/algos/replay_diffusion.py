@@ -26,9 +26,6 @@ from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 
-# --compile auto compiles a run of at least this many gradient steps (bench/compiled_diffusion_offpolicy.py)
-AUTO_COMPILE_UPDATES = 3_000
-
 MINIBATCH_KEYS = ("cond", "next_cond", "action", "chunk", "reward", "terminated")  # what a compiled step reads of a minibatch
 
 
@@ -102,22 +99,17 @@ class ReplayDiffusionConfig:
         return max(0, self.num_iterations() - first + 1) * self.updates_per_iteration
 
 
-def compiles(config: ReplayDiffusionConfig) -> bool:
+def compiles(config: ReplayDiffusionConfig, auto_updates: int) -> bool:
     """Whether the update runs compiled: ``--compile on``, or ``auto`` for a float32 run without
-    checkpointing of >= :data:`AUTO_COMPILE_UPDATES` gradient steps (``on`` with what it does not
-    compile was refused by the config)."""
+    checkpointing of >= ``auto_updates`` gradient steps (the algorithm's break-even, measured by
+    bench/compiled_diffusion_offpolicy.py); ``on`` with what it does not compile was refused by the config."""
     eligible = not config.gradient_checkpointing and config.run.precision == "off"
-    return config.run.compile == "on" or (config.run.compile == "auto" and eligible and config.num_updates() >= AUTO_COMPILE_UPDATES)
+    return config.run.compile == "on" or (config.run.compile == "auto" and eligible and config.num_updates() >= auto_updates)
 
 
 def minibatch(mb: TensorDict) -> dict:
     """A sampled minibatch of :func:`replay_transitions` as the dict of tensors a compiled step takes."""
     return {k: mb[k] for k in MINIBATCH_KEYS}
-
-
-def add_metrics(total: dict | None, metrics: dict) -> dict:
-    """``total + metrics`` key by key, as new tensors (a compiled step's outputs may be its buffers)."""
-    return {k: v.clone() for k, v in metrics.items()} if total is None else {k: total[k] + v for k, v in metrics.items()}
 
 
 def replay_state(actor: DiffusionActor, config: ReplayDiffusionConfig, critics: TensorDict, actor_params: TensorDict | None,
