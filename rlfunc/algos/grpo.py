@@ -437,7 +437,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         metrics["group_return_std"] = episode_return.std(-1, correction=0).flatten(1).mean(1)
         metrics["zero_advantage_groups"] = (advantage == 0).all(-1).float().flatten(1).mean(1)
         metrics["valid_steps"] = batch["mask"].flatten(1).sum(1).float()
-        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+        if getattr(compiled_step, "compile_s", None) is not None and not reported:  # none where compile_step ran eager
             metrics["compile_s"] = torch.full((S,), compiled_step.compile_s, device=device)  # the first iteration's metrics line
             reported.append(True)
         return out, metrics

@@ -426,7 +426,7 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + n * T
         metrics = {k: v / updates for k, v in totals.items()}
-        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+        if getattr(compiled_step, "compile_s", None) is not None and not reported:  # none where compile_step ran eager
             metrics["compile_s"] = compiled_step.compile_s  # the first metrics line
             reported.append(True)
         return out, metrics

@@ -272,8 +272,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         metrics = metric_sum / config.updates_per_iteration
         if actor_sum is not None:
             metrics.update(actor_sum / n_actor)
-        if steps is not None and steps[0].compile_s is not None and not reported:
-            metrics["compile_s"] = torch.tensor(steps[0].compile_s + (steps[1].compile_s or 0.0))  # the first metrics line with updates
+        compile_s = [getattr(f, "compile_s", None) for f in steps] if steps is not None else [None]  # none where compile_step ran eager
+        if compile_s[0] is not None and not reported:
+            metrics["compile_s"] = torch.tensor(compile_s[0] + (compile_s[1] or 0.0))  # the first metrics line with updates
             reported.append(True)
         out = state.clone(recurse=False)
         out["iteration"] = state["iteration"] + 1

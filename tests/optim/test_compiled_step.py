@@ -402,3 +402,50 @@ def test_compiled_mappo_step_equals_eager(loss):
     with pytest.raises(FloatingPointError, match="mappo: non-finite loss or gradient norm at 4 of 4 updates"):
         algos["on"].iteration(compiled, bad, torch.Generator().manual_seed(2))
     assert all(torch.equal(params.get(k), compiled["params"].get(k)) for k in params.keys(True, True))
+
+
+@pytest.mark.parametrize("name", ["td3-diffusion", "grpo", "mappo"])
+def test_auto_without_a_backend_runs_eager(name, monkeypatch):
+    """--compile auto on a run long enough to compile, with no C++ compiler for inductor: a warning,
+    then the pure step runs eager (compile_step hands it back as it is: no compile_s to report)."""
+    import warnings
+
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if name == "td3-diffusion":
+            from rlfunc.algos.diffusion_actor import ActorSpec, env_info
+            from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
+            from rlfunc.optim.amp import precision
+            from tests.algos.test_sac_diffusion import _buffer
+
+            actor = ActorSpec(hidden=(8,), horizon=1, act_steps=1, num_train_steps=2, ddim_steps=1)
+            config = replace(TD3DiffusionConfig(), actor=actor, critic_hidden=(8,), batch_size=8, updates_per_iteration=2,
+                             total_steps=10_000_000, device="cpu", compile="auto")
+            info = env_info(config.env)
+            algo = make_td3_diffusion(config, actor, info, info.act_dim, cpu)
+            _, metrics = algo.iteration(algo.init(), _buffer(algo), torch.Generator().manual_seed(0), precision(cpu, "off"))
+        elif name == "grpo":
+            from rlfunc.algos.grpo import GRPOConfig, make_grpo
+            from rlfunc.run.grpo import _rollout_fn, _spec
+            from rlfunc.run.ppo import _generators
+
+            config = replace(GRPOConfig(), num_groups=2, group_size=2, minibatch_size=4, num_epochs=1, hidden=(8,),
+                             total_steps=10_000_000, device="cpu", compile="auto")
+            algo = make_grpo(config, _spec(config.env), cpu)
+            state = algo.init()
+            rollout, close = _rollout_fn(config, cpu)
+            gens = _generators(state, cpu)
+            batch = rollout(algo.policy(state, gens), 0)
+            close()
+            _, metrics = algo.iteration(state, batch, gens)
+        else:
+            from rlfunc.algos.mappo import MAPPOConfig, make_mappo
+
+            config = replace(MAPPOConfig(), n_agents=2, num_envs=2, rollout_steps=4, hidden=(8,), num_epochs=1, num_minibatches=1,
+                             total_steps=10_000_000, device="cpu", compile="auto")
+            algo = make_mappo(config, 6, 2, 5, cpu)
+            _, metrics = algo.iteration(algo.init(), _mappo_batch(algo, 2, 4, 2, 6, 5), torch.Generator().manual_seed(0))
+    assert any("running eager" in str(w.message) for w in caught)
+    assert "compile_s" not in metrics.keys()
