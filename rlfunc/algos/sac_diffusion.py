@@ -22,8 +22,8 @@ functions of flat leaf lists (gradients by ``torch.func.grad``, each chain's ``u
 finiteness mask, in-place writes; the chain's noise drawn outside from the run's generator in the
 eager order); ``--compile on`` (``auto``: float32 runs of >= :data:`AUTO_COMPILE_UPDATES`
 gradient steps) runs them as two torch.compile graphs, equal to the eager update within 1e-5
-(tests/optim/test_compiled_step.py). The entropy estimate and the alpha step stay eager (every
-``entropy_every`` updates; EM's iterations read no host value, but its fit is not worth a graph).
+(tests/optim/test_compiled_step.py). The entropy estimate and the alpha step stay eager (one in
+``entropy_every`` updates), between the compiled steps, on the same generator.
 
 Departures from DACER's code: plain twin Q critics with MSE regression (DACER uses DSAC-T's
 distributional critics), shared with td3-diffusion; the EM fit runs in torch on the learner's device
