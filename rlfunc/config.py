@@ -46,7 +46,7 @@ class RunConfig:
     eval_episodes: int = 10  # episodes of the final evaluation (mappo: per eval seed)
     nproc: int = 1  # data-parallel processes on this node: `rlfunc train` starts them with torchrun (ppo, bc, dppo)
     profile: int = 0  # iterations to record with the device's profiler into RUN_DIR/profile (0: none)
-    compile: Literal["off", "auto", "on"] = "auto"  # torch.compile of the gradient step (ppo, sac, td3, dppo; auto: where it pays off, else eager)
+    compile: Literal["off", "auto", "on"] = "auto"  # torch.compile of the gradient step (ppo, sac, td3, dppo, sac-diffusion, td3-diffusion, grpo, gspo, mappo; auto: where it pays off, else eager)
 
     def __post_init__(self) -> None:
         for name in ("num_seeds", "log_every", "eval_episodes", "nproc"):

@@ -200,7 +200,12 @@ def compile_step(fn, device: torch.device, mode: str, what: str, *, static_args:
         import warnings
 
         warnings.warn(msg + "; running eager", stacklevel=2)
-        return fn
+
+        def eager(*args):
+            return fn(*args)
+
+        eager.compile_s, eager.eager = None, True  # never compiles: callers read compile_s as for a compiled step
+        return eager
     from torch.utils._pytree import tree_leaves, tree_map
 
     graphs = device.type == "cuda"

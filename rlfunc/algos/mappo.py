@@ -22,6 +22,9 @@ Losses (``MAPPOConfig.loss``):
 
 The learner state is one TensorDict: "params" ("actor", "critic"), "optim" (the state of the update
 chain ``chain(clip_by_global_norm, adam)`` of :mod:`rlfunc.optim`), "iteration", "env_steps".
+``--compile on`` (``auto``: runs of >= :data:`AUTO_COMPILE_UPDATES` gradient steps) runs a minibatch's
+step (loss, torch.func.grad, norm, the chain, the in-place update) as one torch.compile graph, equal to
+the eager step within 1e-5 (tests/optim/test_compiled_step.py).
 
 Reference: Schulman et al. (2017), PPO; de Witt et al. (2020), "Is Independent Learning All You
 Need in the StarCraft Multi-Agent Challenge?" (IPPO); Yu et al. (2022), "The Surprising
@@ -44,15 +47,23 @@ from rlfunc.config import RunConfig, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
+from rlfunc.device import compile_step
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.losses.ppo import ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
+from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
+from rlfunc.optim.leaves import chain_state, chain_step
 
 LOSSES = ("ppo", "grpo", "gspo")
 CRITICS = ("local", "mean", "concat")
+
+# --compile auto compiles a run of at least this many gradient steps (bench/compiled_grpo_mappo.py, 2-core
+# CPU, one thread, Warehouse-v0's preset: a cold compile took 41 s and saved 5.7 ms of the 50 ms step
+# (matmul-bound: 4,000 agent-steps of 251 observations), a break-even of ~7,200 steps; under load it
+# saved nothing). The preset (6,000 steps) stays eager.
+AUTO_COMPILE_UPDATES = 15_000
 
 
 @dataclass(frozen=True)
@@ -102,7 +113,7 @@ class MAPPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
-        require_default(self.run, compile="mappo has no compiled update yet (ppo has)", nproc="mappo is not data-parallel yet (ppo is): train it in one process", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
+        require_default(self.run, nproc="mappo is not data-parallel yet (ppo is): train it in one process", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
                         precision="mappo has no mixed precision", log_every="mappo logs every iteration")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
@@ -119,6 +130,11 @@ class MAPPOConfig:
     @property
     def num_iterations(self) -> int:
         return max(1, self.total_steps // self.steps_per_iteration)
+
+    @property
+    def num_updates(self) -> int:
+        """Gradient steps of the whole run."""
+        return self.num_iterations * self.num_epochs * self.num_minibatches
 
 
 class Nets(NamedTuple):
@@ -326,12 +342,38 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         n, T, a = batch["agents", "action"].shape
         return TensorDict(seq, batch_size=[n, a]).reshape(-1)
 
+    # --compile: one minibatch's step as one pure function of flat leaf lists (the form torch.compile takes whole)
+    trained_def = flatten(TensorDict({"actor": func.params_from_module(nets.actor), "critic": func.params_from_module(nets.critic)},
+                                     batch_size=[]).select(*trained))[1]
+    loss_of = ppo_agent_loss if config.loss == "ppo" else sequence_loss
+
+    def grad_step(w: list[Tensor], opt: tuple[list[Tensor], tuple], mb: dict, lr: Tensor):
+        """The loss's gradient by torch.func.grad over the trained leaves ``w``, then ``optimizer``'s
+        chain in place on ``w`` and ``opt`` (rlfunc.optim.leaves.chain_step: a non-finite loss or norm
+        moves nothing, without a host read). ``mb``: the minibatch's tensors; ``lr``: 0-dim float32.
+        Returns (loss, metrics, norm), 0-dim each."""
+
+        def objective(leaves):
+            loss, metrics = loss_of(nets, config, unflatten(trained_def, leaves), mb)
+            return loss, (loss, metrics)
+
+        grads, (loss, metrics) = torch.func.grad(objective, has_aux=True)(w)
+        norm = chain_step(optimizer, grads, w, trained_def, opt, loss, lr=lr)
+        return loss.detach(), {k: v.detach() for k, v in metrics.items()}, norm
+
+    compiled = config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES)
+    compiled_step = compile_step(grad_step, device, config.run.compile, "mappo", static_args=(0, 1)) if compiled else None
+    reported: list[bool] = []  # compile_s went into a metrics line already
+
     def iteration(state: TensorDict, batch: TensorDict, generator) -> tuple[TensorDict, dict]:
         """One update on ``batch`` at the learning rate ``linear_lr(lr, state["iteration"],
         num_iterations, anneal_lr)``; the parameters and Adam's moments are stepped in place.
+        Compiled, each minibatch's step is ``grad_step`` and the metrics are read once, after the
+        epochs.
 
         Raises:
-            FloatingPointError: a non-finite loss or gradient norm.
+            FloatingPointError: a non-finite loss or gradient norm (compiled: after the epochs, the
+                non-finite steps having moved nothing).
         """
         params = state["params"]
         leaves, treedef = flatten(params.select(*trained))  # the chain's leaf order (rlfunc.optim.base)
@@ -345,10 +387,20 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         mb_size = max(1, size // config.num_minibatches)
         totals: dict[str, float] = {}
         updates = 0
+        if compiled_step is not None:  # the step writes into these views of the params and the chain's state
+            w, opt, lr_tensor = [p.detach() for p in leaves], chain_state(optim_state), torch.tensor(lr, dtype=torch.float32, device=device)
+            sums, bad = None, torch.zeros((), dtype=torch.int64, device=device)
         for _ in range(config.num_epochs):
             perm = torch.randperm(size, generator=generator, device=device)
             for k in range(config.num_minibatches):
                 mb = data[perm[k * mb_size:(k + 1) * mb_size]]
+                if compiled_step is not None:
+                    loss, metrics, norm = compiled_step(w, opt, {key: mb.get(key) for key in mb.keys()}, lr_tensor)
+                    metrics = {**metrics, "grad_norm": norm}
+                    sums = {key: v.clone() for key, v in metrics.items()} if sums is None else {key: sums[key] + v for key, v in metrics.items()}
+                    bad += (~(loss.isfinite() & norm.isfinite())).long()
+                    updates += 1
+                    continue
                 loss, metrics = loss_fn(nets, config, params, mb)
                 for p in leaves:
                     p.grad = None
@@ -364,12 +416,20 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
                 for key, v in metrics.items():
                     totals[key] = totals.get(key, 0.0) + float(v)
                 updates += 1
+        if compiled_step is not None:
+            if int(bad):
+                raise FloatingPointError(f"mappo: non-finite loss or gradient norm at {int(bad)} of {updates} updates (compiled; those steps moved nothing)")
+            totals = {key: float(v) for key, v in sums.items()}
         out = state.clone(recurse=False)
         out["optim"] = optim_state
         n, T = batch.batch_size[:2]
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + n * T
-        return out, {k: v / updates for k, v in totals.items()}
+        metrics = {k: v / updates for k, v in totals.items()}
+        if getattr(compiled_step, "compile_s", None) is not None and not reported:  # none where compile_step ran eager
+            metrics["compile_s"] = compiled_step.compile_s  # the first metrics line
+            reported.append(True)
+        return out, metrics
 
     return MAPPO(init, act, iteration, nets)
 

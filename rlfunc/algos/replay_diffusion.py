@@ -2,7 +2,7 @@
 hyperparameters and checks (:class:`ReplayDiffusionConfig`), their initial learner state
 (:func:`replay_state`), their rollout (:func:`replay_rollout`)
 and the rollout -> flat transitions map (:func:`replay_transitions`) that fills their device-resident
-TorchRL replay buffer.
+TorchRL replay buffer, and what their compiled updates share (:func:`compiles`, :func:`minibatch`).
 
 Both score the executed action chunk with Q(cond, a) (so ``actor.horizon == actor.act_steps``), keep
 an ensemble of critics as one stacked parameter TensorDict (:func:`rlfunc.algos.offpolicy.q_ensemble`)
@@ -25,6 +25,8 @@ from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_fini
 from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
+
+MINIBATCH_KEYS = ("cond", "next_cond", "action", "chunk", "reward", "terminated")  # what a compiled step reads of a minibatch
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,10 @@ class ReplayDiffusionConfig:
         """ConfigError for a bad shared value, or a run field these algorithms cannot honour."""
         n = self.name
         require_finite(self)
-        require_default(self.run, compile=f"{n} has no compiled update yet (ppo has)",
-                        nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
+        if self.run.compile == "on" and (self.gradient_checkpointing or self.run.precision != "off"):
+            raise ConfigError(f"run.compile='on': {n} compiles its float32 update; expected gradient_checkpointing=False "
+                              "and run.precision='off' with it (or --compile off)")
+        require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
                         num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         log_every=f"{n} logs every iteration")
         if any(h < 1 for h in self.critic_hidden):
@@ -86,6 +90,26 @@ class ReplayDiffusionConfig:
 
     def num_iterations(self) -> int:
         return max(1, math.ceil(self.total_steps / (self.num_envs * self.num_steps * self.actor.act_steps)))
+
+    def num_updates(self) -> int:
+        """Gradient steps of the whole run: ``updates_per_iteration`` in every iteration whose rollout
+        ends at or past ``warmup_steps``."""
+        per_iteration = self.num_envs * self.num_steps * self.actor.act_steps
+        first = max(1, math.ceil(self.warmup_steps / per_iteration))  # the first iteration that updates
+        return max(0, self.num_iterations() - first + 1) * self.updates_per_iteration
+
+
+def compiles(config: ReplayDiffusionConfig, auto_updates: int) -> bool:
+    """Whether the update runs compiled: ``--compile on``, or ``auto`` for a float32 run without
+    checkpointing of >= ``auto_updates`` gradient steps (the algorithm's break-even, measured by
+    bench/compiled_diffusion_offpolicy.py); ``on`` with what it does not compile was refused by the config."""
+    eligible = not config.gradient_checkpointing and config.run.precision == "off"
+    return config.run.compile == "on" or (config.run.compile == "auto" and eligible and config.num_updates() >= auto_updates)
+
+
+def minibatch(mb: TensorDict) -> dict:
+    """A sampled minibatch of :func:`replay_transitions` as the dict of tensors a compiled step takes."""
+    return {k: mb[k] for k in MINIBATCH_KEYS}
 
 
 def replay_state(actor: DiffusionActor, config: ReplayDiffusionConfig, critics: TensorDict, actor_params: TensorDict | None,

@@ -1,6 +1,6 @@
 """The update chain over flat leaf lists: the form a pure gradient step takes, so torch.compile can
 trace it whole (no TensorDict in or out: tensordict's pytree cache would make the second call
-recompile). sac, td3, dppo and their diffusion variants build their compiled steps on these.
+recompile). sac, td3, dppo, their diffusion variants, grpo and mappo build their compiled steps on these.
 
 Example::
 
@@ -32,20 +32,27 @@ def chain_state(td: TensorDict) -> tuple[list[Tensor], tuple]:
 
 
 def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
-               loss: Tensor) -> Tensor:
+               loss: Tensor, *, stacked: bool = False, allowed: Tensor | None = None, **extra) -> Tensor:
     """One step of the update chain ``transform`` on flat ``leaves`` (tree definition ``treedef``)
     with their ``grads``, in place on the leaves and on the chain's state ``opt`` (:func:`chain_state`;
     a link's new state tensors, such as clip's norm, are copied into the old ones). A step whose
     gradient norm or ``loss`` is not finite is skipped (adam's mask: nothing moves), without a host
-    read, so a pure step compiles whole. Returns the global gradient norm before clipping (0-dim)."""
-    norm = member_grad_norms(grads, stacked=False)
-    ok = norm.isfinite() & loss.detach().isfinite().reshape(1)
+    read, so a pure step compiles whole. Returns the global gradient norm before clipping (0-dim).
+
+    ``stacked``: the leaves carry a leading member (seed) dim S and ``loss`` is [S]: each member's
+    norm and skip are its own, and the norms [S] come back. ``allowed``: a further bool mask ([S], or
+    [1] unstacked) of the members that may step. ``extra``: the links' per-step arguments (``lr=``,
+    a 0-dim tensor in a compiled step, so a new value is no recompilation)."""
+    norm = member_grad_norms(grads, stacked=stacked)
+    ok = norm.isfinite() & loss.detach().isfinite().reshape(norm.shape)
+    if allowed is not None:
+        ok = ok & allowed
     opt_leaves, opt_def = opt
     delta, new_state = transform.update_leaves([g.nan_to_num(0.0, 0.0, 0.0) for g in grads], treedef, unflatten(opt_def, opt_leaves),
-                                               None, mask=ok, grad_norm=norm)
+                                               None, mask=ok, grad_norm=norm, **extra)
     for old, new in zip(opt_leaves, flatten(new_state)[0]):
         if new is not old:
             old.copy_(new)
     with torch.no_grad():
         torch._foreach_add_(leaves, delta)
-    return norm.reshape(())
+    return norm if stacked else norm.reshape(())

@@ -148,7 +148,7 @@ def _prec():
         (dict(entropy_every=0), "entropy_every=0"),
         (dict(actor=ActorSpec(horizon=4, act_steps=2)), "sac-diffusion's critic scores the executed chunk"),
         (dict(target_entropy=float("nan")), "target_entropy=nan"),
-        (dict(compile="on"), "run.compile='on': sac-diffusion has no compiled update yet"),
+        (dict(compile="on", gradient_checkpointing=True), "run.compile='on': sac-diffusion compiles its float32 update"),
     ],
 )
 def test_bad_config_is_refused_naming_the_field(changes, message):

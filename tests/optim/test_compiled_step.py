@@ -254,3 +254,242 @@ def test_a_failing_compiler_is_one_line_under_on_and_eager_under_auto(monkeypatc
         assert float(fn(w, torch.ones(2))) == 2.0
     assert float(fn(w, torch.ones(2))) == 4.0 and fn.eager and fn.compile_s is not None
     assert torch.equal(w[0], torch.full((2,), 2.0))  # each call stepped once, the warm-up on copies
+
+
+def test_no_backend_under_auto_is_a_step_with_no_compile_time(monkeypatch):
+    """The bug: with no backend, compile_step returned the plain function, and a run long enough for
+    auto to compile read its ``compile_s`` (ppo, sac, td3, dppo): AttributeError at the first iteration."""
+    from rlfunc.device import compile_step
+
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.warns(UserWarning, match="running eager"):
+        fn = compile_step(lambda x: x + 1, torch.device("cpu"), "auto", "toy")
+    assert float(fn(torch.ones(()))) == 2.0 and fn.compile_s is None and fn.eager
+    with pytest.warns(UserWarning, match="running eager"):  # a ppo run past AUTO_COMPILE_STEPS, as the bug's
+        algo = make_ppo(replace(PPOConfig(), num_envs=2, num_steps=32, minibatch_size=32, total_steps=10**6, compile="auto"),
+                        SPEC, torch.device("cpu"))
+    state, metrics = algo.iteration(algo.init(), _batch(1, 2, 32), [torch.Generator().manual_seed(0)])
+    assert "compile_s" not in metrics.keys() and torch.isfinite(metrics["loss_objective"]).all()
+
+
+def _replay_diffusion_iterations(name: str, compile: str, **kw):
+    """3 iterations of 4 updates of a small sac-diffusion or td3-diffusion (2 DDIM steps, 16-wide nets,
+    minibatches of 16) on random transitions, every reward NaN in the second (the critics' steps are
+    skipped; the third overwrites the clip's norm state, which a skipped eager step leaves and a masked
+    one sets to NaN); (state, metrics of each iteration)."""
+    from rlfunc.algos.diffusion_actor import ActorSpec, env_info
+    from rlfunc.optim.amp import precision
+    from tests.algos.test_sac_diffusion import _buffer
+
+    if name == "sac-diffusion":
+        from rlfunc.algos.sac_diffusion import SACDiffusionConfig as Config
+        from rlfunc.algos.sac_diffusion import make_sac_diffusion as make
+        kw = dict(entropy_every=3, entropy_states=2, entropy_samples=20, **kw)
+    else:
+        from rlfunc.algos.td3_diffusion import TD3DiffusionConfig as Config
+        from rlfunc.algos.td3_diffusion import make_td3_diffusion as make
+    actor = ActorSpec(hidden=(16, 16), horizon=1, act_steps=1, num_train_steps=4, ddim_steps=2)
+    config = replace(Config(), actor=actor, critic_hidden=(16,), batch_size=16, updates_per_iteration=4, device="cpu",
+                     compile=compile, **kw)
+    info = env_info(config.env)
+    algo = make(config, actor, info, info.act_dim, torch.device("cpu"))
+    state, buffer = algo.init(), _buffer(algo)
+    gen, prec = torch.Generator().manual_seed(0), precision(torch.device("cpu"), "off")
+    reward = buffer["reward"].clone()
+    metrics = []
+    for i in range(3):
+        buffer["reward"][:] = float("nan") if i == 1 else reward
+        critic = state["params", "critic"].clone()
+        state, m = algo.iteration(state, buffer, gen, prec)
+        if i == 1:
+            assert all(torch.equal(critic.get(k), state["params", "critic"].get(k)) for k in critic.keys(True, True))
+        metrics.append(m)
+        _meet_a_new_type(i)
+    return state, metrics
+
+
+@needs_inductor
+@pytest.mark.parametrize("name", ["sac-diffusion", "td3-diffusion"])
+def test_compiled_replay_diffusion_steps_equal_eager(name):
+    """sac-diffusion's and td3-diffusion's critic step and actor step (through the whole denoising
+    chain; td3-diffusion's denoising term; the Polyak targets; clip and Adam) compiled: two graphs over
+    3 iterations, within 1e-5 of the eager update (sac-diffusion's eager entropy estimate and alpha
+    step in between, drawing from the same generator), skipped critic steps alike, compile_s reported
+    once."""
+    (eager, me), (compiled, mc) = _eager_then_compiled(lambda mode: _replay_diffusion_iterations(name, mode), graphs=2)
+    _assert_close(eager, compiled, me[-1], mc[-1])
+    assert float(me[1]["skipped_critic"]) == float(mc[1]["skipped_critic"]) == 1.0
+    assert float(mc[0]["compile_s"]) > 0 and "compile_s" not in mc[1].keys() and "compile_s" not in me[0].keys()
+
+
+@pytest.mark.parametrize("name", ["sac-diffusion", "td3-diffusion"])
+def test_replay_diffusion_compile_on_refuses_what_it_does_not_compile(name):
+    from rlfunc.algos.sac_diffusion import SACDiffusionConfig
+    from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
+
+    Config = SACDiffusionConfig if name == "sac-diffusion" else TD3DiffusionConfig
+    for kw in (dict(gradient_checkpointing=True), dict(precision="bf16")):
+        with pytest.raises(ConfigError, match=f"compile='on': {name} compiles its float32 update"):
+            replace(Config(), device="cpu", compile="on", **kw)
+    replace(Config(), device="cpu", compile="auto", gradient_checkpointing=True)  # auto runs it eager
+
+
+@needs_inductor
+@pytest.mark.parametrize("loss, kw", [("grpo", dict(kl_coef=0.1)), ("gspo", dict())], ids=["grpo-kl", "gspo"])
+def test_compiled_grpo_step_equals_eager(loss, kw):
+    """GRPO's (with the KL to the reference) and GSPO's gradient step compiled: two seeds, 3 iterations
+    of 2 epochs x 2 minibatches with lr decay on one collected batch, seed 1's rewards NaN in the
+    second (its steps are skipped): params, Adam state and metrics within 1e-5 of eager, one graph."""
+    from rlfunc.algos.grpo import GRPOConfig, make_grpo
+    from rlfunc.run.grpo import _rollout_fn, _spec
+    from rlfunc.run.ppo import _generators
+
+    base = replace(GRPOConfig(), env="PointReach-v0", loss=loss, num_groups=2, group_size=4, minibatch_size=4, num_epochs=2,
+                   hidden=(16, 16), num_seeds=2, total_steps=3 * 8 * 30, device="cpu", **kw)
+    cpu = torch.device("cpu")
+    spec = _spec(base.env)
+    algo = make_grpo(base, spec, cpu)
+    state = algo.init()
+    rollout, close = _rollout_fn(base, cpu)
+    batch = rollout(algo.policy(state, _generators(state, cpu)), 0)
+    close()
+
+    def run(compile: str):
+        algo = make_grpo(replace(base, compile=compile), spec, cpu)
+        state = algo.init()
+        gens = _generators(state, cpu)
+        metrics = []
+        for i in range(3):
+            b = batch.clone()
+            if i == 1:
+                b["next", "reward"][1] = float("nan")
+            state, m = algo.iteration(state, b, gens)
+            metrics.append(m)
+            _meet_a_new_type(i)
+        return state, metrics
+
+    (eager, me), (compiled, mc) = _eager_then_compiled(run, graphs=1)
+    _assert_close(eager, compiled, me[-1], mc[-1])
+    for a, b in zip(me, mc):
+        for key in a.keys():
+            assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5, rtol=1e-4, equal_nan=True), key
+    assert me[1]["skipped_updates"].tolist() == mc[1]["skipped_updates"].tolist() == [0, 4]
+    assert float(mc[0]["compile_s"][0]) > 0 and "compile_s" not in mc[1].keys()
+
+
+def test_grpo_compile_on_refuses_what_it_does_not_compile():
+    from rlfunc.algos.grpo import GRPOConfig
+
+    for kw in (dict(oscillation_damping=True), dict(adaptive_clip=True)):
+        with pytest.raises(ConfigError, match="compile='on': gspo compiles its plain gradient step only"):
+            replace(GRPOConfig(), loss="gspo", compile="on", **kw)
+
+
+def _mappo_batch(algo, N: int, T: int, A: int, D: int, K: int) -> "TensorDict":
+    """A rollout batch [N, T] of A agents in the layout rlfunc.run.mappo.collect writes: random
+    observations and action masks, the initial policy's own actions, values and log-probabilities."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(0)
+    obs = torch.randn(N, T, A, D, generator=g)
+    mask = torch.rand(N, T, A, K, generator=g) < 0.7
+    mask[..., 0] = True
+    state = algo.init()
+    action, log_prob, value = algo.act(state, obs, mask, g)
+    value = value if value is not None else torch.zeros(N, T, A, 1)
+    done = torch.zeros(N, T, 1, dtype=torch.bool)
+    done[:, -1] = True
+    return TensorDict({
+        "agents": {"observation": obs, "action_mask": mask, "action": action, "sample_log_prob": log_prob},
+        "state_value": value,
+        "next": {"agents": {"reward": torch.randn(N, T, A, 1, generator=g)}, "state_value": torch.randn(N, T, A, 1, generator=g),
+                 "done": done, "terminated": torch.zeros(N, T, 1, dtype=torch.bool)},
+    }, batch_size=[N, T])
+
+
+@needs_inductor
+@pytest.mark.parametrize("loss", ["ppo", "grpo"])
+def test_compiled_mappo_step_equals_eager(loss):
+    """mappo's gradient step (ppo with the mean critic and action masks; the critic-free sequence
+    loss) compiled: 3 iterations of 2 epochs x 2 minibatches with lr decay, params, Adam state and
+    metrics within 1e-5 of eager, one graph; non-finite rewards are one FloatingPointError after the
+    epochs (eager: at the first step), the parameters unmoved."""
+    from rlfunc.algos.mappo import MAPPOConfig, make_mappo
+
+    A, D, K = 2, 6, 5
+    config = replace(MAPPOConfig(), loss=loss, critic="mean", n_agents=A, num_envs=4, rollout_steps=8, episode_steps=8,
+                     group_size=2, hidden=(16,), num_epochs=2, num_minibatches=2, total_steps=3 * 4 * 8, device="cpu")
+    cpu = torch.device("cpu")
+    batch = _mappo_batch(make_mappo(config, D, A, K, cpu), 4, 8, A, D, K)
+    algos = {}
+
+    def run(compile: str):
+        algo = algos[compile] = make_mappo(replace(config, compile=compile), D, A, K, cpu)
+        state, metrics = algo.init(), []
+        gen = torch.Generator().manual_seed(1)
+        for i in range(3):
+            state, m = algo.iteration(state, batch.clone(), gen)
+            metrics.append(m)
+            _meet_a_new_type(i)
+        return state, metrics
+
+    (eager, me), (compiled, mc) = _eager_then_compiled(run, graphs=1)
+    _assert_close(eager, compiled, {}, {})
+    for a, b in zip(me, mc):
+        assert set(a) | {"compile_s"} == set(b) | {"compile_s"}
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert mc[0]["compile_s"] > 0 and "compile_s" not in mc[1]
+    bad = batch.clone()
+    bad["next", "agents", "reward"][:] = float("nan")
+    params = compiled["params"].clone()
+    with pytest.raises(FloatingPointError, match="mappo: non-finite loss or gradient norm at 4 of 4 updates"):
+        algos["on"].iteration(compiled, bad, torch.Generator().manual_seed(2))
+    assert all(torch.equal(params.get(k), compiled["params"].get(k)) for k in params.keys(True, True))
+
+
+@pytest.mark.parametrize("name", ["td3-diffusion", "grpo", "mappo"])
+def test_auto_without_a_backend_runs_eager(name, monkeypatch):
+    """--compile auto on a run long enough to compile, with no C++ compiler for inductor: a warning,
+    then the pure step runs eager (compile_step hands it back as it is: no compile_s to report)."""
+    import warnings
+
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if name == "td3-diffusion":
+            from rlfunc.algos.diffusion_actor import ActorSpec, env_info
+            from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
+            from rlfunc.optim.amp import precision
+            from tests.algos.test_sac_diffusion import _buffer
+
+            actor = ActorSpec(hidden=(8,), horizon=1, act_steps=1, num_train_steps=2, ddim_steps=1)
+            config = replace(TD3DiffusionConfig(), actor=actor, critic_hidden=(8,), batch_size=8, updates_per_iteration=2,
+                             total_steps=10_000_000, device="cpu", compile="auto")
+            info = env_info(config.env)
+            algo = make_td3_diffusion(config, actor, info, info.act_dim, cpu)
+            _, metrics = algo.iteration(algo.init(), _buffer(algo), torch.Generator().manual_seed(0), precision(cpu, "off"))
+        elif name == "grpo":
+            from rlfunc.algos.grpo import GRPOConfig, make_grpo
+            from rlfunc.run.grpo import _rollout_fn, _spec
+            from rlfunc.run.ppo import _generators
+
+            config = replace(GRPOConfig(), num_groups=2, group_size=2, minibatch_size=4, num_epochs=1, hidden=(8,),
+                             total_steps=10_000_000, device="cpu", compile="auto")
+            algo = make_grpo(config, _spec(config.env), cpu)
+            state = algo.init()
+            rollout, close = _rollout_fn(config, cpu)
+            gens = _generators(state, cpu)
+            batch = rollout(algo.policy(state, gens), 0)
+            close()
+            _, metrics = algo.iteration(state, batch, gens)
+        else:
+            from rlfunc.algos.mappo import MAPPOConfig, make_mappo
+
+            config = replace(MAPPOConfig(), n_agents=2, num_envs=2, rollout_steps=4, hidden=(8,), num_epochs=1, num_minibatches=1,
+                             total_steps=10_000_000, device="cpu", compile="auto")
+            algo = make_mappo(config, 6, 2, 5, cpu)
+            _, metrics = algo.iteration(algo.init(), _mappo_batch(algo, 2, 4, 2, 6, 5), torch.Generator().manual_seed(0))
+    assert any("running eager" in str(w.message) for w in caught)
+    assert "compile_s" not in metrics.keys()
