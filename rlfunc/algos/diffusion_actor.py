@@ -228,21 +228,27 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
     return state
 
 
-def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int):
+def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int, workers: int = 0):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
-    :class:`rlfunc.envs.chunk.GymChunkEnv`.
+    :class:`rlfunc.envs.chunk.GymChunkEnv` (``workers`` >= 1: stepped in that many worker processes).
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
+        ConfigError: ``workers`` >= 1 for a torch-batched env (it steps on the device).
     """
     check_env(env_id)
     build = registry.torch_builder(env_id)
     if build is not None:
+        if workers:
+            from rlfunc.errors import ConfigError
+
+            raise ConfigError(f"run.env_workers={workers}: env={env_id!r} is torch-batched and steps on the device, "
+                              "not in worker processes (use 0)")
         return build(num_envs, act_steps=act_steps, device=device, seed=seed)
     from rlfunc.envs.chunk import GymChunkEnv
 
-    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed)
+    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed, workers=workers)
 
 
 class DiffusionActor:

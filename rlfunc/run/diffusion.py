@@ -291,7 +291,8 @@ class DiffusionRun(Run):
         self.config = config  # a new run's config is re-validated with init_from's actor spec
         self.algo = make(config, config.actor, self.info, self.info.act_dim, self.device)
         self.state = self.algo.init(params, obs_stats, encoder)
-        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, self.device, config.run.seed)
+        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, self.device, config.run.seed,
+                            workers=config.run.env_workers)
         self.gen = torch.Generator(device=self.device).manual_seed(config.run.seed)
 
     @property
