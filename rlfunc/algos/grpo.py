@@ -117,7 +117,7 @@ class GRPOConfig:
             raise ConfigError(f"aggregation={self.aggregation!r}: expected 'token', 'sequence' or 'constant'")
         if self.advantage_std not in ("group", "batch", "none"):
             raise ConfigError(f"advantage_std={self.advantage_std!r}: expected 'group', 'batch' or 'none'")
-        require_default(self.run, env_workers=f"{self.loss}'s grouped envs step in this process (ppo's can step in worker processes)", compile="no compiled update yet (ppo has)", nproc=f"{self.loss} is not data-parallel yet (ppo is): train it in one process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
+        require_default(self.run, env_workers=f"{self.loss}'s grouped envs step in the learner's process", compile="no compiled update yet (ppo has)", nproc=f"{self.loss} is not data-parallel yet (ppo is): train it in one process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
         shaped.check_config(self)
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses
         self.actor_config()
