@@ -77,10 +77,13 @@ def main() -> None:
     if a.torchrl:
         from torchrl.envs import ParallelEnv
 
-        for k in a.workers:
+        import functools
+
+        for k in [k for k in a.workers if k > 1]:
             n = a.envs // k
             rows[f"ParallelEnv({k} x GymChunkEnv({n}))"] = ParallelEnv(
-                k, [lambda i=i: GymChunkEnv("Push-v0", n, act_steps=a.act_steps, seed=i) for i in range(k)], mp_start_method="spawn")
+                k, [functools.partial(GymChunkEnv, "Push-v0", n, act_steps=a.act_steps, seed=i) for i in range(k)],
+                mp_start_method="spawn")
     rates: dict[str, list[float]] = {name: [] for name in rows}
     for name, env in rows.items():  # warm-up: renderers, worker processes
         _vector_rate(env, 2, rng) if name.startswith("Async") else _chunk_rate(env, 2, a.act_steps, gen)
@@ -92,11 +95,16 @@ def main() -> None:
         env.close()
     base = statistics.median(rates["GymChunkEnv workers=0"])
     print(f"Push-v0 with images, {a.envs} envs, GL {pe.gl_backend()}, {os.cpu_count()} CPUs, "
-          f"{a.repeats} repeats x {a.steps} steps of {a.act_steps}-action chunks, medians")
+          f"{a.repeats} repeats x {a.steps} steps of {a.act_steps}-action chunks, medians; "
+          f"load average {os.getloadavg()[0]:.2f} (other processes on the machine)")
     print("| envs stepped by | env steps/s | vs in process |\n|---|---|---|")
     for name, r in rates.items():
         med = statistics.median(r)
         print(f"| {name} | {med:.0f} | {med / base:.2f}x |")
+    one = [n for n in rates if n == "GymChunkEnv workers=1"]
+    for k in [k for k in a.workers if k > 1 and one]:
+        ratio = statistics.median(rates[f"GymChunkEnv workers={k}"]) / statistics.median(rates[one[0]])
+        print(f"workers={k} vs workers=1: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

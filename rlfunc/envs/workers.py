@@ -160,16 +160,22 @@ class PartPool:
 
     def _receive(self, which) -> list:
         results, error = [], None
-        for k in which:
+        for k in which:  # every answer is read, so the pipes stay in step after an error
             try:
                 ok, value = self.pipes[k].recv()
             except (EOFError, ConnectionError, OSError):
+                self.processes[k].join(timeout=1)
                 ok, value = False, f"the process ended (exit code {self.processes[k].exitcode})"
             if not ok and error is None:
-                error = f"env worker {k}: {value}"
+                error = (k, value)
             results.append(value)
         if error is not None:
-            raise EnvError(error)
+            k, value = error
+            first, _, trace = str(value).partition("\n")
+            e = EnvError(f"env worker {k}: {first}")
+            if trace:
+                e.add_note(f"in the worker process:\n{trace}")
+            raise e
         return results
 
     def call(self, name: str, args: Sequence[tuple] | None = None, *, writes: bool = False,
@@ -308,7 +314,9 @@ class WorkerVectorEnv(gym.vector.VectorEnv):
             seed = [None if seed is None else seed + i for i in range(self.num_envs)]
         if len(seed) != self.num_envs:
             raise EnvError(f"reset: {len(seed)} seeds for {self.num_envs} envs")
-        out = self.pool.call("reset", [(list(seed[lo:hi]), options) for lo, hi in self.pool.slices], writes=True)
+        mask = None if options is None else options.get("reset_mask")
+        opts = [options if mask is None else {**options, "reset_mask": np.asarray(mask)[lo:hi]} for lo, hi in self.pool.slices]
+        out = self.pool.call("reset", [(list(seed[lo:hi]), o) for (lo, hi), o in zip(self.pool.slices, opts)], writes=True)
         return self._observation([o[0] for o in out]), concat_infos([o[1] for o in out], self.sizes)
 
     def step(self, actions):
