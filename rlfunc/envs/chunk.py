@@ -109,18 +109,19 @@ class ObservationCodec:
             out[f"{k}_padding_mask"] = Categorical(2, shape=(n, m), dtype=torch.bool, device=device)
         return out
 
-    def encode(self, observations: Any, device: torch.device) -> dict[str, Tensor]:
+    def encode(self, observations: Any, device: torch.device, *, copy: bool = False) -> dict[str, Tensor]:
         """N gymnasium observations -> {key: tensor [N, ...]} on ``device``, in one copy per key.
 
-        ``observations``: batched (:meth:`ChunkPart.batched`: a Box observation as one array [N, ...],
-        a Dict as {key: array [N, ...]} with its Text entries as sequences of N strings; the arrays
-        may be views of a worker's shared memory, which is copied) or a list of N observations."""
+        ``observations``: batched (:meth:`rlfunc.envs.workers.ChunkPart.batched`: a Box observation as
+        one array [N, ...], a Dict as {key: array [N, ...]} with its Text entries as sequences of N
+        strings) or a list of N observations. ``copy``: the arrays are reused (a worker's shared
+        memory, :class:`rlfunc.envs.workers.ChunkWorkers`), so the tensors never share their memory."""
         if isinstance(observations, list):
             observations = batched(observations, self.is_dict)
         out = {}
         for k, s in self.boxes.items():
             rows = observations if not self.is_dict else observations[k]
-            out[k] = torch.as_tensor(rows).to(device=device, dtype=_NUMPY_TO_TORCH[np.dtype(s.dtype)], copy=True)
+            out[k] = torch.as_tensor(rows).to(device=device, dtype=_NUMPY_TO_TORCH[np.dtype(s.dtype)], copy=copy)
         for k in self.texts:
             tokens, pad = self.tokenizer(list(observations[k]))
             out[f"{k}_tokens"], out[f"{k}_padding_mask"] = tokens.to(device), pad.to(device)
@@ -155,8 +156,9 @@ class GymChunkEnv(EnvBase):
         device: where the output tensors live (the envs step on the host).
         seed: env i's first reset uses a seed drawn from ``numpy.random.default_rng(seed)``; each later
             reset of an env draws the next one.
-        workers: 0: the envs step in this process (a :class:`ChunkPart`); K >= 1: in K worker
-            processes, ``num_envs / K`` each (:class:`ChunkWorkers`), with the same outputs for the
+        workers: 0: the envs step in this process (:class:`rlfunc.envs.workers.ChunkPart`); K >= 1: in
+            K worker processes, ``num_envs / K`` each (:class:`~rlfunc.envs.workers.ChunkWorkers`;
+            observations in shared memory, images uint8 until the copy to ``device``), with the same outputs for the
             same seed and actions (the reset seeds are drawn here) and the same :meth:`episode_state`.
 
     Raises:
@@ -265,7 +267,7 @@ class GymChunkEnv(EnvBase):
 
     def _output(self, terminated=None, truncated=None, reward=None) -> TensorDict:
         n, dev = self.num_envs, self.device
-        out = self.codec.encode(self._obs, dev)
+        out = self.codec.encode(self._obs, dev, copy=bool(self.workers))  # workers: views of shared memory
         # copies: the host arrays are updated in place by later steps and resets (from_numpy shares memory)
         flags = lambda x: torch.from_numpy(np.array(x, bool).reshape(n, 1)).to(dev)  # noqa: E731
         out["success"] = flags(self._success)
