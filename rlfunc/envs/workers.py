@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import signal
 import sys
 import traceback
 import types
@@ -87,6 +88,9 @@ def _without_main():
 
 
 def _worker(factory: Callable[[], Any], lo: int, hi: int, buffers: dict, num_envs: int, pipe, parent_pipe) -> None:
+    # Ctrl-C reaches the whole process group: the learner stops on it (saving a snapshot, which asks
+    # the workers for their envs' state) and then closes the workers, so they must outlive it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pipe.close()
     part = None
     try:
