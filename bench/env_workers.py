@@ -13,7 +13,12 @@ Rows, interleaved, each timing --steps chunk steps of --envs envs with uniform r
   (--torchrl; each sub-env draws its own reset seeds, so its episodes are not the in-process ones).
 
 Env steps count control steps (``act_steps`` per chunk step). Startup (worker processes, first
-renderers) is not timed.
+renderers) is not timed. On a machine that other processes load, wall-clock rates favour the rows
+with more processes (the scheduler shares the cores per thread), so the GymChunkEnv rows also give
+the CPU time per env step of this process and of each worker (``/proc/PID/stat``, all threads) and
+the 2-core estimate ``(CPU per step in process) / (this process's + the busiest worker's CPU per
+step)``: what K workers give on idle cores, where a step is the workers' steps in parallel, then
+this process's share alone.
 
     python -m bench.env_workers --envs 8 --steps 20 --repeats 3 --workers 1 2
 """
@@ -32,15 +37,33 @@ import envs  # noqa: F401  (registers Push-v0)
 from envs.push import env as pe  # before mujoco: it chooses MUJOCO_GL
 
 
-def _chunk_rate(env, steps: int, act_steps: int, gen: torch.Generator) -> float:
+def _cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process, all its threads (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker_pids(env) -> list[int]:
+    pool = getattr(getattr(env, "_part", None), "pool", None)
+    return [] if pool is None else [p.pid for p in pool.processes]
+
+
+def _chunk_rate(env, steps: int, act_steps: int, gen: torch.Generator, cpu: list | None = None) -> float:
     td = env.reset()
+    pids = _worker_pids(env)
+    before = [_cpu_seconds(), *(_cpu_seconds(p) for p in pids)]
     t = time.perf_counter()
     for _ in range(steps):
         td = env.step(td.set("action", torch.rand(env.action_spec.shape, generator=gen) * 2 - 1))
         td = env.step_mdp(td)
         if td["done"].any():
             td = env.reset(td.set("_reset", td["done"]))
-    return env.batch_size.numel() * steps * act_steps / (time.perf_counter() - t)
+    wall = time.perf_counter() - t
+    count = env.batch_size.numel() * steps * act_steps
+    if cpu is not None:  # CPU seconds per env step: this process, then each worker
+        cpu.append([(b - a) / count for a, b in zip(before, [_cpu_seconds(), *(_cpu_seconds(p) for p in pids)])])
+    return count / wall
 
 
 def _vector_rate(venv, steps: int, rng: np.random.Generator) -> float:
@@ -85,12 +108,13 @@ def main() -> None:
                 k, [functools.partial(GymChunkEnv, "Push-v0", n, act_steps=a.act_steps, seed=i) for i in range(k)],
                 mp_start_method="spawn")
     rates: dict[str, list[float]] = {name: [] for name in rows}
+    cpus: dict[str, list] = {name: [] for name in rows}
     for name, env in rows.items():  # warm-up: renderers, worker processes
         _vector_rate(env, 2, rng) if name.startswith("Async") else _chunk_rate(env, 2, a.act_steps, gen)
     for _ in range(a.repeats):  # interleaved
         for name, env in rows.items():
             rates[name].append(_vector_rate(env, a.steps * a.act_steps, rng) if name.startswith("Async")
-                               else _chunk_rate(env, a.steps, a.act_steps, gen))
+                               else _chunk_rate(env, a.steps, a.act_steps, gen, cpus[name]))
     for env in rows.values():
         env.close()
     base = statistics.median(rates["GymChunkEnv workers=0"])
@@ -101,6 +125,15 @@ def main() -> None:
     for name, r in rates.items():
         med = statistics.median(r)
         print(f"| {name} | {med:.0f} | {med / base:.2f}x |")
+    chunk = [n for n in rates if n.startswith("GymChunkEnv")]
+    cpu = {n: np.median(np.asarray(cpus[n]), axis=0) * 1e3 for n in chunk}  # ms per env step
+    serial = cpu["GymChunkEnv workers=0"][0]
+    print("\nCPU ms per env step (medians) and the idle-core estimate\n"
+          "| envs stepped by | this process | workers (sum) | busiest worker | estimate vs in process |\n|---|---|---|---|---|")
+    for n in chunk:
+        own, workers = cpu[n][0], cpu[n][1:]
+        busiest = workers.max() if workers.size else 0.0
+        print(f"| {n} | {own:.2f} | {workers.sum():.2f} | {busiest:.2f} | {serial / (own + busiest):.2f}x |")
     one = [n for n in rates if n == "GymChunkEnv workers=1"]
     for k in [k for k in a.workers if k > 1 and one]:
         ratio = statistics.median(rates[f"GymChunkEnv workers={k}"]) / statistics.median(rates[one[0]])
