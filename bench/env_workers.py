@@ -13,12 +13,13 @@ Rows, interleaved, each timing --steps chunk steps of --envs envs with uniform r
   (--torchrl; each sub-env draws its own reset seeds, so its episodes are not the in-process ones).
 
 Env steps count control steps (``act_steps`` per chunk step). Startup (worker processes, first
-renderers) is not timed. On a machine that other processes load, wall-clock rates favour the rows
-with more processes (the scheduler shares the cores per thread), so the GymChunkEnv rows also give
-the CPU time per env step of this process and of each worker (``/proc/PID/stat``, all threads) and
-the 2-core estimate ``(CPU per step in process) / (this process's + the busiest worker's CPU per
-step)``: what K workers give on idle cores, where a step is the workers' steps in parallel, then
-this process's share alone.
+renderers) is not timed. Wall-clock rates say what K workers give only on otherwise idle cores: on
+a machine that other sessions load, Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
+gives each session one share of the CPU, split among its processes, so K workers get no more CPU
+than one process (and without autogroup, rows with more processes get more). So the GymChunkEnv rows
+also give the CPU time per env step of this process and of each worker (``/proc/PID/stat``, all
+threads) and the idle-core estimate ``(CPU per step in process) / (this process's + the busiest
+worker's CPU per step)``: a chunk step is the workers' steps in parallel, then this process's part alone.
 
     python -m bench.env_workers --envs 8 --steps 20 --repeats 3 --workers 1 2
 """
