@@ -46,8 +46,11 @@ def _cpu_seconds(pid: int | str = "self") -> float:
 
 
 def _worker_pids(env) -> list[int]:
-    pool = getattr(getattr(env, "_part", None), "pool", None)
-    return [] if pool is None else [p.pid for p in pool.processes]
+    from rlfunc.envs.chunk import GymChunkEnv
+
+    if not isinstance(env, GymChunkEnv) or not env.workers:  # (a ParallelEnv would forward the lookup to its workers)
+        return []
+    return [p.pid for p in env._part.pool.processes]
 
 
 def _chunk_rate(env, steps: int, act_steps: int, gen: torch.Generator, cpu: list | None = None) -> float:
