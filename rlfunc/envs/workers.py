@@ -26,7 +26,10 @@ Why not gymnasium's AsyncVectorEnv: it runs one env per process, and its shared 
 results hold one env's per worker, so K workers would mean K envs (N processes for N envs, each
 an importer of torch when the env is one of ours) rather than N/K envs each; TorchRL's ParallelEnv
 over K GymChunkEnvs would give each its own reset-seed generator (other episodes than in process)
-and does not carry gymnasium's vector infos. bench/env_workers.py measures the speed.
+and does not carry gymnasium's vector infos. Measured (bench/env_workers.py, Push-v0 with images,
+8 envs, 2 otherwise idle cores): 2 workers of ours 276 env steps/s, AsyncVectorEnv's 8 processes
+284, ParallelEnv(2 x GymChunkEnv(4)) 218, in process 200; ours is as fast as one process per env
+with 2 processes instead of 8, and the only one whose env state goes into snapshots.
 """
 
 from __future__ import annotations
