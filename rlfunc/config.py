@@ -47,11 +47,12 @@ class RunConfig:
     nproc: int = 1  # data-parallel processes on this node: `rlfunc train` starts them with torchrun (ppo, bc, dppo)
     profile: int = 0  # iterations to record with the device's profiler into RUN_DIR/profile (0: none)
     compile: Literal["off", "auto", "on"] = "auto"  # torch.compile of the gradient step (ppo, sac, td3, dppo, sac-diffusion, td3-diffusion, grpo, gspo, mappo; auto: where it pays off, else eager)
+    env_workers: int = 0  # worker processes stepping the envs, num_envs / env_workers each (0: in the learner's process; ppo, ppo-encoder, dppo, sac, td3, td3-/sac-diffusion)
 
     def __post_init__(self) -> None:
         for name in ("num_seeds", "log_every", "eval_episodes", "nproc"):
             _check_int(name, getattr(self, name), 1, "a positive integer")
-        for name in ("profile", "torch_threads", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
+        for name in ("profile", "torch_threads", "env_workers", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
                      "version_keep_every"):
             _check_int(name, getattr(self, name), 0, "an integer >= 0")
         _check_int("seed", self.seed, 0, "an integer in [0, 2**31 - num_seeds]")
@@ -96,6 +97,20 @@ def require_default(run: RunConfig, **why: str) -> None:
         value = getattr(run, name)
         if value != getattr(_RUN_DEFAULTS, name):
             raise ConfigError(f"run.{name}={value!r}: {reason}")
+
+
+def check_env_workers(run: RunConfig, num_envs: int, per: str = "") -> None:
+    """ConfigError unless ``run.env_workers`` (0: no workers) divides ``num_envs``, the envs one
+    process steps (``per`` says how they were counted, e.g. "num_envs=8 x num_seeds=2"): each
+    worker steps ``num_envs / env_workers`` of them.
+
+    Raises:
+        ConfigError: "run.env_workers=K: N envs (PER) are not divisible by it ...".
+    """
+    k = run.env_workers
+    if k and num_envs % k:
+        raise ConfigError(f"run.env_workers={k}: num_envs={num_envs}{f' ({per})' if per else ''} is not divisible by it "
+                          "(each worker process steps num_envs / env_workers envs)")
 
 
 def replace(config: T, **changes: Any) -> T:

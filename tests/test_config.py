@@ -36,6 +36,7 @@ def _flat(config) -> dict:
     (dict(version_every=True), "run.version_every=True"), (dict(version_keep_last=-1), "run.version_keep_last=-1"),
     (dict(version_keep_every=-1), "run.version_keep_every=-1"), (dict(log_every=0), "run.log_every=0"),
     (dict(eval_episodes=0), "run.eval_episodes=0"), (dict(device=""), "run.device=''"),
+    (dict(env_workers=-1), "run.env_workers=-1"),
 ])
 def test_run_config_errors_name_the_field(bad, field):
     with pytest.raises(ConfigError, match=f"^{field.replace('(', '[(]')}: expected"):
@@ -61,6 +62,7 @@ def test_each_algorithm_keeps_its_run_defaults():
     (GRPOConfig, dict(log_every=5), "run.log_every=5: grpo logs every iteration"),
     (DPPOConfig, dict(num_seeds=3), "run.num_seeds=3: dppo trains one seed per run"),
     (PPOEncoderConfig, dict(vmap="vmap"), "run.vmap='vmap': ppo-encoder trains one seed per run"),
+    (GRPOConfig, dict(env_workers=2), "run.env_workers=2: grpo's grouped envs step in the learner's process"),
 ])
 def test_an_algorithm_refuses_a_run_field_it_cannot_honour(cls, change, message):
     with pytest.raises(ConfigError, match=f"^{message}$"):

@@ -49,7 +49,8 @@ class BCConfig:
         require_finite(self)
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay}: expected >= 0")
-        require_default(self.run, compile="bc has no compiled update yet (ppo has)", num_seeds="bc trains one seed per run", vmap="bc trains one seed per run")
+        require_default(self.run, compile="bc has no compiled update yet (ppo has)", num_seeds="bc trains one seed per run", vmap="bc trains one seed per run",
+                        env_workers="bc learns from demonstrations: its envs (the final evaluation) step in this process")
         for name in ("num_demos", "num_updates", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")

@@ -238,10 +238,10 @@ def check_split(env_id: str, world_size: int) -> None:
 
 
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int,
-             split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None):
+             split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None, workers: int = 0):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
-    :class:`rlfunc.envs.chunk.GymChunkEnv`. ``split`` (rank, world_size) of a data-parallel run:
+    :class:`rlfunc.envs.chunk.GymChunkEnv` (``workers`` >= 1: stepped in that many worker processes). ``split`` (rank, world_size) of a data-parallel run:
     these N envs are envs rank*N .. (rank+1)*N - 1 of the single process's world_size*N (a
     torch-batched env only: its ``split=``, :class:`rlfunc.envs.registry.EnvEntry`), with
     ``any_done_of_split`` (the ranks' "is an env of any rank done" after each step) so that their
@@ -249,10 +249,14 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
 
     Raises:
         EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
-        ConfigError: a ``split`` over more than one rank of an env that does not split (:func:`check_split`).
+        ConfigError: a ``split`` over more than one rank of an env that does not split (:func:`check_split`);
+            ``workers`` >= 1 for a torch-batched env (it steps on the device).
     """
     check_env(env_id)
     build = registry.torch_builder(env_id)
+    if build is not None and workers:
+        raise ConfigError(f"run.env_workers={workers}: env={env_id!r} is torch-batched and steps on the device, "
+                          "not in worker processes (use 0)")
     if split is not None and split[1] > 1:
         check_split(env_id, split[1])
         return build(num_envs, act_steps=act_steps, device=device, seed=seed, split=split, any_done_of_split=any_done_of_split)
@@ -260,7 +264,7 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
         return build(num_envs, act_steps=act_steps, device=device, seed=seed)
     from rlfunc.envs.chunk import GymChunkEnv
 
-    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed)
+    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed, workers=workers)
 
 
 class DiffusionActor:

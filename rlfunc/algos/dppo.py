@@ -30,7 +30,7 @@ from torch import Tensor
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_split, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, require_default
+from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
 from rlfunc.core.returns import generalized_advantage_estimate
 from rlfunc.device import compile_step
@@ -102,6 +102,7 @@ class DPPOConfig:
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        check_env_workers(self.run, self.num_envs)
         if (self.num_envs * self.num_steps) % self.minibatch_size:
             raise ConfigError(
                 f"minibatch_size={self.minibatch_size} does not divide num_envs*num_steps={self.num_envs * self.num_steps}"

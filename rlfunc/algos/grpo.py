@@ -132,7 +132,7 @@ class GRPOConfig:
         if self.run.compile == "on" and not self.compilable:
             raise ConfigError(f"run.compile='on': {self.loss} compiles its plain gradient step only; expected no step transform "
                               "(oscillation_damping) and adaptive_clip=False with it (or --compile off)")
-        require_default(self.run, nproc=f"{self.loss} is not data-parallel yet (ppo is): train it in one process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
+        require_default(self.run, env_workers=f"{self.loss}'s grouped envs step in the learner's process", nproc=f"{self.loss} is not data-parallel yet (ppo is): train it in one process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
         shaped.check_config(self)
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses
         self.actor_config()

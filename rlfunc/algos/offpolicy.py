@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from rlfunc.config import RunConfig, require_default
+from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.nets.mlp import MLP, seeded_init
@@ -193,6 +193,7 @@ class OffPolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        check_env_workers(self.run, self.num_envs)
         if isinstance(self.learning_starts, bool) or not isinstance(self.learning_starts, int) or self.learning_starts < 0:
             raise ConfigError(f"learning_starts={self.learning_starts!r}: expected an integer >= 0")
         if not 0.0 <= self.gamma <= 1.0:

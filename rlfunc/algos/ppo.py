@@ -28,7 +28,7 @@ from rlfunc.algos import data_parallel
 from rlfunc.algos import ppo_parallel as parallel
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, replace, require_default
+from rlfunc.config import RunConfig, check_env_workers, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import (
     categorical_entropy, categorical_log_prob, categorical_mode, categorical_sample, gaussian_entropy, gaussian_log_prob,
@@ -128,6 +128,13 @@ class PPOConfig:
         if not math.isfinite(self.init_log_std):
             raise ConfigError(f"init_log_std={self.init_log_std}: expected a finite number")
         shaped.check_config(self)
+        if self.run.env_workers and self.vectorization != "sync":
+            raise ConfigError(f"run.env_workers={self.run.env_workers} with vectorization={self.vectorization!r}: "
+                              "each worker process steps a sync vector env")
+        nproc = self.run.nproc if self.run.nproc > 1 and (self.num_envs * self.run.num_seeds) % self.run.nproc == 0 else 1
+        check_env_workers(self.run, self.num_envs * self.run.num_seeds // nproc,
+                          f"num_envs={self.num_envs} x num_seeds={self.run.num_seeds} / nproc={nproc} per process"
+                          if self.run.num_seeds > 1 or nproc > 1 else "")
         if not self.priority_alpha >= 0 or not 0 <= self.priority_beta <= 1:
             raise ConfigError(f"priority_alpha={self.priority_alpha}, priority_beta={self.priority_beta}: expected >= 0 and in [0, 1]")
 

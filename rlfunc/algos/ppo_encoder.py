@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos.diffusion_actor import EnvInfo, encoder_config, require_finite
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, require_default
+from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.core.normalize import init_running_stats, scale_reward, update_running_stats
@@ -99,6 +99,7 @@ class PPOEncoderConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         if self.batch_size % self.minibatch_size:
             raise ConfigError(f"minibatch_size={self.minibatch_size} does not divide the batch num_envs*num_steps={self.batch_size}")
+        check_env_workers(self.run, self.num_envs)
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size}: expected >= 1 or None")
         for name in ("lr", "clip_epsilon", "max_grad_norm", "reward_clip"):

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
-from rlfunc.config import RunConfig, require_default
+from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 
@@ -78,6 +78,7 @@ class ReplayDiffusionConfig:
                      "batch_size", "policy_delay", "num_critics"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        check_env_workers(self.run, self.num_envs)
         if self.actor.horizon != self.actor.act_steps:
             raise ConfigError(
                 f"actor.horizon={self.actor.horizon}, actor.act_steps={self.actor.act_steps}: {n}'s critic "

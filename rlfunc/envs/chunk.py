@@ -24,6 +24,7 @@ break_when_any_done=False)`` resets only the envs that ended.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -34,6 +35,7 @@ from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 from rlfunc.envs import registry
+from rlfunc.envs.workers import ChunkPart, ChunkWorkers, batched
 from rlfunc.errors import EnvError
 
 # host-side numpy observations -> tensors; double-precision observations become float32 here
@@ -107,14 +109,21 @@ class ObservationCodec:
             out[f"{k}_padding_mask"] = Categorical(2, shape=(n, m), dtype=torch.bool, device=device)
         return out
 
-    def encode(self, observations: Sequence, device: torch.device) -> dict[str, Tensor]:
-        """A list of N gymnasium observations -> {key: tensor [N, ...]} on ``device``."""
+    def encode(self, observations: Any, device: torch.device, *, copy: bool = False) -> dict[str, Tensor]:
+        """N gymnasium observations -> {key: tensor [N, ...]} on ``device``, in one copy per key.
+
+        ``observations``: batched (:meth:`rlfunc.envs.workers.ChunkPart.batched`: a Box observation as
+        one array [N, ...], a Dict as {key: array [N, ...]} with its Text entries as sequences of N
+        strings) or a list of N observations. ``copy``: the arrays are reused (a worker's shared
+        memory, :class:`rlfunc.envs.workers.ChunkWorkers`), so the tensors never share their memory."""
+        if isinstance(observations, list):
+            observations = batched(observations, self.is_dict)
         out = {}
         for k, s in self.boxes.items():
-            rows = observations if not self.is_dict else [o[k] for o in observations]
-            out[k] = torch.from_numpy(np.stack(rows)).to(device, _NUMPY_TO_TORCH[np.dtype(s.dtype)])
+            rows = observations if not self.is_dict else observations[k]
+            out[k] = torch.as_tensor(rows).to(device=device, dtype=_NUMPY_TO_TORCH[np.dtype(s.dtype)], copy=copy)
         for k in self.texts:
-            tokens, pad = self.tokenizer([o[k] for o in observations])
+            tokens, pad = self.tokenizer(list(observations[k]))
             out[f"{k}_tokens"], out[f"{k}_padding_mask"] = tokens.to(device), pad.to(device)
         return out
 
@@ -147,14 +156,18 @@ class GymChunkEnv(EnvBase):
         device: where the output tensors live (the envs step on the host).
         seed: env i's first reset uses a seed drawn from ``numpy.random.default_rng(seed)``; each later
             reset of an env draws the next one.
+        workers: 0: the envs step in this process (:class:`rlfunc.envs.workers.ChunkPart`); K >= 1: in
+            K worker processes, ``num_envs / K`` each (:class:`~rlfunc.envs.workers.ChunkWorkers`;
+            observations in shared memory, images uint8 until the copy to ``device``), with the same outputs for the
+            same seed and actions (the reset seeds are drawn here) and the same :meth:`episode_state`.
 
     Raises:
         EnvError: an unknown id, an unbounded action space, an observation space it cannot encode,
-            ``num_envs`` or ``act_steps`` < 1.
+            ``num_envs`` or ``act_steps`` < 1, ``num_envs`` not divisible by ``workers``.
     """
 
     def __init__(self, env_id: str, num_envs: int, *, act_steps: int = 1, device: torch.device | str | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, workers: int = 0) -> None:
         for name, value in (("num_envs", num_envs), ("act_steps", act_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EnvError(f"{name}={value!r}: expected an int >= 1")
@@ -164,12 +177,22 @@ class GymChunkEnv(EnvBase):
             raise EnvError(f"env={env_id!r}: not a registered gymnasium id")
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
-        self.env_id, self.num_envs, self.act_steps = env_id, num_envs, act_steps
-        self.envs = [gym.make(env_id) for _ in range(num_envs)]
-        space = self.envs[0].observation_space
-        self.low, self.high = action_bounds(self.envs[0].action_space, env_id)
+        self.env_id, self.num_envs, self.act_steps, self.workers = env_id, num_envs, act_steps, workers
+        if workers:
+            from rlfunc.envs.workers import worker_slices
+
+            worker_slices(num_envs, workers)  # EnvError naming both, before anything is built
+            first = gym.make(env_id)  # the spaces, in this process (nothing is rendered)
+            first.close()
+        else:
+            self._part = ChunkPart(env_id, num_envs)
+            first = self._part.envs[0]
+        space = first.observation_space
+        self.low, self.high = action_bounds(first.action_space, env_id)
         self.codec = ObservationCodec(space, env_id, env_instructions(env_id))
-        self.max_episode_steps = self.envs[0].spec.max_episode_steps if self.envs[0].spec else None
+        self.max_episode_steps = first.spec.max_episode_steps if first.spec else None
+        if workers:
+            self._part = ChunkWorkers(env_id, num_envs, workers, space)
         n, a = num_envs, self.low.shape[0]
         self.act_dim = a
         flag = Categorical(2, shape=(n, 1), dtype=torch.bool, device=device)
@@ -183,10 +206,20 @@ class GymChunkEnv(EnvBase):
         self.action_spec = Bounded(low=-1.0, high=1.0, shape=act_shape, dtype=torch.float32, device=device)
         self.reward_spec = Unbounded(shape=(n, 1), dtype=torch.float32, device=device)
         self.done_spec = Composite(done=flag.clone(), terminated=flag.clone(), truncated=flag.clone(), shape=(n,), device=device)
-        self._obs: list = [None] * n
+        self._obs = None  # the current observations, batched (ChunkPart.batched)
         self._return = np.zeros(n, np.float32)
         self._success = np.zeros(n, bool)
         self.set_seed(seed)
+
+    @property
+    def envs(self) -> list[gym.Env]:
+        """The gymnasium envs, when they step in this process (``workers=0``).
+
+        Raises:
+            AttributeError: they step in worker processes."""
+        if self.workers:
+            raise AttributeError(f"the {self.env_id} envs step in {self.workers} worker processes: their gymnasium envs are not here")
+        return self._part.envs
 
     def _set_seed(self, seed: int | None) -> None:
         self._rng = np.random.default_rng(seed)
@@ -212,9 +245,7 @@ class GymChunkEnv(EnvBase):
         when a gymnasium env's state cannot be captured: per env its own RNG, time-limit counter and
         physics (:func:`rlfunc.envs.collect.env_state`: MuJoCo's integration state, or a classic-control
         ``state`` array), and the current episodes' "episode_return" and "success" (lists of N)."""
-        from rlfunc.envs.collect import env_state
-
-        envs = env_state(self)
+        envs = self._part.env_state()
         if envs is None:
             return None
         return {"envs": envs, "episode_return": self._return.tolist(), "success": self._success.tolist()}
@@ -227,10 +258,8 @@ class GymChunkEnv(EnvBase):
         Raises:
             EnvError: ``state`` does not fit these envs (number of envs, keys, physics size).
         """
-        from rlfunc.envs.collect import set_env_state
-
         try:
-            set_env_state(self, state["envs"])
+            self._part.set_env_state(state["envs"])
             self._return[:] = np.asarray(state["episode_return"], np.float32)
             self._success[:] = np.asarray(state["success"], bool)
         except (KeyError, TypeError, ValueError) as e:  # EnvError is a ValueError
@@ -238,7 +267,7 @@ class GymChunkEnv(EnvBase):
 
     def _output(self, terminated=None, truncated=None, reward=None) -> TensorDict:
         n, dev = self.num_envs, self.device
-        out = self.codec.encode(self._obs, dev)
+        out = self.codec.encode(self._obs, dev, copy=bool(self.workers))  # workers: views of shared memory
         # copies: the host arrays are updated in place by later steps and resets (from_numpy shares memory)
         flags = lambda x: torch.from_numpy(np.array(x, bool).reshape(n, 1)).to(dev)  # noqa: E731
         out["success"] = flags(self._success)
@@ -252,32 +281,25 @@ class GymChunkEnv(EnvBase):
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)
-        which = range(self.num_envs) if mask is None else np.flatnonzero(mask.reshape(-1).cpu().numpy())
-        for i in which:
-            self._obs[i], info = self.envs[i].reset(seed=int(self._rng.integers(2**31)))
-            self._return[i] = 0.0
-            self._success[i] = bool(info.get("is_success", False))
+        which = np.arange(self.num_envs) if mask is None else np.flatnonzero(mask.reshape(-1).cpu().numpy())
+        seeds = [int(self._rng.integers(2**31)) for _ in which]  # in env order, wherever the envs step
+        self._obs, success = self._part.reset(which.tolist(), seeds)
+        self._return[which] = 0.0
+        self._success[which] = success
         return self._output()
 
     def _step(self, tensordict: TensorDictBase) -> TensorDict:
         n = self.num_envs
         action = tensordict["action"].detach().to("cpu", torch.float32).numpy().reshape(n, self.act_steps, -1)
         action = scale_action(np.clip(action, -1.0, 1.0), self.low, self.high)
-        reward = np.zeros(n, np.float32)
-        terminated, truncated = np.zeros(n, bool), np.zeros(n, bool)
-        for i, env in enumerate(self.envs):
-            for k in range(self.act_steps):
-                self._obs[i], r, terminated[i], truncated[i], info = env.step(action[i, k])
-                reward[i] += r
-                if terminated[i] or truncated[i]:
-                    break
-            self._success[i] = bool(info.get("is_success", False))
+        self._obs, reward, terminated, truncated, self._success[:] = self._part.step(action)
         self._return += reward
         return self._output(terminated, truncated, reward)
 
     def close(self, *, raise_if_closed: bool = True) -> None:  # noqa: D102
-        for env in getattr(self, "envs", []):
-            env.close()
+        if getattr(self, "_part", None) is not None:
+            self._part.close()
+            self._part = None
         super().close(raise_if_closed=raise_if_closed)
 
 

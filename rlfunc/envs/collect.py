@@ -32,6 +32,7 @@ from torch import Tensor
 from rlfunc.core.returns import forward_discounted_sum
 from rlfunc.device import span
 from rlfunc.envs import registry
+from rlfunc.envs.state import env_state, set_env_state  # noqa: F401  (env state for exact resume: re-exported)
 from rlfunc.errors import EnvError
 
 Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -47,19 +48,34 @@ def check_env_id(env_id: str) -> None:
         raise EnvError(f"env={env_id!r}: not a registered gymnasium environment{hint}")
 
 
-def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", **env_kwargs: Any) -> gym.vector.VectorEnv:
+def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", workers: int = 0,
+                 **env_kwargs: Any) -> gym.vector.VectorEnv:
     """A gymnasium vector env of ``num_envs`` copies with SAME_STEP autoreset.
 
+    ``workers`` = K >= 1 steps them in K worker processes, ``num_envs / K`` each
+    (:class:`rlfunc.envs.workers.WorkerVectorEnv`: the same batches as ``workers=0`` for the same
+    seeds and actions, and its env state captured by the workers); 0 steps them in this process
+    (``vectorization`` "sync"), or one process per env with gymnasium's AsyncVectorEnv ("async").
+
     Raises:
-        EnvError: unknown ``env_id``, ``num_envs < 1``, an unknown ``vectorization``, or an env that
-            cannot be built here (e.g. a missing optional dependency such as box2d).
+        EnvError: unknown ``env_id``, ``num_envs < 1``, an unknown ``vectorization``, ``workers`` with
+            "async", ``num_envs`` not divisible by ``workers``, or an env that cannot be built here
+            (e.g. a missing optional dependency such as box2d).
     """
     check_env_id(env_id)
     if num_envs < 1:
         raise EnvError(f"num_envs={num_envs}: expected >= 1")
     if vectorization not in ("sync", "async"):
         raise EnvError(f"vectorization={vectorization!r}: expected 'sync' or 'async'")
+    if workers:
+        from rlfunc.envs.workers import WorkerVectorEnv, worker_slices
+
+        if vectorization != "sync":
+            raise EnvError(f"workers={workers} with vectorization={vectorization!r}: each worker holds a sync vector env")
+        worker_slices(num_envs, workers)  # EnvError naming both
     try:
+        if workers:
+            return WorkerVectorEnv(env_id, num_envs, workers, **env_kwargs)
         return gym.make_vec(
             env_id,
             num_envs=num_envs,
@@ -266,68 +282,6 @@ def rollout(
         batch_size=[n],
     )
     return batch, new_carry
-
-
-# ---------------------------------------------------------------------------------------------
-# Env state, for exact resume.
-
-
-def _time_limit(env: gym.Env) -> gym.Env | None:
-    while env is not None:
-        if hasattr(env, "_elapsed_steps"):
-            return env
-        env = getattr(env, "env", None)
-    return None
-
-
-def env_state(venv: gym.vector.VectorEnv) -> list[dict] | None:
-    """JSON-able state of every sub-env (RNG, time-limit counter, physics), or None if not capturable.
-
-    Captured: the unwrapped env's numpy RNG state, the TimeLimit step counter, and the physical state:
-    MuJoCo envs (full integration state via ``mujoco.mj_getState``) and envs with a ``state`` array
-    (classic control). Async vector envs and other envs return None: a resume then starts new episodes.
-    """
-    if not hasattr(venv, "envs"):
-        return None
-    states = []
-    for env in venv.envs:
-        u = env.unwrapped
-        item: dict[str, Any] = {"rng": u.np_random.bit_generator.state}
-        limit = _time_limit(env)
-        item["elapsed_steps"] = None if limit is None else limit._elapsed_steps
-        if hasattr(u, "data") and hasattr(u, "model"):
-            import mujoco
-
-            spec = mujoco.mjtState.mjSTATE_INTEGRATION
-            buf = np.empty(mujoco.mj_stateSize(u.model, spec))
-            mujoco.mj_getState(u.model, u.data, buf, spec)
-            item["mujoco"] = buf.tolist()
-        elif isinstance(getattr(u, "state", None), (np.ndarray, tuple, list)):
-            item["state"] = np.asarray(u.state).tolist()
-            item["state_dtype"] = str(np.asarray(u.state).dtype)
-        else:
-            return None
-        states.append(item)
-    return states
-
-
-def set_env_state(venv: gym.vector.VectorEnv, states: list[dict]) -> None:
-    """Restore what :func:`env_state` captured, into a vector env that has been reset once."""
-    if len(states) != venv.num_envs:
-        raise EnvError(f"env state has {len(states)} envs, the vector env has {venv.num_envs}")
-    for env, item in zip(venv.envs, states):
-        u = env.unwrapped
-        u.np_random.bit_generator.state = item["rng"]
-        limit = _time_limit(env)
-        if limit is not None:
-            limit._elapsed_steps = item["elapsed_steps"]
-        if "mujoco" in item:
-            import mujoco
-
-            mujoco.mj_setState(u.model, u.data, np.asarray(item["mujoco"]), mujoco.mjtState.mjSTATE_INTEGRATION)
-            mujoco.mj_forward(u.model, u.data)
-        else:
-            u.state = np.asarray(item["state"], dtype=item.get("state_dtype", np.asarray(u.state).dtype))
 
 
 # ---------------------------------------------------------------------------------------------

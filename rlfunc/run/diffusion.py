@@ -299,7 +299,7 @@ class DiffusionRun(Run):
         if self.dist is not None:  # the same init on every rank, by seed; made certain
             self.dist.broadcast_state(self.state)
         self.env = make_env(config.env, config.num_envs // W, config.actor.act_steps, self.device, config.run.seed,
-                            split=(self.rank, W) if W > 1 else None,
+                            split=(self.rank, W) if W > 1 else None, workers=config.run.env_workers,
                             any_done_of_split=self.dist.any_rank if W > 1 else None)  # the ranks reset when one of them would
         self.gen = torch.Generator(device=self.device).manual_seed(config.run.seed)
 

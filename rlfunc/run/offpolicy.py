@@ -116,7 +116,7 @@ class OffPolicyRun(Run):
 
         self.config, self.device, self.name = config, device, name
         self.total = config.num_iterations()
-        self.venv = collect.make_vec_env(config.env, config.num_envs)
+        self.venv = collect.make_vec_env(config.env, config.num_envs, workers=config.run.env_workers)
         try:
             if config.run.torch_threads:
                 torch.set_num_threads(config.run.torch_threads)

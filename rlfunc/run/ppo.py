@@ -206,7 +206,7 @@ def _env_meta(config: PPOConfig, venv: gym.vector.VectorEnv) -> dict:
         "env": {
             "id": config.env,
             "registration": registration,
-            "wrappers": str(venv.envs[0]) if hasattr(venv, "envs") else None,
+            "wrappers": str(venv.envs[0]) if hasattr(venv, "envs") else getattr(venv, "wrappers", None),
             "vectorization": config.vectorization,
         },
         "seeds": {"agents": config.seeds, "envs": _member_seeds(config)},
@@ -258,7 +258,8 @@ class PPORun(Run):
         self.local_envs = config.num_envs // self.world_size  # this rank's envs per seed
         self.run_dir: Path | None = None  # set by open()
         self.total = config.num_iterations
-        self.venv = collect.make_vec_env(config.env, config.run.num_seeds * self.local_envs, vectorization=config.vectorization)
+        self.venv = collect.make_vec_env(config.env, config.run.num_seeds * self.local_envs, vectorization=config.vectorization,
+                                         workers=config.run.env_workers)
         try:
             if config.run.torch_threads:
                 torch.set_num_threads(config.run.torch_threads)

@@ -121,7 +121,8 @@ class EncoderRun(Run):
         self.total = config.num_iterations
         self.generator = torch.Generator(device=device).manual_seed(config.run.seed)
         self.success = reports_success(config.env)
-        self.env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.run.seed)
+        self.env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.run.seed,
+                               workers=config.run.env_workers)
         self.carry = self.env.reset()
 
     def step(self, i: int, stopping: bool) -> dict:
