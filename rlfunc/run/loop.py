@@ -41,6 +41,7 @@ from rlfunc.run.resume import NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSi
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
+KEPT = ("compile_s",)  # shown from the metrics line that has it (the first with a compiled step) to the run's end
 
 
 class Cadence(NamedTuple):
@@ -270,6 +271,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         try:
             from tqdm import tqdm
 
+            kept: dict[str, str] = {}
             with tqdm(total=run.total, initial=start, desc=run.name, disable=not (progress and main), dynamic_ncols=True) as bar:
                 for i in range(start + 1, end + 1):
                     with span("iteration"):
@@ -280,7 +282,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                             logger.log(record)
                         last_record = record
                         if progress and main:  # the postfix only for a bar that is shown
-                            bar.set_postfix({k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record})
+                            kept.update({k: f"{_scalar(record[k]):.3g}" for k in KEPT if k in record})
+                            bar.set_postfix({**{k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record}, **kept})
                     bar.update(1)
                     signal_name = agree(stop.signal)  # read once: the loop stops here only after this iteration's final save
                     final = signal_name is not None or i == end

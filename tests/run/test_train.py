@@ -191,3 +191,39 @@ def test_pendulum_preset_final_policy_holds_up(tmp_path):
     assert len(curve) >= 6 and int(snaps[-1].name.split("_")[1]) == config.num_iterations * config.batch_size
     assert max(curve) - curve[-1] <= 30.0, curve
     assert curve[-1] > -300.0, curve
+
+
+def test_progress_bar_keeps_the_compile_time(tmp_path, capsys):
+    """Issue 18: the first iteration's compile time is in metrics.jsonl and on the progress bar; the bar
+    keeps it after the first line (whose record alone has it), beside the usual fields."""
+    import dataclasses
+
+    from tensordict import TensorDict
+
+    from rlfunc.run.loop import Cadence, Run, run_loop
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        seed: int = 0
+
+    class Fake(Run):
+        total, name = 3, "fake"
+
+        def __init__(self):
+            self.config, self.state = Config(), TensorDict({"iteration": torch.zeros((), dtype=torch.int64)}, batch_size=[])
+
+        def step(self, i, stopping):
+            self.state["iteration"] = torch.tensor(i)
+            return {"iteration": i, "step": 10 * i, "steps_per_s": 100.0 * i, **({"compile_s": 12.5} if i == 1 else {})}
+
+        def saved(self):
+            return self.state.clone(), {"algo": "fake", "config": {}, "iteration": int(self.state["iteration"]),
+                                        "env_steps": 10 * int(self.state["iteration"]), "state_layout": 2}
+
+    run_loop(Fake(), tmp_path, when=Cadence(checkpoint_every=0, keep_checkpoints=0, version_every=0, version_keep_last=0,
+                                             version_keep_every=0), tensorboard=False)
+    bar = capsys.readouterr().err
+    last = [line for line in bar.replace("\r", "\n").splitlines() if "3/3" in line][-1]
+    assert "compile_s=12.5" in last and "steps_per_s=300" in last
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line.get("compile_s") for line in lines] == [12.5, None, None]
