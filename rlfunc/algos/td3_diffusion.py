@@ -39,7 +39,7 @@ from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, smoothed_target_action, td3_target
 from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, flatten, unflatten
 from rlfunc.optim.amp import Precision, backward, transform_step
-from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
+from rlfunc.optim.leaves import chain_state, leaf_list, objective_step
 
 # --compile auto compiles a run of at least this many gradient steps (bench/compiled_diffusion_offpolicy.py,
 # 2-core CPU, one thread, the defaults at batch 256: a cold compile took 135 s and saved 33 ms of the
@@ -180,11 +180,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             loss, m = critic_loss(q_all(stacked(critic_def, w, E), mb["cond"], mb["action"]), y)
             return loss, (loss, m)
 
-        grads, (loss, m) = torch.func.grad(objective, has_aux=True)(critic_w)
-        metrics = m.to_dict()
-        norm = chain_step(critic_opt, grads, critic_w, critic_def, opt, loss)
-        metrics["critic_grad_norm"] = norm
-        metrics["skipped_critic"] = (~(norm.isfinite() & loss.isfinite())).float()
+        metrics = objective_step(critic_opt, objective, critic_w, critic_def, opt, "critic")
         return {k: v.detach() for k, v in metrics.items()}
 
     def actor_step(actor_w: list[Tensor], critic_w: list[Tensor], target_actor_w: list[Tensor], target_critic_w: list[Tensor],
@@ -205,11 +201,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             loss, m = diffusion_ql_actor_loss(q, bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
             return loss, (loss, m)
 
-        grads, (loss, m) = torch.func.grad(objective, has_aux=True)(actor_w)
-        metrics = m.to_dict()
-        norm = chain_step(actor_opt, grads, actor_w, actor_def, opt, loss)
-        metrics["actor_grad_norm"] = norm
-        metrics["skipped_actor"] = (~(norm.isfinite() & loss.isfinite())).float()
+        metrics = objective_step(actor_opt, objective, actor_w, actor_def, opt, "actor")
         with torch.no_grad():
             torch._foreach_lerp_(target_actor_w, [w.detach() for w in actor_w], config.tau)
             torch._foreach_lerp_(target_critic_w, [w.detach() for w in critic_w], config.tau)

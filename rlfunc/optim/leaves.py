@@ -56,3 +56,18 @@ def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tu
     with torch.no_grad():
         torch._foreach_add_(leaves, delta)
     return norm if stacked else norm.reshape(())
+
+
+def objective_step(transform, objective, leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
+                   name: str) -> dict[str, Tensor]:
+    """One gradient step of ``objective`` on flat ``leaves`` through the update chain ``transform``
+    (:func:`chain_step`, in place on the leaves and on ``opt``). ``objective(leaves) -> (loss, (loss,
+    metrics TensorDict))``, the form ``torch.func.grad(..., has_aux=True)`` takes. Returns the
+    objective's metrics with ``{name}_grad_norm`` (0-dim, before clipping) and ``skipped_{name}``
+    (1.0 where the gradient norm or the loss was not finite, so nothing moved; else 0.0)."""
+    grads, (loss, m) = torch.func.grad(objective, has_aux=True)(leaves)
+    metrics = m.to_dict()
+    norm = chain_step(transform, grads, leaves, treedef, opt, loss)
+    metrics[f"{name}_grad_norm"] = norm
+    metrics[f"skipped_{name}"] = (~(norm.isfinite() & loss.isfinite())).float()
+    return metrics
