@@ -113,7 +113,7 @@ class MAPPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
-        require_default(self.run, env_workers="mappo's envs are torch-batched and step on the device", nproc="mappo is not data-parallel yet (ppo is): train it in one process", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
+        require_default(self.run, env_workers="mappo's envs step in the learner's process (torch-batched on the device, or rware's)", nproc="mappo is not data-parallel yet (ppo is): train it in one process", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
                         precision="mappo has no mixed precision", log_every="mappo logs every iteration")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")

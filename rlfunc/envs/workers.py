@@ -78,6 +78,19 @@ def shared_layout(space: gym.Space) -> dict[str, tuple[tuple[int, ...], np.dtype
 
 
 @contextlib.contextmanager
+def _sigint_held():
+    """SIGINT blocked in this thread while worker processes start. The forkserver (started by the first
+    pool) and the workers forked from it inherit the mask, so a Ctrl-C while the server imports
+    torch does not kill it with a traceback (it ignores SIGINT only after its imports); a Ctrl-C that
+    came meanwhile reaches this process when the mask is restored, not lost."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def _without_main():
     """While a worker starts: a bare ``__main__``, so that multiprocessing does not make the worker
     import the parent's main script (slow, and wrong for a script without a ``__main__`` guard); the
@@ -161,7 +174,7 @@ class PartPool:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker, args=(factory, lo, hi, buffers, num_envs, child, parent),
                                 name=f"rlfunc-env-worker-{k}", daemon=True)
-                with _without_main():
+                with _without_main(), _sigint_held():
                     p.start()
                 child.close()
                 self.pipes.append(parent)
@@ -203,7 +216,10 @@ class PartPool:
             raise EnvError("the env workers are closed")
         which = range(len(self.pipes)) if which is None else list(which)
         for j, k in enumerate(which):
-            self.pipes[k].send((name, () if args is None else tuple(args[j]), writes))
+            try:
+                self.pipes[k].send((name, () if args is None else tuple(args[j]), writes))
+            except (ConnectionError, OSError):  # the worker is gone (killed between calls): _receive names it
+                pass
         return self._receive(which)
 
     def close(self) -> None:

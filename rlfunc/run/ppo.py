@@ -469,7 +469,8 @@ def evaluate(
     trained = config_from_meta(checkpoint.load_meta(path), path)
     episodes = trained.run.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
-    config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev))
+    # the evaluation's envs step in this process, whatever the run's workers (K need not divide the episodes)
+    config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev), env_workers=0)
     venv = collect.make_vec_env(config.env, config.run.num_seeds * episodes)
     try:
         spec = env_spec(venv)

@@ -145,6 +145,34 @@ def test_a_ppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
     records = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("inline", "part")]
     assert [r["episode_return"] for r in records[0]] == [r["episode_return"] for r in records[1]]
     assert np.isfinite(records[1][-1]["episode_return"]) and records[1][-1]["episodes"] == 2
+    # the bug: the evaluation re-checked the config with num_envs=episodes and the run's 2 workers,
+    # so an odd episode count (the final evaluation's, `rlfunc eval`'s) failed after training
+    from rlfunc.run.ppo import evaluate
+
+    assert evaluate(tmp_path / "part", episodes=3)["episodes"] == 3
+
+
+def test_a_killed_worker_is_one_error_naming_it():
+    """The bug: a worker killed between calls (OOM, a crash in C) made the next send raise BrokenPipeError,
+    which the CLI takes for a closed stdout: exit 141 with no message. Now the call is an EnvError naming
+    the worker; and the forkserver and workers start with SIGINT blocked (a Ctrl-C during the server's
+    imports printed their tracebacks)."""
+    import os
+    import signal
+    from multiprocessing import forkserver
+
+    venv = collect.make_vec_env("Pendulum-v1", 2, workers=2)
+    try:
+        venv.reset(seed=[0, 1])
+        blocked = [line for line in open(f"/proc/{forkserver._forkserver._forkserver_pid}/status") if line.startswith("SigBlk")]
+        assert int(blocked[0].split()[1], 16) & (1 << (signal.SIGINT - 1))
+        worker = venv.pool.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        with pytest.raises(EnvError, match=r"env worker 0: the process ended \(exit code -9\)"):
+            venv.step(np.zeros((2, 1), dtype=np.float32))
+    finally:
+        venv.close()
 
 
 def test_a_dppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
