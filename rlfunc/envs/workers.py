@@ -77,17 +77,23 @@ def shared_layout(space: gym.Space) -> dict[str, tuple[tuple[int, ...], np.dtype
     return {}
 
 
-@contextlib.contextmanager
-def _sigint_held():
-    """SIGINT blocked in this thread while worker processes start. The forkserver (started by the first
-    pool) and the workers forked from it inherit the mask, so a Ctrl-C while the server imports
-    torch does not kill it with a traceback (it ignores SIGINT only after its imports); a Ctrl-C that
-    came meanwhile reaches this process when the mask is restored, not lost."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+def _start_forkserver_ignoring_sigint() -> None:
+    """Start multiprocessing's forkserver (if not running) with SIGINT ignored, which it inherits
+    through exec: a Ctrl-C to the process group while the server imports torch then leaves it alone
+    (it ignores SIGINT itself only after its imports, and printed their tracebacks). The learner
+    ignores SIGINT only for the spawn itself (the server's imports run after it returns). A signal
+    mask would not do: the server is spawned with an empty one."""
+    import threading
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal is the main thread's
+        forkserver.ensure_running()
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        yield
+        forkserver.ensure_running()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, old)
 
 
 @contextlib.contextmanager
@@ -119,8 +125,11 @@ def _worker(factory: Callable[[], Any], lo: int, hi: int, buffers: dict, num_env
         part = factory()
         views = {k: np.frombuffer(raw, dtype).reshape(num_envs, *shape)[lo:hi] for k, (raw, shape, dtype) in buffers.items()}
         pipe.send((True, getattr(part, "describe", lambda: None)()))
+    except ConnectionError:  # the learner is gone (stopped while its workers started): nobody to tell
+        return
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises EnvError)
-        pipe.send((False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        with contextlib.suppress(ConnectionError):
+            pipe.send((False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
         return
     try:
         while True:
@@ -141,7 +150,7 @@ def _worker(factory: Callable[[], Any], lo: int, hi: int, buffers: dict, num_env
                 pipe.send((True, out))
             except Exception as e:  # noqa: BLE001
                 pipe.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    except (KeyboardInterrupt, EOFError):
+    except (KeyboardInterrupt, EOFError, ConnectionError):  # the learner stopped or went away
         pass
     finally:
         if part is not None and hasattr(part, "close"):
@@ -162,6 +171,7 @@ class PartPool:
         ctx = mp.get_context(context)
         if context == "forkserver":  # the server imports these once; each worker is a fork of it
             ctx.set_forkserver_preload(PRELOAD)
+            _start_forkserver_ignoring_sigint()
         self.slices, self.num_envs = list(slices), num_envs
         self.pipes, self.processes = [], []
         self.closed = False
@@ -174,7 +184,7 @@ class PartPool:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker, args=(factory, lo, hi, buffers, num_envs, child, parent),
                                 name=f"rlfunc-env-worker-{k}", daemon=True)
-                with _without_main(), _sigint_held():
+                with _without_main():
                     p.start()
                 child.close()
                 self.pipes.append(parent)

@@ -155,17 +155,13 @@ def test_a_ppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
 def test_a_killed_worker_is_one_error_naming_it():
     """The bug: a worker killed between calls (OOM, a crash in C) made the next send raise BrokenPipeError,
     which the CLI takes for a closed stdout: exit 141 with no message. Now the call is an EnvError naming
-    the worker; and the forkserver and workers start with SIGINT blocked (a Ctrl-C during the server's
-    imports printed their tracebacks)."""
+    the worker."""
     import os
     import signal
-    from multiprocessing import forkserver
 
     venv = collect.make_vec_env("Pendulum-v1", 2, workers=2)
     try:
         venv.reset(seed=[0, 1])
-        blocked = [line for line in open(f"/proc/{forkserver._forkserver._forkserver_pid}/status") if line.startswith("SigBlk")]
-        assert int(blocked[0].split()[1], 16) & (1 << (signal.SIGINT - 1))
         worker = venv.pool.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
