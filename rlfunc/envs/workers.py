@@ -232,6 +232,22 @@ class PartPool:
                 pass
         return self._receive(which)
 
+    def env_state(self) -> list[dict] | None:
+        """Every env's state (:func:`rlfunc.envs.state.env_state`), each worker capturing its own, in
+        env order; None when any worker's cannot be captured."""
+        parts = self.call("env_state")
+        return None if any(p is None for p in parts) else [s for p in parts for s in p]
+
+    def set_env_state(self, states: list[dict]) -> None:
+        """Restore what :meth:`env_state` captured, each worker its envs' share.
+
+        Raises:
+            EnvError: ``states`` is not one state per env.
+        """
+        if len(states) != self.num_envs:
+            raise EnvError(f"env state has {len(states)} envs, the vector env has {self.num_envs}")
+        self.call("set_env_state", [(list(states[lo:hi]),) for lo, hi in self.slices])
+
     def close(self) -> None:
         if self.closed:
             return
@@ -366,16 +382,12 @@ class WorkerVectorEnv(gym.vector.VectorEnv):
                 concat_infos([o[4] for o in out], self.sizes))
 
     def env_state(self) -> list[dict] | None:
-        """:func:`rlfunc.envs.collect.env_state` of every env, each worker capturing its own; None
-        when any worker's cannot be captured."""
-        parts = self.pool.call("env_state")
-        return None if any(p is None for p in parts) else [s for p in parts for s in p]
+        """:func:`rlfunc.envs.collect.env_state` of every env (:meth:`PartPool.env_state`)."""
+        return self.pool.env_state()
 
     def set_env_state(self, states: list[dict]) -> None:
-        """Restore what :meth:`env_state` captured, each worker its envs' share."""
-        if len(states) != self.num_envs:
-            raise EnvError(f"env state has {len(states)} envs, the vector env has {self.num_envs}")
-        self.pool.call("set_env_state", [(list(states[lo:hi]),) for lo, hi in self.pool.slices])
+        """Restore what :meth:`env_state` captured (:meth:`PartPool.set_env_state`)."""
+        self.pool.set_env_state(states)
 
     def close_extras(self, **kwargs: Any) -> None:
         if hasattr(self, "pool"):
@@ -504,13 +516,10 @@ class ChunkWorkers:
         return self._observation([o[0] for o in out], range(len(out))), cat(1), cat(2), cat(3), cat(4)
 
     def env_state(self) -> list[dict] | None:
-        parts = self.pool.call("env_state")
-        return None if any(p is None for p in parts) else [s for p in parts for s in p]
+        return self.pool.env_state()
 
     def set_env_state(self, states: list[dict]) -> None:
-        if len(states) != self.num_envs:
-            raise EnvError(f"env state has {len(states)} envs, the vector env has {self.num_envs}")
-        self.pool.call("set_env_state", [(list(states[lo:hi]),) for lo, hi in self.pool.slices])
+        self.pool.set_env_state(states)
 
     def close(self) -> None:
         self.pool.close()
