@@ -178,6 +178,9 @@ class OffPolicyConfig:
     hidden: tuple[int, ...] = (256, 256)  # MLP widths of the actor and of each critic
     activation: str = "relu"  # tanh | relu | elu | silu
     max_grad_norm: float | None = None  # global grad-norm clip per network (None or 0: off)
+    async_collection: bool = False  # step the envs in a worker process while the learner updates (rlfunc.envs.async_collect): faster, not reproducible, a resume starts new episodes
+    sync_weights_every: int = 1  # with async_collection: gradient steps between two publishes of the actor's weights to the worker
+    async_queue: int = 2  # with async_collection: vector-env steps the worker may run ahead of the learner
     run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 
     def __post_init__(self) -> None:
@@ -189,11 +192,15 @@ class OffPolicyConfig:
         require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
                         num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         precision=f"{n} has no mixed precision", log_every=f"{n} logs every iteration")
-        for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics"):
+        for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics",
+                     "sync_weights_every", "async_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
         check_env_workers(self.run, self.num_envs)
+        if self.async_collection and self.run.env_workers:
+            raise ConfigError(f"async_collection with run.env_workers={self.run.env_workers}: the asynchronous collector steps "
+                              "every env in its one worker process; expected env_workers=0 with it")
         if isinstance(self.learning_starts, bool) or not isinstance(self.learning_starts, int) or self.learning_starts < 0:
             raise ConfigError(f"learning_starts={self.learning_starts!r}: expected an integer >= 0")
         if not 0.0 <= self.gamma <= 1.0:

@@ -42,6 +42,7 @@ from rlfunc.config import from_dict
 from rlfunc.core.stats import success_interval, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
+from rlfunc.envs.async_collect import AsyncCollector
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.run import Run, RunResult, checkpoint, resume_source
 from rlfunc.run import train as run_train
@@ -102,6 +103,26 @@ def evaluate_policy(algo: OffPolicy, state: TensorDict, config, episodes: int, s
     return out
 
 
+class ActingPolicy:
+    """The acting policy of an asynchronous collector (:class:`rlfunc.envs.async_collect.AsyncCollector`'s
+    ``make_policy``): ``config``'s algorithm built on the CPU in the worker, acting with the actor's
+    weights it is given (``{"actor": ...}``, the learner's ``state["params"].select("actor")``), uniform
+    actions while ``warm``. Picklable (a config and an EnvSpec)."""
+
+    def __init__(self, config, spec: EnvSpec) -> None:
+        self.config, self.spec, self.algo = config, spec, None
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config, "spec": self.spec, "algo": None}
+
+    def __call__(self, weights: TensorDict, generator: torch.Generator, warm: bool):
+        if self.algo is None:
+            self.algo = MAKERS[type(self.config)](self.config, self.spec, torch.device("cpu"))
+        if warm:
+            return uniform_policy(self.algo.scale, generator)
+        return self.algo.policy(TensorDict({"params": weights}, batch_size=[]), generator)
+
+
 class OffPolicyRun(Run):
     """A sac or td3 run (``name``) as :func:`rlfunc.run.run_loop` drives it; see the module docstring.
 
@@ -127,11 +148,15 @@ class OffPolicyRun(Run):
             self.seeds = collect.env_seeds(config.run.seed, config.num_envs)
             self.carry = collect.reset(self.venv, self.seeds)
             self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+            self.collector: AsyncCollector | None = None  # async_collection: started by the first step
+            self.publishes = 0
         except BaseException:
             self.venv.close()
             raise
 
     def step(self, i: int, stopping: bool) -> dict:
+        if self.config.async_collection:
+            return self._async_step(i)
         config, state, N = self.config, self.state, self.config.num_envs
         steps = int(state["env_steps"])
         per_step = config.updates_per_step * N
@@ -171,13 +196,68 @@ class OffPolicyRun(Run):
         record.update({key: float(total / counts[key]) for key, total in sums.items()})  # one host read per metric
         return record
 
+    def _async_step(self, i: int) -> dict:
+        """One iteration with the envs stepped by the asynchronous collector: ``num_steps`` times, the
+        next vector-env step's transitions from the queue into the buffer, then the same gradient steps
+        as :meth:`step`; the actor's weights are published every ``sync_weights_every`` gradient steps.
+        ``collect_s`` is the time spent waiting for the worker's transitions; "policy_lag" the mean
+        number of publishes the acting weights were behind the learner's latest."""
+        config, state, N = self.config, self.state, self.config.num_envs
+        steps = int(state["env_steps"])
+        if self.collector is None:  # a resumed run starts new episodes (the worker's are not in snapshots)
+            it = int(state["iteration"])
+            self.collector = AsyncCollector(
+                config.env, N, self.seeds if it == 0 else collect.env_seeds(config.run.seed + 1_000_003 * it, N),
+                ActingPolicy(config, self.spec), state["params"].select("actor"), warm_steps=config.learning_starts,
+                start_steps=steps, seed=config.run.seed + 1_000_003 * (it + 1), queue_size=config.async_queue)
+            self.publishes, self.since_publish = 0, 0
+        per_step = config.updates_per_step * N
+        returns, sums, counts, lag = [], {}, {}, 0
+        collect_s = update_s = 0.0
+        for _ in range(config.num_steps):
+            t0 = time.perf_counter()
+            with span("env_wait"):
+                batch, version = self.collector.next()
+            with span("rollout"):
+                self.buffer.extend(transitions(batch.to(self.device), self.algo.scale))
+            lag += self.publishes - version
+            steps += N
+            done = batch["next", "done"]
+            if bool(done.any()):
+                returns.extend(batch["next", "episode_reward"][done].tolist())
+            t1 = time.perf_counter()
+            collect_s += t1 - t0
+            if steps >= config.learning_starts:
+                with span("update"):
+                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_step)
+                self.since_publish += per_step
+                if self.since_publish >= config.sync_weights_every:
+                    self.publishes = self.collector.publish(state["params"].select("actor"))
+                    self.since_publish = 0
+                for key, value in m.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                    counts[key] = counts.get(key, 0) + 1
+                update_s += time.perf_counter() - t1
+        state["env_steps"] = torch.tensor(steps, device=self.device)
+        state["iteration"] = state["iteration"] + 1
+        state["rng"] = self.gen.get_state()
+        self.state = state
+        finite = [r for r in returns if r == r]
+        record = {"iteration": i, "step": steps, "episodes": len(returns),
+                  "steps_per_s": config.num_steps * N / max(collect_s + update_s, 1e-9), "collect_s": collect_s,
+                  "update_s": update_s, "updates": int(state["updates"]), "policy_lag": lag / config.num_steps}
+        if finite:
+            record["episode_return"] = sum(finite) / len(finite)
+        record.update({key: float(total / counts[key]) for key, total in sums.items()})
+        return record
+
     def saved(self) -> tuple[TensorDict, dict]:
         rows, buffer_meta = buffer_snapshot(self.buffer, self.config.checkpoint_buffer)
         tensors = TensorDict({"learner": self.state, "carry": self.carry}, batch_size=[])
         for key, value in rows.items():
             tensors[key] = value
         meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "env_spec": self.spec._asdict(),
-                "env_state": collect.env_state(self.venv), "env_seeds": self.seeds,
+                "env_state": None if self.config.async_collection else collect.env_state(self.venv), "env_seeds": self.seeds,
                 "iteration": int(self.state["iteration"]), "env_steps": int(self.state["env_steps"]),
                 **state_meta(), **buffer_meta}
         return tensors, meta
@@ -188,7 +268,10 @@ class OffPolicyRun(Run):
         set_generator_state(self.gen, self.state["rng"])
         self.carry = loaded["carry"].to("cpu")
         point = ResumePoint(f"the {self.name} snapshot of iteration {meta.get('iteration')}", meta, self.config)
-        if meta.get("env_state") is not None:
+        if self.config.async_collection:
+            warnings.warn(f"{point.snapshot}: async_collection: the collector's episodes are not in snapshots, so the resumed "
+                          "run starts new episodes", stacklevel=3)
+        elif meta.get("env_state") is not None:
             collect.set_env_state(self.venv, meta["env_state"])
         else:
             self.carry = collect.reset(self.venv, self.seeds)
@@ -201,6 +284,8 @@ class OffPolicyRun(Run):
                                                      self.device)}
 
     def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
         self.venv.close()
 
 

@@ -1,0 +1,85 @@
+"""Asynchronous off-policy collection (issue 16, item 2): env steps/s of sac and td3 with the envs
+stepped in the learner's process (the default loop) and in one collector process while the learner
+updates (``--async-collection``, rlfunc.envs.async_collect).
+
+Rows, interleaved per repeat: the same config (``--env``, ``--num-envs``, ``--steps`` env steps after
+``--learning-starts``, ``--compile``) in both modes; the rate is env steps / (collect_s + update_s)
+over the iterations after the first (the first holds the worker's start and any compile), median
+over --repeats. With async collection collect_s is the learner's wait for transitions, so the rate
+is what the learner sees. The final returns are printed for orientation only (one seed, 10 episodes:
+not a quality claim; the evaluation protocol's 5 seeds x 50 episodes is another bench's job).
+
+Both processes need a core each to overlap: on a machine shared with other sessions the
+overlap shrinks (Linux autogroup scheduling gives a session one share of the CPU, see
+bench/env_workers.py).
+
+    OMP_NUM_THREADS=1 python -m bench.async_collect --algos sac --env HalfCheetah-v5 --steps 3000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from rlfunc.algos.sac import SACConfig
+from rlfunc.algos.td3 import TD3Config
+from rlfunc.config import replace
+from rlfunc.run import offpolicy
+
+CONFIGS = {"sac": (SACConfig, offpolicy.train_sac), "td3": (TD3Config, offpolicy.train_td3)}
+
+
+def _rate(run_dir: Path) -> tuple[float, float, float]:
+    """(env steps/s, mean collect_s share, mean policy_lag) over the iterations after the first."""
+    every = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = every[1:]
+    steps = every[-1]["step"] - every[0]["step"]
+    seconds = sum(r["collect_s"] + r["update_s"] for r in lines)
+    share = statistics.fmean(r["collect_s"] / (r["collect_s"] + r["update_s"]) for r in lines)
+    return steps / seconds, share, statistics.fmean(r.get("policy_lag", 0.0) for r in lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algos", nargs="+", default=["sac"], choices=sorted(CONFIGS))
+    parser.add_argument("--env", default="Pendulum-v1")
+    parser.add_argument("--num-envs", type=int, default=1)
+    parser.add_argument("--num-steps", type=int, default=250, help="vector-env steps per iteration")
+    parser.add_argument("--steps", type=int, default=2000, help="env steps after learning starts")
+    parser.add_argument("--learning-starts", type=int, default=250)
+    parser.add_argument("--compile", default="off", choices=["off", "auto", "on"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows: dict[tuple[str, bool], list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for algo in args.algos:
+                cls, train = CONFIGS[algo]
+                for async_collection in (False, True):
+                    config = replace(cls(), env=args.env, num_envs=args.num_envs, num_steps=args.num_steps,
+                                     learning_starts=args.learning_starts, total_steps=args.learning_starts + args.steps,
+                                     checkpoint_every=0, eval_episodes=10, compile=args.compile, torch_threads=1,
+                                     async_collection=async_collection)
+                    run_dir = Path(tmp) / f"{algo}_{async_collection}_{repeat}"
+                    result = train(config, run_dir, progress=False, tensorboard=False)
+                    rate, share, lag = _rate(run_dir)
+                    rows.setdefault((algo, async_collection), []).append((rate, share, lag, result.evaluation["mean"]))
+                    print(f"repeat {repeat} {algo} async={async_collection}: {rate:.1f} env steps/s, collect share {share:.1%}, "
+                          f"policy lag {lag:.2f}, return {result.evaluation['mean']:.1f}", flush=True)
+    print(f"\n{args.env}, {args.num_envs} env(s), compile {args.compile}, {args.repeats} repeats (medians)")
+    print("| algo | mode | env steps/s | collect share | policy lag (publishes) | ratio async / sync |")
+    print("|---|---|---:|---:|---:|---:|")
+    for algo in args.algos:
+        sync = statistics.median(r[0] for r in rows[(algo, False)])
+        for mode in (False, True):
+            runs = rows[(algo, mode)]
+            rate = statistics.median(r[0] for r in runs)
+            print(f"| {algo} | {'async' if mode else 'in process'} | {rate:.1f} | {statistics.median(r[1] for r in runs):.1%} | "
+                  f"{statistics.median(r[2] for r in runs):.2f} | {rate / sync:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""sac / td3 with ``async_collection`` (issue 16, item 2): the envs step in a worker process while the
+learner updates. Timing decides which weights act, so the runs are not compared tensor for tensor;
+what timing cannot change is checked: the buffer holds every env step, the gradient steps are the
+synchronous run's count, the lag stays within the queue's bound, a resume warns and starts new
+episodes, and the bad combinations are one-line errors."""
+
+import json
+
+import pytest
+
+from rlfunc.algos.sac import SACConfig
+from rlfunc.algos.td3 import TD3Config
+from rlfunc.config import replace
+from rlfunc.errors import ConfigError
+from rlfunc.run import checkpoint, offpolicy
+
+QUIET = dict(progress=False, tensorboard=False)
+# 2 envs x 50 steps per iteration, 3 iterations; gradient steps from env step 60: at env steps 60, 62, ..., 300
+SMALL = dict(env="Pendulum-v1", total_steps=300, num_envs=2, num_steps=50, learning_starts=60, buffer_size=1000,
+             batch_size=16, hidden=(16, 16), checkpoint_every=0, eval_episodes=2, device="cpu", async_collection=True)
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("cls, train", [(SACConfig, offpolicy.train_sac), (TD3Config, offpolicy.train_td3)])
+def test_an_async_run_stores_every_step_and_takes_the_synchronous_gradient_steps(tmp_path, cls, train):
+    result = train(replace(cls(), **SMALL), tmp_path / "run", **QUIET)
+    assert int(result.state["env_steps"]) == 300
+    assert int(result.state["updates"]) == 2 * 121  # 121 vector-env steps at >= 60 env steps, 2 updates each
+    _, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(tmp_path / "run"))
+    assert meta["buffer"]["length"] == 300 and meta["env_state"] is None
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [100, 200, 300]
+    # a publish after every update step; the worker runs at most async_queue (2) + 1 vector-env steps ahead
+    assert all(0 <= r["policy_lag"] <= 3 for r in records) and "loss_critic" in records[-1]
+    assert result.evaluation["episodes"] == 2 and result.evaluation["mean"] < 0
+
+
+def test_an_async_resume_warns_and_continues_with_new_episodes(tmp_path):
+    config = replace(SACConfig(), **SMALL)
+    offpolicy.train_sac(config, tmp_path / "run", max_iterations=1, **QUIET)
+    with pytest.warns(UserWarning, match="starts new episodes"):
+        resumed = offpolicy.resume(tmp_path / "run", **QUIET)
+    assert int(resumed.state["env_steps"]) == 300 and int(resumed.state["updates"]) == 2 * 121
+
+
+def test_async_collection_with_env_workers_is_a_config_error():
+    with pytest.raises(ConfigError, match="async_collection with run.env_workers=2"):
+        replace(SACConfig(), **{**SMALL, "env_workers": 2})
+    with pytest.raises(ConfigError, match="async_queue=0"):
+        replace(SACConfig(), **{**SMALL, "async_queue": 0})
