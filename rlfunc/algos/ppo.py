@@ -325,16 +325,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             device=device,
         )
 
-    def grad_step(leaves: list[Tensor], treedef: tuple, adam_state: tuple[list[Tensor], list[Tensor], list[Tensor]],
-                  mb: dict, lr: Tensor, allowed: Tensor):
-        """One minibatch's gradient step as one pure function (the form torch.compile takes whole):
-        loss and gradients by torch.func.grad over the trainable ``leaves`` (rlfunc.optim.flatten
-        order), the per-seed norms, the finiteness mask, then ``optimizer``'s chain, the same
-        ``update_leaves`` the eager loop calls, and the update added to ``leaves`` in place (and
-        Adam's ``adam_state`` = (step, exp_avg, exp_avg_sq) leaves of the same order). ``mb``: the
-        minibatch's tensors [S, M, ...]; ``lr``: 0-dim float32; ``allowed``: [S] bool (finite data,
-        not stopped by target_kl). Returns (loss [S], metrics {name: [S]}, norms [S]). Lists and dicts
-        in and out, no TensorDict: tensordict's pytree cache would make the second call recompile."""
+    def grads_of(leaves: list[Tensor], treedef: tuple, mb: dict):
+        """The loss's gradients over the trainable ``leaves`` (rlfunc.optim.flatten order) by
+        torch.func.grad, for the minibatch's tensors ``mb`` [S, M, ...]: (grads, loss [S], metrics
+        {name: [S]}). Lists and dicts in and out, no TensorDict: tensordict's pytree cache would
+        make the second compiled call recompile."""
 
         def total(ls):
             params = unflatten(treedef, ls)
@@ -345,6 +340,14 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             return loss.sum(), (loss, metrics)
 
         grads, (loss, metrics) = torch.func.grad(total, has_aux=True)(leaves)
+        return grads, loss.detach(), {k: v.detach() for k, v in metrics.items()}
+
+    def apply_grads(leaves: list[Tensor], treedef: tuple, adam_state: tuple[list[Tensor], list[Tensor], list[Tensor]],
+                    grads: list[Tensor], loss: Tensor, lr: Tensor, allowed: Tensor) -> Tensor:
+        """The per-seed gradient norms [S], the finiteness mask (``allowed`` [S] bool: finite data,
+        not stopped by target_kl; and a finite loss and norm), then ``optimizer``'s chain (the same
+        ``update_leaves`` the eager loop calls) and the update added to ``leaves`` in place (Adam's
+        ``adam_state`` = (step, exp_avg, exp_avg_sq) leaves of the same order, in place). Returns the norms."""
         norms = member_grad_norms(grads, stacked=True)
         mask = allowed & loss.isfinite() & norms.isfinite()
         grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]
@@ -354,16 +357,30 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         delta, _ = optimizer.update_leaves(grads, treedef, state, None, lr=lr, mask=mask, grad_norm=norms)
         with torch.no_grad():
             torch._foreach_add_(leaves, delta)
-        return loss.detach(), {k: v.detach() for k, v in metrics.items()}, norms
+        return norms
+
+    def grad_step(leaves: list[Tensor], treedef: tuple, adam_state: tuple[list[Tensor], list[Tensor], list[Tensor]],
+                  mb: dict, lr: Tensor, allowed: Tensor):
+        """One minibatch's gradient step as one pure function (the form torch.compile takes whole):
+        :func:`grads_of` then :func:`apply_grads`. Returns (loss [S], metrics {name: [S]}, norms [S]).
+        A data-parallel run compiles the two apart, with the ranks' all_reduce_mean between them."""
+        grads, loss, metrics = grads_of(leaves, treedef, mb)
+        norms = apply_grads(leaves, treedef, adam_state, grads, loss, lr, allowed)
+        return loss, metrics, norms
 
     compiled = config.run.compile != "off" and transform is None and not config.adaptive_clip \
-        and not config.prioritized_minibatches and W == 1
+        and not config.prioritized_minibatches
     if config.run.compile == "auto":  # on where the run is long enough to pay for compiling (bench/compiled_update.py)
         compiled = compiled and config.num_iterations * config.num_epochs * (config.batch_size // config.minibatch_size) >= AUTO_COMPILE_STEPS
     if config.run.compile == "on" and not compiled:
         raise ConfigError("run.compile='on': ppo compiles its plain gradient step only; expected no step transform, "
-                          "adaptive_clip, prioritized_minibatches or nproc > 1 with it (or --compile off)")
-    compiled_step = compile_step(grad_step, device, config.run.compile, "ppo", static_args=(0, 2)) if compiled else None
+                          "adaptive_clip or prioritized_minibatches with it (or --compile off)")
+    compiled_step = compiled_grads = compiled_apply = None
+    if compiled and W == 1:
+        compiled_step = compile_step(grad_step, device, config.run.compile, "ppo", static_args=(0, 2))
+    elif compiled:  # two graphs, the ranks' one collective between them
+        compiled_grads = compile_step(grads_of, device, config.run.compile, "ppo", static_args=(0,))
+        compiled_apply = compile_step(apply_grads, device, config.run.compile, "ppo", static_args=(0, 2))
 
     def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
         if not config.normalize_observations:
@@ -616,10 +633,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             raise ShapeError("ppo: rlfunc.optim.flatten orders the parameter leaves unlike rlfunc.core.func.leaves")
         lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
         optim_state = state["optim"]
-        lr_tensor = torch.tensor(lr, dtype=torch.float32, device=device) if compiled_step is not None else None
+        traced = compiled_step is not None or compiled_grads is not None
+        lr_tensor = torch.tensor(lr, dtype=torch.float32, device=device) if traced else None
         detached = [p.detach() for p in leaves]  # the compiled step writes them in place (views of the params)
         adam_leaves = tuple(leaves_at_each([optim_state["1", k] for k in ("step", "exp_avg", "exp_avg_sq")], treedef, "ppo")) \
-            if compiled_step is not None else None
+            if traced else None
         B = flat.batch_size[1]
         num_mb = B // config.minibatch_size
         share = config.minibatch_size // W  # this rank's samples of each minibatch
@@ -654,10 +672,18 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     mb["advantage"] = parallel.normalized_share(
                         vmap(normalize_advantage), flat["advantage"], rows,
                         perm[:, k * config.minibatch_size : (k + 1) * config.minibatch_size], rank, W)
-                if compiled_step is not None:
+                if traced:
                     mb_tensors = {k: mb.get(k) for k in ("observation", "action", "sample_log_prob", "advantage", "value_target", "state_value")}
-                    loss, metrics, norms = compiled_step(detached, treedef, adam_leaves, mb_tensors, lr_tensor, data_ok & active)
-                    metrics = TensorDict(metrics, batch_size=[S])
+                    if compiled_step is not None:
+                        loss, metrics, norms = compiled_step(detached, treedef, adam_leaves, mb_tensors, lr_tensor, data_ok & active)
+                        metrics = TensorDict(metrics, batch_size=[S])
+                    else:  # data parallel: the gradients, the loss and the metrics averaged between the two graphs
+                        grads, loss, metrics = compiled_grads(detached, treedef, mb_tensors)
+                        t0 = time.perf_counter()
+                        with span("all_reduce"):
+                            grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, TensorDict(metrics, batch_size=[S]))
+                        comm_s += time.perf_counter() - t0
+                        norms = compiled_apply(detached, treedef, adam_leaves, grads, loss, lr_tensor, data_ok & active)
                     optim_state = TensorDict({"0": {"norm": norms}, "1": optim_state["1"]}, batch_size=[])
                     skipped += torch.stack([~data_ok, data_ok & ~loss.isfinite(), data_ok & loss.isfinite() & ~norms.isfinite()], 1).long()
                 else:
@@ -725,8 +751,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         metrics["updates"] = torch.full((S,), updates, device=device)
         if W > 1:
             metrics["allreduce_s"] = torch.full((S,), comm_s, device=device)
-        if compiled_step is not None and compiled_step.compile_s is not None and int(state["iteration"]) == 0:
-            metrics["compile_s"] = torch.full((S,), compiled_step.compile_s, device=device)  # the first iteration's metrics line
+        compile_s = [f.compile_s for f in (compiled_step, compiled_grads, compiled_apply) if f is not None and f.compile_s is not None]
+        if compile_s and int(state["iteration"]) == 0:
+            metrics["compile_s"] = torch.full((S,), sum(compile_s), device=device)  # the first iteration's metrics line
         metrics["value_target_mean"] = flat["value_target"].mean((1, 2))
         return out, metrics
 
