@@ -81,3 +81,14 @@ def average_grads_(reduce: GradientTransform, leaves: list[Tensor], loss: Tensor
     for p, g in zip(stepped, grads):
         p.grad = g
     return loss, metrics
+
+
+def count_weight(share_count: Tensor, total_count: Tensor, world_size: int) -> Tensor:
+    """W * max(c_r, 1) / max(C, 1): the factor that turns rank r's mean over the c_r items of its share
+    (valid steps, say; ``share_count``) into its part of the mean over all C items of the minibatch
+    (``total_count``, every rank's items), so that the mean over the ranks of the weighted share means
+    is (sum over all items) / C, the single process's ratio. The max(., 1) is
+    :func:`rlfunc.losses.grpo.masked_aggregate`'s guard (an empty share's mean is 0). Any shape, the
+    two counts alike; float32."""
+    share = share_count.clamp_min(1).to(torch.float32)
+    return world_size * share / total_count.clamp_min(1).to(torch.float32)
