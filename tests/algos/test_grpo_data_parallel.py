@@ -106,3 +106,49 @@ def test_data_parallel_config_errors():
 
     with pytest.raises(ConfigError, match="num_groups=4 does not divide by the 3 ranks"):
         make_grpo(_config("grpo"), _spec("PointReach-v0"), CPU, SimpleNamespace(world_size=3, rank=0, group=None))
+
+
+def test_a_rank_of_the_gymnasium_backend_steps_each_seeds_groups_of_the_single_process():
+    """backend='gym', 2 seeds: rank r's envs are groups r*n/W.. of each seed (reset with their seeds),
+    acting with its rows of each seed's noise; no collective is needed to collect."""
+    from types import SimpleNamespace
+
+    from rlfunc.run.grpo import _rollout_env, _spec
+    from rlfunc.run.ppo import _generators
+
+    config = replace(_config("grpo"), backend="gym", num_seeds=2, max_episode_steps=4)
+    spec = _spec(config.env)
+    single = make_grpo(config, spec, CPU)
+    state = single.init()
+    gens = _generators(state, CPU)
+    want = _rollout_env(config, CPU).rollout(single.policy(state, gens), 3)  # [2, n, G, T]
+    for r in range(2):
+        dist = SimpleNamespace(world_size=2, rank=r, group=None, active=True)
+        algo = make_grpo(config, spec, CPU, dist)
+        own_gens = _generators(state, CPU)
+        got = _rollout_env(config, CPU, dist).rollout(algo.policy(state, own_gens), 3)
+        half = want[:, r * N_GROUPS // 2:(r + 1) * N_GROUPS // 2]
+        for key in ("observation", "action", "sample_log_prob", ("next", "reward"), "mask"):
+            torch.testing.assert_close(got[key], half[key], rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+        assert all(torch.equal(g.get_state(), h.get_state()) for g, h in zip(gens, own_gens))
+
+
+def test_a_rank_whose_episodes_ended_sooner_draws_and_repeats_its_last_step():
+    """grouped_rollout_torchrl with ``longest`` (the ranks' longest rollout): the missing steps are
+    the last one repeated (an ended env of a batch that goes on is absorbing, as TorchRL keeps it),
+    and the policy is called for each of them (its draws)."""
+    from envs.point_reach import PointReachEnv
+    from rlfunc.envs.grouped import grouped_rollout_torchrl
+
+    calls = []
+
+    def policy(observation):
+        calls.append(observation.shape[0])
+        return torch.zeros(observation.shape[0], 2), torch.zeros(observation.shape[0], 1)
+
+    env = PointReachEnv(4, seed=0)
+    td = grouped_rollout_torchrl(env, policy, 2, 40, longest=lambda steps: steps + 3)  # truncated after 30 steps
+    assert td.batch_size == (2, 2, 33) and calls == [4] * 33
+    for t in (30, 31, 32):
+        assert (td[:, :, t].exclude("mask") == td[:, :, 29].exclude("mask")).all()
+    assert td["mask"][:, :, 29].all() and not td["mask"][:, :, 30:].any()  # the repeated end is not a step of the episode
