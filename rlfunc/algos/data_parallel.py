@@ -1,4 +1,4 @@
-"""What every data-parallel algorithm (ppo, bc, dppo) shares to make its update equal the single
+"""What every data-parallel algorithm (ppo, bc, dppo, grpo, gspo, mappo) shares to make its update equal the single
 process's, to float rounding: ``make_X(..., dist)`` with a :class:`rlfunc.run.distributed.Distributed`
 of W > 1 ranks.
 
@@ -12,7 +12,8 @@ of W > 1 ranks.
   state keeps the single process's layout (snapshots move between world sizes).
 
 Metrics that are not means over the samples (a max, an explained variance) come back as the mean of
-the ranks' values of their shares, not as the value of the whole minibatch.
+the ranks' values of their shares, not as the value of the whole minibatch. A mean over items whose
+number differs between the shares (grpo's valid steps) is weighted first (:func:`count_weight`).
 """
 
 from __future__ import annotations
