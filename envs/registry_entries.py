@@ -51,11 +51,13 @@ def warehouse_config(config, *, train: bool):
                            shaping_scale=config.shaping_scale, conflict_penalty=config.conflict_penalty)
 
 
-def warehouse_env(config, num_envs: int, device, seed: int):
-    """:class:`envs.warehouse.WarehouseEnv` of ``num_envs`` training warehouses on ``device``."""
+def warehouse_env(config, num_envs: int, device, seed: int, split=None, any_done_of_split=None):
+    """:class:`envs.warehouse.WarehouseEnv` of ``num_envs`` training warehouses on ``device`` (a
+    data-parallel rank's: its ``split`` of one env of ``seed``)."""
     from envs.warehouse import WarehouseEnv
 
-    return WarehouseEnv(num_envs, warehouse_config(config, train=True), device=device, seed=seed)
+    return WarehouseEnv(num_envs, warehouse_config(config, train=True), device=device, seed=seed, split=split,
+                        any_done_of_split=any_done_of_split)
 
 
 def warehouse_eval(config, act, device) -> dict:
@@ -103,5 +105,6 @@ register("PointReach-v0", EnvEntry(torch_env=lazy("envs.point_reach:PointReachEn
                                    episode_metrics=lazy("envs.point_reach:rollout_mode_statistics")))
 register("PushState-v0", EnvEntry(demonstrations=push_demonstrations))
 register("Push-v0", EnvEntry(demonstrations=push_demonstrations))
-register("Warehouse-v0", EnvEntry(multi_agent_env=warehouse_env, multi_agent_eval=warehouse_eval, settable_state=True))
+register("Warehouse-v0", EnvEntry(multi_agent_env=warehouse_env, multi_agent_eval=warehouse_eval, settable_state=True,
+                                  multi_agent_split=True))
 register("rware-*", EnvEntry(multi_agent_env=rware_env, multi_agent_eval=rware_eval))

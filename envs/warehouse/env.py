@@ -69,17 +69,32 @@ class WarehouseEnv(EnvBase):
         config: grid, agents, rewards, episode length.
         device: a torch device or its name (None: cpu).
         seed: seed of the generator; None draws a non-deterministic one.
+        split: None, or (rank, world_size): these N warehouses are warehouses rank*N .. (rank+1)*N - 1
+            of the world_size*N of ``seed`` (every reset draws for all of them and keeps its rows, so
+            the world_size envs of a data-parallel run together step the one env of a single process).
+        any_done_of_split: with ``split``, ``fn(done_here: bool) -> bool``, whether a warehouse of any
+            rank of the split is done (a collective every rank calls once per step): TorchRL resets
+            after a step where one is done, and the single process's generator draws then, so a rank
+            whose warehouses are not done draws too (a reset of none of them). None: the ranks draw
+            when one of their own is done (the same steps while every episode lasts ``max_steps``).
 
     Raises:
-        EnvError: ``num_envs`` is not an int >= 1.
+        EnvError: ``num_envs`` is not an int >= 1, or ``split`` not (rank, world_size) with
+            0 <= rank < world_size.
         ConfigError: a bad ``config`` (see :class:`~envs.warehouse.layout.WarehouseConfig`).
     """
 
     def __init__(self, num_envs: int = 1, config: WarehouseConfig = WarehouseConfig(), *,
-                 device: torch.device | str | None = None, seed: int | None = None):
+                 device: torch.device | str | None = None, seed: int | None = None,
+                 split: tuple[int, int] | None = None, any_done_of_split=None):
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
             raise EnvError(f"num_envs={num_envs!r}: expected an int >= 1")
         _check_config(config)
+        rank, world_size = (0, 1) if split is None else split
+        if not 0 <= rank < world_size:
+            raise EnvError(f"split={split!r}: expected (rank, world_size) with 0 <= rank < world_size")
+        self._split = (rank, world_size)
+        self._any_done_of_split = any_done_of_split if world_size > 1 else None
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.num_envs, self.config = num_envs, config
@@ -160,9 +175,22 @@ class WarehouseEnv(EnvBase):
         }
         return TensorDict(out, batch_size=self.batch_size, device=self.device)
 
+    def any_done(self, tensordict: TensorDictBase) -> bool:
+        """TorchRL's check after a step (True: reset where "_reset"); with ``any_done_of_split``, True
+        when a warehouse of any rank of the split is done, with "_reset" all False here when none of
+        these is (the reset then only draws, as the single process's does)."""
+        done = bool(super().any_done(tensordict))
+        if self._any_done_of_split is None or not self._any_done_of_split(done) or done:
+            return done
+        tensordict.set("_reset", torch.zeros(self.num_envs, 1, dtype=torch.bool, device=self.device))
+        return True
+
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)
-        fresh = core.reset_state(self.layout, self.n_agents, self.num_envs, self._generator)
+        rank, world_size = self._split
+        fresh = core.reset_state(self.layout, self.n_agents, self.num_envs * world_size, self._generator)  # for every env of the split
+        if world_size > 1:
+            fresh = fresh[rank * self.num_envs : (rank + 1) * self.num_envs]
         self._state = fresh if mask is None else _reset_where(self._state, fresh, mask.reshape(self.num_envs))
         return self._output(self._state, None, None)
 

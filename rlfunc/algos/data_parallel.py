@@ -1,4 +1,4 @@
-"""What every data-parallel algorithm (ppo, bc, dppo) shares to make its update equal the single
+"""What every data-parallel algorithm (ppo, bc, dppo, grpo, gspo, mappo) shares to make its update equal the single
 process's, to float rounding: ``make_X(..., dist)`` with a :class:`rlfunc.run.distributed.Distributed`
 of W > 1 ranks.
 
@@ -12,7 +12,8 @@ of W > 1 ranks.
   state keeps the single process's layout (snapshots move between world sizes).
 
 Metrics that are not means over the samples (a max, an explained variance) come back as the mean of
-the ranks' values of their shares, not as the value of the whole minibatch.
+the ranks' values of their shares, not as the value of the whole minibatch. A mean over items whose
+number differs between the shares (grpo's valid steps) is weighted first (:func:`count_weight`).
 """
 
 from __future__ import annotations
@@ -81,3 +82,14 @@ def average_grads_(reduce: GradientTransform, leaves: list[Tensor], loss: Tensor
     for p, g in zip(stepped, grads):
         p.grad = g
     return loss, metrics
+
+
+def count_weight(share_count: Tensor, total_count: Tensor, world_size: int) -> Tensor:
+    """W * max(c_r, 1) / max(C, 1): the factor that turns rank r's mean over the c_r items of its share
+    (valid steps, say; ``share_count``) into its part of the mean over all C items of the minibatch
+    (``total_count``, every rank's items), so that the mean over the ranks of the weighted share means
+    is (sum over all items) / C, the single process's ratio. The max(., 1) is
+    :func:`rlfunc.losses.grpo.masked_aggregate`'s guard (an empty share's mean is 0). Any shape, the
+    two counts alike; float32."""
+    share = share_count.clamp_min(1).to(torch.float32)
+    return world_size * share / total_count.clamp_min(1).to(torch.float32)

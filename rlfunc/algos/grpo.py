@@ -31,7 +31,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos import shaped
+from rlfunc.algos import data_parallel, shaped
+from rlfunc.algos.ppo_parallel import local_share
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, replace, require_default
@@ -46,8 +47,10 @@ from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
+from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
 from rlfunc.optim.leaves import chain_state, chain_step
+
+BATCH_KEYS = ("observation", "action", "sample_log_prob", ("next", "reward"), "mask")  # what iteration reads of a batch
 
 # --compile auto compiles a run of at least this many gradient steps (bench/compiled_grpo_mappo.py, 2-core
 # CPU, one thread, PointReach-v0's defaults: a cold compile took 21 s and saved 3.2 ms of the 5.2 ms
@@ -132,10 +135,31 @@ class GRPOConfig:
         if self.run.compile == "on" and not self.compilable:
             raise ConfigError(f"run.compile='on': {self.loss} compiles its plain gradient step only; expected no step transform "
                               "(oscillation_damping) and adaptive_clip=False with it (or --compile off)")
-        require_default(self.run, env_workers=f"{self.loss}'s grouped envs step in the learner's process", nproc=f"{self.loss} is not data-parallel yet (ppo is): train it in one process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
+        require_default(self.run, env_workers=f"{self.loss}'s grouped envs step in the learner's process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
+        self.check_data_parallel()  # before torchrun starts the ranks
         shaped.check_config(self)
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses
         self.actor_config()
+
+    def check_data_parallel(self) -> None:
+        """ConfigError, one line, unless ``run.nproc`` = W ranks can split this run: W must divide
+        ``num_groups`` (a group's G episodes stay on one rank: its advantage is over the group) and
+        ``minibatch_size`` (each rank's share); gradient shaping and ``--compile on`` are
+        single-process; on the torch-batched env (whose split is contiguous rows of its S * n * G
+        envs) one seed per run. Nothing at W = 1."""
+        W = self.run.nproc
+        if W == 1:
+            return
+        data_parallel.check_divides(W, num_groups=self.num_groups, minibatch_size=self.minibatch_size)
+        if not self.compilable:
+            raise ConfigError(f"oscillation_damping, adaptive_clip with nproc={W}: gradient shaping is not data-parallel yet; "
+                              "run it in one process")
+        if self.run.compile == "on":
+            raise ConfigError(f"run.compile='on' with nproc={W}: {self.loss}'s compiled step is not data-parallel; "
+                              "expected --compile off or auto with --nproc")
+        if self.use_torch_env and self.run.num_seeds > 1:
+            raise ConfigError(f"run.num_seeds={self.run.num_seeds} with nproc={W}: env={self.env!r}'s torch-batched env splits "
+                              "its rows, not each seed's groups; expected one seed, or backend='gym'")
 
     @property
     def episodes_per_iteration(self) -> int:
@@ -199,8 +223,22 @@ class GRPO(NamedTuple):
     net: GaussianActorCritic
 
 
-def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
+def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None) -> GRPO:
     """Build GRPO's (or GSPO's) pure pieces for ``config`` on envs described by ``spec``.
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks. Rank r then collects groups r*n/W .. (r+1)*n/W - 1 of each seed's ``num_groups`` = n (its
+    batch is [S, n/W, G, T]; a group's episodes stay on one rank) and ``iteration`` equals the
+    single-process one on all n groups, to float rounding (:mod:`rlfunc.algos.data_parallel`): the
+    policy draws the action noise of all the envs and keeps its rows (PPO's policy); ``iteration``
+    all-gathers the batch (rank order: the single process's group order), so the group-relative
+    advantages, the observation statistics and the episode metrics are those of the whole batch;
+    every rank draws the same minibatch order and takes its share of every minibatch; a loss or
+    metric that is a mean over valid steps ("token") is weighted by the share's part of the
+    minibatch's valid steps (:func:`rlfunc.algos.data_parallel.count_weight`), and one
+    ``all_reduce_mean`` of the gradients, the loss and the metrics precedes the norms, the finiteness
+    mask and the chain. W must divide ``num_groups`` and ``minibatch_size``; gradient shaping and the
+    compiled step are single-process (``--compile auto`` runs eager with W > 1).
 
     The learner state is one TensorDict on ``device`` (leading seed dim S on every member tensor):
     "params" (actor, log_std), "ref_params" (a frozen copy of the initial params: the KL reference),
@@ -215,13 +253,27 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
     with ``policy(state, generators)``.
     """
     S = config.run.num_seeds
-    ppo = make_ppo(config.actor_config(), spec, device)
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    data_parallel.check_divides(W, num_groups=config.num_groups, minibatch_size=config.minibatch_size)
+    if W > 1 and not config.compilable:
+        raise ConfigError(f"oscillation_damping, adaptive_clip with {W} ranks: gradient shaping is not data-parallel yet; run it in one process")
+    if W > 1 and config.run.compile == "on":
+        raise ConfigError(f"run.compile='on' with {W} ranks: {config.loss}'s compiled step runs in one process; expected --compile off or auto")
+    # data parallel: PPO's policy draws the noise of the W ranks' envs and keeps this rank's rows
+    actor_config = config.actor_config() if W == 1 else replace(config.actor_config(), num_envs=W, minibatch_size=W, compile="off")
+    ppo = make_ppo(actor_config, spec, device, dist)
     net = ppo.net
     use_loop = {"auto": None, "vmap": False, "loop": True}[config.run.vmap]
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on (rlfunc.algos.shaped)
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
     optimizer = chain(clip, adam(config.lr, eps=config.adam_eps))
+    reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
+    # data parallel: the loss's and the metrics' means over valid steps, weighted by the share's part of the minibatch's
+    token_means = {"kl_ref", "approx_kl", *(("clip_fraction", "ratio_mean") if config.loss == "grpo" else ())}
+    token_loss = config.loss == "grpo" and config.aggregation == "token"
+    if token_loss:
+        token_means |= {"loss_objective", "loss_kl"}
 
     def init() -> TensorDict:
         base = ppo.init()  # PPO's seeded actor init, normaliser and generators; the critic is dropped
@@ -338,7 +390,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         norms = chain_step(optimizer, grads, w, treedef, opt, loss, stacked=True, lr=lr)
         return loss.detach(), {k: v.detach() for k, v in metrics.items()}, norms
 
-    compiled = config.compilable and (config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES))
+    compiled = config.compilable and W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(grad_step, device, config.run.compile, config.loss, static_args=(0, 2)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
@@ -350,6 +402,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         them). A seed whose loss or gradients are not finite is skipped by adam's ``mask``: its
         parameters and moments stay bit for bit. Compiled, each minibatch's step is ``grad_step``
         (the same draws, the same arithmetic, no host read)."""
+        if W > 1:  # every rank's groups in rank order: the single process's batch
+            batch = dist.all_gather_batch(batch.select(*BATCH_KEYS), dim=1)
         seq, episode_return, advantage = prepare(state, batch)
         params = state["params"]
         leaves = func.leaves(params)
@@ -367,15 +421,17 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
         B = seq.batch_size[1]
         num_mb = B // config.minibatch_size
         rows = torch.arange(S, device=device).unsqueeze(1)
+        share = config.minibatch_size // W  # this rank's episodes of each minibatch
+        valid = seq["mask"].flatten(2).sum(2) if W > 1 else None  # [S, B] valid steps of each episode
         metric_sum, updates = None, 0
         skipped = torch.zeros(S, dtype=torch.int64, device=device)
         if compiled_step is not None:  # the step writes into these views of the params and the chain's state
             w, opt, lr_tensor = [p.detach() for p in leaves], chain_state(optim_state), torch.tensor(lr, dtype=torch.float32, device=device)
         for _ in range(config.num_epochs):
             perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
-            shuffled = seq[rows, perm]
+            shuffled = seq[rows, perm if W == 1 else local_share(perm, config.minibatch_size, rank, W)]
             for k in range(num_mb):
-                mb = shuffled[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]
+                mb = shuffled[:, k * share : (k + 1) * share]
                 if compiled_step is not None:
                     loss, metrics, norms = compiled_step(w, treedef, opt, {key: mb.get(key) for key in mb_keys}, lr_tensor)
                     metrics = TensorDict(metrics, batch_size=[S]).clone()
@@ -385,6 +441,12 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
                     updates += 1
                     continue
                 loss, metrics = loss_fn(params, mb)
+                if W > 1:  # the share's means over its valid steps -> its part of the minibatch's means
+                    weight = data_parallel.count_weight(
+                        mb["mask"].flatten(1).sum(1), valid.gather(1, perm[:, k * config.minibatch_size : (k + 1) * config.minibatch_size]).sum(1), W)
+                    loss = loss * weight if token_loss else loss
+                    for key in token_means:
+                        metrics[key] = metrics[key] * weight
                 for p in leaves:
                     p.grad = None
                 with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
@@ -392,6 +454,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device) -> GRPO:
                 curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
                 del graph_grads
                 grads = [p.grad for p in leaves]
+                if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
+                    grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
                 norms = member_grad_norms(grads, stacked=True)
                 ok = loss.isfinite() & norms.isfinite()
                 if not bool(ok.all()):

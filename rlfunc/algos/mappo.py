@@ -42,6 +42,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from rlfunc.algos import data_parallel
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, replace, require_default
 from rlfunc.core import func
@@ -51,9 +52,9 @@ from rlfunc.device import compile_step
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
-from rlfunc.losses.ppo import ppo_loss
+from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
+from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
 from rlfunc.optim.leaves import chain_state, chain_step
 
 LOSSES = ("ppo", "grpo", "gspo")
@@ -113,14 +114,49 @@ class MAPPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
-        require_default(self.run, env_workers="mappo's envs step in the learner's process (torch-batched on the device, or rware's)", nproc="mappo is not data-parallel yet (ppo is): train it in one process", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
+        require_default(self.run, env_workers="mappo's envs step in the learner's process (torch-batched on the device, or rware's)", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
                         precision="mappo has no mixed precision", log_every="mappo logs every iteration")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
+        self.check_data_parallel()  # before torchrun starts the ranks
         if not (0 <= self.gamma <= 1 and 0 <= self.lmbda <= 1):
             raise ConfigError(f"gamma={self.gamma}, lmbda={self.lmbda}: expected values in [0, 1]")
         if not self.lr > 0 or self.entropy_coef < 0 or self.value_coef < 0 or not self.max_grad_norm > 0:
             raise ConfigError("lr and max_grad_norm must be > 0, entropy_coef and value_coef >= 0")
+
+    def check_data_parallel(self) -> None:
+        """ConfigError, one line, unless ``run.nproc`` = W ranks can split this run: its env must
+        split (a registry entry with ``multi_agent_split``: Warehouse-v0, not rware's host envs); W
+        must divide ``num_envs`` (grpo/gspo: the groups, num_envs / group_size, which stay whole on a
+        rank) and every minibatch (:attr:`minibatch_size` samples: each rank's share); ``--compile
+        on`` is single-process. Nothing at W = 1."""
+        W = self.run.nproc
+        if W == 1:
+            return
+        from rlfunc.envs import registry
+
+        entry = registry.find(self.env)
+        if entry is None or not entry.multi_agent_split:
+            splits = ", ".join(i for i in registry.ids("multi_agent_env") if registry.find(i).multi_agent_split)
+            raise ConfigError(f"env={self.env!r} with nproc={W}: a data-parallel mappo run splits a torch-batched env ({splits}); "
+                              "train it in one process")
+        if self.loss == "ppo":
+            data_parallel.check_divides(W, num_envs=self.num_envs)
+        else:
+            data_parallel.check_divides(W, **{"num_envs/group_size": self.num_envs // self.group_size})
+        if self.minibatch_size % W:
+            raise ConfigError(f"num_minibatches={self.num_minibatches}: its minibatches of {self.minibatch_size} samples "
+                              f"do not divide by the {W} ranks of the data-parallel run")
+        if self.run.compile == "on":
+            raise ConfigError(f"run.compile='on' with nproc={W}: mappo's compiled step is not data-parallel; "
+                              "expected --compile off or auto with --nproc")
+
+    @property
+    def minibatch_size(self) -> int:
+        """Samples per minibatch: agent-steps (ppo) or agent sequences (grpo/gspo) of an iteration's
+        batch over ``num_minibatches`` (rounded down; at least 1)."""
+        per_env = self.n_agents * (self.rollout_steps if self.loss == "ppo" else 1)
+        return max(1, self.num_envs * per_env // self.num_minibatches)
 
     @property
     def steps_per_iteration(self) -> int:
@@ -221,17 +257,19 @@ def per_agent_gae(config: MAPPOConfig, batch: TensorDict) -> tuple[Tensor, Tenso
     )
 
 
-def ppo_agent_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: TensorDict) -> tuple[Tensor, TensorDict]:
+def ppo_agent_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: TensorDict,
+                   normalize_advantages: bool = True) -> tuple[Tensor, TensorDict]:
     """PPO loss of a minibatch of agent-steps [M]: "observation" [M, D], "critic_observation" [M, C],
     "action_mask" [M, K] bool, "action" [M] int64, "sample_log_prob", "advantage", "value_target",
-    "state_value" [M, 1] float. Advantages are normalised over the minibatch (ppo_loss's default)."""
+    "state_value" [M, 1] float. Advantages are normalised over the minibatch (ppo_loss's default;
+    ``normalize_advantages=False``: already normalised, as a data-parallel rank's share is)."""
     logits = masked_logits(func.apply(nets.actor, params["actor"], mb["observation"]), mb.get("action_mask", None))
     log_prob = categorical_log_prob(logits, mb["action"])
     value = func.apply(nets.critic, params["critic"], mb["critic_observation"])
     return ppo_loss(
         log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
         entropy=categorical_entropy(logits), clip_epsilon=config.clip_epsilon,
-        entropy_coef=config.entropy_coef, value_coef=config.value_coef,
+        entropy_coef=config.entropy_coef, value_coef=config.value_coef, normalize_advantages=normalize_advantages,
     )
 
 
@@ -274,14 +312,26 @@ def sequence_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: Tenso
 
 class MAPPO(NamedTuple):
     init: object  # () -> state TensorDict
-    act: object  # (state, observation [*B, A, D], action_mask | None, generator, greedy) -> (action, log_prob, value)
+    act: object  # (state, observation [*B, A, D], action_mask | None, generator, greedy, own_rows) -> (action, log_prob, value)
     iteration: object  # (state, batch, generator) -> (state, metrics dict)
     nets: Nets
 
 
-def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int, device: torch.device) -> MAPPO:
+def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int, device: torch.device, dist=None) -> MAPPO:
     """Build the pure pieces of shared-parameter PPO / GRPO / GSPO for agents with ``obs_dim``-long
     observations and ``n_actions`` discrete actions.
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks. Rank r then collects envs r*N/W .. (r+1)*N/W - 1 of the ``config.num_envs`` = N, all
+    agents of an env on one rank (grpo/gspo: whole groups), and ``iteration`` equals the
+    single-process one on all N envs, to float rounding (:mod:`rlfunc.algos.data_parallel`): ``act``
+    draws the uniforms of all N envs and keeps its rows (``act(..., own_rows=False)``: of these envs
+    only, for an evaluation); ``iteration`` all-gathers the batch (rank order: the single process's
+    env order), every rank draws the same minibatch order and takes its share of every minibatch,
+    ppo's advantages are normalised over the whole minibatch before the share is taken, and one
+    ``all_reduce_mean`` of the gradients, the loss and the metrics precedes the norm and the chain.
+    W must divide N (grpo/gspo: the groups) and :attr:`MAPPOConfig.minibatch_size`; the compiled
+    step is single-process (``--compile auto`` runs eager with W > 1).
 
     ``iteration`` takes a rollout batch [N, T] from :func:`rlfunc.run.mappo.collect` with
     ("agents", "observation") [N, T, A, D], ("agents", "action_mask") [N, T, A, K] (optional),
@@ -296,6 +346,15 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
     per-leaf step counts (0-dim float32) and moments (like "params"). grpo/gspo never use the critic:
     it is left out of their gradients, so it and its Adam state stay at their initial values.
     """
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    if W > 1:
+        per_env = n_agents * (config.rollout_steps if config.loss == "ppo" else 1)  # samples of one env's rollout
+        data_parallel.check_divides(W, num_envs=config.num_envs,
+                                    minibatch_size=max(1, config.num_envs * per_env // config.num_minibatches))
+        if config.run.compile == "on":
+            raise ConfigError(f"run.compile='on' with {W} ranks: mappo's compiled step runs in one process; expected --compile off or auto")
+    own = data_parallel.own_rows(rank, W)  # the uniforms of this rank's envs
+    reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
     nets = make_nets(config, obs_dim, n_agents, n_actions)
     nets = Nets(nets.actor.to(device), nets.critic.to(device))
     optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=1e-5))
@@ -310,10 +369,18 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
                           batch_size=[], device=device)
 
     @torch.no_grad()
-    def act(state: TensorDict, observation: Tensor, action_mask: Tensor | None, generator, greedy: bool = False):
+    def act(state: TensorDict, observation: Tensor, action_mask: Tensor | None, generator, greedy: bool = False,
+            own_rows: bool = True):
         params = state["params"]
         logits = policy_logits(nets, params, observation, action_mask)
-        action = logits.argmax(-1) if greedy else categorical_sample(logits, generator)
+        if greedy:
+            action = logits.argmax(-1)
+        elif W > 1 and own_rows:  # the uniforms of every rank's envs ([N, A, K] of the single process), this rank's rows
+            u = own(lambda n: torch.rand((n, *logits.shape[1:]), generator=generator, device=logits.device, dtype=logits.dtype),
+                    logits.shape[0], 0)
+            action = categorical_sample(logits, noise=u)
+        else:
+            action = categorical_sample(logits, generator)
         log_prob = categorical_log_prob(logits, action)
         value = state_value(nets, params, observation, config.critic) if config.loss == "ppo" else None
         return action, log_prob, value
@@ -361,7 +428,7 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         norm = chain_step(optimizer, grads, w, trained_def, opt, loss, lr=lr)
         return loss.detach(), {k: v.detach() for k, v in metrics.items()}, norm
 
-    compiled = config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES)
+    compiled = W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(grad_step, device, config.run.compile, "mappo", static_args=(0, 1)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
@@ -375,6 +442,8 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
             FloatingPointError: a non-finite loss or gradient norm (compiled: after the epochs, the
                 non-finite steps having moved nothing).
         """
+        if W > 1:  # every rank's envs in rank order: the single process's batch
+            batch = dist.all_gather_batch(batch, dim=0)
         params = state["params"]
         leaves, treedef = flatten(params.select(*trained))  # the chain's leaf order (rlfunc.optim.base)
         lr = linear_lr(config.lr, int(state["iteration"]), config.num_iterations, config.anneal_lr)
@@ -385,6 +454,7 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
             data, loss_fn = _sequences(batch), sequence_loss
         size = data.batch_size[0]
         mb_size = max(1, size // config.num_minibatches)
+        share = mb_size // W  # this rank's samples of each minibatch
         totals: dict[str, float] = {}
         updates = 0
         if compiled_step is not None:  # the step writes into these views of the params and the chain's state
@@ -393,7 +463,8 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
         for _ in range(config.num_epochs):
             perm = torch.randperm(size, generator=generator, device=device)
             for k in range(config.num_minibatches):
-                mb = data[perm[k * mb_size:(k + 1) * mb_size]]
+                index = perm[k * mb_size:(k + 1) * mb_size]
+                mb = data[index if W == 1 else index[rank * share:(rank + 1) * share]]
                 if compiled_step is not None:
                     loss, metrics, norm = compiled_step(w, opt, {key: mb.get(key) for key in mb.keys()}, lr_tensor)
                     metrics = {**metrics, "grad_norm": norm}
@@ -401,11 +472,17 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
                     bad += (~(loss.isfinite() & norm.isfinite())).long()
                     updates += 1
                     continue
-                loss, metrics = loss_fn(nets, config, params, mb)
+                if W > 1 and config.loss == "ppo":  # the whole minibatch's advantages normalised (as the loss would), then the share
+                    mb["advantage"] = normalize_advantage(data["advantage"][index])[rank * share:(rank + 1) * share]
+                    loss, metrics = loss_fn(nets, config, params, mb, normalize_advantages=False)
+                else:
+                    loss, metrics = loss_fn(nets, config, params, mb)
                 for p in leaves:
                     p.grad = None
                 loss.backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in leaves]
+                if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
+                    grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
                 norms = member_grad_norms(grads, stacked=False)
                 if not bool(loss.isfinite() & norms.isfinite().all()):
                     raise FloatingPointError(f"mappo: non-finite loss {float(loss)} or gradient norm at update {updates}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlfunc.algos.grpo import GRPOConfig
-from rlfunc.cli.common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
 
 
 # the two losses this command trains, as --help names them
@@ -34,5 +34,9 @@ def train(algo: str, argv: list[str]) -> int:
         from rlfunc.errors import ConfigError
 
         raise ConfigError(f"--loss={config.loss}: the loss is chosen by the subcommand (`rlfunc train {config.loss}`)")
-    result = train_grpo(config, known.run_dir or default_run_dir(config.env, algo, config.run.seed))
+    run_dir = known.run_dir or default_run_dir(config.env, algo, config.run.seed)
+    launched = launch(["train", algo, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
+    if launched is not None:
+        return launched
+    result = train_grpo(config, run_dir)
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlfunc.algos.mappo import MAPPOConfig, preset
-from rlfunc.cli.common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
 
 
 def train(name: str, argv: list[str]) -> int:
@@ -26,5 +26,8 @@ def train(name: str, argv: list[str]) -> int:
         "its critic-free GRPO / GSPO variants (--loss grpo|gspo, grouped rollouts from one start state) on "
         "Warehouse-v0 or an rware id. Also: --run-dir DIR (default runs/ENV-mappo-LOSS-sSEED-TIME).",
     )
-    result = train_mappo(config, known.run_dir or default_run_dir(config.env, f"{name}-{config.loss}", config.run.seed))
-    return report_run(result)
+    run_dir = known.run_dir or default_run_dir(config.env, f"{name}-{config.loss}", config.run.seed)
+    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
+    if launched is not None:
+        return launched
+    return report_run(train_mappo(config, run_dir))

@@ -20,7 +20,7 @@ Both return a TensorDict with batch [n_groups, G, T] and TorchRL's keys ("observ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import gymnasium as gym
 import torch
@@ -134,7 +134,8 @@ def grouped_reset(env, group_size: int) -> TensorDict:
     return env.set_state(first.repeat_interleave(group_size, dim=0))
 
 
-def grouped_rollout_torchrl(env, policy: collect.Policy, group_size: int, max_steps: int) -> TensorDict:
+def grouped_rollout_torchrl(env, policy: collect.Policy, group_size: int, max_steps: int,
+                            longest: Callable[[int], int] | None = None) -> TensorDict:
     """One episode per env of a torch-batched TorchRL env, G members per group from one start state.
 
     Args:
@@ -143,6 +144,12 @@ def grouped_rollout_torchrl(env, policy: collect.Policy, group_size: int, max_st
         policy: ``observation [N, obs_dim] -> (action, sample_log_prob [N, 1])`` on the env's device.
         group_size: G >= 1.
         max_steps: T >= 1; the rollout stops earlier once every env's first episode has ended.
+        longest: None, or, for ``env`` one rank's split of a data-parallel run's env (its ``split=``),
+            ``fn(steps) -> steps`` the most steps any rank's rollout took (a collective every rank
+            calls once per rollout). A rank whose episodes all ended sooner then calls ``policy``
+            once per missing step (the single process's policy draws for every env at every step)
+            and repeats its last step, as TorchRL's rollout does for the ended envs of a batch that
+            goes on: the rows are the single process's when ended envs are absorbing (PointReachEnv's are).
 
     Returns:
         TensorDict, batch [n_groups, G, T'] with T' <= ``max_steps`` the steps taken, on the env's
@@ -160,5 +167,13 @@ def grouped_rollout_torchrl(env, policy: collect.Policy, group_size: int, max_st
     )
     if td.batch_size[:1] != (n,):
         raise ShapeError(f"env.rollout returned batch {tuple(td.batch_size)}, expected ({n}, T)")
+    if longest is not None:
+        missing = longest(td.batch_size[1]) - td.batch_size[1]
+        last = td[:, -1:]
+        with torch.no_grad():
+            for _ in range(missing):  # the draws of the steps the others took; the actions are not kept
+                policy(last["next", "observation"].reshape(n, -1))
+        if missing:
+            td = torch.cat([td, *[last] * missing], dim=1)
     td["mask"] = first_episode_mask(td["next", "done"])
     return td.reshape(n_groups, group_size, td.batch_size[1])

@@ -48,7 +48,8 @@ class EnvEntry:
       ("agents", "observation" | "action") keys and ("agents", "action_mask") where it masks actions,
       on ``device`` or on the host; ``config`` is the run's
       :class:`rlfunc.algos.mappo.MAPPOConfig` (its env fields: ``env``, ``n_agents``, ``episode_steps``,
-      ``shaping_scale``, ``conflict_penalty``).
+      ``shaping_scale``, ``conflict_penalty``). With ``multi_agent_split``, a data-parallel run passes
+      ``split=(rank, world_size)`` and ``any_done_of_split`` as to ``torch_env``.
     - ``multi_agent_eval(config, act, device)`` -> eval.json's content for the policy
       ``act(observation [N, A, D], action_mask [N, A, K] | None) -> action [N, A]``.
     """
@@ -59,6 +60,7 @@ class EnvEntry:
     multi_agent_env: Callable[..., Any] | None = None  # builder of the batched multi-agent env (see above)
     multi_agent_eval: Callable[..., dict] | None = None  # final evaluation of a multi-agent policy (see above)
     settable_state: bool = False  # multi-agent: state / set_state / rng_state capture it (grouped resets, exact resume)
+    multi_agent_split: bool = False  # multi-agent: multi_agent_env takes split= and any_done_of_split= (a data-parallel run)
 
 
 _ENTRIES: dict[str, EnvEntry] = {}

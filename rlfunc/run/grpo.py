@@ -64,27 +64,41 @@ class RolloutEnv(NamedTuple):
     restore: Callable[[TensorDict], None]
 
 
-def _rollout_env(config: GRPOConfig, device: torch.device) -> RolloutEnv:
+def _rollout_env(config: GRPOConfig, device: torch.device, dist=None) -> RolloutEnv:
+    """The run's envs; data-parallel (``dist`` of W > 1 ranks), this rank's groups r*n/W .. (r+1)*n/W - 1
+    of each seed's n: the torch-batched env's split (one seed: :meth:`GRPOConfig.check_data_parallel`),
+    whose rollouts last as long as the longest rank's, or the gymnasium envs reset with those groups'
+    seeds. A capture holds the single process's env state (every rank's rows, gathered)."""
     S, n, G, T = config.run.num_seeds, config.num_groups, config.group_size, config.max_episode_steps
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    N, mine = S * n * G, n // W  # the single process's envs, this rank's groups per seed
     if config.use_torch_env:
-        env = registry.torch_builder(config.env)(S * n * G, device=device, seed=config.run.seed)
+        build = registry.torch_builder(config.env)
+        if W == 1:
+            env, longest = build(N, device=device, seed=config.run.seed), None
+        else:
+            env = build(N // W, device=device, seed=config.run.seed, split=(rank, W), any_done_of_split=dist.any_rank)
+            longest = lambda steps: max(dist.gather_objects(steps))  # noqa: E731
 
         def rollout(policy, iteration: int) -> TensorDict:
-            return grouped_rollout_torchrl(env, policy, G, T).reshape(S, n, G, -1)
+            return grouped_rollout_torchrl(env, policy, G, T, longest).reshape(S, mine, G, -1)
 
         def capture() -> TensorDict:
-            return TensorDict({"rng": env.rng_state(), "state": env.state.clone()}, batch_size=[])
+            state = env.state.clone() if W == 1 else dist.all_gather_batch(env.state, dim=0)
+            return TensorDict({"rng": env.rng_state(), "state": state}, batch_size=[])
 
         def restore(saved: TensorDict) -> None:
             env.set_rng_state(saved["rng"])
-            env.set_state(TensorDict(saved["state"].to_dict(), batch_size=env.batch_size))
+            state = TensorDict(saved["state"].to_dict(), batch_size=[N])  # the single process's envs
+            env.set_state(state[rank * (N // W) : (rank + 1) * (N // W)])  # this rank's rows (all of them at W = 1)
 
         return RolloutEnv(rollout, lambda: None, capture, restore)
-    venv = collect.make_vec_env(config.env, S * n * G)
+    venv = collect.make_vec_env(config.env, N // W)
 
     def rollout(policy, iteration: int) -> TensorDict:
         seeds = group_seeds(config.run.seed, iteration, S * n)
-        return grouped_rollout_gym(venv, policy, seeds, G, T, device=device).reshape(S, n, G, T)
+        seeds = [seeds[s * n + rank * mine + j] for s in range(S) for j in range(mine)]  # this rank's groups of each seed
+        return grouped_rollout_gym(venv, policy, seeds, G, T, device=device).reshape(S, mine, G, T)
 
     return RolloutEnv(rollout, venv.close, lambda: None, lambda saved: None)
 
@@ -114,16 +128,19 @@ class GRPORun(Run):
     state (its Adam state as "optim", :func:`rlfunc.run.resume.learner_entries`) and, on the torch
     backend, the env's generator and state ("env")."""
 
-    def __init__(self, config: GRPOConfig, device: torch.device) -> None:
+    def __init__(self, config: GRPOConfig, device: torch.device, dist=None) -> None:
         collect.check_env_id(config.env)
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, config.loss
+        self.world_size = 1 if dist is None else dist.world_size
         self.spec = _spec(config.env)
-        self.algo = make_grpo(config, self.spec, device)
+        self.algo = make_grpo(config, self.spec, device, dist)
         self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+        if dist is not None:  # the same init on every rank, by seed; made certain
+            dist.broadcast_state(self.state)
         self.total = config.num_iterations
-        self.env = _rollout_env(config, device)
+        self.env = _rollout_env(config, device, dist)
 
     def step(self, i: int, stopping: bool) -> dict:
         config, S = self.config, self.config.run.num_seeds
@@ -135,7 +152,7 @@ class GRPORun(Run):
         with span("update"):
             self.state, metrics = self.algo.iteration(self.state, batch, gens)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
-        steps = batch.batch_size[1] * batch.batch_size[2] * batch.batch_size[3]
+        steps = batch.batch_size[1] * batch.batch_size[2] * batch.batch_size[3] * self.world_size  # every rank's
         return {
             "iteration": i, "step": int(self.state["env_steps"]),
             "steps_per_s": S * steps / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
@@ -154,6 +171,7 @@ class GRPORun(Run):
             "env_spec": self.spec._asdict(),
             "iteration": int(self.state["iteration"]),
             "env_steps": int(self.state["env_steps"]),
+            "world_size": self.world_size,
             **state_meta(),
         }
         return snapshot, meta
@@ -260,9 +278,13 @@ def train_grpo(
         device: with ``resume``, run on this device instead of the snapshot config's (None: the
             config's); a run continues exactly only on the device type it ran on.
 
+    Under torchrun (``rlfunc train grpo --nproc W``) data-parallel: each rank steps its groups
+    (:func:`_rollout_env`) and the update is the single process's (:func:`rlfunc.algos.grpo.make_grpo`);
+    rank 0 alone writes, and the snapshots have the single process's layout.
+
     Returns:
         RunResult(state, run_dir, evaluation, interrupted): the final deterministic evaluation
-        (None when SIGINT/SIGTERM stopped the run after saving a snapshot).
+        (None when SIGINT/SIGTERM stopped the run after saving a snapshot; on ranks > 0).
 
     Raises:
         ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
@@ -271,7 +293,7 @@ def train_grpo(
             is written then.
     """
     return train(GRPORun, config_from_meta, config, run_dir, config_type=GRPOConfig, resume=resume,
-                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard)
+                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard, data_parallel=True)
 
 
 def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,

@@ -65,8 +65,9 @@ def env_entry(config: MAPPOConfig) -> EnvEntry:
     return entry
 
 
-def make_env(config: MAPPOConfig, num_envs: int, device: torch.device, seed: int):
-    """The batched multi-agent env of ``config.env`` (its registry entry's ``multi_agent_env``).
+def make_env(config: MAPPOConfig, num_envs: int, device: torch.device, seed: int, dist=None):
+    """The batched multi-agent env of ``config.env`` (its registry entry's ``multi_agent_env``);
+    with ``dist`` of W > 1 ranks, this rank's split of the W * ``num_envs`` envs of ``seed``.
 
     Raises:
         EnvError: ``config.env`` is not a multi-agent env of the registry, or cannot be built.
@@ -77,6 +78,9 @@ def make_env(config: MAPPOConfig, num_envs: int, device: torch.device, seed: int
         settable = ", ".join(registry.ids("settable_state"))
         raise ConfigError(f"loss={config.loss!r} on {config.env}: grouped rollouts need a settable env state "
                           f"({settable}); use loss='ppo' on {config.env}")
+    if dist is not None and dist.active:  # MAPPOConfig.check_data_parallel refused an env that does not split
+        return entry.multi_agent_env(config, num_envs, device, seed, split=(dist.rank, dist.world_size),
+                                     any_done_of_split=dist.any_rank)
     return entry.multi_agent_env(config, num_envs, device, seed)
 
 
@@ -140,7 +144,7 @@ def evaluate_state(config: MAPPOConfig, algo, state: TensorDict, device: torch.d
     gen = torch.Generator(device=device).manual_seed(config.run.seed + 12345)
 
     def act(obs, mask):
-        return algo.act(state, obs, mask, gen, config.eval_greedy)[0]
+        return algo.act(state, obs, mask, gen, config.eval_greedy, own_rows=False)[0]  # the evaluation's own envs
 
     return env_entry(config).multi_agent_eval(config, act, device)
 
@@ -210,29 +214,48 @@ class MAPPORun(Run):
     running team returns [num_envs]) and, on an env whose state can be set (Warehouse-v0), the env's
     state and generator ("env"); on rware its meta "rware_resets" says where its episode seeds are.
 
+    Data-parallel (``dist`` of W > 1 ranks, under torchrun): each rank steps its split of the env
+    (envs rank*N/W .. of the single process's N, :func:`make_env`), the update is the single
+    process's (:func:`rlfunc.algos.mappo.make_mappo`), the metrics count every rank's steps and
+    episodes, and a snapshot holds every rank's envs, carry and running returns in the single
+    process's order (it resumes on any W dividing N).
+
     Raises (on construction):
         EnvError: ``config.env`` is not a multi-agent env of the registry. ConfigError: a grouped
             loss on an env whose state cannot be set.
     """
 
-    def __init__(self, config: MAPPOConfig, device: torch.device) -> None:
+    def __init__(self, config: MAPPOConfig, device: torch.device, dist=None) -> None:
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, f"mappo-{config.loss}"
+        self.dist = dist if dist is not None and dist.active else None
+        self.rank, self.world_size = (0, 1) if self.dist is None else (dist.rank, dist.world_size)
+        self.local_envs = config.num_envs // self.world_size  # this rank's
         self.settable = env_entry(config).settable_state
-        self.env = env = make_env(config, config.num_envs, device, config.run.seed)
+        self.env = env = make_env(config, self.local_envs, device, config.run.seed, self.dist)
         self.obs_dim = env.observation_spec["agents", "observation"].shape[-1]
         self.n_actions = env.action_spec["agents", "action"].n
         self.n_agents = env.n_agents
         # the learning curve: Warehouse-v0's deliveries, else the team return of the episodes that ended
         self.curve = "deliveries_per_100_steps" if "deliveries" in env.observation_spec.keys() else "episode_return"
-        self.algo = make_mappo(config, self.obs_dim, self.n_agents, self.n_actions, device)
+        self.algo = make_mappo(config, self.obs_dim, self.n_agents, self.n_actions, device, self.dist)
         self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+        if self.dist is not None:  # the same init on every rank, by seed; made certain
+            self.dist.broadcast_state(self.state)
         self.total = config.num_iterations
         self.gen = torch.Generator(device=device).manual_seed(config.run.seed)
         self.carry = env.reset()
         self.carry_keys = list(self.carry.keys(True, True))  # what a step reads of the carry (not the stale action)
-        self.running = torch.zeros(config.num_envs, device=device)  # team return of each env's episode so far
+        self.running = torch.zeros(self.local_envs, device=device)  # team return of each env's episode so far
+
+    def _gathered(self, td: TensorDict) -> TensorDict:
+        """Every rank's rows of ``td`` (batch [N/W, ...]) in rank order, [N, ...]; ``td`` in one process."""
+        return td if self.dist is None else self.dist.all_gather_batch(td, dim=0)
+
+    def _rows(self, t):
+        """This rank's rows of ``t`` (a tensor or TensorDict of the single process's N envs)."""
+        return t[self.rank * self.local_envs:(self.rank + 1) * self.local_envs]
 
     def _policy(self, obs, mask):
         return self.algo.act(self.state, obs, mask, self.gen)
@@ -255,29 +278,39 @@ class MAPPORun(Run):
         with span("update"):
             self.state, metrics = self.algo.iteration(self.state, batch, self.gen)  # at the lr of state["iteration"] = i - 1
         t2 = time.perf_counter()
+        # the job's statistics: every rank's envs and episodes
+        stats = self._gathered(TensorDict({"team_reward": batch["next", "agents", "reward"].sum((-2, -1)),
+                                           **{k: batch["next", k] for k in COUNT_KEYS if ("next", k) in batch.keys(True)}},
+                                          batch_size=batch.batch_size[:2]))
+        if self.dist is not None:
+            ended = [r for part in self.dist.gather_objects(ended) for r in part]
         record = {"iteration": i, "step": int(self.state["env_steps"]),
                   "steps_per_s": config.steps_per_iteration / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
                   "lr": linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr), **metrics,
-                  "train_reward_per_step": float(batch["next", "agents", "reward"].sum((-2, -1)).mean())}
+                  "train_reward_per_step": float(stats["team_reward"].mean())}
         if ended:
             record["episode_return"] = sum(ended) / len(ended)
-        if ("next", "deliveries") in batch.keys(True):
-            steps = batch["next", "deliveries"].numel()
-            record["deliveries_per_100_steps"] = 100.0 * float(batch["next", "deliveries"].sum()) / steps
+        if "deliveries" in stats.keys():
+            steps = stats["deliveries"].numel()
+            record["deliveries_per_100_steps"] = 100.0 * float(stats["deliveries"].sum()) / steps
             record["conflicts_per_100_steps"] = 100.0 * float(
-                batch["next", "vertex_conflicts"].sum() + batch["next", "swap_conflicts"].sum()) / steps
+                stats["vertex_conflicts"].sum() + stats["swap_conflicts"].sum()) / steps
         return record
 
     def saved(self) -> tuple[TensorDict, dict]:
+        carry = self._gathered(TensorDict({"env": self.carry.select(*self.carry_keys), "running": self.running},
+                                          batch_size=[self.local_envs]))  # every rank's envs: the single process's layout
         tensors = TensorDict({**learner_entries(self.state), "rng": self.gen.get_state(),
-                              "carry": {"env": self.carry.select(*self.carry_keys), "running": self.running}},
+                              "carry": {"env": carry["env"], "running": carry["running"]}},
                              batch_size=[])
         captured = _env_capture(self.config, self.env)
         if captured is not None:
+            if self.dist is not None:
+                captured["state"] = self._gathered(captured["state"])
             tensors["env"] = captured
         meta = {"algo": "mappo", "config": dataclasses.asdict(self.config), "obs_dim": self.obs_dim,
                 "n_agents": self.n_agents, "n_actions": self.n_actions, "iteration": int(self.state["iteration"]),
-                "env_steps": int(self.state["env_steps"]), **state_meta()}
+                "env_steps": int(self.state["env_steps"]), "world_size": self.world_size, **state_meta()}
         if not self.settable:
             meta["rware_resets"] = self.env.rng_state()["resets"]
         return tensors, meta
@@ -289,12 +322,13 @@ class MAPPORun(Run):
             self.state.exclude("optim").update_(loaded["learner"])
             self.state["optim"].update_(loaded["optim"])
         set_generator_state(self.gen, loaded["rng"])
-        if "env" in loaded.keys():
+        if "env" in loaded.keys():  # the single process's N envs: this rank's rows (all of them in one process)
             env.set_rng_state(loaded["env", "rng"])
-            self.carry = env.set_state(TensorDict(loaded["env", "state"].to_dict(), batch_size=env.batch_size))
+            state = TensorDict(loaded["env", "state"].to_dict(), batch_size=[self.config.num_envs])
+            self.carry = env.set_state(self._rows(state))
             for key in self.carry_keys:
-                self.carry.set_(key, loaded["carry", "env"].get(key))
-            self.running = loaded["carry", "running"].clone()
+                self.carry.set_(key, self._rows(loaded["carry", "env"].get(key)))
+            self.running = self._rows(loaded["carry", "running"]).clone()
             return
         if not self.settable:  # e.g. rware: new episodes, not the first ones again
             env.set_rng_state({**env.rng_state(), "resets": int(meta.get("rware_resets", 0))})
@@ -351,7 +385,7 @@ def train_mappo(
         UserWarning: resuming an rware run (new episodes; not bit-identical).
     """
     return train(MAPPORun, config_from_meta, config, run_dir, config_type=MAPPOConfig, resume=resume,
-                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard)
+                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard, data_parallel=True)
 
 
 def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
