@@ -55,6 +55,20 @@ def share(x: Tensor | TensorDictBase, rank: int, world_size: int, dim: int = 0) 
     return x.narrow(dim, rank * (m // world_size), m // world_size)
 
 
+def mean_in_graph(x: Tensor, world_size: int, group=None) -> Tensor:
+    """The mean over the ``world_size`` ranks of ``x`` (detached, the same shape on every rank), by a
+    functional all_reduce (``torch.distributed._functional_collectives``): unlike ``all_reduce`` on
+    the tensor itself it runs inside ``torch.func.grad``, so a loss can use a whole-minibatch
+    statistic (Diffusion-QL's E|Q| normaliser) without a second forward pass; ``x`` at world size 1."""
+    if world_size == 1:
+        return x
+    import torch.distributed as tdist
+    import torch.distributed._functional_collectives as fc
+
+    out = fc.all_reduce(x.detach(), "sum", tdist.group.WORLD if group is None else group)
+    return fc.wait_tensor(out) / world_size
+
+
 def average(reduce: GradientTransform, grads: list[Tensor], treedef: tuple | None, loss: Tensor,
             metrics: TensorDictBase) -> tuple[list[Tensor], Tensor, TensorDict]:
     """(gradients, loss [*S], metrics [*S]) averaged over the ranks by the ``all_reduce_mean`` link
