@@ -17,6 +17,11 @@ and targets; the noise comes in as tensors drawn from the run's generator. ``--c
 ``auto`` for a run of >= :data:`rlfunc.algos.offpolicy.AUTO_COMPILE_UPDATES` gradient steps) runs it through
 :func:`rlfunc.device.compile_step` as one torch.compile graph; eager and compiled agree within 1e-5
 (tests/optim/test_compiled_step.py).
+
+Data parallel (``--nproc W``): each rank steps its share of the envs and takes B/W of every minibatch,
+the critics' and temperature's gradients averaged in one all_reduce, the actor's in another, so every
+rank takes the single process's step, eagerly (:func:`make_sac`'s ``dist``; why, and what it costs:
+:mod:`rlfunc.algos.offpolicy`); tests/algos/test_offpolicy_data_parallel.py.
 """
 
 from __future__ import annotations

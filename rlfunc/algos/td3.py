@@ -12,6 +12,11 @@ see; the env gets it scaled to its bounds.
 The update is two pure functions of flat leaf lists (the critic step; the actor step with the
 target updates), compiled with ``--compile on`` (``auto``: runs of >= 5,000 gradient steps) as two
 torch.compile graphs; eager and compiled agree within 1e-5 (tests/optim/test_compiled_step.py).
+
+Data parallel (``--nproc W``): each rank steps its share of the envs and takes B/W of every minibatch,
+each step's gradients averaged in one all_reduce, so every rank takes the single process's critic
+and delayed actor steps, eagerly (:func:`make_td3`'s ``dist``; why, and what it costs:
+:mod:`rlfunc.algos.offpolicy`); tests/algos/test_offpolicy_data_parallel.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ One spawn of the 2 ranks serves every test here (a module fixture): it is the ex
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from rlfunc.algos.diffusion_actor import ActorSpec, env_info
 from rlfunc.algos.ppo import EnvSpec
