@@ -1,6 +1,6 @@
-"""What every data-parallel algorithm (ppo, bc, dppo) shares to make its update equal the single
-process's, to float rounding: ``make_X(..., dist)`` with a :class:`rlfunc.run.distributed.Distributed`
-of W > 1 ranks.
+"""What every data-parallel algorithm (ppo, bc, dppo, sac, td3, td3-diffusion, sac-diffusion) shares
+to make its update equal the single process's, to float rounding: ``make_X(..., dist)`` with a
+:class:`rlfunc.run.distributed.Distributed` of W > 1 ranks.
 
 - the randomness of the single process is drawn on every rank (every rank's generator draws the same
   numbers, so they stay in sync); where a rank acts for a part of the envs it keeps its rows
@@ -12,7 +12,9 @@ of W > 1 ranks.
   state keeps the single process's layout (snapshots move between world sizes).
 
 Metrics that are not means over the samples (a max, an explained variance) come back as the mean of
-the ranks' values of their shares, not as the value of the whole minibatch.
+the ranks' values of their shares, not as the value of the whole minibatch. A loss that is not a
+mean over the samples (Diffusion-QL's -E[Q] / E|Q|) needs its whole-minibatch statistic averaged
+inside the gradient (:func:`mean_in_graph`).
 """
 
 from __future__ import annotations

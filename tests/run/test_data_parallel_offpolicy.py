@@ -12,9 +12,9 @@ from rlfunc.algos.sac import preset
 from rlfunc.run import checkpoint
 from rlfunc.run.offpolicy import train_sac
 
-# float rounding only (a minibatch's loss as the mean of two half means): after ~100 gradient steps
-# the learner differs from the single process's by ~1e-7, the observations and episode sums the
-# slightly different actions led to by ~1e-6
+# float rounding only (a minibatch's loss as the mean of two half means), carried through ~100
+# gradient steps into the actions, the observations they led to and the buffer: the largest
+# difference of any snapshot tensor was 9.5e-7 at iteration 2 and 2.9e-6 after the resumed iteration 3
 ATOL = 1e-5
 
 
