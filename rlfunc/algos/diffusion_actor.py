@@ -228,15 +228,22 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
     return state
 
 
-def check_split(env_id: str, world_size: int, num_envs: int | None = None, workers: int = 0) -> None:
+def check_split(env_id: str, world_size: int, num_envs: int | None = None, workers: int = 0, *,
+                gymnasium_split: bool = False) -> None:
     """ConfigError unless ``env_id``'s ``num_envs`` envs split over ``world_size`` ranks of a
     data-parallel run, each rank's ``num_envs / world_size`` stepped in ``workers`` env worker
     processes (0: none): a torch-batched env splits (its builder's ``split=``), in no workers; a
-    gymnasium id splits as :class:`rlfunc.envs.chunk.GymChunkEnv`'s ``split=``, with workers that
-    divide each rank's envs. ``num_envs`` None: not checked (nor the workers)."""
+    gymnasium id splits as :class:`rlfunc.envs.chunk.GymChunkEnv`'s ``split=`` where the caller's run
+    builds it so (``gymnasium_split``: dppo; the runs that do not, refused), with workers that divide
+    each rank's envs. ``num_envs`` None: the workers are not checked."""
     if world_size <= 1:
         return
-    if registry.torch_builder(env_id) is None and workers and num_envs is not None and (num_envs // world_size) % workers:
+    if registry.torch_builder(env_id) is not None:
+        return
+    if not gymnasium_split:
+        raise ConfigError(f"env={env_id!r} with {world_size} ranks: a data-parallel run splits a torch-batched env "
+                          "(one with a torch_env in rlfunc.envs.registry, e.g. PointReach-v0); train it in one process")
+    if workers and num_envs is not None and (num_envs // world_size) % workers:
         raise ConfigError(f"run.env_workers={workers}: each of the {world_size} ranks steps num_envs / nproc = "
                           f"{num_envs}/{world_size} envs, which it does not divide (each worker steps an equal share)")
 
@@ -276,7 +283,7 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
                           "not in worker processes (use 0)")
     split = split if split is not None and split[1] > 1 else None
     if split is not None:
-        check_split(env_id, split[1], num_envs * split[1], workers)
+        check_split(env_id, split[1], num_envs * split[1], workers, gymnasium_split=True)
     if build is not None:
         kw = {} if split is None else {"split": split, "any_done_of_split": any_done_of_split}
         return build(num_envs, act_steps=act_steps, device=device, seed=seed, **kw)

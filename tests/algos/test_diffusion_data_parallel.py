@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos.bc import BCConfig, make_bc
-from rlfunc.algos.diffusion_actor import ActorSpec, make_env
+from rlfunc.algos.diffusion_actor import ActorSpec, check_split, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.config import replace
 from rlfunc.errors import ConfigError, EnvError
@@ -137,3 +137,5 @@ def test_a_split_that_does_not_divide_or_a_compiled_step_is_a_config_error():
     with pytest.raises(ConfigError, match="run.env_workers=2: env='PointReach-v0' is torch-batched"):
         make_env("PointReach-v0", 2, 1, CPU, 0, split=(0, 2), workers=2)
     replace(DPPOConfig(), env="Pendulum-v1", nproc=2, num_envs=8, minibatch_size=16, env_workers=2)  # 4 envs per rank, 2 per worker
+    with pytest.raises(ConfigError, match="env='Pendulum-v1' with 2 ranks: a data-parallel run splits a torch-batched env"):
+        check_split("Pendulum-v1", 2)  # a run that does not build GymChunkEnv's split
