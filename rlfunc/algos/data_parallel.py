@@ -1,6 +1,6 @@
-"""What every data-parallel algorithm (ppo, bc, dppo, grpo, gspo, mappo) shares to make its update equal the single
-process's, to float rounding: ``make_X(..., dist)`` with a :class:`rlfunc.run.distributed.Distributed`
-of W > 1 ranks.
+"""What every data-parallel algorithm (ppo, bc, dppo, grpo, gspo, mappo, sac, td3, td3-diffusion,
+sac-diffusion) shares to make its update equal the single process's, to float rounding: ``make_X(..., dist)``
+with a :class:`rlfunc.run.distributed.Distributed` of W > 1 ranks.
 
 - the randomness of the single process is drawn on every rank (every rank's generator draws the same
   numbers, so they stay in sync); where a rank acts for a part of the envs it keeps its rows
@@ -13,7 +13,9 @@ of W > 1 ranks.
 
 Metrics that are not means over the samples (a max, an explained variance) come back as the mean of
 the ranks' values of their shares, not as the value of the whole minibatch. A mean over items whose
-number differs between the shares (grpo's valid steps) is weighted first (:func:`count_weight`).
+number differs between the shares (grpo's valid steps) is weighted first (:func:`count_weight`); a loss
+that is not a mean over the samples (Diffusion-QL's -E[Q] / E|Q|) needs its whole-minibatch statistic
+averaged inside the gradient (:func:`mean_in_graph`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def share(x: Tensor | TensorDictBase, rank: int, world_size: int, dim: int = 0) 
         return x
     m = x.shape[dim] if isinstance(x, Tensor) else x.batch_size[dim]
     return x.narrow(dim, rank * (m // world_size), m // world_size)
+
+
+def mean_in_graph(x: Tensor, world_size: int, group=None) -> Tensor:
+    """The mean over the ``world_size`` ranks of ``x`` (detached, the same shape on every rank), by a
+    functional all_reduce (``torch.distributed._functional_collectives``): unlike ``all_reduce`` on
+    the tensor itself it runs inside ``torch.func.grad``, so a loss can use a whole-minibatch
+    statistic (Diffusion-QL's E|Q| normaliser) without a second forward pass; ``x`` at world size 1."""
+    if world_size == 1:
+        return x
+    import torch.distributed as tdist
+    import torch.distributed._functional_collectives as fc
+
+    out = fc.all_reduce(x.detach(), "sum", tdist.group.WORLD if group is None else group)
+    return fc.wait_tensor(out) / world_size
 
 
 def average(reduce: GradientTransform, grads: list[Tensor], treedef: tuple | None, loss: Tensor,

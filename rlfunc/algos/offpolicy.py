@@ -5,6 +5,33 @@ their common hyperparameters (:class:`OffPolicyConfig`), :class:`OffPolicy`, the
 flat leaf lists (:func:`stacked`; the update chain's step over leaf lists is rlfunc.optim.leaves').
 
 The Polyak update of the target networks is :func:`rlfunc.core.func.polyak_update_`.
+
+Data parallel (``--nproc W``, torchrun; ``make_sac`` / ``make_td3`` with a ``dist``): W ranks take
+the single process's steps, to float rounding, so a run means the same at any W and its snapshots
+move between world sizes (:mod:`rlfunc.algos.data_parallel`'s recipe, as ppo's and dppo's):
+
+- each rank steps its N/W of the N envs (the single process's reset seeds for them) and draws the
+  exploration noise (and the warm-up's uniform actions) of all N envs, keeping its rows: every
+  rank's generator draws what the single process's draws and stays in step with it;
+- each env step's transitions are all-gathered in rank order, which is the single process's env
+  order (:meth:`rlfunc.run.distributed.Distributed.all_gather_batch`), so every rank holds the single
+  process's replay buffer and draws the same minibatch indices from the same generator. That
+  gather costs (W-1)/W of a step's transitions per rank: a few floats per env step for state
+  observations, but for pixel observations every image crosses (gather encoder features or buffer
+  indices there instead; these algorithms take flat Box observations);
+- each gradient step takes this rank's B/W share of the minibatch and of its noise, and its loss is
+  the mean over the share; the gradients, the loss and the metrics go through one all_reduce_mean
+  (:func:`rlfunc.algos.data_parallel.average`) before clipping and Adam, so every rank takes the
+  same step: the critics' and sac's temperature's gradients share one collective, the actor's
+  (after the critics' step, through them) another; the Polyak targets, the delayed actor steps of
+  td3 and sac's log alpha (its own Adam chain, on the averaged gradient) stay identical on every rank.
+
+Sharding the buffer instead (each rank sampling its own rows) would save the gather but change the
+minibatch distribution with W, and a snapshot would hold W buffers; replicating it keeps the single
+process's numbers. The compiled step holds no collective, and splitting it into compiled pieces
+around the all-reduce was not tried: ``--compile auto`` runs eager under W > 1, ``--compile on``
+with W > 1 is a ConfigError (one line). The config checks that W (``run.nproc``) divides
+``num_envs`` and ``batch_size`` before torchrun starts the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +45,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from rlfunc.algos import data_parallel
 from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
@@ -91,11 +119,15 @@ def action_scale(low: Sequence[float], high: Sequence[float], device: torch.devi
     return ActionScale(((hi + lo) / 2).to(device), ((hi - lo) / 2).to(device))
 
 
-def uniform_policy(scale: ActionScale, generator: torch.Generator) -> Policy:
-    """Warm-up actions, uniform in the env's box, drawn from ``generator`` (on the learner's device)."""
+def uniform_policy(scale: ActionScale, generator: torch.Generator, own=None) -> Policy:
+    """Warm-up actions, uniform in the env's box, drawn from ``generator`` (on the learner's device).
+    ``own``: a data-parallel rank's :func:`rlfunc.algos.data_parallel.own_rows` (it draws for every
+    rank's envs and keeps its rows); None: the draws of the envs it acts for."""
+    own = data_parallel.own_rows(0, 1) if own is None else own
 
     def act(observation: Tensor) -> tuple[Tensor, None]:
-        u = torch.rand((observation.shape[0], scale.center.shape[0]), generator=generator, device=scale.center.device)
+        draw = lambda n: torch.rand((n, scale.center.shape[0]), generator=generator, device=scale.center.device)  # noqa: E731
+        u = own(draw, observation.shape[0], 0)
         return scale.to_env(u * 2 - 1), None
 
     return act
@@ -189,15 +221,22 @@ class OffPolicyConfig:
         n = self.name
         if not self.compiles:
             require_default(self.run, compile=f"{n} has no compiled update yet (ppo and sac have)")
-        require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
-                        num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
+        require_default(self.run, num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         precision=f"{n} has no mixed precision", log_every=f"{n} logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics",
                      "sync_weights_every", "async_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
-        check_env_workers(self.run, self.num_envs)
+        nproc = self.run.nproc
+        if nproc > 1 and self.run.compile == "on":
+            raise ConfigError(f"run.compile='on' with nproc={nproc}: {n}'s compiled step holds no all-reduce; "
+                              "expected --compile off or auto (eager under --nproc)")
+        data_parallel.check_divides(nproc, num_envs=self.num_envs, batch_size=self.batch_size)  # before torchrun starts the ranks
+        check_env_workers(self.run, self.num_envs // nproc, f"num_envs={self.num_envs} / nproc={nproc} per process" if nproc > 1 else "")
+        if self.async_collection and nproc > 1:
+            raise ConfigError(f"async_collection with nproc={nproc}: the asynchronous collector serves one learner process; "
+                              "expected nproc=1 with it")
         if self.async_collection and self.run.env_workers:
             raise ConfigError(f"async_collection with run.env_workers={self.run.env_workers}: the asynchronous collector steps "
                               "every env in its one worker process; expected env_workers=0 with it")

@@ -8,6 +8,18 @@ Both score the executed action chunk with Q(cond, a) (so ``actor.horizon == acto
 an ensemble of critics as one stacked parameter TensorDict (:func:`rlfunc.algos.offpolicy.q_ensemble`)
 with Polyak targets, and run a diffusion actor (:class:`rlfunc.algos.diffusion_actor.DiffusionActor`)
 on PointReach-v0, gymnasium envs and Dict-observation envs through a frozen bc encoder.
+
+Data parallel (``--nproc W``; :func:`ranks`), as sac's and td3's (:mod:`rlfunc.algos.offpolicy` says
+why): each rank steps its N/W envs of a torch-batched env (a gymnasium id is refused: its split
+envs' resets are not the single process's), drawing every env's noise and keeping its rows; the
+rollout is all-gathered, so every rank fills the single process's buffer and draws its minibatch
+indices; the critic and actor steps are the leaf-list steps run eagerly on this rank's B/W of the
+minibatch and of every draw, their gradients, loss and metrics averaged over the ranks in one
+all_reduce per side before the chain (so float32 only: no autocast, no gradient checkpointing,
+and no compiled step: it holds no collective; ``--compile auto`` runs eager, ``on`` is refused).
+td3-diffusion's Diffusion-QL normaliser E|Q| is a whole-minibatch statistic, averaged over the
+ranks inside the gradient (:func:`rlfunc.algos.data_parallel.mean_in_graph`); sac-diffusion's entropy
+estimate and alpha step read the whole minibatch's first states and run alike on every rank.
 """
 
 from __future__ import annotations
@@ -15,16 +27,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for, with_encoder
+from rlfunc.algos import data_parallel
+from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_split, require_finite, schedule_for, with_encoder
 from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
+from rlfunc.optim.distributed import all_reduce_mean
 
 MINIBATCH_KEYS = ("cond", "next_cond", "action", "chunk", "reward", "terminated")  # what a compiled step reads of a minibatch
 
@@ -65,9 +79,17 @@ class ReplayDiffusionConfig:
         if self.run.compile == "on" and (self.gradient_checkpointing or self.run.precision != "off"):
             raise ConfigError(f"run.compile='on': {n} compiles its float32 update; expected gradient_checkpointing=False "
                               "and run.precision='off' with it (or --compile off)")
-        require_default(self.run, nproc=f"{n} is not data-parallel yet (ppo is): train it in one process",
-                        num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
+        require_default(self.run, num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         log_every=f"{n} logs every iteration")
+        if self.run.nproc > 1:  # before torchrun starts the ranks
+            if self.run.compile == "on":
+                raise ConfigError(f"run.compile='on' with nproc={self.run.nproc}: {n}'s compiled steps hold no all-reduce; "
+                                  "expected --compile off or auto (eager under --nproc)")
+            if self.gradient_checkpointing or self.run.precision != "off":
+                raise ConfigError(f"nproc={self.run.nproc}: {n}'s data-parallel update is its float32 step; expected "
+                                  "gradient_checkpointing=False and run.precision='off' with it")
+            check_split(self.env, self.run.nproc)
+            data_parallel.check_divides(self.run.nproc, num_envs=self.num_envs, batch_size=self.batch_size)
         if any(h < 1 for h in self.critic_hidden):
             raise ConfigError(f"critic_hidden={self.critic_hidden}: expected positive widths")
         if not 0.0 <= self.gamma <= 1.0:
@@ -108,6 +130,42 @@ def compiles(config: ReplayDiffusionConfig, auto_updates: int) -> bool:
     return config.run.compile == "on" or (config.run.compile == "auto" and eligible and config.num_updates() >= auto_updates)
 
 
+class Ranks(NamedTuple):
+    """A data-parallel run's place as the replay-diffusion algorithms use it (:func:`ranks`)."""
+
+    world_size: int
+    rank: int
+    own: Callable  # rlfunc.algos.data_parallel.own_rows: the noise rows of this rank's envs
+    mean_over_ranks: Callable | None  # objective_step's (grads, loss, metrics) average over the ranks; None at W = 1
+    mean: Callable[[Tensor], Tensor]  # a detached statistic's mean over the ranks, inside torch.func.grad too (data_parallel.mean_in_graph)
+
+    def share(self, x, dim: int = 0):
+        """This rank's share of a minibatch-sized ``x`` (a tensor, or a dict of them) along ``dim``."""
+        if isinstance(x, dict):
+            return {k: data_parallel.share(v, self.rank, self.world_size, dim) for k, v in x.items()}
+        return data_parallel.share(x, self.rank, self.world_size, dim)
+
+
+def ranks(dist, config: ReplayDiffusionConfig) -> Ranks:
+    """:class:`Ranks` of ``dist`` (None or a :class:`rlfunc.run.distributed.Distributed`); ConfigError
+    unless its world size divides ``num_envs`` and ``batch_size``, and, at W > 1, the update is the
+    float32 leaf-list step (no gradient checkpointing, no autocast)."""
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    data_parallel.check_divides(W, num_envs=config.num_envs, batch_size=config.batch_size)
+    if W == 1:
+        return Ranks(1, 0, data_parallel.own_rows(0, 1), None, lambda x: x)
+    if config.gradient_checkpointing or config.run.precision != "off":
+        raise ConfigError(f"{W} ranks: {config.name}'s data-parallel update is its float32 step; expected "
+                          "gradient_checkpointing=False and run.precision='off' with it")
+    reduce = all_reduce_mean(dist.group)
+
+    def mean_over_ranks(grads, loss, metrics):
+        return data_parallel.average(reduce, list(grads), None, loss, metrics)
+
+    return Ranks(W, rank, data_parallel.own_rows(rank, W), mean_over_ranks,
+                 lambda x: data_parallel.mean_in_graph(x, W, dist.group))
+
+
 def minibatch(mb: TensorDict) -> dict:
     """A sampled minibatch of :func:`replay_transitions` as the dict of tensors a compiled step takes."""
     return {k: mb[k] for k in MINIBATCH_KEYS}
@@ -142,17 +200,21 @@ def replay_state(actor: DiffusionActor, config: ReplayDiffusionConfig, critics: 
 
 
 def replay_rollout(actor: DiffusionActor, config: ReplayDiffusionConfig, state: TensorDict, env, generator: torch.Generator,
-                   explore: Callable[[Tensor], Tensor]) -> TensorDict:
+                   explore: Callable[[Tensor], Tensor], own=None) -> TensorDict:
     """``config.num_steps`` chunk steps of ``env`` (a TorchRL env of [N, act_steps, A] chunks in
     [-1, 1]) without gradient: uniform chunks from ``generator`` while ``state["env_steps"]`` <
-    ``warmup_steps``, else ``explore(cond)`` ([N, C] condition -> [N, H, A] chunk, clipped here)."""
+    ``warmup_steps``, else ``explore(cond)`` ([N, C] condition -> [N, H, A] chunk, clipped here).
+    ``own``: a data-parallel rank's :func:`rlfunc.algos.data_parallel.own_rows` (the uniform chunks
+    of every rank's envs drawn, this rank's rows kept; ``explore`` keeps its rows itself)."""
     warm = int(state["env_steps"]) < config.warmup_steps
     spec, device = actor.spec, actor.device
+    own = data_parallel.own_rows(0, 1) if own is None else own
 
     @torch.no_grad()
     def act(td: TensorDict) -> TensorDict:
         if warm:
-            x = torch.rand((td.batch_size[0], spec.horizon, actor.act_dim), generator=generator, device=device) * 2 - 1
+            draw = lambda n: torch.rand((n, spec.horizon, actor.act_dim), generator=generator, device=device)  # noqa: E731
+            x = own(draw, td.batch_size[0], 0) * 2 - 1
         else:
             x = explore(actor.condition(state.get("encoder", None), state["obs_stats"], td))
         td["action"] = actor.env_action(x.clamp(-1.0, 1.0))

@@ -17,6 +17,11 @@ and targets; the noise comes in as tensors drawn from the run's generator. ``--c
 ``auto`` for a run of >= :data:`rlfunc.algos.offpolicy.AUTO_COMPILE_UPDATES` gradient steps) runs it through
 :func:`rlfunc.device.compile_step` as one torch.compile graph; eager and compiled agree within 1e-5
 (tests/optim/test_compiled_step.py).
+
+Data parallel (``--nproc W``): each rank steps its share of the envs and takes B/W of every minibatch,
+the critics' and temperature's gradients averaged in one all_reduce, the actor's in another, so every
+rank takes the single process's step, eagerly (:func:`make_sac`'s ``dist``; why, and what it costs:
+:mod:`rlfunc.algos.offpolicy`); tests/algos/test_offpolicy_data_parallel.py.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.algos import data_parallel
 from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample,
                                    stacked)
 from rlfunc.algos.ppo import EnvSpec
@@ -40,7 +46,7 @@ from rlfunc.errors import ConfigError
 from rlfunc.device import compile_step
 from rlfunc.losses.sac import sac_actor_loss, sac_critic_loss, soft_q_target, temperature_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten
+from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten
 from rlfunc.optim.base import unflatten
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
@@ -84,7 +90,7 @@ def preset(env: str, **overrides) -> SACConfig:
     return replace(SACConfig(), **{**PRESETS.get(env, {}), "env": env, **overrides})
 
 
-def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolicy:
+def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) -> OffPolicy:
     """Build SAC's pure pieces for envs described by ``spec`` (bounded Box actions).
 
     The learner state is one TensorDict on ``device``: "params" {"actor" (MLP obs -> [loc, log_std]),
@@ -94,10 +100,21 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
     "rng" (the generator of exploration noise, minibatches and REDQ subsets), "iteration",
     "env_steps", "updates" (0-dim int64).
 
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks (:mod:`rlfunc.algos.data_parallel`): the policy acts for this rank's N/W envs with its rows
+    of the N envs' noise; each gradient step takes this rank's B/W of the minibatch (and of its
+    noise) and averages the gradients, losses and metrics over the ranks (the critics' and the
+    temperature's in one all_reduce, the actor's in another) before the chains, so every rank
+    takes the single process's step; the update is then eager.
+
     Raises:
-        ConfigError: the action bounds are not finite.
+        ConfigError: the action bounds are not finite; W does not divide ``num_envs`` or ``batch_size``.
     """
     A = spec.act_dim
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    data_parallel.check_divides(W, num_envs=config.num_envs, batch_size=config.batch_size)
+    own = data_parallel.own_rows(rank, W)  # the noise rows of this rank's envs
+    reduce = all_reduce_mean(None if dist is None else dist.group)
     scale = action_scale(spec.action_low, spec.action_high, device)
     target_entropy = -float(A) if config.target_entropy is None else config.target_entropy
     make_actor = lambda: MLP(spec.obs_dim, 2 * A, config.hidden, config.activation, out_gain=0.01)  # noqa: E731
@@ -134,7 +151,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
             loc, log_std = forward(observation).chunk(2, -1)
             if deterministic:
                 return scale.to_env(torch.tanh(loc)), None
-            noise = torch.randn(loc.shape, generator=generator, device=device)
+            noise = own(lambda n: torch.randn((n, A), generator=generator, device=device), loc.shape[0], 0)
             action, _ = tanh_gaussian_sample(loc, log_std.clamp(LOG_STD_MIN, LOG_STD_MAX), noise)
             return scale.to_env(action), None
 
@@ -170,8 +187,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
             _, log_prob_pi = pi(actor_w, obs, noise_pi)
         if config.autotune:
             loss_alpha, m = temperature_loss(log_alpha[0], log_prob_pi, target_entropy)
-            grad_alpha = -(log_prob_pi.detach() + target_entropy).mean()  # d loss_alpha / d log_alpha
-            chain_step(alpha_opt, [grad_alpha], log_alpha, ALPHA_DEF, alpha_s, loss_alpha)
+            grad_alpha = [-(log_prob_pi.detach() + target_entropy).mean()]  # d loss_alpha / d log_alpha
             metrics.update(m.to_dict())
         with torch.no_grad():
             next_action, next_log_prob = pi(actor_w, next_obs, noise_next)
@@ -186,6 +202,13 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
 
         grads, (loss_critic, m) = torch.func.grad(critic_objective, has_aux=True)(critic_w)
         metrics.update(m.to_dict())
+        metrics["target_q"] = y.mean()
+        if W > 1:  # the temperature's gradient rides with the critics' (its step reads nothing they change): one collective
+            grads, loss_critic, metrics = mean_over_ranks(list(grads) + (grad_alpha if config.autotune else []), loss_critic, metrics)
+            if config.autotune:
+                grads, grad_alpha, loss_alpha = grads[:-1], grads[-1:], metrics["loss_alpha"]
+        if config.autotune:  # after the critics' gradient, which reads alpha as it was before this step
+            chain_step(alpha_opt, grad_alpha, log_alpha, ALPHA_DEF, alpha_s, loss_alpha)
         metrics["critic_grad_norm"] = chain_step(critic_opt, grads, critic_w, critic_def, critic_s, loss_critic)
         updated = stacked(critic_def, [w.detach() for w in critic_w], E)
 
@@ -198,16 +221,24 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
             return loss, (loss, m)
 
         grads, (loss_actor, m) = torch.func.grad(actor_objective, has_aux=True)(actor_w)
-        metrics.update(m.to_dict())  # its "entropy" is the same -E[log pi] as the temperature loss's
+        m = m.to_dict()
+        if W > 1:
+            grads, loss_actor, m = mean_over_ranks(grads, loss_actor, m)
+        metrics.update(m)  # its "entropy" is the same -E[log pi] as the temperature loss's
         metrics["actor_grad_norm"] = chain_step(actor_opt, grads, actor_w, actor_def, actor_s, loss_actor)
         metrics["alpha"] = alpha
-        metrics["target_q"] = y.mean()
         with torch.no_grad():
             torch._foreach_lerp_(target_w, [w.detach() for w in critic_w], config.tau)
         return {k: v.detach() for k, v in metrics.items()}
 
+    def mean_over_ranks(grads: list[Tensor], loss: Tensor, metrics: dict) -> tuple[list[Tensor], Tensor, dict]:
+        """(gradients, loss, metrics) of this rank's share averaged over the ranks: one all_reduce."""
+        grads, loss, mean = data_parallel.average(reduce, list(grads), None, loss, TensorDict(metrics, batch_size=[]))
+        return grads, loss, mean.to_dict()
+
     updates_of_run = max(0, config.total_steps - config.learning_starts) * config.updates_per_step
-    compiled = config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES)
+    # a compiled step holds no collective: data-parallel runs are eager (the config refused --compile on)
+    compiled = W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(step, device, config.run.compile, "sac", static_args=(0, 1, 2, 3, 4)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
@@ -228,6 +259,9 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device) -> OffPolic
             subset = torch.randperm(E, generator=generator, device=device)[: config.redq_subset] if config.redq_subset is not None else None
             tensors = {"observation": mb["observation"], "next_observation": mb["next", "observation"], "action": mb["action"],
                        "reward": mb["next", "reward"], "terminated": mb["next", "terminated"]}
+            if W > 1:  # this rank's share of the single process's minibatch and noise
+                tensors = {k: data_parallel.share(v, rank, W) for k, v in tensors.items()}
+                noise_pi, noise_next = data_parallel.share(noise_pi, rank, W), data_parallel.share(noise_next, rank, W)
             m = fn(*args, tensors, noise_pi, noise_next, subset)
             metric_sum = m if metric_sum is None else {k: metric_sum[k] + v for k, v in m.items()}
         state["updates"] = state["updates"] + num_updates

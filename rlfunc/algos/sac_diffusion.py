@@ -44,7 +44,7 @@ from torch import Tensor
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
 from rlfunc.algos.offpolicy import q_ensemble, stacked
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, compiles, minibatch, replay_rollout, replay_state,
+from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, compiles, minibatch, ranks, replay_rollout, replay_state,
                                           replay_transitions)
 from rlfunc.core import func
 from rlfunc.device import compile_step
@@ -121,7 +121,8 @@ class SACDiffusion(NamedTuple):
     optim_keys: tuple[str, ...] = ("optim_critic", "optim_actor", "optim_alpha")
 
 
-def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> SACDiffusion:
+def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device,
+                       dist=None) -> SACDiffusion:
     """Build sac-diffusion's pure pieces. ``obs_dim``: the env's :class:`EnvInfo` (or a Box
     observation's size).
 
@@ -131,7 +132,17 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
     observation "encoder" (a bc run's, frozen), and the update chains' states "optim_critic" and
     "optim_actor" (each ``chain(clip_by_global_norm(max_grad_norm), adam(lr))``) and "optim_alpha"
     (``adam(alpha_lr)``).
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks: the rollout acts for this rank's N/W envs with its rows of every env's noise; the critic
+    and actor steps run as the leaf-list steps, eagerly, each on this rank's B/W of the minibatch and
+    of its noise, the gradients, loss and metrics averaged over the ranks in one all_reduce per side
+    before its chain (:mod:`rlfunc.algos.data_parallel`); the entropy estimate and the alpha step,
+    on the first ``entropy_states`` states of the whole minibatch, are computed alike on every rank.
+    ConfigError unless W divides ``num_envs`` and ``batch_size``, and W > 1 runs float32 without
+    checkpointing.
     """
+    dp = ranks(dist, config)
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
     chunk_dim = spec.act_steps * act_dim
     E = config.num_critics
@@ -153,12 +164,15 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
         return state
 
     def noisy_action(params: TensorDict, state: TensorDict, cond: Tensor, generator: torch.Generator, *,
-                     clip: bool = True, **kw) -> Tensor:
+                     clip: bool = True, own=None, **kw) -> Tensor:
         """a0 [B, H, A] = clip(chain(cond) + noise_scale * alpha * eps, -1, 1) (``clip=False``: not
-        clipped); the graph is kept into ``params`` (not into alpha, read detached)."""
-        x = actor.act(params, state["schedule"], cond, actor.noise(cond.shape[0], generator), eta=config.eta, **kw)
+        clipped); the graph is kept into ``params`` (not into alpha, read detached). ``own``: a
+        data-parallel rank's noise rows of its envs (:func:`rlfunc.algos.data_parallel.own_rows`)."""
+        own = own or (lambda draw, n, dim: draw(n))
+        B = cond.shape[0]
+        x = actor.act(params, state["schedule"], cond, own(lambda n: actor.noise(n, generator), B, 1), eta=config.eta, **kw)
         sigma = config.noise_scale * state["params", "log_alpha"].detach().exp()
-        a = x + sigma * torch.randn(x.shape, generator=generator, device=device)
+        a = x + sigma * own(lambda n: torch.randn((n, *x.shape[1:]), generator=generator, device=device), B, 0)
         return a.clamp(-1.0, 1.0) if clip else a
 
     @torch.no_grad()
@@ -175,7 +189,7 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
     def rollout(state: TensorDict, env, generator: torch.Generator) -> TensorDict:
         """:func:`~rlfunc.algos.replay_diffusion.replay_rollout` acting with :func:`noisy_action`."""
         return replay_rollout(actor, config, state, env, generator,
-                              lambda cond: noisy_action(state["params", "actor"], state, cond, generator))
+                              lambda cond: noisy_action(state["params", "actor"], state, cond, generator, own=dp.own), dp.own)
 
     def step_side(loss: Tensor, transform, opt: dict, key: str, params: TensorDict, prec: Precision | None) -> tuple[Tensor, bool]:
         for leaf in func.leaves(params):
@@ -242,10 +256,10 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
 
         def objective(w):
             loss, m = critic_loss(q_all(stacked(critic_def, w, E), mb["cond"], mb["action"]), y)
+            m["target_q"] = y.mean()  # a mean over the minibatch: averaged over the ranks with the loss
             return loss, (loss, m)
 
-        metrics = objective_step(critic_opt, objective, critic_w, critic_def, opt, "critic")
-        metrics["target_q"] = y.mean()
+        metrics = objective_step(critic_opt, objective, critic_w, critic_def, opt, "critic", dp.mean_over_ranks)
         return {k: v.detach() for k, v in metrics.items()}
 
     def actor_step(actor_w: list[Tensor], critic_w: list[Tensor], target_w: list[Tensor], log_alpha: list[Tensor],
@@ -259,19 +273,22 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
             loss, m = td3_actor_loss(q_all(critic, mb["cond"], a.flatten(1)).min(0).values)
             return loss, (loss, m)
 
-        metrics = objective_step(actor_opt, objective, actor_w, actor_def, opt, "actor")
+        metrics = objective_step(actor_opt, objective, actor_w, actor_def, opt, "actor", dp.mean_over_ranks)
         with torch.no_grad():
             torch._foreach_lerp_(target_w, [w.detach() for w in critic_w], config.tau)
         return {k: v.detach() for k, v in metrics.items()}
 
-    compiled = compiles(config, AUTO_COMPILE_UPDATES)
+    compiled = dp.world_size == 1 and compiles(config, AUTO_COMPILE_UPDATES)  # a compiled step holds no collective
     steps = tuple(compile_step(f, device, config.run.compile, "sac-diffusion", static_args=(0, 1, 2, 3, 4, 5)) for f in (critic_step, actor_step)) if compiled else None
+    if dp.world_size > 1:  # data parallel: the leaf-list steps, eager, each on this rank's share
+        steps = (critic_step, actor_step)
     reported: list[bool] = []  # compile_s went into a metrics line already
 
     def compiled_sides(state: TensorDict, generator: torch.Generator):
-        """(critic side, actor side), each ``mb -> metrics``: the compiled steps on the state's leaf
-        lists (taken once: the steps write into the state's tensors), the noise drawn here in the
-        eager order (the chain's, then the exploration noise's)."""
+        """(critic side, actor side), each ``mb -> metrics``: the compiled steps (data parallel: the
+        eager ones, on this rank's share of the minibatch and of its noise) on the state's leaf
+        lists (taken once: the steps write into the state's tensors), the noise drawn here for the
+        whole minibatch in the eager order (the chain's, then the exploration noise's)."""
         params = state["params"]
         w = (leaf_list(params["actor"]), leaf_list(params["critic"]), leaf_list(state["target", "critic"]),
              [params["log_alpha"].detach()], leaf_list(state["schedule"]))
@@ -282,7 +299,8 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
                 B = mb.batch_size[0]
                 noise = actor.noise(B, generator)
                 eps = torch.randn(noise.shape[1:], generator=generator, device=device)
-                return TensorDict(steps[i](*w, opts[i], minibatch(mb), noise, eps), batch_size=[]).clone()
+                return TensorDict(steps[i](*w, opts[i], dp.share(minibatch(mb)), dp.share(noise, 1), dp.share(eps)),
+                                  batch_size=[]).clone()
 
             return run
 

@@ -12,6 +12,11 @@ see; the env gets it scaled to its bounds.
 The update is two pure functions of flat leaf lists (the critic step; the actor step with the
 target updates), compiled with ``--compile on`` (``auto``: runs of >= 5,000 gradient steps) as two
 torch.compile graphs; eager and compiled agree within 1e-5 (tests/optim/test_compiled_step.py).
+
+Data parallel (``--nproc W``): each rank steps its share of the envs and takes B/W of every minibatch,
+each step's gradients averaged in one all_reduce, so every rank takes the single process's critic
+and delayed actor steps, eagerly (:func:`make_td3`'s ``dist``; why, and what it costs:
+:mod:`rlfunc.algos.offpolicy`); tests/algos/test_offpolicy_data_parallel.py.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.algos import data_parallel
 from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample,
                                    stacked)
 from rlfunc.algos.ppo import EnvSpec
@@ -33,7 +39,7 @@ from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, smoothed_target_action, td3_actor_loss, td3_target
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.device import compile_step
-from rlfunc.optim import adam, chain, clip_by_global_norm, flatten
+from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten
 from rlfunc.optim.base import unflatten
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
@@ -78,7 +84,7 @@ def preset(env: str, **overrides) -> TD3Config:
     return replace(TD3Config(), **{**PRESETS.get(env, {}), "env": env, **overrides})
 
 
-def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolicy:
+def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) -> OffPolicy:
     """Build TD3's pure pieces for envs described by ``spec`` (bounded Box actions).
 
     The learner state is one TensorDict on ``device``: "params" {"actor" (MLP obs -> tanh -> [-1, 1]^A),
@@ -87,10 +93,21 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolic
     "iteration", "env_steps", "updates" (critic steps so far: the actor steps when it is a multiple
     of ``policy_delay``).
 
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks (:mod:`rlfunc.algos.data_parallel`): the policy acts for this rank's N/W envs with its rows
+    of the N envs' exploration noise; each critic and actor step takes this rank's B/W of the
+    minibatch (and of the smoothing noise) and averages its gradients, loss and metrics over the
+    ranks in one all_reduce before its chain, so every rank takes the single process's step (the
+    delayed actor steps and the Polyak updates with them); the update is then eager.
+
     Raises:
-        ConfigError: the action bounds are not finite.
+        ConfigError: the action bounds are not finite; W does not divide ``num_envs`` or ``batch_size``.
     """
     A = spec.act_dim
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    data_parallel.check_divides(W, num_envs=config.num_envs, batch_size=config.batch_size)
+    own = data_parallel.own_rows(rank, W)  # the noise rows of this rank's envs
+    reduce = all_reduce_mean(None if dist is None else dist.group)
     scale = action_scale(spec.action_low, spec.action_high, device)
     make_actor = lambda: torch.nn.Sequential(*MLP(spec.obs_dim, A, config.hidden, config.activation), torch.nn.Tanh())  # noqa: E731
     actor = make_actor().to(device)
@@ -120,7 +137,7 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolic
         def act(observation: Tensor) -> tuple[Tensor, None]:
             action = forward(observation)
             if not deterministic and config.exploration_noise > 0:
-                noise = torch.randn(action.shape, generator=generator, device=device)
+                noise = own(lambda n: torch.randn((n, A), generator=generator, device=device), action.shape[0], 0)
                 action = (action + config.exploration_noise * noise).clamp(-1.0, 1.0)
             return scale.to_env(action), None
 
@@ -147,8 +164,10 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolic
 
         grads, (loss, m) = torch.func.grad(objective, has_aux=True)(critic_w)
         metrics = m.to_dict()
-        metrics["critic_grad_norm"] = chain_step(critic_opt, grads, critic_w, critic_def, opt, loss)
         metrics["target_q"] = y.mean()
+        if W > 1:
+            grads, loss, metrics = mean_over_ranks(grads, loss, metrics)
+        metrics["critic_grad_norm"] = chain_step(critic_opt, grads, critic_w, critic_def, opt, loss)
         return {k: v.detach() for k, v in metrics.items()}
 
     def actor_step(actor_w: list[Tensor], critic_w: list[Tensor], target_actor_w: list[Tensor], target_critic_w: list[Tensor],
@@ -162,14 +181,22 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolic
 
         grads, (loss, m) = torch.func.grad(objective, has_aux=True)(actor_w)
         metrics = m.to_dict()
+        if W > 1:
+            grads, loss, metrics = mean_over_ranks(grads, loss, metrics)
         metrics["actor_grad_norm"] = chain_step(actor_opt, grads, actor_w, actor_def, opt, loss)
         with torch.no_grad():
             torch._foreach_lerp_(target_actor_w, [w.detach() for w in actor_w], config.tau)
             torch._foreach_lerp_(target_critic_w, [w.detach() for w in critic_w], config.tau)
         return {k: v.detach() for k, v in metrics.items()}
 
+    def mean_over_ranks(grads: list[Tensor], loss: Tensor, metrics: dict) -> tuple[list[Tensor], Tensor, dict]:
+        """(gradients, loss, metrics) of this rank's share averaged over the ranks: one all_reduce."""
+        grads, loss, mean = data_parallel.average(reduce, list(grads), None, loss, TensorDict(metrics, batch_size=[]))
+        return grads, loss, mean.to_dict()
+
     updates_of_run = max(0, config.total_steps - config.learning_starts) * config.updates_per_step
-    compiled = config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES)
+    # a compiled step holds no collective: data-parallel runs are eager (the config refused --compile on)
+    compiled = W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and updates_of_run >= AUTO_COMPILE_UPDATES))
     steps = ((compile_step(critic_step, device, config.run.compile, "td3", static_args=(0, 1, 2, 3)),
               compile_step(actor_step, device, config.run.compile, "td3", static_args=(0, 1, 2, 3, 4)))
              if compiled else (critic_step, actor_step))
@@ -192,6 +219,9 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device) -> OffPolic
             tensors = {"observation": mb["observation"], "next_observation": mb["next", "observation"], "action": mb["action"],
                        "reward": mb["next", "reward"], "terminated": mb["next", "terminated"]}
             eps = torch.randn((mb.batch_size[0], A), generator=generator, device=device)
+            if W > 1:  # this rank's share of the single process's minibatch and smoothing noise
+                tensors = {k: data_parallel.share(v, rank, W) for k, v in tensors.items()}
+                eps = data_parallel.share(eps, rank, W)
             m = critic_fn(target_actor_w, critic_w, target_critic_w, opt_critic, tensors, eps)
             critic_sum = m if critic_sum is None else {k: critic_sum[k] + v for k, v in m.items()}
             if updates % config.policy_delay == 0:

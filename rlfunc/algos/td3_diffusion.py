@@ -30,7 +30,7 @@ from torch import Tensor
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
 from rlfunc.algos.offpolicy import q_ensemble, stacked
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, compiles, minibatch, replay_rollout, replay_state,
+from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, compiles, minibatch, ranks, replay_rollout, replay_state,
                                           replay_transitions)
 from rlfunc.core import func
 from rlfunc.device import compile_step
@@ -79,7 +79,8 @@ class TD3Diffusion(NamedTuple):
     optim_keys: tuple[str, ...] = ("optim_critic", "optim_actor")  # the learner's update-chain states
 
 
-def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device) -> TD3Diffusion:
+def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act_dim: int, device: torch.device,
+                       dist=None) -> TD3Diffusion:
     """Build TD3-diffusion's pure pieces. ``obs_dim``: the env's :class:`EnvInfo` (or a Box
     observation's size). Learner state: "params" {"actor", "critic" [E, ...]}, "target" {"actor",
     "critic"}, "obs_stats", "schedule", "rng", "iteration", "env_steps", "updates", for a Dict
@@ -88,7 +89,15 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
     adam(lr))`` (one norm over all its leaves, the twin critics' together): "optim_critic" over
     "params"/"critic" (``critic_lr``), "optim_actor" over "params"/"actor" (``actor_lr``); each "0"
     {"norm": [1], the last pre-clip gradient norm}, "1" {"step", "exp_avg", "exp_avg_sq"} (Adam's
-    per-leaf step counts, 0-dim float32, and moments)."""
+    per-leaf step counts, 0-dim float32, and moments).
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks: the rollout acts for this rank's N/W envs with its rows of every env's noise; the update
+    runs the leaf-list steps eagerly, each on this rank's B/W of the minibatch and of its noise, the
+    gradients, loss and metrics averaged over the ranks in one all_reduce per side before its chain
+    (:mod:`rlfunc.algos.data_parallel`), so every rank takes the single process's step. ConfigError
+    unless W divides ``num_envs`` and ``batch_size``, and W > 1 runs float32 without checkpointing."""
+    dp = ranks(dist, config)
     actor = DiffusionActor(spec, obs_dim, act_dim, device)
     obs_dim = actor.obs_dim  # the condition's width
     chunk_dim = spec.act_steps * act_dim
@@ -113,11 +122,13 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         """:func:`~rlfunc.algos.replay_diffusion.replay_rollout` acting with deterministic DDIM plus
         Gaussian exploration noise."""
 
-        def explore(cond: Tensor) -> Tensor:
-            x = deterministic_chunk(state["params", "actor"], state, cond, generator)
-            return x + config.exploration_noise * torch.randn(x.shape, generator=generator, device=device)
+        def explore(cond: Tensor) -> Tensor:  # the draws of every rank's envs, this rank's rows kept
+            n = cond.shape[0]
+            noise = dp.own(lambda k: actor.noise(k, generator), n, 1)
+            x = actor.act(state["params", "actor"], state["schedule"], cond, noise, eta=0.0)
+            return x + config.exploration_noise * dp.own(lambda k: torch.randn((k, *x.shape[1:]), generator=generator, device=device), n, 0)
 
-        return replay_rollout(actor, config, state, env, generator, explore)
+        return replay_rollout(actor, config, state, env, generator, explore, dp.own)
 
     def critic_update(state, mb, generator, opt, prec):
         params, target = state["params"], state["target"]
@@ -180,7 +191,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             loss, m = critic_loss(q_all(stacked(critic_def, w, E), mb["cond"], mb["action"]), y)
             return loss, (loss, m)
 
-        metrics = objective_step(critic_opt, objective, critic_w, critic_def, opt, "critic")
+        metrics = objective_step(critic_opt, objective, critic_w, critic_def, opt, "critic", dp.mean_over_ranks)
         return {k: v.detach() for k, v in metrics.items()}
 
     def actor_step(actor_w: list[Tensor], critic_w: list[Tensor], target_actor_w: list[Tensor], target_critic_w: list[Tensor],
@@ -198,23 +209,27 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             q = critics_of.value(q1, mb["cond"], a.flatten(1))
             bc = denoising_loss(actor.apply, params, mb["chunk"], mb["cond"], t, bc_noise, schedule["alphas_cumprod"],
                                 prediction=spec.prediction)
-            loss, m = diffusion_ql_actor_loss(q, bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
+            scale = None if dp.world_size == 1 else dp.mean(q.detach().abs().mean())  # E|Q| of the whole minibatch
+            loss, m = diffusion_ql_actor_loss(q, bc, q_coef=config.q_coef, bc_coef=config.bc_coef, scale=scale)
             return loss, (loss, m)
 
-        metrics = objective_step(actor_opt, objective, actor_w, actor_def, opt, "actor")
+        metrics = objective_step(actor_opt, objective, actor_w, actor_def, opt, "actor", dp.mean_over_ranks)
         with torch.no_grad():
             torch._foreach_lerp_(target_actor_w, [w.detach() for w in actor_w], config.tau)
             torch._foreach_lerp_(target_critic_w, [w.detach() for w in critic_w], config.tau)
         return {k: v.detach() for k, v in metrics.items()}
 
-    compiled = compiles(config, AUTO_COMPILE_UPDATES)
+    compiled = dp.world_size == 1 and compiles(config, AUTO_COMPILE_UPDATES)  # a compiled step holds no collective
     steps = tuple(compile_step(f, device, config.run.compile, "td3-diffusion", static_args=(0, 1, 2, 3, 4, 5)) for f in (critic_step, actor_step)) if compiled else None
+    if dp.world_size > 1:  # data parallel: the leaf-list steps, eager, each on this rank's share
+        steps = (critic_step, actor_step)
     reported: list[bool] = []  # compile_s went into a metrics line already
 
     def compiled_sides(state: TensorDict, generator: torch.Generator):
-        """(critic side, actor side), each ``mb -> metrics``: the compiled steps on the state's leaf
+        """(critic side, actor side), each ``mb -> metrics``: the compiled steps (data parallel: the
+        eager ones, on this rank's share of the minibatch and of every draw) on the state's leaf
         lists (taken once: the steps write into the state's tensors), the draws made here in the
-        eager order."""
+        eager order, for the whole minibatch."""
         params, target = state["params"], state["target"]
         w = (leaf_list(params["actor"]), leaf_list(params["critic"]), leaf_list(target["actor"]), leaf_list(target["critic"]),
              leaf_list(state["schedule"]))
@@ -223,14 +238,16 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         def critic_side(mb: TensorDict) -> TensorDict:
             noise = actor.noise(mb.batch_size[0], generator)
             eps = torch.randn(noise.shape[1:], generator=generator, device=device)
-            return TensorDict(steps[0](*w, opt_critic, minibatch(mb), noise, eps), batch_size=[]).clone()
+            return TensorDict(steps[0](*w, opt_critic, dp.share(minibatch(mb)), dp.share(noise, 1), dp.share(eps)),
+                              batch_size=[]).clone()
 
         def actor_side(mb: TensorDict) -> TensorDict:
             B = mb.batch_size[0]
             noise = actor.noise(B, generator)
             t = sample_timesteps((B,), spec.num_train_steps, generator=generator, device=device)
             bc_noise = torch.randn(mb["chunk"].shape, generator=generator, device=device)
-            return TensorDict(steps[1](*w, opt_actor, minibatch(mb), noise, t, bc_noise), batch_size=[]).clone()
+            return TensorDict(steps[1](*w, opt_actor, dp.share(minibatch(mb)), dp.share(noise, 1), dp.share(t), dp.share(bc_noise)),
+                              batch_size=[]).clone()
 
         return critic_side, actor_side
 

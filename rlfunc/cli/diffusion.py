@@ -28,7 +28,7 @@ def _train(name: str, argv: list[str], what: str) -> int:
         prog=f"rlfunc train {name}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{name}-sSEED-TIME).",
     )
     run_dir = known.run_dir or default_run_dir(config.env, name, config.run.seed)
-    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun (bc, dppo)
+    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
     if launched is not None:
         return launched
     result = fn(config, run_dir)

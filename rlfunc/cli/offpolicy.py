@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from rlfunc.algos import registry
-from rlfunc.cli.common import default_run_dir, parse_config, report_run
+from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
 
 
 def train(name: str, argv: list[str]) -> int:
@@ -30,4 +30,8 @@ def train(name: str, argv: list[str]) -> int:
         description=f"Train {name} (an MLP actor, a replay buffer on the device). Defaults: the env's preset. "
                     f"Also: --run-dir DIR, the output directory (default runs/ENV-{name}-sSEED-TIME).",
     )
-    return report_run(fn(config, known.run_dir or default_run_dir(config.env, name, config.run.seed)))
+    run_dir = known.run_dir or default_run_dir(config.env, name, config.run.seed)
+    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
+    if launched is not None:
+        return launched
+    return report_run(fn(config, run_dir))

@@ -132,17 +132,21 @@ def critic_loss(q: Tensor, target: Tensor) -> tuple[Tensor, TensorDict]:
     return loss, TensorDict({"loss_critic": loss.detach(), "q_mean": q.detach().mean()}, batch_size=[])
 
 
-def diffusion_ql_actor_loss(q: Tensor, denoising: Tensor, *, q_coef: float = 1.0, bc_coef: float = 1.0) -> tuple[Tensor, TensorDict]:
-    """``bc_coef * L_denoise - q_coef * E[Q(s, a_theta)] / E[|Q(s, a_theta)|]`` (normaliser detached).
+def diffusion_ql_actor_loss(q: Tensor, denoising: Tensor, *, q_coef: float = 1.0, bc_coef: float = 1.0,
+                            scale: Tensor | None = None) -> tuple[Tensor, TensorDict]:
+    """``bc_coef * L_denoise - q_coef * E[Q(s, a_theta)] / E[|Q(s, a_theta)|]`` (normaliser detached,
+    at least 1e-6).
 
     Args:
         q: [*B, 1] float, a critic at the actions sampled through the reverse chain (with gradient).
         denoising: 0-dim, the DDPM loss of the actor on buffer/demonstration actions.
         q_coef: alpha of Diffusion-QL, >= 0; bc_coef: weight of the behaviour term, >= 0.
+        scale: 0-dim, the normaliser E[|Q|] when it is not this ``q``'s: a data-parallel rank, whose
+            ``q`` is its share of the minibatch, passes the mean over every rank's share (None: ``q``'s).
     """
     if q_coef < 0 or bc_coef < 0:
         raise ConfigError(f"q_coef={q_coef}, bc_coef={bc_coef}: expected >= 0")
-    scale = q.detach().abs().mean().clamp_min(1e-6)
+    scale = (q.detach().abs().mean() if scale is None else scale.detach()).clamp_min(1e-6)
     loss_q = -q.mean() / scale
     loss = bc_coef * denoising + q_coef * loss_q
     metrics = TensorDict(

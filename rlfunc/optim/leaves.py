@@ -59,13 +59,17 @@ def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tu
 
 
 def objective_step(transform, objective, leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
-                   name: str) -> dict[str, Tensor]:
+                   name: str, mean_over_ranks=None) -> dict[str, Tensor]:
     """One gradient step of ``objective`` on flat ``leaves`` through the update chain ``transform``
     (:func:`chain_step`, in place on the leaves and on ``opt``). ``objective(leaves) -> (loss, (loss,
     metrics TensorDict))``, the form ``torch.func.grad(..., has_aux=True)`` takes. Returns the
     objective's metrics with ``{name}_grad_norm`` (0-dim, before clipping) and ``skipped_{name}``
-    (1.0 where the gradient norm or the loss was not finite, so nothing moved; else 0.0)."""
+    (1.0 where the gradient norm or the loss was not finite, so nothing moved; else 0.0).
+    ``mean_over_ranks``: data parallel, ``(grads, loss, metrics) -> the same averaged over the ranks``
+    (:func:`rlfunc.algos.data_parallel.average` with its all_reduce link), applied before the chain."""
     grads, (loss, m) = torch.func.grad(objective, has_aux=True)(leaves)
+    if mean_over_ranks is not None:
+        grads, loss, m = mean_over_ranks(grads, loss, m)
     metrics = m.to_dict()
     norm = chain_step(transform, grads, leaves, treedef, opt, loss)
     metrics[f"{name}_grad_norm"] = norm

@@ -288,7 +288,7 @@ class DiffusionRun(Run):
     def _finetune(self, make, config, resumed: bool) -> None:
         """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
         ``resumed``: the snapshot holds it), ``make``'s algorithm and learner state, env, generator.
-        Data-parallel (dppo): ``make`` takes the ``dist``, the env is this rank's split of the
+        Data-parallel (dppo, td3-diffusion, sac-diffusion): ``make`` takes the ``dist``, the env is this rank's split of the
         ``num_envs`` and the learner state is rank 0's."""
         config, self.info, params, obs_stats, encoder = _init_actor(config, self.device, resumed)
         self.config = config  # a new run's config is re-validated with init_from's actor spec
@@ -525,14 +525,21 @@ class ReplayDiffusionRun(DiffusionRun):
     ``updates_per_iteration`` updates with one update chain (clip, Adam) per side, their states the
     learner's ``optim_keys`` ("optim_critic", "optim_actor"; sac-diffusion's "optim_alpha" too). A
     snapshot also holds the buffer's filled rows ("buffer"; meta "buffer": their count and the writer's
-    cursor, None with ``checkpoint_buffer=False``)."""
+    cursor, None with ``checkpoint_buffer=False``).
+
+    Data-parallel (``dist`` of W ranks, ``rlfunc train td3-diffusion|sac-diffusion --nproc W`` on a
+    torch-batched env): each rank steps its N/W envs (drawing every env's noise, keeping its rows),
+    the rollout [N/W, T] is all-gathered into the single process's [N, T] (the whole batch: a few
+    floats per chunk step for state observations, every image for pixels), so every rank fills the
+    single process's buffer and counts every rank's episodes; the update is the single process's
+    (:func:`rlfunc.algos.replay_diffusion.ranks`)."""
 
     carry = ("buffer",)
 
-    def __init__(self, config, device: torch.device, name: str, make, resumed: bool = False) -> None:
+    def __init__(self, config, device: torch.device, name: str, make, resumed: bool = False, dist=None) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-        super().__init__(config, device, name)
+        super().__init__(config, device, name, dist)
         self._finetune(make, config, resumed)
         config = self.config
         self.optim_keys = self.algo.optim_keys
@@ -557,6 +564,8 @@ class ReplayDiffusionRun(DiffusionRun):
         state, act_steps = self.state, self.config.actor.act_steps
         with span("rollout"):
             batch = self.algo.rollout(state, self.env, self.gen)
+            if self.dist is not None and self.dist.active:  # every rank's envs, in the single process's order
+                batch = self.dist.all_gather_batch(batch, dim=0)
             self.buffer.extend(self.algo.transitions(state, batch))
         state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
         record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env)}
@@ -604,7 +613,7 @@ def _resume_meta(run_dir: str | Path) -> tuple[dict, str]:
 def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResult:
     """:func:`rlfunc.run.train` of ``build(config, device)``, with ``algo``'s registry entry's config
     type, budget field and unit; on resume the config of ``run_dir``'s snapshot (one of ``algo``).
-    ``data_parallel=True`` in ``kw``: ``build`` also takes ``dist=`` (bc, dppo)."""
+    ``data_parallel=True`` in ``kw``: ``build`` also takes ``dist=`` (bc, dppo, td3-diffusion, sac-diffusion)."""
     entry = algorithms.lookup(algo)
     return train(build, lambda meta, path: config_from_meta(meta, path, algo), config, run_dir, resume=resume,
                  config_type=algorithms.resolve(entry.config), budget_field=entry.budget, unit=entry.unit, **kw)
@@ -658,9 +667,10 @@ def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, 
     device-resident TorchRL replay buffer. Arguments, result and errors as :func:`train_dppo`; a
     resumed run refills an empty buffer, with a warning, when the run did not save it
     (``checkpoint_buffer=False``)."""
-    return _train("td3-diffusion", lambda c, d: ReplayDiffusionRun(c, d, "td3-diffusion", make_td3_diffusion, resumed=resume),
+    return _train("td3-diffusion",
+                  lambda c, d, dist=None: ReplayDiffusionRun(c, d, "td3-diffusion", make_td3_diffusion, resumed=resume, dist=dist),
                   config, run_dir, resume=resume, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                  device=device)
+                  device=device, data_parallel=True)
 
 
 def train_sac_diffusion(config: SACDiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
@@ -668,9 +678,10 @@ def train_sac_diffusion(config: SACDiffusionConfig | None, run_dir: str | Path, 
                         device: str | None = None) -> RunResult:
     """SAC with a diffusion actor after DACER (:class:`ReplayDiffusionRun`, :mod:`rlfunc.algos.sac_diffusion`).
     Arguments, result and errors as :func:`train_td3_diffusion`."""
-    return _train("sac-diffusion", lambda c, d: ReplayDiffusionRun(c, d, "sac-diffusion", make_sac_diffusion, resumed=resume),
+    return _train("sac-diffusion",
+                  lambda c, d, dist=None: ReplayDiffusionRun(c, d, "sac-diffusion", make_sac_diffusion, resumed=resume, dist=dist),
                   config, run_dir, resume=resume, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                  device=device)
+                  device=device, data_parallel=True)
 
 
 def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,

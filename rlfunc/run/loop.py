@@ -378,7 +378,7 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         if not data_parallel:
             raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {getattr(config, 'name', type(config).__name__)} "
-                              "is not data-parallel yet (ppo, bc, dppo, grpo, gspo and mappo are): run it in one process")
+                              "is not data-parallel yet (every other algorithm is): run it in one process")
         from rlfunc.run.distributed import Distributed
 
         dist = Distributed.from_env(config.run.device)  # the rendezvous: every rank has checked the run dir

@@ -16,6 +16,13 @@ length and writer cursor (:func:`rlfunc.run.resume.buffer_snapshot`), "resume_fo
 2N in one go, buffer included (``checkpoint_buffer=False``: smaller snapshots, an empty buffer on
 resume, with a warning).
 
+Data-parallel (``rlfunc train sac|td3 --nproc W``, or under torchrun): each rank steps its N/W envs
+and all-gathers every env step's transitions (with the episode flags and sums) into the one replay
+buffer every rank holds, in the single process's env order (why: :mod:`rlfunc.algos.offpolicy`), so
+the metrics (episode returns of every rank's envs) and the update are the single process's; rank 0
+alone writes, and a snapshot holds the carry and env states of all N envs in that order, so it
+resumes on any W dividing ``num_envs`` and ``batch_size``, one process included.
+
 The final evaluation (eval.json, and ``rlfunc eval RUN_DIR``): deterministic actions (sac: tanh of
 the mean; td3: the actor's output) on ``eval_episodes`` episodes whose reset seeds derive from
 ``seed + EVAL_SEED_OFFSET``, disjoint from training's; :func:`rlfunc.core.stats.summarize_returns`.
@@ -33,6 +40,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from rlfunc.algos import data_parallel
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.offpolicy import OffPolicy, transitions, uniform_policy
 from rlfunc.algos.ppo import EnvSpec
@@ -52,6 +60,9 @@ from rlfunc.run.resume import NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_r
 
 # the algorithm each config type builds (the registry entry names the config type)
 MAKERS = {SACConfig: make_sac, TD3Config: make_td3}
+# what a data-parallel run gathers of each env step: what the buffer and the episode statistics read
+GATHERED = ("observation", "action", ("next", "observation"), ("next", "reward"), ("next", "terminated"), ("next", "done"),
+            ("next", "episode_reward"))
 
 
 def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
@@ -132,21 +143,26 @@ class OffPolicyRun(Run):
 
     variable = ("buffer",)  # its rows depend on how far the run got; restore checks them
 
-    def __init__(self, config, device: torch.device, name: str) -> None:
+    def __init__(self, config, device: torch.device, name: str, dist=None) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-        self.config, self.device, self.name = config, device, name
+        self.config, self.device, self.name, self.dist = config, device, name, dist
+        self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
+        data_parallel.check_divides(self.world_size, num_envs=config.num_envs, batch_size=config.batch_size)
+        self.local_envs = config.num_envs // self.world_size  # this rank's envs: rank * local_envs ...
         self.total = config.num_iterations()
-        self.venv = collect.make_vec_env(config.env, config.num_envs, workers=config.run.env_workers)
+        self.venv = collect.make_vec_env(config.env, self.local_envs, workers=config.run.env_workers)
         try:
             if config.run.torch_threads:
                 torch.set_num_threads(config.run.torch_threads)
             self.spec = env_spec(self.venv)
-            self.algo = MAKERS[type(config)](config, self.spec, device)
+            self.algo = MAKERS[type(config)](config, self.spec, device, dist)
             self.state = self.algo.init()
+            if dist is not None:  # the same init on every rank, by seed; made certain
+                dist.broadcast_state(self.state)
             self.gen = torch.Generator(device=device).manual_seed(config.run.seed)  # its state: state["rng"]
-            self.seeds = collect.env_seeds(config.run.seed, config.num_envs)
-            self.carry = collect.reset(self.venv, self.seeds)
+            self.seeds = collect.env_seeds(config.run.seed, config.num_envs)  # every rank's envs, in the single process's order
+            self.carry = collect.reset(self.venv, self._own(self.seeds))
             self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
             self.collector: AsyncCollector | None = None  # async_collection: started by the first step
             self.publishes = 0
@@ -161,7 +177,8 @@ class OffPolicyRun(Run):
         steps = int(state["env_steps"])
         per_step = config.updates_per_step * N
         acting = self.algo.policy(state, self.gen)
-        warm = uniform_policy(self.algo.scale, self.gen)
+        warm = uniform_policy(self.algo.scale, self.gen, data_parallel.own_rows(self.rank, self.world_size))
+        gather = self.dist is not None and self.dist.active
         returns, sums, counts = [], {}, {}
         collect_s = update_s = 0.0
         for _ in range(config.num_steps):
@@ -169,6 +186,8 @@ class OffPolicyRun(Run):
             with span("rollout"):
                 batch, self.carry = collect.rollout(self.venv, warm if steps < config.learning_starts else acting, self.carry, 1,
                                                     device=self.device)
+                if gather:  # every rank's envs [N, 1] in the single process's order: every rank holds its buffer
+                    batch = self.dist.all_gather_batch(batch.select(*GATHERED), dim=0)
                 self.buffer.extend(transitions(batch, self.algo.scale))
             steps += N
             done = batch["next", "done"]
@@ -251,30 +270,48 @@ class OffPolicyRun(Run):
         record.update({key: float(total / counts[key]) for key, total in sums.items()})
         return record
 
+    def _own(self, items):
+        """This rank's part of a per-env sequence or TensorDict in the single process's order ([N] -> [N/W])."""
+        if self.world_size == 1:
+            return items
+        lo, n = self.rank * self.local_envs, self.local_envs
+        if isinstance(items, TensorDict):
+            return items.clone(False).auto_batch_size_(batch_dims=1)[lo:lo + n]  # a loaded TensorDict has batch_size []
+        return list(items[lo:lo + n])
+
     def saved(self) -> tuple[TensorDict, dict]:
+        """The snapshot of the single process that steps all the envs: a data-parallel run gathers its
+        ranks' carries and env states into that env order (every rank calls this), so it resumes on
+        any number of ranks that divides ``num_envs``, one process included."""
         rows, buffer_meta = buffer_snapshot(self.buffer, self.config.checkpoint_buffer)
-        tensors = TensorDict({"learner": self.state, "carry": self.carry}, batch_size=[])
+        carry = self.carry
+        env_state = None if self.config.async_collection else collect.env_state(self.venv)  # the collector's envs are not here
+        if self.dist is not None and self.dist.active:
+            carry = self.dist.all_gather_batch(carry, dim=0)
+            parts = self.dist.gather_objects(env_state)
+            env_state = None if any(p is None for p in parts) else [e for part in parts for e in part]
+        tensors = TensorDict({"learner": self.state, "carry": carry}, batch_size=[])
         for key, value in rows.items():
             tensors[key] = value
         meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "env_spec": self.spec._asdict(),
-                "env_state": None if self.config.async_collection else collect.env_state(self.venv), "env_seeds": self.seeds,
+                "env_state": env_state, "env_seeds": self.seeds,
                 "iteration": int(self.state["iteration"]), "env_steps": int(self.state["env_steps"]),
-                **state_meta(), **buffer_meta}
+                "world_size": self.world_size, **state_meta(), **buffer_meta}
         return tensors, meta
 
     def restore(self, loaded: TensorDict, meta: dict) -> None:
         with torch.no_grad():  # in place: the policies and the update chains hold these leaves
             self.state.update_(loaded["learner"])
         set_generator_state(self.gen, self.state["rng"])
-        self.carry = loaded["carry"].to("cpu")
+        self.carry = self._own(loaded["carry"].to("cpu"))
         point = ResumePoint(f"the {self.name} snapshot of iteration {meta.get('iteration')}", meta, self.config)
         if self.config.async_collection:
             warnings.warn(f"{point.snapshot}: async_collection: the collector's episodes are not in snapshots, so the resumed "
                           "run starts new episodes", stacklevel=3)
         elif meta.get("env_state") is not None:
-            collect.set_env_state(self.venv, meta["env_state"])
+            collect.set_env_state(self.venv, self._own(meta["env_state"]))
         else:
-            self.carry = collect.reset(self.venv, self.seeds)
+            self.carry = collect.reset(self.venv, self._own(self.seeds))
             warnings.warn(f"{point.snapshot}: holds no env state, so the resumed run starts new episodes and is not "
                           "identical to an uninterrupted one", stacklevel=3)
         restore_buffer(self.buffer, loaded, point)
@@ -294,9 +331,9 @@ class OffPolicyRun(Run):
 
 def _train(algo: str, config, run_dir, **kw) -> RunResult:
     entry = algorithms.lookup(algo)
-    return run_train(lambda c, d: OffPolicyRun(c, d, algo), lambda meta, path: config_from_meta(meta, path, algo),
+    return run_train(lambda c, d, dist=None: OffPolicyRun(c, d, algo, dist), lambda meta, path: config_from_meta(meta, path, algo),
                      config, run_dir, config_type=algorithms.resolve(entry.config), budget_field=entry.budget,
-                     unit=entry.unit, **kw)
+                     unit=entry.unit, data_parallel=True, **kw)
 
 
 def train_sac(config: SACConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
