@@ -228,27 +228,51 @@ def with_encoder(state: TensorDict, actor: "DiffusionActor", encoder_params: Ten
     return state
 
 
-def check_split(env_id: str, world_size: int) -> None:
-    """ConfigError unless ``env_id``'s envs split over ``world_size`` ranks of a data-parallel run:
-    a torch-batched env does (its builder's ``split=``); a gymnasium id (GymChunkEnv) draws the
-    reset seeds of all its envs from one stream, so its rows are not those of the single process."""
-    if world_size > 1 and registry.torch_builder(env_id) is None:
+def check_split(env_id: str, world_size: int, num_envs: int | None = None, workers: int = 0, *,
+                gymnasium_split: bool = False) -> None:
+    """ConfigError unless ``env_id``'s ``num_envs`` envs split over ``world_size`` ranks of a
+    data-parallel run, each rank's ``num_envs / world_size`` stepped in ``workers`` env worker
+    processes (0: none): a torch-batched env splits (its builder's ``split=``), in no workers; a
+    gymnasium id splits as :class:`rlfunc.envs.chunk.GymChunkEnv`'s ``split=`` where the caller's run
+    builds it so (``gymnasium_split``: dppo; the runs that do not, refused), with workers that divide
+    each rank's envs. ``num_envs`` None: the workers are not checked."""
+    if world_size <= 1:
+        return
+    if registry.torch_builder(env_id) is not None:
+        return
+    if not gymnasium_split:
         raise ConfigError(f"env={env_id!r} with {world_size} ranks: a data-parallel run splits a torch-batched env "
                           "(one with a torch_env in rlfunc.envs.registry, e.g. PointReach-v0); train it in one process")
+    if workers and num_envs is not None and (num_envs // world_size) % workers:
+        raise ConfigError(f"run.env_workers={workers}: each of the {world_size} ranks steps num_envs / nproc = "
+                          f"{num_envs}/{world_size} envs, which it does not divide (each worker steps an equal share)")
+
+
+def dones_of_split(dist) -> Callable[[Tensor], Tensor]:
+    """``fn(done [N] bool) -> [W*N] bool``: every rank's done flags in rank order (one all_gather of
+    ``dist``, a :class:`rlfunc.run.distributed.Distributed`): a split GymChunkEnv's ``dones_of_split``."""
+    def gather(done: Tensor) -> Tensor:
+        flags = TensorDict({"done": done.reshape(-1)}, batch_size=[done.numel()])
+        return dist.all_gather_batch(flags, dim=0)["done"]
+    return gather
 
 
 def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, seed: int,
-             split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None, workers: int = 0):
+             split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None, workers: int = 0,
+             dones_of_split: Callable[[Tensor], Tensor] | None = None):
     """The TorchRL env for ``env_id`` taking [N, act_steps, A] action chunks in [-1, 1]: the env
     registry's torch-batched env on ``device`` where it has one, else the gymnasium id as a
     :class:`rlfunc.envs.chunk.GymChunkEnv` (``workers`` >= 1: stepped in that many worker processes). ``split`` (rank, world_size) of a data-parallel run:
-    these N envs are envs rank*N .. (rank+1)*N - 1 of the single process's world_size*N (a
-    torch-batched env only: its ``split=``, :class:`rlfunc.envs.registry.EnvEntry`), with
+    these N envs are envs rank*N .. (rank+1)*N - 1 of the single process's world_size*N: a
+    torch-batched env's ``split=`` (:class:`rlfunc.envs.registry.EnvEntry`), with
     ``any_done_of_split`` (the ranks' "is an env of any rank done" after each step) so that their
-    generators draw as the single process's.
+    generators draw as the single process's; a GymChunkEnv's ``split=``, with ``dones_of_split``
+    (every rank's done flags after each step, :func:`dones_of_split`) so that its reset seeds are
+    the single process's.
 
     Raises:
-        EnvError: an unknown id, or an env whose actions or observations the actor cannot handle.
+        EnvError: an unknown id, or an env whose actions or observations the actor cannot handle; a
+            gymnasium id's ``split`` over more than one rank without ``dones_of_split``.
         ConfigError: a ``split`` over more than one rank of an env that does not split (:func:`check_split`);
             ``workers`` >= 1 for a torch-batched env (it steps on the device).
     """
@@ -257,14 +281,16 @@ def make_env(env_id: str, num_envs: int, act_steps: int, device: torch.device, s
     if build is not None and workers:
         raise ConfigError(f"run.env_workers={workers}: env={env_id!r} is torch-batched and steps on the device, "
                           "not in worker processes (use 0)")
-    if split is not None and split[1] > 1:
-        check_split(env_id, split[1])
-        return build(num_envs, act_steps=act_steps, device=device, seed=seed, split=split, any_done_of_split=any_done_of_split)
+    split = split if split is not None and split[1] > 1 else None
+    if split is not None:
+        check_split(env_id, split[1], num_envs * split[1], workers, gymnasium_split=True)
     if build is not None:
-        return build(num_envs, act_steps=act_steps, device=device, seed=seed)
+        kw = {} if split is None else {"split": split, "any_done_of_split": any_done_of_split}
+        return build(num_envs, act_steps=act_steps, device=device, seed=seed, **kw)
     from rlfunc.envs.chunk import GymChunkEnv
 
-    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed, workers=workers)
+    return GymChunkEnv(env_id, num_envs, act_steps=act_steps, device=device, seed=seed, workers=workers, split=split,
+                       dones_of_split=dones_of_split if split is not None else None)
 
 
 class DiffusionActor:

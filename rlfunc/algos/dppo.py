@@ -127,8 +127,8 @@ class DPPOConfig:
         if self.run.nproc > 1 and self.run.compile == "on":
             raise ConfigError(f"run.compile='on' with nproc={self.run.nproc}: dppo's compiled step is not data-parallel; "
                               "expected --compile off or auto with --nproc")
-        check_split(self.env, self.run.nproc)  # before torchrun starts the ranks
         data_parallel.check_divides(self.run.nproc, num_envs=self.num_envs, minibatch_size=self.minibatch_size)
+        check_split(self.env, self.run.nproc, self.num_envs, self.run.env_workers, gymnasium_split=True)  # before torchrun starts the ranks
 
     @property
     def batch_size(self) -> int:

@@ -19,11 +19,15 @@ Also in every step's output: "success" bool ``[N, 1]`` (``info["is_success"]``, 
 reports none) and "episode_return" float32 ``[N, 1]`` (the return of the current episode so far,
 rewards unscaled). ``reset`` honours a partial "_reset" mask, so ``env.rollout(T, policy,
 break_when_any_done=False)`` resets only the envs that ended.
+
+A data-parallel rank holds its ``split`` of the single process's envs: every reset draws the seeds of
+the envs that the single process would reset (every rank's done flags, gathered once per step by
+``dones_of_split``) and keeps its own, so the ranks' envs together are the single process's envs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -160,17 +164,36 @@ class GymChunkEnv(EnvBase):
             K worker processes, ``num_envs / K`` each (:class:`~rlfunc.envs.workers.ChunkWorkers`;
             observations in shared memory, images uint8 until the copy to ``device``), with the same outputs for the
             same seed and actions (the reset seeds are drawn here) and the same :meth:`episode_state`.
+        split: None, or (rank, world_size): these N envs are envs rank*N .. (rank+1)*N - 1 of the
+            world_size*N envs of ``seed`` in one process: the same reset seeds at the first reset and at
+            every later one, however the ranks' episodes end (each reset draws the seeds of every env of
+            the split that resets, in env order, and keeps its rows; so :meth:`rng_state` is the single
+            process's on every rank).
+        dones_of_split: with ``split`` over more than one rank, ``fn(done [N] bool tensor) -> [world_size*N]
+            bool``: every rank's done flags after a step, in rank order (a collective every rank calls
+            once per step, in :meth:`any_done`, and in a partial :meth:`reset` not preceded by one).
 
     Raises:
         EnvError: an unknown id, an unbounded action space, an observation space it cannot encode,
-            ``num_envs`` or ``act_steps`` < 1, ``num_envs`` not divisible by ``workers``.
+            ``num_envs`` or ``act_steps`` < 1, ``num_envs`` not divisible by ``workers``, ``split`` not
+            (rank, world_size) with 0 <= rank < world_size, or a split over more than one rank without
+            ``dones_of_split``.
     """
 
     def __init__(self, env_id: str, num_envs: int, *, act_steps: int = 1, device: torch.device | str | None = None,
-                 seed: int | None = None, workers: int = 0) -> None:
+                 seed: int | None = None, workers: int = 0, split: tuple[int, int] | None = None,
+                 dones_of_split: Callable[[Tensor], Tensor] | None = None) -> None:
         for name, value in (("num_envs", num_envs), ("act_steps", act_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EnvError(f"{name}={value!r}: expected an int >= 1")
+        rank, world_size = (0, 1) if split is None else split
+        if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
+            raise EnvError(f"split={split!r}: expected (rank, world_size) with 0 <= rank < world_size")
+        if world_size > 1 and dones_of_split is None:
+            raise EnvError(f"dones_of_split=None with split={split!r}: a split env needs every rank's done flags "
+                           "after each step to draw the reset seeds as one process does")
+        self._split, self._dones_of_split = (rank, world_size), (dones_of_split if world_size > 1 else None)
+        self._pending = None  # every rank's reset mask [world_size*N], gathered by any_done for the reset that follows
         registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
         if env_id not in gym.registry:
@@ -279,10 +302,56 @@ class GymChunkEnv(EnvBase):
             out["reward"] = torch.from_numpy(reward.reshape(n, 1).copy()).to(dev)
         return TensorDict(out, batch_size=self.batch_size, device=dev)
 
+    def any_done(self, tensordict: TensorDictBase) -> bool:
+        """TorchRL's check after a step (True: reset where "_reset"); with a split over several ranks,
+        True when an env of any rank is done (every rank's flags gathered by ``dones_of_split``, kept
+        for the reset), with "_reset" all False here when none of these is (the reset then draws the
+        other ranks' seeds, as the single process's does)."""
+        done = bool(super().any_done(tensordict))
+        if self._dones_of_split is None:
+            return done
+        n = self.num_envs
+        here = tensordict.get("_reset").reshape(n).cpu() if done else torch.zeros(n, dtype=torch.bool)
+        everyone = self._gather_dones(here)
+        if not everyone.any():
+            return False
+        if not done:
+            tensordict.set("_reset", torch.zeros(n, 1, dtype=torch.bool, device=self.device))
+        self._pending = everyone
+        return True
+
+    def _gather_dones(self, here: Tensor) -> np.ndarray:
+        rank, world_size = self._split
+        everyone = np.asarray(self._dones_of_split(here.to(torch.bool)).detach().cpu().numpy(), bool).reshape(-1)
+        n = self.num_envs
+        if everyone.shape != (world_size * n,) or not np.array_equal(everyone[rank * n:(rank + 1) * n], here.numpy()):
+            raise EnvError(f"dones_of_split: returned {everyone.astype(int).tolist()}: expected the {world_size * n} done "
+                           f"flags of every rank, in rank order, with this rank's {here.int().tolist()} at {rank * n}..")
+        return everyone
+
+    def _reset_seeds(self, mask: Tensor | None) -> tuple[np.ndarray, list[int]]:
+        """(the envs to reset, their seeds): the seeds of every env of the split that resets, drawn in
+        env order (all of them without ``mask``), this rank's kept."""
+        rank, world_size = self._split
+        n = self.num_envs
+        pending, self._pending = self._pending, None
+        if mask is None:
+            everyone = np.ones(world_size * n, bool)
+        else:
+            here = mask.reshape(n).to(device="cpu", dtype=torch.bool)
+            if world_size == 1:
+                everyone = here.numpy()
+            else:
+                everyone = pending if pending is not None and np.array_equal(pending[rank * n:(rank + 1) * n], here.numpy()) \
+                    else self._gather_dones(here)
+        resets = np.flatnonzero(everyone)
+        seeds = [int(self._rng.integers(2**31)) for _ in resets]  # in env order, wherever the envs step
+        mine = (resets >= rank * n) & (resets < (rank + 1) * n)
+        return resets[mine] - rank * n, [s for s, m in zip(seeds, mine) if m]
+
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)
-        which = np.arange(self.num_envs) if mask is None else np.flatnonzero(mask.reshape(-1).cpu().numpy())
-        seeds = [int(self._rng.integers(2**31)) for _ in which]  # in env order, wherever the envs step
+        which, seeds = self._reset_seeds(mask)
         self._obs, success = self._part.reset(which.tolist(), seeds)
         self._return[which] = 0.0
         self._success[which] = success

@@ -53,7 +53,7 @@ from rlfunc.algos.bc import BCConfig, make_bc
 from rlfunc.core import func
 from rlfunc.run import checkpoint
 from rlfunc.algos.diffusion_actor import (
-    POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, env_info, evaluate_episodes, make_env, schedule_for,
+    POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, dones_of_split, env_info, evaluate_episodes, make_env, schedule_for,
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.sac_diffusion import SACDiffusionConfig, make_sac_diffusion
@@ -300,7 +300,8 @@ class DiffusionRun(Run):
             self.dist.broadcast_state(self.state)
         self.env = make_env(config.env, config.num_envs // W, config.actor.act_steps, self.device, config.run.seed,
                             split=(self.rank, W) if W > 1 else None, workers=config.run.env_workers,
-                            any_done_of_split=self.dist.any_rank if W > 1 else None)  # the ranks reset when one of them would
+                            any_done_of_split=self.dist.any_rank if W > 1 else None,  # the ranks reset when one of them would
+                            dones_of_split=dones_of_split(self.dist) if W > 1 else None)  # a gymnasium id's: every rank's done flags
         self.gen = torch.Generator(device=self.device).manual_seed(config.run.seed)
 
     @property
@@ -651,8 +652,10 @@ def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool =
     (``init_from``; config.json records the actor spec actually used). Arguments, result and errors
     as :func:`train_bc`, but ``total_steps`` counts env steps, ``init_from`` is not read on resume
     (the snapshot holds the actor), and CheckpointError also for a missing or unfitting ``init_from``.
-    Under torchrun (``--nproc N``) data-parallel: each rank steps its split of the torch-batched env's
-    ``num_envs`` (ConfigError for a gymnasium id) and the update is the single process's."""
+    Under torchrun (``--nproc N``) data-parallel: each rank steps its split of the ``num_envs`` (a
+    torch-batched env's, or a gymnasium id's GymChunkEnv with the single process's reset seeds, in
+    ``env_workers`` processes per rank) and the update is the single process's; the snapshot holds the
+    env's RNG, every rank's the single process's, so it resumes on any number of ranks."""
     return _train("dppo", lambda c, d, dist=None: DPPORun(c, d, resumed=resume, dist=dist), config, run_dir, resume=resume,
                   total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device, data_parallel=True)
 

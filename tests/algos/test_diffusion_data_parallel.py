@@ -10,10 +10,10 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos.bc import BCConfig, make_bc
-from rlfunc.algos.diffusion_actor import ActorSpec, make_env
+from rlfunc.algos.diffusion_actor import ActorSpec, check_split, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.config import replace
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, EnvError
 from rlfunc.optim.amp import precision
 
 CPU = torch.device("cpu")
@@ -130,7 +130,12 @@ def test_a_split_that_does_not_divide_or_a_compiled_step_is_a_config_error():
         replace(DPPOConfig(), compile="on", nproc=2)
     with pytest.raises(ConfigError, match="one process"):
         make_dppo(replace(config, compile="on"), SPEC, 6, 2, CPU, SimpleNamespace(world_size=2, rank=0, group=None))
-    with pytest.raises(ConfigError, match="splits a torch-batched env"):
+    with pytest.raises(EnvError, match="dones_of_split=None with split=\\(0, 2\\)"):  # a gymnasium id splits, given the ranks' flags
         make_env("Pendulum-v1", 2, 1, CPU, 0, split=(0, 2))
-    with pytest.raises(ConfigError, match="env='Pendulum-v1' with 2 ranks"):
-        replace(DPPOConfig(), env="Pendulum-v1", nproc=2)
+    with pytest.raises(ConfigError, match="run.env_workers=4: each of the 2 ranks steps num_envs / nproc = 4/2 envs"):
+        replace(DPPOConfig(), env="Pendulum-v1", nproc=2, num_envs=4, minibatch_size=16, env_workers=4)
+    with pytest.raises(ConfigError, match="run.env_workers=2: env='PointReach-v0' is torch-batched"):
+        make_env("PointReach-v0", 2, 1, CPU, 0, split=(0, 2), workers=2)
+    replace(DPPOConfig(), env="Pendulum-v1", nproc=2, num_envs=8, minibatch_size=16, env_workers=2)  # 4 envs per rank, 2 per worker
+    with pytest.raises(ConfigError, match="env='Pendulum-v1' with 2 ranks: a data-parallel run splits a torch-batched env"):
+        check_split("Pendulum-v1", 2)  # a run that does not build GymChunkEnv's split

@@ -82,6 +82,86 @@ def test_a_chunk_stops_at_the_episode_end_and_only_ended_envs_reset():
     env.close()
 
 
+def _steer(obs: torch.Tensor, speed: torch.Tensor, act_steps: int) -> torch.Tensor:
+    """PointReach chunks heading for goal a at env i's ``speed[i]`` (of the max): the envs reach it
+    (terminated) at different steps, the slowest not in time (truncated)."""
+    direction = obs[:, 2:4] / obs[:, 2:4].norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    return (direction * speed[:, None]).unsqueeze(1).expand(-1, act_steps, -1).contiguous()
+
+
+def _logging_seeds(env, offset: int, log: list) -> None:
+    """Record (env index of the single process, seed) of every env reset of ``env``'s part."""
+    reset = env._part.reset
+
+    def logged(indices, seeds):
+        log.extend((offset + int(i), int(s)) for i, s in zip(indices, seeds))
+        return reset(indices, seeds)
+
+    env._part.reset = logged
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_split_envs_are_the_single_process_rows_however_their_episodes_end(workers):
+    """8 PointReach envs in one GymChunkEnv, and the same 8 as 2 ranks' splits of 4 (their collective
+    simulated: every rank's done flags after the step), driven by the same chunks: the same
+    observations, rewards and flags at every step, the same reset seeds for the same envs, and the
+    single process's seed stream on every rank, while episodes end at different steps on different
+    envs (and ranks) over 24 chunk steps; with rank 1's 4 envs in a worker process too."""
+    from torchrl.envs.utils import step_mdp
+
+    N, W, T, act_steps = 8, 2, 24, 2
+    speed = torch.tensor([1.0, 0.35, 0.6, 0.45, 0.8, 0.3, 0.5, 0.7])
+    single_log, rank_log = [], []
+    single = GymChunkEnv("PointReach-v0", N, act_steps=act_steps, seed=3)
+    _logging_seeds(single, 0, single_log)
+    done_of = {}
+    gather = lambda done: torch.cat([done_of[r] for r in range(W)])  # noqa: E731  (the ranks' all_gather)
+    ranks = [GymChunkEnv("PointReach-v0", N // W, act_steps=act_steps, seed=3, split=(r, W), dones_of_split=gather,
+                         workers=workers if r == 1 else 0) for r in range(W)]  # the seeds are drawn here, wherever the envs step
+    for r, env in enumerate(ranks):
+        if not workers:
+            _logging_seeds(env, r * N // W, rank_log)
+    td = single.reset()
+    own = [env.reset() for env in ranks]
+    ends = []
+    for _ in range(T):
+        assert torch.equal(torch.cat([o["observation"] for o in own]), td["observation"])
+        td["action"] = _steer(td["observation"], speed, act_steps)
+        for r, o in enumerate(own):
+            o["action"] = td["action"][r * N // W:(r + 1) * N // W]
+        td = single.step(td)
+        own = [env.step(o) for env, o in zip(ranks, own)]
+        for key in ("observation", "reward", "done", "terminated", "truncated", "episode_return"):
+            assert torch.equal(torch.cat([o["next", key] for o in own]), td["next", key]), key
+        for r, o in enumerate(own):
+            done_of[r] = o["next", "done"].reshape(-1)
+        ends.append(td["next", "done"].reshape(-1).clone())
+        td = single.maybe_reset(step_mdp(td))
+        own = [env.maybe_reset(step_mdp(o)) for env, o in zip(ranks, own)]
+    ends = torch.stack(ends)  # [T, N]
+    assert ends[:, :N // 2].any(1).ne(ends[:, N // 2:].any(1)).any()  # one rank's episodes ended while the other's did not
+    assert len({tuple(col.nonzero().flatten().tolist()) for col in ends.T}) >= 5  # the envs end at different steps
+    assert ends.sum() >= 12
+    for env in ranks:
+        assert env.rng_state() == single.rng_state()
+    if not workers:
+        assert len(single_log) == N + int(ends.sum()) and sorted(rank_log) == sorted(single_log)
+    for env in (single, *ranks):
+        env.close()
+
+
+def test_a_split_gymnasium_env_needs_every_ranks_done_flags():
+    with pytest.raises(EnvError, match="dones_of_split=None with split=\\(0, 2\\)"):
+        GymChunkEnv("Pendulum-v1", 2, split=(0, 2))
+    with pytest.raises(EnvError, match="split=\\(2, 2\\): expected"):
+        GymChunkEnv("Pendulum-v1", 2, split=(2, 2), dones_of_split=lambda d: d)
+    env = GymChunkEnv("Pendulum-v1", 2, act_steps=1, seed=0, split=(1, 2), dones_of_split=lambda d: d)  # not the ranks' flags
+    td = env.reset().set("_reset", torch.tensor([[True], [False]]))
+    with pytest.raises(EnvError, match="dones_of_split: returned \\[1, 0\\]: expected the 4 done flags"):
+        env.reset(td)
+    env.close()
+
+
 @needs_rendering
 def test_push_pixels_chunk_env_keeps_images_uint8_and_tokenises_instructions():
     env = GymChunkEnv("Push-v0", 2, act_steps=2, seed=0)
