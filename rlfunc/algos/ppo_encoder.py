@@ -43,10 +43,15 @@ from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_es
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, linear_lr, minibatch_epochs
+from rlfunc.device import compile_step
+from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, flatten, linear_lr, minibatch_epochs, unflatten
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
+
+# --compile auto compiles a run of at least this many gradient steps (set from bench/compiled_encoder.py)
+AUTO_COMPILE_UPDATES = 5_000
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ class PPOEncoderConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        require_default(self.run, compile="ppo-encoder has no compiled update yet (ppo has)", nproc="ppo-encoder is not data-parallel yet (ppo is): train it in one process", num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
+        require_default(self.run, nproc="ppo-encoder is not data-parallel yet (ppo is): train it in one process", num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
                         log_every="ppo-encoder logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
@@ -119,6 +124,16 @@ class PPOEncoderConfig:
         if not self.encoder_widths or len(self.encoder_widths) != len(self.encoder_blocks) or min(*self.encoder_widths, *self.encoder_blocks) < 1:
             raise ConfigError(f"encoder_widths={self.encoder_widths}, encoder_blocks={self.encoder_blocks}: "
                               "expected positive ints, one block count per stage")
+        if self.run.compile == "on" and not self.compilable:
+            raise ConfigError(f"run.compile='on': ppo-encoder compiles its float32 gradient step; expected run.precision='off' and "
+                              f"checkpoint_vision=False with it (got precision={self.run.precision!r}, checkpoint_vision="
+                              f"{self.checkpoint_vision}; or --compile off)")
+
+    @property
+    def compilable(self) -> bool:
+        """Whether the gradient step can run compiled: float32 (no autocast or loss scaling), no
+        checkpointed vision trunk."""
+        return self.run.precision == "off" and not self.checkpoint_vision
 
     @property
     def batch_size(self) -> int:
@@ -329,6 +344,58 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             new["proprio_stats"] = update_running_stats(stats, batch["proprio"].flatten(0, 1).float())
         return flat, new
 
+    # --compile: one minibatch's gradient step as one pure function of flat leaf lists (the form
+    # torch.compile takes whole), float32; micro-batches are unrolled inside it
+    template = func.params_from_module(net)
+    stepped_def = flatten(trainable_params(template))[1]
+    frozen = [("encoder", *k) for k in net.encoder.frozen_keys]
+    frozen_def = flatten(template.select(*frozen))[1] if frozen else None
+    stats_def = flatten(init_running_stats((info.stats_dim,), device=device))[1] if has_stats else None
+    mb_keys = (*keys, "action", "sample_log_prob", "advantage", "value_target", "state_value")
+    M = config.minibatch_size
+    micro = M if config.micro_batch_size is None else min(config.micro_batch_size, M)
+    micro_slices = [(start, min(micro, M - start)) for start in range(0, M, micro)]
+
+    def grad_step(w: list[Tensor], opt: tuple[list[Tensor], tuple], const: tuple[list[Tensor], list[Tensor]], mb: dict,
+                  lr: Tensor) -> dict:
+        """The minibatch ``mb``'s advantages normalised (``normalize_advantages``), the gradient of
+        :func:`loss` (its micro-batches' gradients, each weighted by its share of the minibatch, summed
+        in order: what :func:`accumulate_gradients` leaves in ``.grad``) by torch.func.grad, then
+        ``optimizer``'s chain at ``lr`` (0-dim float32) in place on ``w`` (the :func:`trainable`
+        leaves) and ``opt`` (its state's; rlfunc.optim.leaves.chain_step). ``const``: (the frozen
+        trunk's leaves or [], the proprio statistics' leaves or []). Returns the loss metrics,
+        "grad_norm" and "skipped" (1.0 when the loss or the norm was not finite: nothing moved)."""
+        frozen_w, stats_w = const
+        stats = unflatten(stats_def, stats_w) if has_stats else None
+        if config.normalize_advantages:
+            mb = {**mb, "advantage": normalize_advantage(mb["advantage"])}
+        grads, total, metrics = None, None, None
+        for start, n in micro_slices:
+            part = {k: v.narrow(0, start, n) for k, v in mb.items()}
+            weight = n / M
+
+            def objective(leaves, part=part, weight=weight):
+                params = unflatten(stepped_def, leaves)
+                if frozen_def is not None:
+                    params = params.update(unflatten(frozen_def, frozen_w))
+                value, m = loss(params, stats, part)
+                scaled = value.float() * weight
+                return scaled, (scaled.detach(), m.detach() * weight)
+
+            g, (scaled, m) = torch.func.grad(objective, has_aux=True)(w)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            total = scaled if total is None else total + scaled
+            metrics = m if metrics is None else metrics + m
+        out = metrics.to_dict()
+        out["grad_norm"] = chain_step(optimizer, grads, w, stepped_def, opt, total, lr=lr)
+        out["skipped"] = (~(out["grad_norm"].isfinite() & total.isfinite())).float()
+        return out
+
+    compiled = config.compilable and (config.run.compile == "on" or (
+        config.run.compile == "auto" and config.num_iterations * config.num_epochs * (config.batch_size // M) >= AUTO_COMPILE_UPDATES))
+    compiled_step = compile_step(grad_step, device, config.run.compile, ALGO, static_args=(0, 1, 2)) if compiled else None
+    reported: list[bool] = []  # compile_s went into a metrics line already
+
     def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
         """One PPO update on ``batch`` ([N, T] from :func:`rollout`): each minibatch's gradient through
         the update chain (clip, then Adam at ``linear_lr`` of ``state["iteration"]``), whose state
@@ -344,7 +411,13 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         opt = {"state": state["optim"]}
         B = flat.batch_size[0]
 
+        if compiled_step is not None:
+            w, opt_leaves, lr_t = leaf_list(stepped), chain_state(opt["state"]), torch.tensor(lr, dtype=torch.float32, device=device)
+            const = (leaf_list(params.select(*frozen)) if frozen else [], leaf_list(stats) if has_stats else [])
+
         def update(mb: TensorDict) -> TensorDict:
+            if compiled_step is not None:
+                return TensorDict(compiled_step(w, opt_leaves, const, {k: mb[k] for k in mb_keys}, lr_t), batch_size=[])
             if config.normalize_advantages:
                 mb["advantage"] = normalize_advantage(mb["advantage"])
             for leaf in leaves:
@@ -368,6 +441,9 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         metrics["skipped"] = metrics["skipped"] * updates  # the count of skipped updates
         metrics["value_target_mean"] = flat["value_target"].mean()
         metrics.update(episode_metrics(batch))
+        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+            metrics["compile_s"] = torch.tensor(compiled_step.compile_s)  # the first iteration's metrics line
+            reported.append(True)
         return out, metrics
 
     return PPOEncoder(init, policy, rollout, loss, iteration, trainable, net, info, optimizer, trainable_params)
