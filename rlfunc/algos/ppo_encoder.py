@@ -17,6 +17,10 @@ V(s_t) is computed with the action (one encoder pass per step); the bootstrap V(
 next step's observation except after the last step and at episode ends, where the true final
 observation is encoded (so time-limit truncation bootstraps from it, as in ``rlfunc.core.returns``).
 
+Data-parallel (``make_ppo_encoder(..., dist)``, ``rlfunc train ppo --env ENV --nproc W``): each rank
+steps N/W of the envs and the update is the single process's to float rounding (see
+:func:`make_ppo_encoder`; :mod:`rlfunc.algos.data_parallel`).
+
 Reference: Schulman et al. (2017) "Proximal Policy Optimization Algorithms" (eq. 7, 9); GAE:
 Schulman et al. (2016) eq. 16; normalisation details: Huang et al. (2022) "The 37 Implementation
 Details of PPO".

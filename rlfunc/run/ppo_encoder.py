@@ -8,6 +8,12 @@ episodes that ended, steps/s, collect and update seconds), checkpoints/ (safeten
 list, diff, rollback), learning_curve.png and eval.json. The envs are one
 :class:`rlfunc.envs.chunk.GymChunkEnv` (``act_steps=1``) kept running across iterations.
 
+Under torchrun (``rlfunc train ppo --env ENV --nproc W``) the run is data-parallel: rank r steps
+envs r*N/W .. (r+1)*N/W - 1 of the single process's N (GymChunkEnv's ``split``: the same reset
+seeds), the update is the single process's (:func:`rlfunc.algos.ppo_encoder.make_ppo_encoder`), rank
+0 alone writes, and a snapshot holds every rank's carry and episode state in the single process's
+env order (meta "world_size" says how many ranks wrote it), so it resumes on any W dividing N.
+
 Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``) continues the latest
 snapshot or the current branch's head version (:func:`rlfunc.run.resume_source`). A snapshot holds
 the learner state (its action / minibatch generator "rng" included; its Adam state,
@@ -233,7 +239,8 @@ def train_ppo_encoder(
     max_iterations: int | None = None,
 ) -> RunResult:
     """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``): :func:`rlfunc.run.train`
-    of an :class:`EncoderRun`.
+    of an :class:`EncoderRun`; under torchrun (WORLD_SIZE > 1) data-parallel, every rank calling it
+    (see the module docstring).
 
     Args:
         config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
