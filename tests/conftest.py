@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 # the ~5-10 s of importing torch and tensordict per test on a loaded machine).
 _PRELOAD = ["torch", "tensordict", "rlfunc.run.distributed", "rlfunc.algos.ppo", "rlfunc.envs.collect", "rlfunc.algos.bc",
             "rlfunc.algos.dppo", "rlfunc.algos.grpo", "rlfunc.run.grpo", "rlfunc.run.mappo", "rlfunc.algos.sac", "rlfunc.algos.td3",
-            "rlfunc.run.offpolicy", "torchrl.data"]
+            "rlfunc.run.offpolicy", "torchrl.data", "rlfunc.run.ppo_encoder"]
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict
+from torch import Tensor
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
@@ -22,10 +23,15 @@ from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, require_default
 from rlfunc.core import func
 from rlfunc.core.normalize import update_running_stats
+from rlfunc.device import compile_step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
-from rlfunc.optim import GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm
+from rlfunc.optim import GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, unflatten
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
+
+# --compile auto compiles a run of at least this many gradient steps (set from bench/compiled_bc.py)
+AUTO_COMPILE_UPDATES = 5_000
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class BCConfig:
         require_finite(self)
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay}: expected >= 0")
-        require_default(self.run, compile="bc has no compiled update yet (ppo has)", num_seeds="bc trains one seed per run", vmap="bc trains one seed per run",
+        require_default(self.run, num_seeds="bc trains one seed per run", vmap="bc trains one seed per run",
                         env_workers="bc learns from demonstrations: its envs (the final evaluation) step in this process")
         for name in ("num_demos", "num_updates", "batch_size"):
             if getattr(self, name) < 1:
@@ -63,6 +69,16 @@ class BCConfig:
             raise ConfigError("lr and max_grad_norm must be > 0")
         if self.demo_noise_std < 0:
             raise ConfigError(f"demo_noise_std={self.demo_noise_std}: expected >= 0")
+        if self.run.compile == "on" and not self.compilable:
+            raise ConfigError(f"run.compile='on': bc compiles its float32 gradient step in one process; expected run.precision='off', "
+                              f"actor.checkpoint_vision=False and nproc=1 with it (got precision={self.run.precision!r}, "
+                              f"checkpoint_vision={self.actor.checkpoint_vision}, nproc={self.run.nproc}; or --compile off)")
+
+    @property
+    def compilable(self) -> bool:
+        """Whether the gradient step can run compiled: float32 (no autocast or loss scaling), no
+        checkpointed vision trunk, one process (the data-parallel step all-reduces in eager code)."""
+        return self.run.precision == "off" and not self.actor.checkpoint_vision and self.run.nproc == 1
 
 
 class BC(NamedTuple):
@@ -151,6 +167,63 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
             leaves += func.leaves(actor.trainable_encoder(state["encoder"]))
         return leaves
 
+    def loss_fn(params: TensorDict, encoder: TensorDict | None, obs_stats: TensorDict, alphas_cumprod: Tensor, mb):
+        """The denoising loss of one (micro-)batch ``mb`` (a TensorDict or a dict of its tensors: the
+        observation keys, "x0", "t", "noise") and its metrics."""
+        cond = actor.condition(encoder, obs_stats, mb)
+        loss = denoising_loss(actor.apply, params, mb["x0"], cond, mb["t"], mb["noise"], alphas_cumprod,
+                              prediction=config.actor.prediction)
+        return loss, TensorDict({"loss_denoise": loss.detach()}, batch_size=[])
+
+    # --compile: the gradient step as one pure function of flat leaf lists (the form torch.compile
+    # takes whole): float32, one process; micro-batches are unrolled inside it
+    template = TensorDict({"params": actor.init_params(config.run.seed)}, batch_size=[])
+    if actor.encoder is not None:
+        encoder_template = actor.init_encoder_params(config.run.seed + 1)
+        template["encoder"] = actor.trainable_encoder(encoder_template)
+        frozen_keys = actor.encoder.frozen_keys
+        frozen_def = flatten(encoder_template.select(*frozen_keys))[1] if frozen_keys else None
+    stepped_def = flatten(template)[1]
+    stats_def = flatten(actor.init_stats())[1]
+    m_local = config.batch_size // W
+    micro = m_local if config.micro_batch_size is None else min(config.micro_batch_size, m_local)
+    micro_slices = [(start, min(micro, m_local - start)) for start in range(0, m_local, micro)]
+
+    def grad_step(w: list[Tensor], opt: tuple[list[Tensor], tuple], const: tuple[list[Tensor], list[Tensor], Tensor], mb: dict) -> dict:
+        """The gradient of :func:`loss_fn` over the batch ``mb`` (its micro-batches' gradients, each
+        weighted by its share of the batch, summed in order: what :func:`accumulate_gradients` leaves
+        in ``.grad``) by torch.func.grad, then ``optimizer``'s chain in place on ``w`` (the
+        :func:`trainable_params` leaves) and ``opt`` (its state's; rlfunc.optim.leaves.chain_step).
+        ``const``: (the obs statistics' leaves, the frozen encoder trunk's leaves or [], alphas_cumprod
+        [T]). Returns "loss_denoise", "grad_norm" and "skipped" (1.0 when the loss or the norm was not
+        finite: nothing moved)."""
+        stats_w, frozen_w, alphas_cumprod = const
+        obs_stats = unflatten(stats_def, stats_w)
+        grads, loss = None, None
+        for start, n in micro_slices:
+            part = {k: v.narrow(0, start, n) for k, v in mb.items()}
+            weight = n / m_local
+
+            def objective(leaves, part=part, weight=weight):
+                p = unflatten(stepped_def, leaves)
+                encoder = None
+                if actor.encoder is not None:
+                    encoder = p["encoder"]
+                    if frozen_def is not None:
+                        encoder = encoder.update(unflatten(frozen_def, frozen_w))
+                scaled = loss_fn(p["params"], encoder, obs_stats, alphas_cumprod, part)[0].float() * weight
+                return scaled, scaled.detach()
+
+            g, scaled = torch.func.grad(objective, has_aux=True)(w)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            loss = scaled if loss is None else loss + scaled
+        norm = chain_step(optimizer, grads, w, stepped_def, opt, loss, with_params=True)  # AdamW's decay reads w
+        return {"loss_denoise": loss, "grad_norm": norm, "skipped": (~(norm.isfinite() & loss.isfinite())).float()}
+
+    compiled = config.compilable and W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES))
+    compiled_step = compile_step(grad_step, device, config.run.compile, "bc", static_args=(0, 1, 2)) if compiled else None
+    reported: list[bool] = []  # compile_s went into a metrics line already
+
     def iteration(state: TensorDict, dataset: TensorDict, generator: torch.Generator, prec: Precision):
         """One gradient step on a random batch of ``dataset`` ([M] with "observation", "action"): the
         gradient through the update chain, whose state ``state["optim_actor"]`` it advances; the
@@ -166,22 +239,24 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
             batch_size=[m // W],
         )
         params, encoder = state["params"], state.get("encoder", None)
-
-        def loss_fn(mb: TensorDict):
-            cond = actor.condition(encoder, state["obs_stats"], mb)
-            loss = denoising_loss(
-                actor.apply, params, mb["x0"], cond, mb["t"], mb["noise"],
-                state["schedule", "alphas_cumprod"], prediction=config.actor.prediction,
-            )
-            return loss, TensorDict({"loss_denoise": loss.detach()}, batch_size=[])
-
         stepped = trainable_params(state)
-        for leaf in func.leaves(stepped):
-            leaf.grad = None
-        loss, metrics = accumulate_gradients(loss_fn, batch, config.micro_batch_size, prec=prec)
-        if W > 1:  # the mean over the ranks' shares: the gradient of the whole batch
-            loss, metrics = data_parallel.average_grads_(reduce, func.leaves(stepped), loss, metrics)
-        norm, ok, opt_state = transform_step(optimizer, state["optim_actor"], stepped, prec)
+        if compiled_step is not None:
+            opt_state = state["optim_actor"]
+            frozen = leaf_list(state["encoder"].select(*frozen_keys)) if encoder is not None and frozen_def is not None else []
+            const = (leaf_list(state["obs_stats"]), frozen, state["schedule", "alphas_cumprod"])
+            metrics = TensorDict(compiled_step(leaf_list(stepped), chain_state(opt_state), const, {k: batch[k] for k in batch.keys()}),
+                                 batch_size=[])
+        else:
+            for leaf in func.leaves(stepped):
+                leaf.grad = None
+            loss, metrics = accumulate_gradients(
+                lambda mb: loss_fn(params, encoder, state["obs_stats"], state["schedule", "alphas_cumprod"], mb),
+                batch, config.micro_batch_size, prec=prec)
+            if W > 1:  # the mean over the ranks' shares: the gradient of the whole batch
+                loss, metrics = data_parallel.average_grads_(reduce, func.leaves(stepped), loss, metrics)
+            norm, ok, opt_state = transform_step(optimizer, state["optim_actor"], stepped, prec)
+            metrics["grad_norm"] = norm
+            metrics["skipped"] = torch.tensor(float(not ok))
         ema_update_(state["ema"], params, config.ema_decay)
         if encoder is not None:
             ema_update_(state["encoder_ema"], encoder, config.ema_decay)
@@ -189,8 +264,9 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
         out["iteration"] = state["iteration"] + 1
         out["rng"] = generator.get_state()
         out["optim_actor"] = opt_state
-        metrics["grad_norm"] = norm
-        metrics["skipped"] = torch.tensor(float(not ok))
+        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+            metrics["compile_s"] = torch.tensor(compiled_step.compile_s)  # the first update's metrics
+            reported.append(True)
         return out, metrics
 
     return BC(init, iteration, actor, trainable, optimizer, trainable_params)

@@ -1,4 +1,4 @@
-"""What every data-parallel algorithm (ppo, bc, dppo, grpo, gspo, mappo, sac, td3, td3-diffusion,
+"""What every data-parallel algorithm (ppo, ppo-encoder, bc, dppo, grpo, gspo, mappo, sac, td3, td3-diffusion,
 sac-diffusion) shares to make its update equal the single process's, to float rounding: ``make_X(..., dist)``
 with a :class:`rlfunc.run.distributed.Distributed` of W > 1 ranks.
 

@@ -17,6 +17,10 @@ V(s_t) is computed with the action (one encoder pass per step); the bootstrap V(
 next step's observation except after the last step and at episode ends, where the true final
 observation is encoded (so time-limit truncation bootstraps from it, as in ``rlfunc.core.returns``).
 
+Data-parallel (``make_ppo_encoder(..., dist)``, ``rlfunc train ppo --env ENV --nproc W``): each rank
+steps N/W of the envs and the update is the single process's to float rounding (see
+:func:`make_ppo_encoder`; :mod:`rlfunc.algos.data_parallel`).
+
 Reference: Schulman et al. (2017) "Proximal Policy Optimization Algorithms" (eq. 7, 9); GAE:
 Schulman et al. (2016) eq. 16; normalisation details: Huang et al. (2022) "The 37 Implementation
 Details of PPO".
@@ -33,7 +37,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from rlfunc.algos.diffusion_actor import EnvInfo, encoder_config, require_finite
+from rlfunc.algos import data_parallel
+from rlfunc.algos.diffusion_actor import EnvInfo, check_split, encoder_config, require_finite
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, check_env_workers, require_default
 from rlfunc.core import func
@@ -43,10 +48,16 @@ from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_es
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
-from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, linear_lr, minibatch_epochs
+from rlfunc.device import compile_step
+from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, minibatch_epochs,
+                          unflatten)
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
+
+# --compile auto compiles a run of at least this many gradient steps (set from bench/compiled_encoder.py)
+AUTO_COMPILE_UPDATES = 5_000
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,7 @@ class PPOEncoderConfig:
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a value in [0, 1]")
-        require_default(self.run, compile="ppo-encoder has no compiled update yet (ppo has)", nproc="ppo-encoder is not data-parallel yet (ppo is): train it in one process", num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
+        require_default(self.run, num_seeds="ppo-encoder trains one seed per run", vmap="ppo-encoder trains one seed per run",
                         log_every="ppo-encoder logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
@@ -119,6 +130,23 @@ class PPOEncoderConfig:
         if not self.encoder_widths or len(self.encoder_widths) != len(self.encoder_blocks) or min(*self.encoder_widths, *self.encoder_blocks) < 1:
             raise ConfigError(f"encoder_widths={self.encoder_widths}, encoder_blocks={self.encoder_blocks}: "
                               "expected positive ints, one block count per stage")
+        # data-parallel (before torchrun starts the ranks): each rank steps num_envs / nproc envs of a split GymChunkEnv
+        # and takes minibatch_size / nproc samples of every minibatch
+        if self.run.nproc > 1 and self.run.compile == "on":
+            raise ConfigError(f"run.compile='on' with nproc={self.run.nproc}: ppo-encoder's compiled step is single-process; "
+                              "expected --compile off or auto with --nproc")
+        data_parallel.check_divides(self.run.nproc, num_envs=self.num_envs, minibatch_size=self.minibatch_size)
+        check_split(self.env, self.run.nproc, self.num_envs, self.run.env_workers, gymnasium_split=True)
+        if self.run.compile == "on" and not self.compilable:
+            raise ConfigError(f"run.compile='on': ppo-encoder compiles its float32 gradient step; expected run.precision='off' and "
+                              f"checkpoint_vision=False with it (got precision={self.run.precision!r}, checkpoint_vision="
+                              f"{self.checkpoint_vision}; or --compile off)")
+
+    @property
+    def compilable(self) -> bool:
+        """Whether the gradient step can run compiled: float32 (no autocast or loss scaling), no
+        checkpointed vision trunk."""
+        return self.run.precision == "off" and not self.checkpoint_vision
 
     @property
     def batch_size(self) -> int:
@@ -179,8 +207,33 @@ def check_dict_info(info: EnvInfo, env_id: str) -> None:
         )
 
 
-def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.device, prec: Precision | None = None) -> PPOEncoder:
+def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.device, prec: Precision | None = None,
+                     dist=None) -> PPOEncoder:
     """Build encoder PPO for an env described by ``info`` (:func:`rlfunc.algos.diffusion_actor.env_info`).
+
+    ``dist``: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run of W
+    ranks. Rank r then steps envs r*N/W .. (r+1)*N/W - 1 of the ``config.num_envs`` = N (a split
+    :class:`~rlfunc.envs.chunk.GymChunkEnv`; its rollout is [N/W, T]) and ``iteration`` equals the
+    single-process one on all N envs, to float rounding (:mod:`rlfunc.algos.data_parallel`):
+
+    - the policy draws the action noise of all N envs from the generator and keeps its rows
+      (:func:`~rlfunc.algos.data_parallel.own_rows`), so the actions are the single process's and the
+      generators stay in sync;
+    - ``prepare`` runs on the rank's envs (bootstrap values, GAE) with the rows of
+      ``state["discounted_return"]`` [N, 1] it owns; the discounted returns [N/W, T] and the episode
+      flags are all-gathered first, so the return statistics (and the reward scale) are those of the
+      whole [N, T] batch, computed in one pass as the single process does;
+    - the flat batch [N/W * T] is all-gathered into the single process's [N * T] (rank order = env
+      order). That is every observation: uint8 images [T, H, W, 3] per camera and env, (W - 1) / W of
+      the batch's bytes per rank, a large share of an iteration for big cameras; the proprio
+      statistics are then updated on the gathered batch, exactly as one process does;
+    - every rank draws the same minibatch order, normalises the advantages over the whole minibatch,
+      takes its share of it (m / W samples, micro-batched as configured) and backpropagates; one
+      ``all_reduce_mean`` of the gradients, the loss and the metrics
+      (:func:`~rlfunc.algos.data_parallel.average_grads_`) precedes the clip and Adam, so
+      ``target_kl`` and fp16's GradScaler (the averaged gradients' finiteness) decide alike on every
+      rank. The compiled step is single-process (``--compile auto`` runs eager with W > 1). Metrics
+      that are not means over the samples come back as the mean of the ranks' shares' values.
 
     The learner state is one TensorDict on ``device``: "params" {"encoder", "actor", "critic",
     "log_std" [A]}, "return_stats" (running statistics of the discounted return, sample shape []),
@@ -199,6 +252,10 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
     keys = info.obs_keys
     has_stats = info.stats_key == "proprio"
     N, T = config.num_envs, config.num_steps
+    W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    own = data_parallel.own_rows(rank, W)  # the noise of all N envs drawn, this rank's rows kept
+    reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
+    gather = (lambda td: td) if W == 1 else (lambda td: dist.all_gather_batch(td, dim=0))  # [N/W, ...] -> [N, ...]
     autocast = prec.autocast if prec is not None else (lambda: torch.autocast(device.type, enabled=False))
     optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=config.adam_eps))
 
@@ -253,7 +310,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             if deterministic:
                 td["action"], td["sample_log_prob"] = loc, torch.zeros_like(value)
             else:
-                noise = torch.randn(loc.shape, generator=generator, device=loc.device)
+                noise = own(lambda k: torch.randn((k, *loc.shape[1:]), generator=generator, device=loc.device), loc.shape[0], 0)
                 td["action"] = loc + log_std.exp() * noise
                 td["sample_log_prob"] = (-0.5 * noise.square() - log_std - half_log_2pi).sum(-1, keepdim=True)
             td["state_value"] = value
@@ -295,19 +352,27 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             value_coef=config.value_coef, normalize_advantages=False,
         )
 
-    def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, dict]:
-        """Rewards scaled, bootstrap values, GAE; batch [N, T] -> flat [N*T] and the new statistics."""
+    def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, dict, TensorDict]:
+        """Rewards scaled, bootstrap values, GAE; batch [n, T] (n = N / W, the rank's envs) -> flat
+        [n*T], the new return statistics and discounted returns, and every rank's episode flags
+        ("done", "episode_return", "success" [N, T, 1]) for :func:`episode_metrics`."""
         params, stats = state["params"], state.get("proprio_stats", None)
         reward = batch["next", "reward"].float()
         done, terminated = batch["next", "done"], batch["next", "terminated"]
+        n = batch.batch_size[0]
+        rows = TensorDict({k: batch["next", k] for k in ("done", "episode_return", "success")}, batch_size=[n])
         new: dict = {}
         if config.normalize_rewards:
             discount = torch.full_like(reward, config.gamma)
             discount[:, 1:] *= (~done[:, :-1]).float()
             safe = torch.where(reward.isfinite(), reward, torch.zeros_like(reward))
-            z = forward_discounted_sum(safe, discount, initial=state["discounted_return"].unsqueeze(-2))
-            new["return_stats"] = update_running_stats(state["return_stats"], z.flatten())
-            new["discounted_return"] = z[:, -1] * (~done[:, -1]).float()
+            initial = state["discounted_return"].narrow(0, rank * n, n)  # [n, 1]: this rank's envs' rows
+            z = forward_discounted_sum(safe, discount, initial=initial.unsqueeze(-2))
+            rows["z"], rows["last"] = z, z[:, -1] * (~done[:, -1]).float()
+        rows = gather(rows)  # [N, T]: one all_gather for the return statistics and the episode metrics
+        if config.normalize_rewards:
+            new["return_stats"] = update_running_stats(state["return_stats"], rows["z"].flatten())
+            new["discounted_return"] = rows["last"]
             reward = scale_reward(reward, new["return_stats"]).clamp(-config.reward_clip, config.reward_clip)
         value = batch["state_value"]
         # V(s_{t+1}) is the next step's V(s) except after the last step and at episode ends (the
@@ -325,9 +390,59 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             },
             batch_size=batch.batch_size,
         ).flatten(0, 1)
-        if has_stats:
-            new["proprio_stats"] = update_running_stats(stats, batch["proprio"].flatten(0, 1).float())
-        return flat, new
+        return flat, new, rows.select("done", "episode_return", "success")
+
+    # --compile: one minibatch's gradient step as one pure function of flat leaf lists (the form
+    # torch.compile takes whole), float32; micro-batches are unrolled inside it
+    template = func.params_from_module(net)
+    stepped_def = flatten(trainable_params(template))[1]
+    frozen = [("encoder", *k) for k in net.encoder.frozen_keys]
+    frozen_def = flatten(template.select(*frozen))[1] if frozen else None
+    stats_def = flatten(init_running_stats((info.stats_dim,), device=device))[1] if has_stats else None
+    mb_keys = (*keys, "action", "sample_log_prob", "advantage", "value_target", "state_value")
+    M = config.minibatch_size
+    micro = M if config.micro_batch_size is None else min(config.micro_batch_size, M)
+    micro_slices = [(start, min(micro, M - start)) for start in range(0, M, micro)]
+
+    def grad_step(w: list[Tensor], opt: tuple[list[Tensor], tuple], const: tuple[list[Tensor], list[Tensor]], mb: dict,
+                  lr: Tensor) -> dict:
+        """The minibatch ``mb``'s advantages normalised (``normalize_advantages``), the gradient of
+        :func:`loss` (its micro-batches' gradients, each weighted by its share of the minibatch, summed
+        in order: what :func:`accumulate_gradients` leaves in ``.grad``) by torch.func.grad, then
+        ``optimizer``'s chain at ``lr`` (0-dim float32) in place on ``w`` (the :func:`trainable`
+        leaves) and ``opt`` (its state's; rlfunc.optim.leaves.chain_step). ``const``: (the frozen
+        trunk's leaves or [], the proprio statistics' leaves or []). Returns the loss metrics,
+        "grad_norm" and "skipped" (1.0 when the loss or the norm was not finite: nothing moved)."""
+        frozen_w, stats_w = const
+        stats = unflatten(stats_def, stats_w) if has_stats else None
+        if config.normalize_advantages:
+            mb = {**mb, "advantage": normalize_advantage(mb["advantage"])}
+        grads, total, metrics = None, None, None
+        for start, n in micro_slices:
+            part = {k: v.narrow(0, start, n) for k, v in mb.items()}
+            weight = n / M
+
+            def objective(leaves, part=part, weight=weight):
+                params = unflatten(stepped_def, leaves)
+                if frozen_def is not None:
+                    params = params.update(unflatten(frozen_def, frozen_w))
+                value, m = loss(params, stats, part)
+                scaled = value.float() * weight
+                return scaled, (scaled.detach(), m.detach() * weight)
+
+            g, (scaled, m) = torch.func.grad(objective, has_aux=True)(w)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            total = scaled if total is None else total + scaled
+            metrics = m if metrics is None else metrics + m
+        out = metrics.to_dict()
+        out["grad_norm"] = chain_step(optimizer, grads, w, stepped_def, opt, total, lr=lr)
+        out["skipped"] = (~(out["grad_norm"].isfinite() & total.isfinite())).float()
+        return out
+
+    compiled = config.compilable and W == 1 and (config.run.compile == "on" or (
+        config.run.compile == "auto" and config.num_iterations * config.num_epochs * (config.batch_size // M) >= AUTO_COMPILE_UPDATES))
+    compiled_step = compile_step(grad_step, device, config.run.compile, ALGO, static_args=(0, 1, 2)) if compiled else None
+    reported: list[bool] = []  # compile_s went into a metrics line already
 
     def iteration(state: TensorDict, batch: TensorDict, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
         """One PPO update on ``batch`` ([N, T] from :func:`rollout`): each minibatch's gradient through
@@ -335,8 +450,12 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         ``state["optim"]`` it advances; the :func:`trainable` leaves of ``state["params"]`` are stepped
         in place (the policy holds them). Minibatch order comes from ``generator``.
         Returns the new state and metrics (0-dim tensors: the ppo_loss metrics averaged over the
-        minibatches, grad_norm, updates, skipped, episode_return/success_rate of episodes that ended)."""
-        flat, new = prepare(state, batch)
+        minibatches, grad_norm, updates, skipped, episode_return/success_rate of episodes that ended).
+        Data-parallel: ``batch`` is the rank's [N/W, T] and the result every rank's (see :func:`make_ppo_encoder`)."""
+        flat, new, episodes = prepare(state, batch)
+        flat = gather(flat)  # the global batch [N*T], rank order = the single process's env order
+        if has_stats:  # on the whole batch, in one pass: the single process's numbers
+            new["proprio_stats"] = update_running_stats(state["proprio_stats"], flat["proprio"].float())
         params, stats = state["params"], state.get("proprio_stats", None)
         stepped = trainable_params(params)
         leaves = func.leaves(stepped)
@@ -344,12 +463,21 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         opt = {"state": state["optim"]}
         B = flat.batch_size[0]
 
+        if compiled_step is not None:
+            w, opt_leaves, lr_t = leaf_list(stepped), chain_state(opt["state"]), torch.tensor(lr, dtype=torch.float32, device=device)
+            const = (leaf_list(params.select(*frozen)) if frozen else [], leaf_list(stats) if has_stats else [])
+
         def update(mb: TensorDict) -> TensorDict:
-            if config.normalize_advantages:
+            if compiled_step is not None:
+                return TensorDict(compiled_step(w, opt_leaves, const, {k: mb[k] for k in mb_keys}, lr_t), batch_size=[])
+            if config.normalize_advantages:  # over the whole minibatch, before the share and the micro-batches
                 mb["advantage"] = normalize_advantage(mb["advantage"])
+            mb = data_parallel.share(mb, rank, W)
             for leaf in leaves:
                 leaf.grad = None
-            _, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
+            total, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
+            if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
+                _, metrics = data_parallel.average_grads_(reduce, leaves, total, metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], stepped, prec, lr=lr)
             metrics["grad_norm"] = norm.detach().to(device)
             metrics["skipped"] = torch.tensor(float(not ok))
@@ -367,7 +495,10 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         metrics["updates"] = torch.tensor(updates)
         metrics["skipped"] = metrics["skipped"] * updates  # the count of skipped updates
         metrics["value_target_mean"] = flat["value_target"].mean()
-        metrics.update(episode_metrics(batch))
+        metrics.update(episode_metrics(TensorDict({"next": episodes}, batch_size=episodes.batch_size)))
+        if compiled_step is not None and compiled_step.compile_s is not None and not reported:
+            metrics["compile_s"] = torch.tensor(compiled_step.compile_s)  # the first iteration's metrics line
+            reported.append(True)
         return out, metrics
 
     return PPOEncoder(init, policy, rollout, loss, iteration, trainable, net, info, optimizer, trainable_params)

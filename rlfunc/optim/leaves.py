@@ -32,7 +32,7 @@ def chain_state(td: TensorDict) -> tuple[list[Tensor], tuple]:
 
 
 def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
-               loss: Tensor, *, stacked: bool = False, allowed: Tensor | None = None, **extra) -> Tensor:
+               loss: Tensor, *, stacked: bool = False, allowed: Tensor | None = None, with_params: bool = False, **extra) -> Tensor:
     """One step of the update chain ``transform`` on flat ``leaves`` (tree definition ``treedef``)
     with their ``grads``, in place on the leaves and on the chain's state ``opt`` (:func:`chain_state`;
     a link's new state tensors, such as clip's norm, are copied into the old ones). A step whose
@@ -42,14 +42,16 @@ def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tu
     ``stacked``: the leaves carry a leading member (seed) dim S and ``loss`` is [S]: each member's
     norm and skip are its own, and the norms [S] come back. ``allowed``: a further bool mask ([S], or
     [1] unstacked) of the members that may step. ``extra``: the links' per-step arguments (``lr=``,
-    a 0-dim tensor in a compiled step, so a new value is no recompilation)."""
+    a 0-dim tensor in a compiled step, so a new value is no recompilation). ``with_params``: the links
+    get the leaves (as the TensorDict of ``treedef``) as their params, which a decoupled weight decay
+    (``adam(weight_decay > 0)``) reads; else None."""
     norm = member_grad_norms(grads, stacked=stacked)
     ok = norm.isfinite() & loss.detach().isfinite().reshape(norm.shape)
     if allowed is not None:
         ok = ok & allowed
     opt_leaves, opt_def = opt
     delta, new_state = transform.update_leaves([g.nan_to_num(0.0, 0.0, 0.0) for g in grads], treedef, unflatten(opt_def, opt_leaves),
-                                               None, mask=ok, grad_norm=norm, **extra)
+                                               unflatten(treedef, leaves) if with_params else None, mask=ok, grad_norm=norm, **extra)
     for old, new in zip(opt_leaves, flatten(new_state)[0]):
         if new is not old:
             old.copy_(new)

@@ -441,6 +441,7 @@ class BCRun(DiffusionRun):
         if dist is not None:  # the same init on every rank, by seed; made certain
             dist.broadcast_state(self.state)
         self.pending, self.count = None, 0  # metrics summed since the last metrics line
+        self.compile_s: float | None = None  # the compiled step's first-call seconds, until a metrics line reports it
         self.total = config.num_updates
 
     def steps(self) -> int:
@@ -467,11 +468,15 @@ class BCRun(DiffusionRun):
     def step(self, i: int, stopping: bool) -> dict | None:
         with span("update"):
             self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
+        if "compile_s" in metrics.keys():  # the compiled step's first call: once, in the next metrics line, not averaged
+            self.compile_s = float(metrics.pop("compile_s"))
         self.pending = metrics if self.pending is None else self.pending + metrics
         self.count += 1
         if not (i % self.config.run.log_every == 0 or i == self.total or stopping):
             return None
         record = {"iteration": i, "step": i, **(self.pending / self.count).to_dict()}
+        if self.compile_s is not None:
+            record["compile_s"], self.compile_s = self.compile_s, None
         self.pending, self.count = None, 0
         return record
 

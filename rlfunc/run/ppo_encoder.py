@@ -8,6 +8,12 @@ episodes that ended, steps/s, collect and update seconds), checkpoints/ (safeten
 list, diff, rollback), learning_curve.png and eval.json. The envs are one
 :class:`rlfunc.envs.chunk.GymChunkEnv` (``act_steps=1``) kept running across iterations.
 
+Under torchrun (``rlfunc train ppo --env ENV --nproc W``) the run is data-parallel: rank r steps
+envs r*N/W .. (r+1)*N/W - 1 of the single process's N (GymChunkEnv's ``split``: the same reset
+seeds), the update is the single process's (:func:`rlfunc.algos.ppo_encoder.make_ppo_encoder`), rank
+0 alone writes, and a snapshot holds every rank's carry and episode state in the single process's
+env order (meta "world_size" says how many ranks wrote it), so it resumes on any W dividing N.
+
 Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``) continues the latest
 snapshot or the current branch's head version (:func:`rlfunc.run.resume_source`). A snapshot holds
 the learner state (its action / minibatch generator "rng" included; its Adam state,
@@ -32,7 +38,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlfunc.algos.diffusion_actor import EnvInfo, check_env, env_info
+from rlfunc.algos.diffusion_actor import EnvInfo, check_env, dones_of_split, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
 from rlfunc.core import func
 from rlfunc.config import from_dict
@@ -100,8 +106,15 @@ class EncoderRun(Run):
     action / minibatch generator. A snapshot holds {"learner", "optim", "carry"} and, in meta, the
     envs' RNG and episodes.
 
+    Data-parallel (``dist`` of W > 1 ranks, ``rlfunc train ppo --env ENV --nproc W``): rank r steps
+    envs r*N/W .. (r+1)*N/W - 1 of the single process's N (a split GymChunkEnv: the same reset seeds)
+    and the update is the single process's (:func:`~rlfunc.algos.ppo_encoder.make_ppo_encoder`); a
+    snapshot gathers every rank's carry and episode state into the single process's env order (every
+    rank calls :meth:`saved`), so it resumes on any number of ranks that divides ``num_envs``.
+
     Args:
         evaluate_at_end: False: :meth:`evaluate` gives None (no eval.json).
+        dist: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run.
 
     Raises:
         EnvError (constructor): an unknown env, or one without a Dict observation.
@@ -109,20 +122,26 @@ class EncoderRun(Run):
 
     name = ALGO
 
-    def __init__(self, config: PPOEncoderConfig, device: torch.device, *, evaluate_at_end: bool = True) -> None:
+    def __init__(self, config: PPOEncoderConfig, device: torch.device, *, evaluate_at_end: bool = True, dist=None) -> None:
         check_env(config.env)
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
-        self.config, self.device, self.evaluate_at_end = config, device, evaluate_at_end
+        self.config, self.device, self.evaluate_at_end, self.dist = config, device, evaluate_at_end, dist
+        self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
+        W = self.world_size
+        self.local_envs = config.num_envs // W  # this rank's envs
         self.info = env_info(config.env)
         check_dict_info(self.info, config.env)
-        self.algo = make_ppo_encoder(config, self.info, device, precision(device, config.run.precision))
+        self.algo = make_ppo_encoder(config, self.info, device, precision(device, config.run.precision), dist=dist if W > 1 else None)
         self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
+        if W > 1:  # the same init on every rank, by seed; made certain
+            dist.broadcast_state(self.state)
         self.total = config.num_iterations
         self.generator = torch.Generator(device=device).manual_seed(config.run.seed)
         self.success = reports_success(config.env)
-        self.env = GymChunkEnv(config.env, config.num_envs, act_steps=1, device=device, seed=config.run.seed,
-                               workers=config.run.env_workers)
+        self.env = GymChunkEnv(config.env, self.local_envs, act_steps=1, device=device, seed=config.run.seed,
+                               workers=config.run.env_workers, split=(self.rank, W) if W > 1 else None,
+                               dones_of_split=dones_of_split(dist) if W > 1 else None)  # every rank's done flags: the reset seeds
         self.carry = self.env.reset()
 
     def step(self, i: int, stopping: bool) -> dict:
@@ -146,7 +165,15 @@ class EncoderRun(Run):
         }
 
     def saved(self) -> tuple[TensorDict, dict]:
+        """The snapshot of the single process that steps all N envs: a data-parallel run gathers its
+        ranks' carries and episode states into that env order (every rank calls this)."""
         carry = self.carry.select(*_carry_keys(self.info), strict=False)
+        episodes = self.env.episode_state()
+        if self.world_size > 1:
+            carry = self.dist.all_gather_batch(carry, dim=0)
+            parts = self.dist.gather_objects(episodes)
+            episodes = None if any(p is None for p in parts) else {
+                key: [item for part in parts for item in part[key]] for key in parts[0]}  # "envs", "episode_return", "success"
         snapshot = TensorDict({**learner_entries(self.state), "carry": carry}, batch_size=[])
         meta = {
             "algo": ALGO,
@@ -156,7 +183,8 @@ class EncoderRun(Run):
             "env_steps": int(self.state["env_steps"]),
             **state_meta(),
             **env_rng_snapshot(self.env)[1],
-            "env_state": self.env.episode_state(),
+            "env_state": episodes,
+            "world_size": self.world_size,
         }
         return snapshot, meta
 
@@ -173,11 +201,14 @@ class EncoderRun(Run):
                           "episodes and is not bit-identical to an uninterrupted one", stacklevel=4)
             self.carry = self.env.reset()
             return
+        n, lo = self.local_envs, self.rank * self.local_envs  # this rank's envs of the single process's N
         try:
-            self.env.set_episode_state(episodes)
+            # "envs", "episode_return", "success": lists of N in the single process's env order
+            self.env.set_episode_state({key: value[lo:lo + n] if isinstance(value, list) else value for key, value in episodes.items()})
         except EnvError as e:
             raise CheckpointError(f"{where}: {e}") from None
-        self.carry = TensorDict(loaded["carry"].to_dict(), batch_size=self.env.batch_size, device=self.env.device)  # loaded with batch []
+        carry = {k: v[lo:lo + n] for k, v in loaded["carry"].items()}  # loaded with batch []; top-level keys
+        self.carry = TensorDict(carry, batch_size=self.env.batch_size, device=self.env.device)
 
     def upgrade(self, loaded: TensorDict, meta: dict, where: str) -> TensorDict:
         """A layout-1 snapshot (torch.optim.Adam's state as "optim", numbered in that optimizer's
@@ -190,7 +221,7 @@ class EncoderRun(Run):
             renumber = lambda j: str(order[int(j)]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
             loaded["optim"] = TensorDict({renumber(j): v for j, v in loaded["optim"].items()}, batch_size=[])
             meta = {**meta, "optim_leaves": [order[j] for j in indices]}
-        like = TensorDict({"learner": {"params": stepped}, "optim": self.saved()[0]["optim"]}, batch_size=[])
+        like = TensorDict({"learner": {"params": stepped}, "optim": learner_entries(self.state)["optim"]}, batch_size=[])
         return upgrade_layout_1(loaded, meta, where, like, algo=ALGO, commit=LAYOUT_1_COMMIT)
 
     def evaluate(self) -> dict | None:
@@ -208,7 +239,8 @@ def train_ppo_encoder(
     max_iterations: int | None = None,
 ) -> RunResult:
     """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``): :func:`rlfunc.run.train`
-    of an :class:`EncoderRun`.
+    of an :class:`EncoderRun`; under torchrun (WORLD_SIZE > 1) data-parallel, every rank calling it
+    (see the module docstring).
 
     Args:
         config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
@@ -242,7 +274,7 @@ def train_ppo_encoder(
     """
     result = train(partial(EncoderRun, evaluate_at_end=evaluate_at_end), config_from_meta, config, run_dir,
                    config_type=PPOEncoderConfig, resume=resume, total_steps=total_steps, device=device,
-                   max_iterations=max_iterations, progress=progress, tensorboard=tensorboard)
+                   max_iterations=max_iterations, progress=progress, tensorboard=tensorboard, data_parallel=True)
     return dataclasses.replace(result, state=result.state.exclude("optim"))
 
 

@@ -493,3 +493,123 @@ def test_auto_without_a_backend_runs_eager(name, monkeypatch):
             _, metrics = algo.iteration(algo.init(), _mappo_batch(algo, 2, 4, 2, 6, 5), torch.Generator().manual_seed(0))
     assert any("running eager" in str(w.message) for w in caught)
     assert "compile_s" not in metrics.keys()
+
+
+def _bc_iterations(compile: str, **kw):
+    """3 bc updates of a small actor (32x32 DiffusionMLP, T = 8) on 100 random PointReach-shaped
+    demonstrations, batches of 32 in micro-batches of 12, 12 and 8; every action NaN at the second
+    update (its step is skipped); (state, metrics of each update)."""
+    from tensordict import TensorDict
+
+    from rlfunc.algos.bc import BCConfig, make_bc
+    from rlfunc.algos.diffusion_actor import ActorSpec
+    from rlfunc.optim.amp import precision
+
+    cpu = torch.device("cpu")
+    config = replace(BCConfig(), actor=ActorSpec(hidden=(32, 32), num_train_steps=8, ddim_steps=4), batch_size=32,
+                     micro_batch_size=12, device="cpu", compile=compile, **kw)
+    algo = make_bc(config, 6, 2, cpu)
+    g = torch.Generator().manual_seed(0)
+    dataset = TensorDict({"observation": torch.randn(100, 6, generator=g), "action": torch.randn(100, 4, 2, generator=g).clamp(-1, 1)},
+                         batch_size=[100])
+    state, gen, prec = algo.init(dataset), torch.Generator().manual_seed(0), precision(cpu, "off")
+    metrics = []
+    for i in range(3):
+        data = dataset.clone()
+        if i == 1:
+            data["action"][:] = float("nan")
+        state, m = algo.iteration(state, data, gen, prec)
+        metrics.append(m)
+        _meet_a_new_type(i)
+    return state, metrics
+
+
+@needs_inductor
+def test_compiled_bc_step_equals_eager():
+    """bc's gradient step (the denoising loss over three micro-batches, torch.func.grad, clip and
+    AdamW with its decoupled weight decay) compiled: one graph over 3 updates, the denoiser, its EMA,
+    AdamW's state and the metrics within 1e-5 of eager, the non-finite update skipped alike,
+    compile_s reported once."""
+    (eager, me), (compiled, mc) = _eager_then_compiled(lambda mode: _bc_iterations(mode), graphs=1)
+    _assert_close(eager, compiled, me[-1], mc[-1])
+    assert float(me[1]["skipped"]) == float(mc[1]["skipped"]) == 1.0 and float(mc[2]["skipped"]) == 0.0
+    assert int(compiled["optim_actor", "1", "step", "params", "mlp", "0", "weight"]) == 2  # the skipped update did not count
+    assert float(mc[0]["compile_s"]) > 0 and "compile_s" not in mc[1].keys() and "compile_s" not in me[0].keys()
+
+
+def test_bc_compile_on_refuses_what_it_does_not_compile_and_auto_runs_it_eager():
+    from rlfunc.algos.bc import AUTO_COMPILE_UPDATES, BCConfig
+    from rlfunc.algos.diffusion_actor import ActorSpec
+
+    for kw in (dict(precision="bf16"), dict(nproc=2), dict(actor=ActorSpec(checkpoint_vision=True))):
+        with pytest.raises(ConfigError, match="run.compile='on': bc compiles its float32 gradient step in one process"):
+            replace(BCConfig(), device="cpu", compile="on", **kw)
+        assert not replace(BCConfig(), device="cpu", compile="auto", **kw).compilable  # auto: eager
+    state, metrics = _bc_iterations("auto", num_updates=AUTO_COMPILE_UPDATES - 1)  # too short to pay for compiling
+    assert "compile_s" not in metrics[0].keys()
+
+
+def _encoder_batch(N: int, T: int, seed: int) -> "TensorDict":
+    """A rollout batch [N, T] of tests.algos.test_ppo_encoder's synthetic Dict observation (a 32x32
+    uint8 camera, 5 proprio numbers, 2-D actions), in the layout ppo-encoder's rollout writes."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+
+    def obs():
+        return {"cam": torch.randint(0, 256, (N, T, 32, 32, 3), generator=g, dtype=torch.uint8), "proprio": torch.randn(N, T, 5, generator=g)}
+
+    done = torch.zeros(N, T, 1, dtype=torch.bool)
+    done[0, 3] = True
+    return TensorDict({
+        **obs(), "action": torch.randn(N, T, 2, generator=g), "sample_log_prob": torch.randn(N, T, 1, generator=g) - 2.0,
+        "state_value": torch.randn(N, T, 1, generator=g),
+        "next": {**obs(), "reward": torch.randn(N, T, 1, generator=g), "done": done, "terminated": done.clone(),
+                 "episode_return": torch.randn(N, T, 1, generator=g), "success": done.clone()},
+    }, batch_size=[N, T])
+
+
+@needs_inductor
+def test_compiled_ppo_encoder_step_equals_eager():
+    """ppo-encoder's gradient step (the ResNet-GN trunk on uint8 images, attention pooling, proprio,
+    fusion, both heads; advantages normalised per minibatch; two micro-batches; clip and Adam at the
+    annealed lr, a tensor) compiled: one graph over 2 iterations of 2 epochs x 2 minibatches, params,
+    Adam state and metrics within 1e-5 of eager, a NaN reward's minibatches (first iteration) skipped
+    alike. The
+    attention's key bias is left out of the comparison: softmax is invariant to it, so its true
+    gradient is 0 and both paths step it by Adam's normalised float noise (+-lr, at random)."""
+    from rlfunc.algos.ppo_encoder import PPOEncoderConfig, make_ppo_encoder
+    from tests.algos.test_ppo_encoder import INFO, TINY
+
+    cpu = torch.device("cpu")
+    batches = [_encoder_batch(2, 8, 0), _encoder_batch(2, 8, 1)]
+    batches[0]["next", "reward"][1, 2] = float("nan")  # env 1's advantages: its minibatches are skipped
+
+    def run(compile: str):
+        config = replace(PPOEncoderConfig(), env="none", **{**TINY, "micro_batch_size": 4, "total_steps": 64, "compile": compile})
+        algo = make_ppo_encoder(config, INFO, cpu)
+        state, gen, metrics = algo.init(), torch.Generator().manual_seed(0), []
+        for i, batch in enumerate(batches):
+            state, m = algo.iteration(state, batch.clone(), gen)
+            metrics.append(m)
+            _meet_a_new_type(i)
+        return state, metrics
+
+    (eager, me), (compiled, mc) = _eager_then_compiled(run, graphs=1)
+    with torch.no_grad():
+        for state in (eager, compiled):  # the key third of every attention's in_proj_bias
+            for key in state.keys(True, True):
+                if key[-1] == "in_proj_bias" and state.get(key).dim() == 1:
+                    state.get(key).view(3, -1)[1] = 0.0
+    _assert_close(eager, compiled, me[-1], mc[-1])
+    assert float(me[0]["skipped"]) == float(mc[0]["skipped"]) > 0 and float(me[1]["skipped"]) == 0
+    assert float(mc[0]["compile_s"]) > 0 and "compile_s" not in mc[1].keys() and "compile_s" not in me[0].keys()
+
+
+def test_ppo_encoder_compile_on_refuses_what_it_does_not_compile():
+    from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+
+    for kw in (dict(precision="bf16"), dict(checkpoint_vision=True)):
+        with pytest.raises(ConfigError, match="run.compile='on': ppo-encoder compiles its float32 gradient step"):
+            replace(PPOEncoderConfig(), compile="on", **kw)
+        assert not replace(PPOEncoderConfig(), compile="auto", **kw).compilable
