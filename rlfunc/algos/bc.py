@@ -1,7 +1,10 @@
 """Diffusion behaviour cloning: DDPM training of a diffusion actor on demonstrations, with an EMA.
 
 The usual pretraining before ``dppo``: the denoiser learns the demonstrations' (multimodal) action
-chunks given the observation; evaluation and fine-tuning use the EMA of the weights.
+chunks given the observation; evaluation and fine-tuning use the EMA of the weights. ``--compile on``
+(``auto``: float32 single-process runs of >= :data:`AUTO_COMPILE_UPDATES` updates) runs the gradient
+step (the denoising loss over the batch's micro-batches, torch.func.grad, clip and AdamW) as one
+torch.compile graph, within float rounding of the eager step.
 
 References: Ho et al. (2020), "Denoising Diffusion Probabilistic Models", Algorithm 1 (epsilon
 prediction); Chi et al. (2023), "Diffusion Policy" (action chunks, EMA of the weights).
@@ -30,8 +33,11 @@ from rlfunc.optim import GradientTransform, adam, all_reduce_mean, chain, clip_b
 from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
-# --compile auto compiles a run of at least this many gradient steps (set from bench/compiled_bc.py)
-AUTO_COMPILE_UPDATES = 5_000
+# --compile auto compiles a run of at least this many gradient steps. bench/compiled_bc_encoder.py, the
+# default PointReach actor (batches of 512) on this 2-core CPU under load: compiled 0.54x eager per update
+# (65.8 -> 35.4 ms), the first call 70.7 s, so compiling pays after ~2,300 updates; the default run has 5,000
+# (bench/RESULTS.md, "Compiled bc and ppo-encoder updates")
+AUTO_COMPILE_UPDATES = 2_500
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,8 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
     rounding (:mod:`rlfunc.algos.data_parallel`): every rank draws the batch's indices, timesteps and
     noise for all ``batch_size`` samples (the generators stay in sync), takes its share (samples
     [r m/W, (r+1) m/W) of the m = ``batch_size``) and averages the gradients, the loss and the
-    metrics with one ``all_reduce_mean`` before the norm and the chain. W must divide ``batch_size``.
+    metrics with one ``all_reduce_mean`` before the norm and the chain. W must divide ``batch_size``;
+    the compiled step (``--compile``) is single-process (``auto`` runs eager with W > 1).
 
     The learner state is one TensorDict: "params" and "ema" (denoiser), "obs_stats" (of the
     dataset's observations, or of its proprio for a Dict observation; fixed), "schedule" (betas,
@@ -177,14 +184,16 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
 
     # --compile: the gradient step as one pure function of flat leaf lists (the form torch.compile
     # takes whole): float32, one process; micro-batches are unrolled inside it
-    template = TensorDict({"params": actor.init_params(config.run.seed)}, batch_size=[])
-    if actor.encoder is not None:
-        encoder_template = actor.init_encoder_params(config.run.seed + 1)
-        template["encoder"] = actor.trainable_encoder(encoder_template)
-        frozen_keys = actor.encoder.frozen_keys
-        frozen_def = flatten(encoder_template.select(*frozen_keys))[1] if frozen_keys else None
-    stepped_def = flatten(template)[1]
-    stats_def = flatten(actor.init_stats())[1]
+    compiled = config.compilable and W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES))
+    frozen_keys, frozen_def = (actor.encoder.frozen_keys if actor.encoder is not None else []), None
+    if compiled:  # the tree definitions of the step's leaf lists
+        template = TensorDict({"params": actor.init_params(config.run.seed)}, batch_size=[])
+        if actor.encoder is not None:
+            encoder_template = actor.init_encoder_params(config.run.seed + 1)
+            template["encoder"] = actor.trainable_encoder(encoder_template)
+            frozen_def = flatten(encoder_template.select(*frozen_keys))[1] if frozen_keys else None
+        stepped_def = flatten(template)[1]
+        stats_def = flatten(actor.init_stats())[1]
     m_local = config.batch_size // W
     micro = m_local if config.micro_batch_size is None else min(config.micro_batch_size, m_local)
     micro_slices = [(start, min(micro, m_local - start)) for start in range(0, m_local, micro)]
@@ -220,7 +229,6 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
         norm = chain_step(optimizer, grads, w, stepped_def, opt, loss, with_params=True)  # AdamW's decay reads w
         return {"loss_denoise": loss, "grad_norm": norm, "skipped": (~(norm.isfinite() & loss.isfinite())).float()}
 
-    compiled = config.compilable and W == 1 and (config.run.compile == "on" or (config.run.compile == "auto" and config.num_updates >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(grad_step, device, config.run.compile, "bc", static_args=(0, 1, 2)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
@@ -242,7 +250,7 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
         stepped = trainable_params(state)
         if compiled_step is not None:
             opt_state = state["optim_actor"]
-            frozen = leaf_list(state["encoder"].select(*frozen_keys)) if encoder is not None and frozen_def is not None else []
+            frozen = leaf_list(state["encoder"].select(*frozen_keys)) if frozen_def is not None else []
             const = (leaf_list(state["obs_stats"]), frozen, state["schedule", "alphas_cumprod"])
             metrics = TensorDict(compiled_step(leaf_list(stepped), chain_state(opt_state), const, {k: batch[k] for k in batch.keys()}),
                                  batch_size=[])

@@ -17,6 +17,11 @@ V(s_t) is computed with the action (one encoder pass per step); the bootstrap V(
 next step's observation except after the last step and at episode ends, where the true final
 observation is encoded (so time-limit truncation bootstraps from it, as in ``rlfunc.core.returns``).
 
+``--compile on`` (``auto``: float32 runs of >= :data:`AUTO_COMPILE_UPDATES` gradient steps; none at
+present, as it was not reliably faster on a CPU) runs a minibatch's step (advantage normalisation,
+the encoder and heads over its micro-batches, torch.func.grad, clip and Adam) as one torch.compile
+graph, within float rounding of the eager step.
+
 Data-parallel (``make_ppo_encoder(..., dist)``, ``rlfunc train ppo --env ENV --nproc W``): each rank
 steps N/W of the envs and the update is the single process's to float rounding (see
 :func:`make_ppo_encoder`; :mod:`rlfunc.algos.data_parallel`).
@@ -56,8 +61,12 @@ from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
 
-# --compile auto compiles a run of at least this many gradient steps (set from bench/compiled_encoder.py)
-AUTO_COMPILE_UPDATES = 5_000
+# --compile auto compiles a run of at least this many gradient steps; None: auto never compiles. On this 2-core
+# CPU under load (bench/compiled_bc_encoder.py, a small encoder on Push-v0's observation, minibatches of 64) the
+# compiled step was not reliably faster: 0.70x eager in one measurement (rounds 0.24-1.04), 1.19x in the next
+# (rounds 0.27-1.77), its first call 376 s cold; so auto keeps ppo-encoder eager until a measurement (a GPU's)
+# shows a gain (bench/RESULTS.md, "Compiled bc and ppo-encoder updates")
+AUTO_COMPILE_UPDATES: int | None = None
 
 
 @dataclass(frozen=True)
@@ -440,7 +449,8 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
         return out
 
     compiled = config.compilable and W == 1 and (config.run.compile == "on" or (
-        config.run.compile == "auto" and config.num_iterations * config.num_epochs * (config.batch_size // M) >= AUTO_COMPILE_UPDATES))
+        config.run.compile == "auto" and AUTO_COMPILE_UPDATES is not None
+        and config.num_iterations * config.num_epochs * (config.batch_size // M) >= AUTO_COMPILE_UPDATES))
     compiled_step = compile_step(grad_step, device, config.run.compile, ALGO, static_args=(0, 1, 2)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
