@@ -52,32 +52,33 @@ def main() -> None:
     parser.add_argument("--learning-starts", type=int, default=250)
     parser.add_argument("--compile", default="off", choices=["off", "auto", "on"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--async-steps", type=int, nargs="+", default=[1], help="vector-env steps per collector item (one async row each)")
     args = parser.parse_args()
     rows: dict[tuple[str, bool], list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for algo in args.algos:
                 cls, train = CONFIGS[algo]
-                for async_collection in (False, True):
+                for mode in (0, *args.async_steps):  # 0: in process
                     config = replace(cls(), env=args.env, num_envs=args.num_envs, num_steps=args.num_steps,
                                      learning_starts=args.learning_starts, total_steps=args.learning_starts + args.steps,
                                      checkpoint_every=0, eval_episodes=10, compile=args.compile, torch_threads=1,
-                                     async_collection=async_collection)
-                    run_dir = Path(tmp) / f"{algo}_{async_collection}_{repeat}"
+                                     async_collection=mode > 0, async_steps=max(mode, 1))
+                    run_dir = Path(tmp) / f"{algo}_{mode}_{repeat}"
                     result = train(config, run_dir, progress=False, tensorboard=False)
                     rate, share, lag = _rate(run_dir)
-                    rows.setdefault((algo, async_collection), []).append((rate, share, lag, result.evaluation["mean"]))
-                    print(f"repeat {repeat} {algo} async={async_collection}: {rate:.1f} env steps/s, collect share {share:.1%}, "
+                    rows.setdefault((algo, mode), []).append((rate, share, lag, result.evaluation["mean"]))
+                    print(f"repeat {repeat} {algo} async_steps={mode or '-'}: {rate:.1f} env steps/s, collect share {share:.1%}, "
                           f"policy lag {lag:.2f}, return {result.evaluation['mean']:.1f}", flush=True)
     print(f"\n{args.env}, {args.num_envs} env(s), compile {args.compile}, {args.repeats} repeats (medians)")
     print("| algo | mode | env steps/s | collect share | policy lag (publishes) | ratio async / sync |")
     print("|---|---|---:|---:|---:|---:|")
     for algo in args.algos:
-        sync = statistics.median(r[0] for r in rows[(algo, False)])
-        for mode in (False, True):
+        sync = statistics.median(r[0] for r in rows[(algo, 0)])
+        for mode in (0, *args.async_steps):
             runs = rows[(algo, mode)]
             rate = statistics.median(r[0] for r in runs)
-            print(f"| {algo} | {'async' if mode else 'in process'} | {rate:.1f} | {statistics.median(r[1] for r in runs):.1%} | "
+            print(f"| {algo} | {f'async, {mode} step(s) per item' if mode else 'in process'} | {rate:.1f} | {statistics.median(r[1] for r in runs):.1%} | "
                   f"{statistics.median(r[2] for r in runs):.2f} | {rate / sync:.2f} |")
 
 

@@ -212,7 +212,8 @@ class OffPolicyConfig:
     max_grad_norm: float | None = None  # global grad-norm clip per network (None or 0: off)
     async_collection: bool = False  # step the envs in a worker process while the learner updates (rlfunc.envs.async_collect): faster, not reproducible, a resume starts new episodes
     sync_weights_every: int = 1  # with async_collection: gradient steps between two publishes of the actor's weights to the worker
-    async_queue: int = 2  # with async_collection: vector-env steps the worker may run ahead of the learner
+    async_queue: int = 2  # with async_collection: items (of async_steps vector-env steps) the worker may run ahead of the learner
+    async_steps: int = 1  # with async_collection: vector-env steps per item the worker sends (their updates follow together); divides num_steps
     run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 
     def __post_init__(self) -> None:
@@ -224,7 +225,7 @@ class OffPolicyConfig:
         require_default(self.run, num_seeds=f"{n} trains one seed per run", vmap=f"{n} trains one seed per run",
                         precision=f"{n} has no mixed precision", log_every=f"{n} logs every iteration")
         for name in ("total_steps", "num_envs", "num_steps", "buffer_size", "batch_size", "updates_per_step", "num_critics",
-                     "sync_weights_every", "async_queue"):
+                     "sync_weights_every", "async_queue", "async_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
@@ -234,6 +235,9 @@ class OffPolicyConfig:
                               "expected --compile off or auto (eager under --nproc)")
         data_parallel.check_divides(nproc, num_envs=self.num_envs, batch_size=self.batch_size)  # before torchrun starts the ranks
         check_env_workers(self.run, self.num_envs // nproc, f"num_envs={self.num_envs} / nproc={nproc} per process" if nproc > 1 else "")
+        if self.async_collection and self.num_steps % self.async_steps:
+            raise ConfigError(f"async_steps={self.async_steps}: expected a divisor of num_steps={self.num_steps} "
+                              "(an iteration takes whole items)")
         if self.async_collection and nproc > 1:
             raise ConfigError(f"async_collection with nproc={nproc}: the asynchronous collector serves one learner process; "
                               "expected nproc=1 with it")

@@ -216,9 +216,10 @@ class OffPolicyRun(Run):
         return record
 
     def _async_step(self, i: int) -> dict:
-        """One iteration with the envs stepped by the asynchronous collector: ``num_steps`` times, the
-        next vector-env step's transitions from the queue into the buffer, then the same gradient steps
-        as :meth:`step`; the actor's weights are published every ``sync_weights_every`` gradient steps.
+        """One iteration with the envs stepped by the asynchronous collector: ``num_steps / async_steps``
+        times, the next item's transitions (``async_steps`` vector-env steps) from the queue into the
+        buffer, then their gradient steps (:meth:`step`'s count, taken together); the actor's weights
+        are published every ``sync_weights_every`` gradient steps.
         ``collect_s`` is the time spent waiting for the worker's transitions; "policy_lag" the mean
         number of publishes the acting weights were behind the learner's latest."""
         config, state, N = self.config, self.state, self.config.num_envs
@@ -228,19 +229,21 @@ class OffPolicyRun(Run):
             self.collector = AsyncCollector(
                 config.env, N, self.seeds if it == 0 else collect.env_seeds(config.run.seed + 1_000_003 * it, N),
                 ActingPolicy(config, self.spec), state["params"].select("actor"), warm_steps=config.learning_starts,
-                start_steps=steps, seed=config.run.seed + 1_000_003 * (it + 1), queue_size=config.async_queue)
+                start_steps=steps, seed=config.run.seed + 1_000_003 * (it + 1), queue_size=config.async_queue,
+                steps_per_item=config.async_steps)
             self.publishes, self.since_publish = 0, 0
-        per_step = config.updates_per_step * N
+        K = config.async_steps
+        per_item = config.updates_per_step * N * K
         returns, sums, counts, lag = [], {}, {}, 0
         collect_s = update_s = 0.0
-        for _ in range(config.num_steps):
+        for _ in range(config.num_steps // K):
             t0 = time.perf_counter()
             with span("env_wait"):
                 batch, version = self.collector.next()
             with span("rollout"):
                 self.buffer.extend(transitions(batch.to(self.device), self.algo.scale))
             lag += self.publishes - version
-            steps += N
+            steps += N * K
             done = batch["next", "done"]
             if bool(done.any()):
                 returns.extend(batch["next", "episode_reward"][done].tolist())
@@ -248,8 +251,8 @@ class OffPolicyRun(Run):
             collect_s += t1 - t0
             if steps >= config.learning_starts:
                 with span("update"):
-                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_step)
-                self.since_publish += per_step
+                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_item)
+                self.since_publish += per_item
                 if self.since_publish >= config.sync_weights_every:
                     self.publishes = self.collector.publish(state["params"].select("actor"))
                     self.since_publish = 0
@@ -264,7 +267,7 @@ class OffPolicyRun(Run):
         finite = [r for r in returns if r == r]
         record = {"iteration": i, "step": steps, "episodes": len(returns),
                   "steps_per_s": config.num_steps * N / max(collect_s + update_s, 1e-9), "collect_s": collect_s,
-                  "update_s": update_s, "updates": int(state["updates"]), "policy_lag": lag / config.num_steps}
+                  "update_s": update_s, "updates": int(state["updates"]), "policy_lag": lag / (config.num_steps // K)}
         if finite:
             record["episode_return"] = sum(finite) / len(finite)
         record.update({key: float(total / counts[key]) for key, total in sums.items()})

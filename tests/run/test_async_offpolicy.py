@@ -38,6 +38,14 @@ def test_an_async_run_stores_every_step_and_takes_the_synchronous_gradient_steps
     assert result.evaluation["episodes"] == 2 and result.evaluation["mean"] < 0
 
 
+def test_items_of_several_steps_take_their_updates_together(tmp_path):
+    # items of 5 vector-env steps (10 env steps): updates after the items ending at env steps 60, 70, ..., 300
+    result = offpolicy.train_sac(replace(SACConfig(), **{**SMALL, "async_steps": 5}), tmp_path / "run", **QUIET)
+    assert int(result.state["env_steps"]) == 300 and int(result.state["updates"]) == 25 * 2 * 5
+    records = _records(tmp_path / "run")
+    assert all(0 <= r["policy_lag"] <= 3 for r in records)  # publishes: one per item's updates
+
+
 def test_an_async_resume_warns_and_continues_with_new_episodes(tmp_path):
     config = replace(SACConfig(), **SMALL)
     offpolicy.train_sac(config, tmp_path / "run", max_iterations=1, **QUIET)
@@ -49,5 +57,9 @@ def test_an_async_resume_warns_and_continues_with_new_episodes(tmp_path):
 def test_async_collection_with_env_workers_is_a_config_error():
     with pytest.raises(ConfigError, match="async_collection with run.env_workers=2"):
         replace(SACConfig(), **{**SMALL, "env_workers": 2})
+    with pytest.raises(ConfigError, match="async_steps=3: expected a divisor of num_steps=50"):
+        replace(SACConfig(), **{**SMALL, "async_steps": 3})
+    with pytest.raises(ConfigError, match="async_collection with nproc=2"):
+        replace(SACConfig(), **{**SMALL, "nproc": 2})
     with pytest.raises(ConfigError, match="async_queue=0"):
         replace(SACConfig(), **{**SMALL, "async_queue": 0})
