@@ -202,17 +202,24 @@ class OffPolicyRun(Run):
                     sums[key] = sums.get(key, 0.0) + value
                     counts[key] = counts.get(key, 0) + 1
                 update_s += time.perf_counter() - t1
+        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s)
+
+    def _record(self, i: int, state: TensorDict, steps: int, returns: list, sums: dict, counts: dict, collect_s: float,
+                update_s: float, **extra: float) -> dict:
+        """The iteration's end: the counters and generator state into ``state`` (the run's state
+        from now on), and its metrics line: the mean return of the episodes that ended, each
+        metric's mean over the gradient steps that gave it (one host read per metric), ``extra``."""
         state["env_steps"] = torch.tensor(steps, device=self.device)
         state["iteration"] = state["iteration"] + 1
         state["rng"] = self.gen.get_state()
         self.state = state
         finite = [r for r in returns if r == r]
         record = {"iteration": i, "step": steps, "episodes": len(returns),
-                  "steps_per_s": config.num_steps * N / max(collect_s + update_s, 1e-9), "collect_s": collect_s,
-                  "update_s": update_s, "updates": int(state["updates"])}
+                  "steps_per_s": self.config.num_steps * self.config.num_envs / max(collect_s + update_s, 1e-9),
+                  "collect_s": collect_s, "update_s": update_s, "updates": int(state["updates"]), **extra}
         if finite:
             record["episode_return"] = sum(finite) / len(finite)
-        record.update({key: float(total / counts[key]) for key, total in sums.items()})  # one host read per metric
+        record.update({key: float(total / counts[key]) for key, total in sums.items()})
         return record
 
     def _async_step(self, i: int) -> dict:
@@ -260,18 +267,7 @@ class OffPolicyRun(Run):
                     sums[key] = sums.get(key, 0.0) + value
                     counts[key] = counts.get(key, 0) + 1
                 update_s += time.perf_counter() - t1
-        state["env_steps"] = torch.tensor(steps, device=self.device)
-        state["iteration"] = state["iteration"] + 1
-        state["rng"] = self.gen.get_state()
-        self.state = state
-        finite = [r for r in returns if r == r]
-        record = {"iteration": i, "step": steps, "episodes": len(returns),
-                  "steps_per_s": config.num_steps * N / max(collect_s + update_s, 1e-9), "collect_s": collect_s,
-                  "update_s": update_s, "updates": int(state["updates"]), "policy_lag": lag / (config.num_steps // K)}
-        if finite:
-            record["episode_return"] = sum(finite) / len(finite)
-        record.update({key: float(total / counts[key]) for key, total in sums.items()})
-        return record
+        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s, policy_lag=lag / (config.num_steps // K))
 
     def _own(self, items):
         """This rank's part of a per-env sequence or TensorDict in the single process's order ([N] -> [N/W])."""
