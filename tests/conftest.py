@@ -7,6 +7,7 @@ import socket
 
 import multiprocessing
 
+import torch
 import torch.multiprocessing as mp
 
 # The children fork from one server process that imported these once (a spawned child would pay
@@ -51,7 +52,35 @@ def spawn_gloo(fn, *args, world_size: int = 2) -> None:
 import pytest  # noqa: E402
 
 
+def compare_snapshots(want_path, got_path, *, rtol: float = 1e-6, atol: float = 1e-6):
+    """Load two snapshots (the single process's ``want_path``, a data-parallel run's ``got_path``)
+    and assert the same leaves, every float leaf within (rtol, atol) and every other leaf (generator
+    states, counters, flags) exact. Returns (want meta, got meta, the largest |difference| of a
+    float leaf under "params")."""
+    from rlfunc.run import checkpoint
+
+    ta, meta_a = checkpoint.load_snapshot(want_path)
+    tb, meta_b = checkpoint.load_snapshot(got_path)
+    assert set(ta.keys(True, True)) == set(tb.keys(True, True))
+    worst = 0.0
+    for k in ta.keys(include_nested=True, leaves_only=True):
+        x, y = ta.get(k), tb.get(k)
+        if x.dtype.is_floating_point:
+            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+            if "params" in k:
+                worst = max(worst, float((x - y).abs().max()))
+        else:
+            assert torch.equal(x, y), k
+    return meta_a, meta_b, worst
+
+
 @pytest.fixture
 def gloo():
     """:func:`spawn_gloo`, for tests: ``gloo(fn, *args, world_size=2)``."""
     return spawn_gloo
+
+
+@pytest.fixture
+def same_snapshots():
+    """:func:`compare_snapshots`, for tests: ``same_snapshots(want_path, got_path, rtol=, atol=)``."""
+    return compare_snapshots

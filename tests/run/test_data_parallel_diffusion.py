@@ -7,7 +7,6 @@ dppo --nproc 2` starts them with torchrun)."""
 import json
 
 import pytest
-import torch
 
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
@@ -28,20 +27,13 @@ def _rank(dist, run_dir):
     train_dppo(_config(), run_dir, progress=False, tensorboard=False)
 
 
-def test_a_two_rank_dppo_run_is_the_single_process_run_and_rank_0_alone_writes(gloo, tmp_path):
+def test_a_two_rank_dppo_run_is_the_single_process_run_and_rank_0_alone_writes(gloo, tmp_path, same_snapshots):
     gloo(_rank, str(tmp_path / "dp"))
     single = train_dppo(_config(), tmp_path / "single", progress=False, tensorboard=False)
     a, b = checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp")
     assert a.name == b.name == "step_000000000640"
-    ta, _ = checkpoint.load_snapshot(a)
-    tb, meta = checkpoint.load_snapshot(b)
-    assert set(ta.keys(True, True)) == set(tb.keys(True, True)) and meta["world_size"] == 2
-    for k in ta.keys(include_nested=True, leaves_only=True):
-        x, y = ta.get(k), tb.get(k)
-        if x.dtype.is_floating_point:
-            torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
-        else:  # generator states (the env's too), counters: exact
-            assert torch.equal(x, y), k
+    _, meta, worst = same_snapshots(a, b)  # generator states (the env's too), counters: exact
+    assert meta["world_size"] == 2
     records = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]  # one writer
     want = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
@@ -110,27 +102,16 @@ def _gym_rank(dist, run_dir, after_one):
     resume_diffusion(run_dir, 2 * GYM_ITERATION, progress=False, tensorboard=False)
 
 
-def _assert_same_snapshot(got_dir, want_dir):
+def _assert_same_snapshot(got_dir, want_dir, same_snapshots):
     a, b = checkpoint.latest_snapshot(want_dir), checkpoint.latest_snapshot(got_dir)
     assert a.name == b.name == f"step_{2 * GYM_ITERATION:012d}"
-    ta, meta_a = checkpoint.load_snapshot(a)
-    tb, meta_b = checkpoint.load_snapshot(b)
-    assert set(ta.keys(True, True)) == set(tb.keys(True, True))
+    meta_a, meta_b, worst = same_snapshots(a, b)  # floats within 1e-6, the rest exact
     assert meta_b["env_rng"] == meta_a["env_rng"]  # the reset seeds' stream, every rank's the single process's
-    worst = 0.0
-    for k in ta.keys(include_nested=True, leaves_only=True):
-        x, y = ta.get(k), tb.get(k)
-        if x.dtype.is_floating_point:
-            torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
-            if k[:2] == ("learner", "params"):
-                worst = max(worst, float((x - y).abs().max()))
-        else:
-            assert torch.equal(x, y), k
     print(got_dir, f"max |difference| of a parameter: {worst:.1e}")
     return meta_b
 
 
-def test_a_two_rank_dppo_run_on_a_gymnasium_id_is_the_single_process_run_and_resumes_on_1_or_2_ranks(gloo, tmp_path):
+def test_a_two_rank_dppo_run_on_a_gymnasium_id_is_the_single_process_run_and_resumes_on_1_or_2_ranks(gloo, tmp_path, same_snapshots):
     """8 GymChunkEnvs split over 2 ranks (4 each) whose episodes end at different steps: the run, a
     1-iteration run resumed on the same 2 ranks to 2 iterations, and its 1-iteration snapshot resumed
     in one process, all end in the single process's snapshot (floats within 1e-6, the rest exact); its
@@ -138,8 +119,8 @@ def test_a_two_rank_dppo_run_on_a_gymnasium_id_is_the_single_process_run_and_res
     gloo(_gym_rank, str(tmp_path / "dp"), str(tmp_path / "dp_after_1"))
     train_dppo(_gym_config(2), tmp_path / "single", progress=False, tensorboard=False)
     resume_diffusion(tmp_path / "dp_after_1", 2 * GYM_ITERATION, progress=False, tensorboard=False)
-    assert _assert_same_snapshot(tmp_path / "dp", tmp_path / "single")["world_size"] == 2
-    assert _assert_same_snapshot(tmp_path / "dp_after_1", tmp_path / "single")["world_size"] == 1
+    assert _assert_same_snapshot(tmp_path / "dp", tmp_path / "single", same_snapshots)["world_size"] == 2
+    assert _assert_same_snapshot(tmp_path / "dp_after_1", tmp_path / "single", same_snapshots)["world_size"] == 1
     records = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]  # one writer, the resume appending

@@ -6,7 +6,6 @@ The ranks are spawned processes that call train_sac as torchrun's workers would 
 
 import json
 
-import torch
 
 from rlfunc.algos.sac import preset
 from rlfunc.run import checkpoint
@@ -28,30 +27,20 @@ def _rank(dist, run_dir):
     train_sac(_config(), run_dir, max_iterations=2, progress=False, tensorboard=False)
 
 
-def _assert_same(a, b):
-    ta, ma = checkpoint.load_snapshot(a)
-    tb, mb = checkpoint.load_snapshot(b)
-    assert set(ta.keys(True, True)) == set(tb.keys(True, True))
-    worst = 0.0
-    for k in ta.keys(include_nested=True, leaves_only=True):
-        x, y = ta.get(k), tb.get(k)
-        if x.dtype.is_floating_point:
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
-            worst = max(worst, float((x - y).abs().max()))
-        else:  # generator states, counters, terminal flags: exact
-            assert torch.equal(x, y), k
+def _assert_same(a, b, same_snapshots):
+    ma, mb, worst = same_snapshots(a, b, rtol=1e-5, atol=ATOL)  # generator states, counters, terminal flags: exact
     assert [e["rng"] for e in ma["env_state"]] == [e["rng"] for e in mb["env_state"]]
     assert ma["buffer"] == mb["buffer"] and ma["buffer"]["length"] > 0  # the same rows, one buffer
     return worst, mb
 
 
-def test_a_two_rank_sac_run_is_the_single_process_run_and_resumes_in_one_process(gloo, tmp_path):
+def test_a_two_rank_sac_run_is_the_single_process_run_and_resumes_in_one_process(gloo, tmp_path, same_snapshots):
     gloo(_rank, str(tmp_path / "dp"))
     records = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]  # one writer
     single = train_sac(_config(), tmp_path / "single", progress=False, tensorboard=False)
     snaps = checkpoint.run_snapshots(tmp_path / "single")
-    worst, meta = _assert_same(snaps[1], checkpoint.latest_snapshot(tmp_path / "dp"))  # iteration 2 (newest first)
+    worst, meta = _assert_same(snaps[1], checkpoint.latest_snapshot(tmp_path / "dp"), same_snapshots)  # iteration 2 (newest first)
     assert meta["world_size"] == 2 and meta["iteration"] == 2 and len(meta["env_state"]) == 2
     want = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     for got, w in zip(records, want):
@@ -59,7 +48,7 @@ def test_a_two_rank_sac_run_is_the_single_process_run_and_resumes_in_one_process
         assert abs(got["loss_critic"] - w["loss_critic"]) < 1e-4 * max(1.0, abs(w["loss_critic"]))
 
     resumed = train_sac(None, tmp_path / "dp", resume=True, progress=False, tensorboard=False)  # 1 process, the 2 envs in order
-    worst_resumed, meta = _assert_same(checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp"))
+    worst_resumed, meta = _assert_same(checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp"), same_snapshots)
     assert meta["world_size"] == 1 and meta["iteration"] == 3 and int(meta["env_steps"]) == 120
     assert resumed.evaluation["episodes"] == single.evaluation["episodes"] == 2
     print(f"max |difference| of a snapshot tensor: {worst:.1e} (2 ranks, iteration 2), {worst_resumed:.1e} (resumed, iteration 3)")
