@@ -193,7 +193,7 @@ class OffPolicyConfig:
     compiles: ClassVar[bool] = False  # whether its update honours run.compile (sac's does)
 
     env: str = "Pendulum-v1"  # gymnasium env id (Box observations, bounded Box actions)
-    total_steps: int = 20_000  # env steps (rounded up to whole iterations)
+    total_steps: int = 20_000  # env steps (rounded up to whole iterations of num_envs x num_steps)
     num_envs: int = 1  # parallel envs (sync vector env)
     num_steps: int = 1_000  # vector-env steps per iteration (a metrics line, and the snapshot cadence's unit)
     buffer_size: int = 1_000_000  # replay capacity, transitions (kept on the device)
@@ -235,6 +235,11 @@ class OffPolicyConfig:
                               "expected --compile off or auto (eager under --nproc)")
         data_parallel.check_divides(nproc, num_envs=self.num_envs, batch_size=self.batch_size)  # before torchrun starts the ranks
         check_env_workers(self.run, self.num_envs // nproc, f"num_envs={self.num_envs} / nproc={nproc} per process" if nproc > 1 else "")
+        asked = [f"{k}={getattr(self, k)}" for k, v in (("async_steps", 1), ("sync_weights_every", 1), ("async_queue", 2))
+                 if getattr(self, k) != v]
+        if asked and not self.async_collection:
+            raise ConfigError(f"{', '.join(asked)}: these set the asynchronous collector; expected them with async_collection "
+                              "(--async-collection) or not at all")
         if self.async_collection and self.num_steps % self.async_steps:
             raise ConfigError(f"async_steps={self.async_steps}: expected a divisor of num_steps={self.num_steps} "
                               "(an iteration takes whole items)")

@@ -240,7 +240,6 @@ class OffPolicyRun(Run):
                 steps_per_item=config.async_steps)
             self.publishes, self.since_publish = 0, 0
         K = config.async_steps
-        per_item = config.updates_per_step * N * K
         returns, sums, counts, lag = [], {}, {}, 0
         collect_s = update_s = 0.0
         for _ in range(config.num_steps // K):
@@ -256,10 +255,14 @@ class OffPolicyRun(Run):
                 returns.extend(batch["next", "episode_reward"][done].tolist())
             t1 = time.perf_counter()
             collect_s += t1 - t0
-            if steps >= config.learning_starts:
+            # the item's vector-env steps that end at >= learning_starts env steps (all but those of an item that
+            # straddles learning_starts): the in-process loop's gradient steps, taken together
+            first = max(1, -(-(config.learning_starts - (steps - N * K)) // N))
+            updating = config.updates_per_step * N * max(0, K - first + 1)
+            if updating:
                 with span("update"):
-                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_item)
-                self.since_publish += per_item
+                    state, m = self.algo.iteration(state, self.buffer, self.gen, updating)
+                self.since_publish += updating
                 if self.since_publish >= config.sync_weights_every:
                     self.publishes = self.collector.publish(state["params"].select("actor"))
                     self.since_publish = 0

@@ -39,11 +39,24 @@ def test_an_async_run_stores_every_step_and_takes_the_synchronous_gradient_steps
 
 
 def test_items_of_several_steps_take_their_updates_together(tmp_path):
-    # items of 5 vector-env steps (10 env steps): updates after the items ending at env steps 60, 70, ..., 300
+    # items of 5 vector-env steps (10 env steps): updates after the items ending at env steps 60 (its last step
+    # only: learning starts at 60), 70, ..., 300: the in-process count
     result = offpolicy.train_sac(replace(SACConfig(), **{**SMALL, "async_steps": 5}), tmp_path / "run", **QUIET)
-    assert int(result.state["env_steps"]) == 300 and int(result.state["updates"]) == 25 * 2 * 5
+    assert int(result.state["env_steps"]) == 300 and int(result.state["updates"]) == 2 * 121
     records = _records(tmp_path / "run")
     assert all(0 <= r["policy_lag"] <= 3 for r in records)  # publishes: one per item's updates
+
+
+def test_an_item_that_straddles_learning_starts_counts_only_its_steps_past_it(tmp_path):
+    # found by a new user (items of 2 steps took one gradient step too many): items of 5 vector-env steps (10 env
+    # steps); the item ending at 60 env steps holds the steps ending at 52, 54 (before learning starts at 56) and
+    # 56, 58, 60 (after): those 3 update, as in process
+    config = replace(SACConfig(), **{**SMALL, "async_steps": 5, "learning_starts": 56, "total_steps": 100, "num_steps": 50})
+    result = offpolicy.train_sac(config, tmp_path / "run", **QUIET)
+    assert int(result.state["updates"]) == 2 * 23  # env steps 56, 58, ..., 100: 23 vector-env steps, as in process
+    config = replace(SACConfig(), **{**SMALL, "async_steps": 5, "learning_starts": 57, "total_steps": 100, "num_steps": 50})
+    result = offpolicy.train_sac(config, tmp_path / "run57", **QUIET)
+    assert int(result.state["updates"]) == 2 * 22  # env steps 58, ..., 100
 
 
 def test_an_async_resume_warns_and_continues_with_new_episodes(tmp_path):
@@ -61,5 +74,7 @@ def test_async_collection_with_env_workers_is_a_config_error():
         replace(SACConfig(), **{**SMALL, "async_steps": 3})
     with pytest.raises(ConfigError, match="async_collection with nproc=2"):
         replace(SACConfig(), **{**SMALL, "nproc": 2})
+    with pytest.raises(ConfigError, match="async_steps=4: these set the asynchronous collector"):
+        replace(SACConfig(), **{**SMALL, "async_collection": False, "async_steps": 4})
     with pytest.raises(ConfigError, match="async_queue=0"):
         replace(SACConfig(), **{**SMALL, "async_queue": 0})
