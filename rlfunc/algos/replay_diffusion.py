@@ -130,6 +130,21 @@ def compiles(config: ReplayDiffusionConfig, auto_updates: int) -> bool:
     return config.run.compile == "on" or (config.run.compile == "auto" and eligible and config.num_updates() >= auto_updates)
 
 
+def side_steps(critic_step: Callable, actor_step: Callable, config: ReplayDiffusionConfig, device: torch.device,
+               name: str, world_size: int, auto_updates: int) -> tuple[Callable, Callable] | None:
+    """The leaf-list (critic, actor) steps a run takes: through ``compile_step`` where :func:`compiles`
+    says so and the run has one rank (a compiled step holds no collective); the steps themselves,
+    eager, in a data-parallel run (each on its rank's share); None otherwise (the eager TensorDict
+    path). The persistent arguments 0-5 (weights, targets, chain states) are static."""
+    from rlfunc.device import compile_step
+
+    if world_size > 1:
+        return critic_step, actor_step
+    if not compiles(config, auto_updates):
+        return None
+    return tuple(compile_step(f, device, config.run.compile, name, static_args=(0, 1, 2, 3, 4, 5)) for f in (critic_step, actor_step))
+
+
 class Ranks(NamedTuple):
     """A data-parallel run's place as the replay-diffusion algorithms use it (:func:`ranks`)."""
 

@@ -44,10 +44,9 @@ from torch import Tensor
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
 from rlfunc.algos.offpolicy import q_ensemble, stacked
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, compiles, minibatch, ranks, replay_rollout, replay_state,
-                                          replay_transitions)
+from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, minibatch, ranks, replay_rollout, replay_state,
+                                          replay_transitions, side_steps)
 from rlfunc.core import func
-from rlfunc.device import compile_step
 from rlfunc.diffusion.entropy import gmm_entropy
 from rlfunc.errors import ConfigError
 from rlfunc.losses.sac import temperature_loss
@@ -278,10 +277,7 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
             torch._foreach_lerp_(target_w, [w.detach() for w in critic_w], config.tau)
         return {k: v.detach() for k, v in metrics.items()}
 
-    compiled = dp.world_size == 1 and compiles(config, AUTO_COMPILE_UPDATES)  # a compiled step holds no collective
-    steps = tuple(compile_step(f, device, config.run.compile, "sac-diffusion", static_args=(0, 1, 2, 3, 4, 5)) for f in (critic_step, actor_step)) if compiled else None
-    if dp.world_size > 1:  # data parallel: the leaf-list steps, eager, each on this rank's share
-        steps = (critic_step, actor_step)
+    steps = side_steps(critic_step, actor_step, config, device, "sac-diffusion", dp.world_size, AUTO_COMPILE_UPDATES)
     reported: list[bool] = []  # compile_s went into a metrics line already
 
     def compiled_sides(state: TensorDict, generator: torch.Generator):

@@ -30,10 +30,9 @@ from torch import Tensor
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
 from rlfunc.algos.offpolicy import q_ensemble, stacked
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, compiles, minibatch, ranks, replay_rollout, replay_state,
-                                          replay_transitions)
+from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, minibatch, ranks, replay_rollout, replay_state,
+                                          replay_transitions, side_steps)
 from rlfunc.core import func
-from rlfunc.device import compile_step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, smoothed_target_action, td3_target
@@ -219,10 +218,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             torch._foreach_lerp_(target_critic_w, [w.detach() for w in critic_w], config.tau)
         return {k: v.detach() for k, v in metrics.items()}
 
-    compiled = dp.world_size == 1 and compiles(config, AUTO_COMPILE_UPDATES)  # a compiled step holds no collective
-    steps = tuple(compile_step(f, device, config.run.compile, "td3-diffusion", static_args=(0, 1, 2, 3, 4, 5)) for f in (critic_step, actor_step)) if compiled else None
-    if dp.world_size > 1:  # data parallel: the leaf-list steps, eager, each on this rank's share
-        steps = (critic_step, actor_step)
+    steps = side_steps(critic_step, actor_step, config, device, "td3-diffusion", dp.world_size, AUTO_COMPILE_UPDATES)
     reported: list[bool] = []  # compile_s went into a metrics line already
 
     def compiled_sides(state: TensorDict, generator: torch.Generator):
