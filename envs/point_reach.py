@@ -40,6 +40,7 @@ from torch import Tensor
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
+from rlfunc.envs.split import SplitEnv
 from rlfunc.errors import ConfigError, EnvError, ShapeError
 
 GOAL_DISTANCE = 1.0  # D, metres from the start to each goal
@@ -357,7 +358,7 @@ def collect_demonstrations(
 # TorchRL env.
 
 
-class PointReachEnv(EnvBase):
+class PointReachEnv(SplitEnv, EnvBase):
     """PointReach-v0 as a TorchRL ``EnvBase``: ``num_envs`` envs batched on ``device``.
 
     Keys: "observation" [N, 6] float32; "action" [N, 2] (``act_steps == 1``) or [N, act_steps, 2]
@@ -400,11 +401,7 @@ class PointReachEnv(EnvBase):
                  split: tuple[int, int] | None = None, any_done_of_split: Callable[[bool], bool] | None = None):
         _check_count("num_envs", num_envs)
         _check_count("act_steps", act_steps)
-        rank, world_size = (0, 1) if split is None else split
-        if not 0 <= rank < world_size:
-            raise EnvError(f"split={split!r}: expected (rank, world_size) with 0 <= rank < world_size")
-        self._split = (rank, world_size)
-        self._any_done_of_split = any_done_of_split if world_size > 1 else None
+        self.set_split(split, any_done_of_split)
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.num_envs = num_envs
@@ -492,16 +489,6 @@ class PointReachEnv(EnvBase):
         if reward is not None:
             out["reward"] = reward
         return TensorDict(out, batch_size=self.batch_size, device=self.device)
-
-    def any_done(self, tensordict: TensorDictBase) -> bool:
-        """TorchRL's check after a step (True: reset where "_reset"); with ``any_done_of_split``, True
-        when an env of any rank of the split is done, with "_reset" all False here when none of
-        these is (the reset then only draws, as the single process's does)."""
-        done = bool(super().any_done(tensordict))
-        if self._any_done_of_split is None or not self._any_done_of_split(done) or done:
-            return done
-        tensordict.set("_reset", torch.zeros(self.num_envs, 1, dtype=torch.bool, device=self.device))
-        return True
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)

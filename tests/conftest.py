@@ -80,6 +80,21 @@ def gloo():
     return spawn_gloo
 
 
+def keep_copy_on_rank_0(dist, run_dir, copy_to: str, timeout_s: float = 120.0) -> None:
+    """Between a data-parallel run's two calls: rank 0 copies ``run_dir`` (all written) to ``copy_to``
+    (copied, then renamed into place); every other rank waits until the copy is there, at most
+    ``timeout_s``, so no rank writes into the run again before it is taken."""
+    import shutil
+    import time
+
+    if dist.is_main:
+        shutil.copytree(run_dir, copy_to + ".tmp")
+        os.rename(copy_to + ".tmp", copy_to)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(copy_to) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def same_snapshots():
     """:func:`compare_snapshots`, for tests: ``same_snapshots(want_path, got_path, rtol=, atol=)``."""

@@ -33,6 +33,7 @@ from torchrl.envs import EnvBase
 
 from envs.warehouse import core
 from envs.warehouse.layout import Layout, WarehouseConfig, make_layout
+from rlfunc.envs.split import SplitEnv
 from rlfunc.errors import ConfigError, EnvError
 
 
@@ -54,7 +55,7 @@ def _reset_where(state: TensorDict, fresh: TensorDict, mask: torch.Tensor) -> Te
     return fresh.apply(lambda f, s: torch.where(mask.view(-1, *([1] * (f.ndim - 1))), f, s), state)
 
 
-class WarehouseEnv(EnvBase):
+class WarehouseEnv(SplitEnv, EnvBase):
     """Warehouse-v0: ``num_envs`` warehouses of ``config.n_agents`` AGVs each, batched on ``device``.
 
     Keys: see the module docstring. ``reset`` honours a partial "_reset" mask ([N] or [N, 1]), so
@@ -90,11 +91,7 @@ class WarehouseEnv(EnvBase):
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
             raise EnvError(f"num_envs={num_envs!r}: expected an int >= 1")
         _check_config(config)
-        rank, world_size = (0, 1) if split is None else split
-        if not 0 <= rank < world_size:
-            raise EnvError(f"split={split!r}: expected (rank, world_size) with 0 <= rank < world_size")
-        self._split = (rank, world_size)
-        self._any_done_of_split = any_done_of_split if world_size > 1 else None
+        self.set_split(split, any_done_of_split)
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.num_envs, self.config = num_envs, config
@@ -174,16 +171,6 @@ class WarehouseEnv(EnvBase):
             **dict(counts.items()),
         }
         return TensorDict(out, batch_size=self.batch_size, device=self.device)
-
-    def any_done(self, tensordict: TensorDictBase) -> bool:
-        """TorchRL's check after a step (True: reset where "_reset"); with ``any_done_of_split``, True
-        when a warehouse of any rank of the split is done, with "_reset" all False here when none of
-        these is (the reset then only draws, as the single process's does)."""
-        done = bool(super().any_done(tensordict))
-        if self._any_done_of_split is None or not self._any_done_of_split(done) or done:
-            return done
-        tensordict.set("_reset", torch.zeros(self.num_envs, 1, dtype=torch.bool, device=self.device))
-        return True
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
         mask = None if tensordict is None else tensordict.get("_reset", None)

@@ -38,7 +38,8 @@ class EnvEntry:
       ``split=(rank, world_size)``: the N envs are then envs rank*N .. (rank+1)*N - 1 of the
       world_size*N that one env of ``seed`` steps (every reset draws for all and keeps its rows),
       and ``any_done_of_split(done_here: bool) -> bool`` (a collective, once per step): whether an env
-      of any rank is done, so every rank draws when the single process would.
+      of any rank is done, so every rank draws when the single process would
+      (:class:`rlfunc.envs.split.SplitEnv` does this part).
     - ``demonstrations(env_id, num_episodes, horizon, *, seed, noise_std, device)`` -> (dataset,
       summary) as :func:`rlfunc.envs.demos.expert_demonstrations`: the scripted expert's episodes.
     - ``episode_metrics(rollout)`` -> TensorDict of 0-d tensors: the env's own statistics of the

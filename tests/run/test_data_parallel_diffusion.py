@@ -46,8 +46,6 @@ def test_a_two_rank_dppo_run_is_the_single_process_run_and_rank_0_alone_writes(g
 
 # ------------------------------------------------------------------ a gymnasium id (GymChunkEnv split)
 
-import shutil  # noqa: E402
-
 import gymnasium as gym  # noqa: E402
 
 from rlfunc.run.diffusion import resume_diffusion  # noqa: E402
@@ -89,16 +87,10 @@ def _gym_config(iterations: int):
 
 def _gym_rank(dist, run_dir, after_one):
     """One iteration, rank 0 keeping a copy of the run then, and a resume on the same 2 ranks to 2."""
-    import os
-    import time
+    from conftest import keep_copy_on_rank_0
 
     train_dppo(_gym_config(1), run_dir, progress=False, tensorboard=False)  # it leaves the process group
-    if dist.is_main:  # all written: copied, then renamed into place
-        shutil.copytree(run_dir, after_one + ".tmp")
-        os.rename(after_one + ".tmp", after_one)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(after_one) and time.monotonic() < deadline:  # rank 1: until rank 0 has written
-        time.sleep(0.05)
+    keep_copy_on_rank_0(dist, run_dir, after_one)
     resume_diffusion(run_dir, 2 * GYM_ITERATION, progress=False, tensorboard=False)
 
 

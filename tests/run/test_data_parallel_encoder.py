@@ -9,9 +9,6 @@ ranks draw the single process's reset seeds; its state is a numpy ``state`` arra
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 
 import gymnasium as gym
 import numpy as np
@@ -151,13 +148,10 @@ def _rank_run(dist, run_dir, after_one):
     """One iteration, rank 0 keeping a copy of the run then, and a resume on the same 2 ranks to 2."""
     from rlfunc.run.ppo_encoder import train_ppo_encoder
 
+    from conftest import keep_copy_on_rank_0
+
     _run(run_dir, 1)  # it leaves the process group
-    if dist.is_main:  # all written: copied, then renamed into place
-        shutil.copytree(run_dir, after_one + ".tmp")
-        os.rename(after_one + ".tmp", after_one)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(after_one) and time.monotonic() < deadline:  # rank 1: until rank 0 has written
-        time.sleep(0.05)
+    keep_copy_on_rank_0(dist, run_dir, after_one)
     train_ppo_encoder(None, run_dir, resume=True, total_steps=48, evaluate_at_end=False, **QUIET)
 
 
