@@ -30,7 +30,7 @@ from rlfunc.device import compile_step
 from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.optim import GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, unflatten
-from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.amp import Precision, accumulate_gradients, loss_scale_of, precision, transform_step, with_loss_scale
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 # --compile auto compiles a run of at least this many gradient steps. bench/compiled_bc_encoder.py, the
@@ -131,7 +131,8 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
     T = config.actor.num_train_steps
     obs_keys = actor.info.obs_keys
     # torch.optim.AdamW's defaults (betas, eps), which bc stepped before its state moved into the learner
-    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, weight_decay=config.weight_decay))
+    optimizer = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False),
+                                      adam(config.lr, weight_decay=config.weight_decay)), precision(device, config.run.precision))
 
     def trainable_params(state: TensorDict) -> TensorDict:
         """The leaves the optimizer updates, the same tensors: {"params": the denoiser's, "encoder":
@@ -259,7 +260,7 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
                 leaf.grad = None
             loss, metrics = accumulate_gradients(
                 lambda mb: loss_fn(params, encoder, state["obs_stats"], state["schedule", "alphas_cumprod"], mb),
-                batch, config.micro_batch_size, prec=prec)
+                batch, config.micro_batch_size, prec=prec, scale=loss_scale_of(state["optim_actor"]))
             if W > 1:  # the mean over the ranks' shares: the gradient of the whole batch
                 loss, metrics = data_parallel.average_grads_(reduce, func.leaves(stepped), loss, metrics)
             norm, ok, opt_state = transform_step(optimizer, state["optim_actor"], stepped, prec)

@@ -91,8 +91,8 @@ def average_grads_(reduce: GradientTransform, leaves: list[Tensor], loss: Tensor
     replaced by its mean over the ranks, with the loss and the metrics in the same collective
     (:func:`average`); returns (mean loss, mean metrics). Call it between the backward passes
     (:func:`rlfunc.optim.amp.accumulate_gradients`) and the step (:func:`rlfunc.optim.amp.transform_step`):
-    an fp16 GradScaler's scale is the same on every rank, and its check of the averaged gradients
-    (non-finite on one rank: non-finite on all) decides alike."""
+    an fp16 loss scale (:func:`rlfunc.optim.amp.dynamic_loss_scale`, learner state) is the same on every
+    rank, and its check of the averaged gradients (non-finite on one rank: non-finite on all) decides alike."""
     stepped = [p for p in leaves if p.grad is not None]
     grads, loss, metrics = average(reduce, [p.grad for p in stepped], None, loss, metrics)
     for p, g in zip(stepped, grads):

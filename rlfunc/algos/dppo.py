@@ -41,7 +41,7 @@ from rlfunc.losses.ppo import normalize_advantage
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, minibatch_epochs, partition,
                           unflatten)
-from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.amp import Precision, accumulate_gradients, loss_scale_of, precision, transform_step, with_loss_scale
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -187,8 +187,9 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
     first_step = K - K_ft
     clips = clip_schedule(K, config.clip_min, config.clip_max, config.clip_rate, device=device)[first_step:]
     sample_kw = dict(prediction=spec.prediction)
-    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False),
-                      partition({"actor": adam(config.actor_lr, eps=1e-5), "critic": adam(config.critic_lr, eps=1e-5)}))
+    optimizer = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False),
+                                      partition({"actor": adam(config.actor_lr, eps=1e-5), "critic": adam(config.critic_lr, eps=1e-5)})),
+                                precision(device, config.run.precision))
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
              encoder_params: TensorDict | None = None) -> TensorDict:
@@ -363,7 +364,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             for leaf in leaves:
                 leaf.grad = None
             loss, metrics = accumulate_gradients(lambda micro: loss_fn(params, state["schedule"], micro), mb,
-                                                 config.micro_batch_size, prec=prec)
+                                                 config.micro_batch_size, prec=prec, scale=loss_scale_of(opt["state"]))
             if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
                 _, metrics = data_parallel.average_grads_(reduce, leaves, loss, metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], params, prec)

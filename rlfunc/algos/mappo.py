@@ -49,7 +49,7 @@ from rlfunc.core import func
 from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
 from rlfunc.device import compile_step
-from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.errors import ConfigError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss

@@ -56,7 +56,7 @@ from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.device import compile_step
 from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, minibatch_epochs,
                           unflatten)
-from rlfunc.optim.amp import Precision, accumulate_gradients, transform_step
+from rlfunc.optim.amp import Precision, accumulate_gradients, loss_scale_of, transform_step, with_loss_scale
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
@@ -240,7 +240,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
       takes its share of it (m / W samples, micro-batched as configured) and backpropagates; one
       ``all_reduce_mean`` of the gradients, the loss and the metrics
       (:func:`~rlfunc.algos.data_parallel.average_grads_`) precedes the clip and Adam, so
-      ``target_kl`` and fp16's GradScaler (the averaged gradients' finiteness) decide alike on every
+      ``target_kl`` and fp16's loss scale (the averaged gradients' finiteness) decide alike on every
       rank. The compiled step is single-process (``--compile auto`` runs eager with W > 1). Metrics
       that are not means over the samples come back as the mean of the ranks' shares' values.
 
@@ -266,7 +266,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
     reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
     gather = (lambda td: td) if W == 1 else (lambda td: dist.all_gather_batch(td, dim=0))  # [N/W, ...] -> [N, ...]
     autocast = prec.autocast if prec is not None else (lambda: torch.autocast(device.type, enabled=False))
-    optimizer = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=config.adam_eps))
+    optimizer = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.lr, eps=config.adam_eps)), prec)
 
     def init() -> TensorDict:
         params = func.params_from_module(seeded_init(lambda: EncoderActorCritic(config, info), config.run.seed).to(device))
@@ -485,7 +485,8 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             mb = data_parallel.share(mb, rank, W)
             for leaf in leaves:
                 leaf.grad = None
-            total, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec)
+            total, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec,
+                                                  scale=loss_scale_of(opt["state"]))
             if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
                 _, metrics = data_parallel.average_grads_(reduce, leaves, total, metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], stepped, prec, lr=lr)

@@ -52,7 +52,7 @@ from rlfunc.errors import ConfigError
 from rlfunc.losses.sac import temperature_loss
 from rlfunc.losses.td3 import critic_loss, td3_actor_loss, td3_target
 from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, flatten, unflatten
-from rlfunc.optim.amp import Precision, backward, transform_step
+from rlfunc.optim.amp import Precision, backward, loss_scale_of, precision, transform_step, with_loss_scale
 from rlfunc.optim.leaves import chain_state, leaf_list, objective_step
 
 # --compile auto compiles a run of at least this many gradient steps (bench/compiled_diffusion_offpolicy.py,
@@ -147,9 +147,10 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
     E = config.num_critics
     target_entropy = -0.9 * chunk_dim if config.target_entropy is None else config.target_entropy
     critics_of = q_ensemble(actor.obs_dim, chunk_dim, config.critic_hidden, [config.run.seed + 1 + e for e in range(E)], device)
-    critic_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.critic_lr))
-    actor_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.actor_lr))
-    alpha_opt = chain(adam(config.alpha_lr))
+    prec_of_run = precision(device, config.run.precision)  # fp16: each chain in its own loss scale
+    critic_opt = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.critic_lr)), prec_of_run)
+    actor_opt = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.actor_lr)), prec_of_run)
+    alpha_opt = chain(adam(config.alpha_lr))  # its loss runs in float32, unscaled
     q_all = critics_of.values
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
@@ -193,7 +194,7 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
     def step_side(loss: Tensor, transform, opt: dict, key: str, params: TensorDict, prec: Precision | None) -> tuple[Tensor, bool]:
         for leaf in func.leaves(params):
             leaf.grad = None
-        backward(loss, prec)
+        backward(loss, prec, loss_scale_of(opt[key]))
         norm, ok, opt[key] = transform_step(transform, opt[key], params, prec)
         return norm, ok
 

@@ -37,7 +37,7 @@ from rlfunc.diffusion.ddpm import denoising_loss, sample_timesteps
 from rlfunc.errors import ConfigError
 from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss, smoothed_target_action, td3_target
 from rlfunc.optim import GradientTransform, adam, chain, clip_by_global_norm, flatten, unflatten
-from rlfunc.optim.amp import Precision, backward, transform_step
+from rlfunc.optim.amp import Precision, backward, loss_scale_of, precision, transform_step, with_loss_scale
 from rlfunc.optim.leaves import chain_state, leaf_list, objective_step
 
 # --compile auto compiles a run of at least this many gradient steps (bench/compiled_diffusion_offpolicy.py,
@@ -102,8 +102,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
     chunk_dim = spec.act_steps * act_dim
     E = config.num_critics
     critics_of = q_ensemble(obs_dim, chunk_dim, config.critic_hidden, [config.run.seed + 1 + e for e in range(E)], device)
-    critic_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.critic_lr))
-    actor_opt = chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.actor_lr))
+    prec_of_run = precision(device, config.run.precision)  # fp16: each chain in its own loss scale
+    critic_opt = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.critic_lr)), prec_of_run)
+    actor_opt = with_loss_scale(chain(clip_by_global_norm(config.max_grad_norm, stacked=False), adam(config.actor_lr)), prec_of_run)
     q_all = critics_of.values
 
     def init(actor_params: TensorDict | None = None, obs_stats: TensorDict | None = None,
@@ -143,7 +144,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         loss, metrics = critic_loss(q.float(), y)
         for leaf in func.leaves(params["critic"]):  # the actor's loss also reached the critic
             leaf.grad = None
-        backward(loss, prec)
+        backward(loss, prec, loss_scale_of(opt["optim_critic"]))
         norm, ok, opt["optim_critic"] = transform_step(critic_opt, opt["optim_critic"], params["critic"], prec)
         metrics["critic_grad_norm"] = norm
         metrics["skipped_critic"] = torch.tensor(float(not ok))
@@ -161,7 +162,7 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
         loss, metrics = diffusion_ql_actor_loss(q.float(), bc, q_coef=config.q_coef, bc_coef=config.bc_coef)
         for leaf in func.leaves(params["actor"]):
             leaf.grad = None
-        backward(loss, prec)
+        backward(loss, prec, loss_scale_of(opt["optim_actor"]))
         norm, ok, opt["optim_actor"] = transform_step(actor_opt, opt["optim_actor"], params["actor"], prec)
         metrics["actor_grad_norm"] = norm
         metrics["skipped_actor"] = torch.tensor(float(not ok))

@@ -5,9 +5,12 @@
 normalisation statistics and the diffusion step embedding stay float32; only the matmuls and convs
 inside ``autocast`` run in the reduced dtype.
 
-``step`` (a torch.optim optimizer) and ``transform_step`` (a gradient transform of :mod:`rlfunc.optim`,
-whose state the learner owns) take the step after it: unscaled first (fp16), skipped when the
-gradients are not finite.
+``step`` (a torch.optim optimizer, with ``torch.amp.GradScaler``) and ``transform_step`` (a gradient
+transform of :mod:`rlfunc.optim`, whose state the learner owns) take the step after it: unscaled first
+(fp16), skipped when the gradients are not finite. For a transform the fp16 loss scale is a link of the
+chain, :func:`dynamic_loss_scale` (:func:`with_loss_scale` adds it where the precision needs it): its
+scale and growth tracker are tensors of the learner state, so a snapshot holds them and a resumed fp16
+run scales as the uninterrupted one (a GradScaler object outside the state did not).
 
 ``accumulate_gradients`` splits a batch into micro-batches and backpropagates each one's loss scaled
 by its share of the batch, so the summed gradient equals that of the batch-mean loss computed in one
@@ -27,12 +30,15 @@ from torch import Tensor
 
 from rlfunc.device import autocast_dtype
 from rlfunc.errors import ConfigError
+from rlfunc.optim.base import GradientTransform, flatten, from_leaves, node, tree_leaves, unflatten
 
 PrecisionMode = Literal["off", "auto", "bf16", "fp16"]
 
 
 class Precision(NamedTuple):
-    """How the update runs: ``dtype`` None means full float32; ``scaler`` is set for fp16 only."""
+    """How the update runs: ``dtype`` None means full float32; ``scaler`` is set for fp16 only (the
+    GradScaler of the torch.optim path, :func:`step`; a transform chain keeps its scale in its state,
+    :func:`dynamic_loss_scale`)."""
 
     device: torch.device
     dtype: torch.dtype | None
@@ -43,6 +49,11 @@ class Precision(NamedTuple):
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the loss is scaled before backward (fp16)."""
+        return self.dtype == torch.float16
 
 
 def precision(device: torch.device, mode: PrecisionMode = "off") -> Precision:
@@ -71,6 +82,7 @@ def accumulate_gradients(
     *,
     prec: Precision | None = None,
     batch_dim: int = 0,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor, TensorDictBase]:
     """Backpropagate ``loss_fn`` over ``batch`` in micro-batches; gradients accumulate in ``.grad``.
 
@@ -83,6 +95,8 @@ def accumulate_gradients(
         batch: a TensorDict whose dim ``batch_dim`` is the sample dim (size N).
         micro_batch_size: samples per backward pass; None or >= N does one pass.
         prec: autocast/loss scaling policy (:func:`precision`); None is float32.
+        scale: the loss scale of a :func:`dynamic_loss_scale` link (``loss_scale_of(opt_state)``), 0-dim
+            float32; None: ``prec``'s GradScaler (fp16) or no scaling.
 
     Returns:
         (loss, metrics): the batch-mean loss (detached) and the batch-mean metrics.
@@ -101,17 +115,21 @@ def accumulate_gradients(
         with prec.autocast() if prec is not None else contextlib.nullcontext():
             loss, metrics = loss_fn(micro)
         scaled = loss.float() * weight
-        backward(scaled, prec)
+        backward(scaled, prec, scale)
         metrics = metrics.detach() * weight
         total_loss = scaled.detach() if total_loss is None else total_loss + scaled.detach()
         total_metrics = metrics if total_metrics is None else total_metrics + metrics
     return total_loss, total_metrics
 
 
-def backward(loss: Tensor, prec: Precision | None = None) -> None:
-    """``loss.backward()``, with the loss scaled first when ``prec`` has a GradScaler (fp16)."""
-    scaler = prec.scaler if prec is not None else None
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+def backward(loss: Tensor, prec: Precision | None = None, scale: Tensor | None = None) -> None:
+    """``loss.backward()``, with the loss multiplied by ``scale`` first (a :func:`dynamic_loss_scale`
+    link's, :func:`loss_scale_of`) or, without one, by ``prec``'s GradScaler's (fp16, the torch.optim path)."""
+    if scale is not None:
+        loss = loss * scale
+    elif prec is not None and prec.scaler is not None:
+        loss = prec.scaler.scale(loss)
+    loss.backward()
 
 
 def step(
@@ -138,35 +156,99 @@ def step(
     return norm, finite
 
 
-class _Leaves(torch.optim.Optimizer):
-    """``leaves`` as the torch.optim.Optimizer a GradScaler unscales and steps through: it holds no
-    state, and its ``step`` runs ``fn`` (the GradScaler calls it only when the gradients are finite)."""
+def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                       backoff_factor: float = 0.5, growth_interval: int = 2000) -> GradientTransform:
+    """fp16's dynamic loss scaling around ``inner`` (Micikevicius et al. 2018, "Mixed Precision
+    Training"; optax's ``apply_if_finite`` with jmp's ``DynamicLossScale``), with torch.amp.GradScaler's
+    defaults and arithmetic.
 
-    def __init__(self, leaves: Sequence[Tensor], fn: Callable[[], None]) -> None:
-        super().__init__(list(leaves), {})
-        self._fn = fn
+    The loss was multiplied by ``state["scale"]`` before backward (:func:`backward`). ``update``
+    multiplies the gradients by ``1 / scale`` (the reciprocal taken in float64, as GradScaler does); if
+    any is not finite the updates are zero, ``inner``'s state is kept and the scale is multiplied by
+    ``backoff_factor``; otherwise ``inner`` updates on the unscaled gradients (with their global norm as
+    ``grad_norm=``) and after ``growth_interval`` finite steps in a row the scale is multiplied by
+    ``growth_factor``. Deciding "finite" reads one value on the host, as GradScaler's step does.
 
-    def step(self, closure=None) -> None:
-        self._fn()
+    State: ``{"scale": 0-dim float32, "growth_tracker": 0-dim int32 (finite steps since the last
+    change), "grad_norm": 0-dim float32 (the last unscaled global norm, for metrics), "inner": inner's}``.
+
+    Raises:
+        ConfigError: ``init_scale`` or ``growth_factor`` not > 0 (resp. > 1), ``backoff_factor`` not in
+            (0, 1), ``growth_interval`` < 1.
+    """
+    if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+        raise ConfigError(f"dynamic_loss_scale(init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="
+                          f"{backoff_factor}, growth_interval={growth_interval}): expected > 0, > 1, in (0, 1) and >= 1")
+
+    def init(params: TensorDictBase) -> TensorDict:
+        device = params.device if params.device is not None else tree_leaves(params)[0].device
+        return TensorDict({
+            "scale": torch.full((), init_scale, dtype=torch.float32, device=device),
+            "growth_tracker": torch.zeros((), dtype=torch.int32, device=device),
+            "grad_norm": torch.zeros((), dtype=torch.float32, device=device),
+            "inner": inner.init(params),
+        }, batch_size=[], device=params.device)
+
+    def update_leaves(grads: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None,
+                      **extra):
+        extra.pop("grad_norm", None)  # of the scaled gradients: this link gives the unscaled one
+        inv_scale = state["scale"].double().reciprocal().float()
+        unscaled = torch._foreach_mul(grads, inv_scale)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unscaled]))
+        finite = bool(norm.isfinite())
+        if finite:
+            updates, inner_state = _update_leaves(inner, unscaled, treedef, state["inner"], params,
+                                                  grad_norm=norm.reshape(1), **extra)
+        else:
+            updates, inner_state = [torch.zeros_like(g) for g in grads], state["inner"]
+        scale, tracker = state["scale"].clone(), state["growth_tracker"].clone()
+        found_inf = torch.full((), 0.0 if finite else 1.0, dtype=torch.float32, device=scale.device)
+        torch._amp_update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+        return updates, node({"scale": scale, "growth_tracker": tracker, "grad_norm": norm.detach(), "inner": inner_state},
+                             state.device)
+
+    return from_leaves(init, update_leaves)
 
 
-def transform_step(transform, opt_state: TensorDictBase, params: TensorDictBase, prec: Precision | None = None,
-                   **extra) -> tuple[Tensor, bool, TensorDictBase]:
+def _update_leaves(transform: GradientTransform, grads, treedef, state, params, **extra):
+    if transform.update_leaves is not None:
+        return transform.update_leaves(grads, treedef, state, params, **extra)
+    updates, new_state = transform.update(unflatten(treedef, grads), state, params, **extra)
+    return flatten(updates)[0], new_state
+
+
+def with_loss_scale(transform: GradientTransform, prec: Precision | None) -> GradientTransform:
+    """``transform`` inside :func:`dynamic_loss_scale` when ``prec`` scales the loss (fp16), else itself."""
+    return dynamic_loss_scale(transform) if prec is not None and prec.loss_scaled else transform
+
+
+def loss_scale_of(opt_state: TensorDictBase) -> Tensor | None:
+    """The loss scale of a :func:`dynamic_loss_scale` state (0-dim), None for any other transform's state."""
+    return opt_state.get("scale") if "growth_tracker" in opt_state.keys() else None
+
+
+def transform_step(transform: GradientTransform, opt_state: TensorDictBase, params: TensorDictBase,
+                   prec: Precision | None = None, **extra) -> tuple[Tensor, bool, TensorDictBase]:
     """One step of the gradient transform ``transform`` (:class:`rlfunc.optim.GradientTransform`, e.g.
     ``chain(clip_by_global_norm(c, stacked=False), adam(lr))``) on the gradients :func:`accumulate_gradients`
-    left in the ``.grad`` of ``params``' leaves, applied to them in place; unscaled first (fp16) and
-    skipped when not finite, as :func:`step` does for a torch.optim optimizer (same arithmetic).
+    left in the ``.grad`` of ``params``' leaves, applied to them in place; skipped when not finite, as
+    :func:`step` does for a torch.optim optimizer (same arithmetic). Under fp16 ``transform`` is
+    :func:`dynamic_loss_scale`'s (:func:`with_loss_scale`), which unscales the gradients first.
 
     Args:
         opt_state: ``transform``'s state (``transform.init(params)``, part of the learner state).
         params: the leaves to step; those whose ``.grad`` is None are left out of the update.
-        prec: the precision policy whose GradScaler (fp16) scaled the loss; None is float32.
+        prec: the precision policy; None is float32.
         extra: the links' per-step arguments (``lr=``); ``grad_norm=`` is given here ([1], the norm
             below), so a clipping link does not compute it again.
 
     Returns:
         (the global L2 norm of the (unscaled) gradients before any clipping, 0-dim; whether the step was
-        taken; the transform's new state, ``opt_state`` itself when skipped).
+        taken; the transform's new state: ``opt_state`` itself when skipped, but for a loss scale's,
+        whose scale backs off then).
+
+    Raises:
+        ConfigError: ``prec`` scales the loss (fp16) and ``opt_state`` holds no loss scale.
     """
     from rlfunc.optim import apply_updates
 
@@ -174,24 +256,22 @@ def transform_step(transform, opt_state: TensorDictBase, params: TensorDictBase,
     leaves = [params.get(k) for k in keys]
     if not leaves:
         return torch.zeros(()), True, opt_state
-    scaler = prec.scaler if prec is not None else None
-    out = {"state": opt_state}
-
-    def apply() -> None:
-        grads = TensorDict({}, batch_size=[], device=params.device)
-        for key, leaf in zip(keys, leaves):
-            grads.set(key, leaf.grad)
-        updates, out["state"] = transform.update(grads, opt_state, params, grad_norm=norm.reshape(1), **extra)
-        apply_updates(params, updates)
-
-    holder = _Leaves(leaves, apply) if scaler is not None else None
-    if scaler is not None:
-        scaler.unscale_(holder)
+    grads = TensorDict({}, batch_size=[], device=params.device)
+    for key, leaf in zip(keys, leaves):
+        grads.set(key, leaf.grad)
+    if loss_scale_of(opt_state) is not None:  # the link unscales, decides and moves its scale
+        updates, new_state = transform.update(grads, opt_state, params, **extra)
+        norm = new_state["grad_norm"]
+        finite = bool(norm.isfinite())
+        if finite:
+            apply_updates(params, updates)
+        return norm, finite, new_state
+    if prec is not None and prec.loss_scaled:
+        raise ConfigError("transform_step: fp16 scales the loss, but the optimizer state holds no loss scale; "
+                          "expected the transform wrapped by rlfunc.optim.amp.with_loss_scale")
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in leaves]))
-    finite = bool(norm.isfinite())
-    if scaler is not None:
-        scaler.step(holder)  # runs apply() unless the unscale found inf/nan; lowers the scale then
-        scaler.update()
-    elif finite:
-        apply()
-    return norm, finite, out["state"]
+    if not bool(norm.isfinite()):
+        return norm, False, opt_state
+    updates, new_state = transform.update(grads, opt_state, params, grad_norm=norm.reshape(1), **extra)
+    apply_updates(params, updates)
+    return norm, True, new_state

@@ -63,7 +63,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.optim.amp import precision
+from rlfunc.optim.amp import loss_scale_of, precision
 from rlfunc.run.resume import (NO_SNAPSHOT, STATE_LAYOUT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot,
                            optim_from_layout_1, restore_buffer, restore_env_rng, set_generator_state)
 from rlfunc.run import Run, RunResult, resume_source, train
@@ -267,7 +267,7 @@ class DiffusionRun(Run):
     learner's optimizer states (``optim_keys``, update chains'), "env_rng": a torch env's generator
     state, **the run's carry}; meta: "algo", "config" (with the actor spec actually used),
     "actor_spec", "obs_dim", "act_dim", "env_info", "iteration", "step" = "env_steps" (bc: updates),
-    "grad_scaler" (None without fp16), "env_rng" (a gymnasium env's numpy state, or "torch"),
+    "env_rng" (a gymnasium env's numpy state, or "torch"),
     "state_layout" (2), and the carry's. A subclass sets ``info``, ``algo``, ``state``, ``optim_keys``
     (with :meth:`layout_1_order` or :meth:`optim_from_layout_1`), ``gen`` (the
     generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
@@ -327,11 +327,11 @@ class DiffusionRun(Run):
         tensors, carried_meta = self.carried()
         for key, value in tensors.items():
             snapshot[key] = value
-        info, scaler = self.info, self.prec.scaler
+        info = self.info
         meta = {"algo": self.name, "config": dataclasses.asdict(self.config), "actor_spec": dataclasses.asdict(self.config.actor),
                 "obs_dim": info.obs_dim, "act_dim": info.act_dim, "env_info": info.to_meta(),
                 "iteration": int(self.state["iteration"]), "step": self.steps(), "env_steps": self.steps(),
-                "grad_scaler": None if scaler is None else scaler.state_dict(), "state_layout": STATE_LAYOUT,
+                "state_layout": STATE_LAYOUT,
                 "world_size": self.world_size, **carried_meta}
         return snapshot, meta
 
@@ -370,8 +370,9 @@ class DiffusionRun(Run):
         renumber = lambda j: str(new_index[order[int(j)]]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
         torch_state = TensorDict({renumber(j): v for j, v in torch_state.items()}, batch_size=[])
         indices = sorted(int(j) for j in torch_state.keys() if j.isdigit())
-        return optim_from_layout_1(f"{where}: {key}", torch_state, self.state[key], stepped, indices=indices,
-                                   commit=LAYOUT_1_COMMIT)
+        like = self.state[key]  # under fp16 the chain's state is inside the loss scale's: the loop wraps it again
+        like = like["inner"] if loss_scale_of(like) is not None else like
+        return optim_from_layout_1(f"{where}: {key}", torch_state, like, stepped, indices=indices, commit=LAYOUT_1_COMMIT)
 
     def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
         """(the TensorDict the chain of ``state[key]`` steps, its leaves' keys in the parameter order of
@@ -390,8 +391,6 @@ class DiffusionRun(Run):
             self.state.exclude(*self.optim_keys).update_(loaded["learner"])
             for key in self.optim_keys:
                 self.state[key].update_(loaded[key])
-        if self.prec.scaler is not None and meta.get("grad_scaler"):
-            self.prec.scaler.load_state_dict(meta["grad_scaler"])
         set_generator_state(self.gen, self.state["rng"])
         if self.env is not None:
             restore_env_rng(self.env, loaded, self._point(meta))

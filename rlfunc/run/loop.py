@@ -37,7 +37,8 @@ from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
-from rlfunc.run.resume import NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, truncate_metrics
+from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir,
+                               has_loss_scale, truncate_metrics, with_loss_scales)
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
@@ -193,8 +194,10 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     if run.requires_format and meta.get("resume_format") != RESUME_FORMAT:
         raise CheckpointError(f"{name}: written before {meta.get('algo')} runs were resumable (no RNG / env state); "
                               "start a new run")
-    like = run.saved()[0].exclude(*run.variable)
-    check = like if layout == STATE_LAYOUT and not run.variable else None
+    fresh = run.saved()[0]
+    like = fresh.exclude(*run.variable)
+    scaled = has_loss_scale(fresh)  # fp16: a snapshot from before the loss scale was state holds bare optimizer states
+    check = like if layout == STATE_LAYOUT and not run.variable and not scaled else None
     if kind == "snapshot":
         loaded, meta = checkpoint.load_snapshot(where, device=device, like=check)
     else:
@@ -202,6 +205,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
         meta = manifest["meta"]
     if layout < STATE_LAYOUT:
         loaded = run.upgrade(loaded, meta, name)
+    if scaled:
+        loaded = with_loss_scales(loaded, fresh, meta.get("grad_scaler"))
     if check is None:
         checkpoint.check_learner(name, loaded.exclude(*run.variable), like)
     run.restore(loaded, meta)

@@ -186,6 +186,38 @@ def optim_from_layout_1(name: str, torch_state: TensorDict, like: TensorDict, pa
                               f"parameters ({e}); train anew, or resume it with rlfunc of commit {commit}") from e
 
 
+def _loss_scale_paths(td: TensorDict, path: tuple = ()) -> list[tuple]:
+    """The keys of ``td``'s nested :func:`rlfunc.optim.amp.dynamic_loss_scale` states (fp16 optimizers)."""
+    if {"scale", "growth_tracker", "inner"} <= set(td.keys()):
+        return [path]
+    return [p for k, v in td.items() if isinstance(v, TensorDict) for p in _loss_scale_paths(v, path + (k,))]
+
+
+def has_loss_scale(like: TensorDict) -> bool:
+    """Whether the run whose snapshot structure is ``like`` keeps an fp16 loss scale in its state."""
+    return bool(_loss_scale_paths(like))
+
+
+def with_loss_scales(loaded: TensorDict, like: TensorDict, grad_scaler: dict | None) -> TensorDict:
+    """``loaded`` with each optimizer state that ``like`` (the fresh run's snapshot structure) keeps
+    inside an fp16 loss scale (:func:`rlfunc.optim.amp.dynamic_loss_scale`) but ``loaded`` holds bare
+    wrapped in one. Such snapshots were written before the scale moved into the learner state: their
+    scale and growth tracker were a torch.amp.GradScaler's, saved as meta "grad_scaler" by the diffusion
+    runs (``grad_scaler``, taken over here) and not at all by ppo-encoder (the initial scale then, as
+    that code resumed with)."""
+    for path in _loss_scale_paths(like):
+        saved = loaded.get(path, None)
+        if not isinstance(saved, TensorDict) or "growth_tracker" in saved.keys():
+            continue
+        wrapped = like.get(path).clone()
+        wrapped["inner"] = saved.to(wrapped.device)
+        if grad_scaler:
+            wrapped["scale"].fill_(float(grad_scaler["scale"]))
+            wrapped["growth_tracker"].fill_(int(grad_scaler["_growth_tracker"]))
+        loaded.set(path, wrapped)
+    return loaded
+
+
 def learner_entries(state: TensorDict) -> dict[str, TensorDict]:
     """A snapshot's entries for a learner ``state`` that owns its optimizer: "learner" (all of it but
     "optim") and "optim" (the update chain's state), where these runs' snapshots always kept Adam's state."""

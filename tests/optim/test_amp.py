@@ -110,13 +110,13 @@ def test_transform_step_steps_as_torch_optim_adam_and_skips_as_it_does(mode):
     """transform_step with chain(clip, adam) moves the params as step() with torch.optim.Adam (the same
     loss scaling, clipping and Adam arithmetic), and a non-finite gradient leaves params and state be."""
     from rlfunc.optim import adam, chain, clip_by_global_norm
-    from rlfunc.optim.amp import transform_step
+    from rlfunc.optim.amp import loss_scale_of, transform_step, with_loss_scale
 
     ref_params, batch, ref_loss = _setup()
     params, _, loss_fn = _setup()
     ref_prec, prec = precision(torch.device("cpu"), mode), precision(torch.device("cpu"), mode)
     opt = torch.optim.Adam(func.leaves(ref_params), lr=1e-2, eps=1e-5, foreach=True)
-    update = chain(clip_by_global_norm(0.1, stacked=False), adam(1e-2, eps=1e-5))
+    update = with_loss_scale(chain(clip_by_global_norm(0.1, stacked=False), adam(1e-2, eps=1e-5)), prec)
     state = update.init(params)
     for _ in range(3):
         opt.zero_grad(set_to_none=True)
@@ -124,16 +124,63 @@ def test_transform_step_steps_as_torch_optim_adam_and_skips_as_it_does(mode):
         ref_norm, ref_ok = step(opt, func.leaves(ref_params), 0.1, ref_prec)
         for p in func.leaves(params):
             p.grad = None
-        accumulate_gradients(loss_fn, batch, 8, prec=prec)
+        accumulate_gradients(loss_fn, batch, 8, prec=prec, scale=loss_scale_of(state))
         norm, ok, state = transform_step(update, state, params, prec, lr=1e-2)
         assert ok == ref_ok and torch.equal(norm, ref_norm)
+        if prec.scaler is not None:  # the link's scale moves as the GradScaler's
+            assert float(loss_scale_of(state)) == ref_prec.scaler.get_scale()
     for a, b in zip(func.leaves(ref_params), func.leaves(params)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     func.leaves(params)[0].grad[0] = float("nan")
     before, moments = [p.detach().clone() for p in func.leaves(params)], state.clone()
     _, ok, after = transform_step(update, state, params, prec, lr=1e-2)
-    assert not ok and after is state
+    assert not ok
     assert all(torch.equal(a, p) for a, p in zip(before, func.leaves(params)))
-    assert all(torch.equal(a, b) for a, b in zip(moments.values(True, True), state.values(True, True)))
-    if prec.scaler is not None:
-        assert prec.scaler.get_scale() < ref_prec.scaler.get_scale()  # lowered after the inf, as torch's own path does
+    inner = (lambda s: s["inner"]) if prec.scaler is not None else (lambda s: s)
+    assert all(torch.equal(a, b) for a, b in zip(inner(moments).values(True, True), inner(after).values(True, True)))
+    if prec.scaler is None:
+        assert after is state
+    else:  # lowered after the inf, as torch's own path does
+        assert float(loss_scale_of(after)) == ref_prec.scaler.get_scale() / 2
+        assert int(after["growth_tracker"]) == 0
+
+
+def test_dynamic_loss_scale_moves_its_scale_as_grad_scaler_does_over_infs_and_growth():
+    """The fp16 loss-scale link against torch.amp.GradScaler (growth_interval 3), 10 steps with an inf
+    gradient at steps 2 and 6: the same scale and growth tracker after every step, the same params, and
+    the skipped steps move neither the params nor adam's moments."""
+    from rlfunc.optim import adam, chain, clip_by_global_norm
+    from rlfunc.optim.amp import dynamic_loss_scale, loss_scale_of, transform_step
+
+    ref_params, batch, ref_loss = _setup()
+    params, _, loss_fn = _setup()
+    ref_prec, prec = precision(torch.device("cpu"), "fp16"), precision(torch.device("cpu"), "fp16")
+    ref_prec.scaler._growth_interval = 3
+    opt = torch.optim.Adam(func.leaves(ref_params), lr=1e-2, eps=1e-5, foreach=True)
+    update = dynamic_loss_scale(chain(clip_by_global_norm(0.1, stacked=False), adam(1e-2, eps=1e-5)), growth_interval=3)
+    state = update.init(params)
+    assert float(loss_scale_of(state)) == 2.0**16 and state["growth_tracker"].dtype == torch.int32
+    scales = []
+    for i in range(10):
+        opt.zero_grad(set_to_none=True)
+        accumulate_gradients(ref_loss, batch, None, prec=ref_prec)
+        for p in func.leaves(params):
+            p.grad = None
+        accumulate_gradients(loss_fn, batch, None, prec=prec, scale=loss_scale_of(state))
+        if i in (2, 6):
+            func.leaves(ref_params)[1].grad[0] = float("inf")
+            func.leaves(params)[1].grad[0] = float("inf")
+        moments = state["inner"].clone()
+        _, ref_ok = step(opt, func.leaves(ref_params), 0.1, ref_prec)
+        _, ok, state = transform_step(update, state, params, prec, lr=1e-2)
+        assert ok == ref_ok == (i not in (2, 6))
+        if not ok:
+            assert all(torch.equal(a, b) for a, b in zip(moments.values(True, True), state["inner"].values(True, True)))
+        assert float(loss_scale_of(state)) == ref_prec.scaler.get_scale()
+        assert int(state["growth_tracker"]) == int(ref_prec.scaler._growth_tracker)
+        scales.append(float(loss_scale_of(state)))
+    assert scales == [2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**16]
+    for a, b in zip(func.leaves(ref_params), func.leaves(params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ConfigError, match="backoff_factor"):
+        dynamic_loss_scale(adam(1e-2), backoff_factor=1.5)

@@ -368,3 +368,29 @@ def test_a_dppo_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_lin
     assert main(["resume", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "state layout 1" in err[0] and "8a7709f" in err[0] and "optim_all" in err[0]
+
+
+def test_bc_under_fp16_resumes_exactly_with_its_loss_scale_and_from_a_grad_scaler_snapshot(tmp_path):
+    """fp16: the loss scale is optimizer state (rlfunc.optim.amp.dynamic_loss_scale), so 5 updates, stop,
+    resume to 10 equals 10 in one go, growth tracker included (10 finite steps); a snapshot in the layout
+    written before (the optimizer state bare, the GradScaler's scale and tracker in meta "grad_scaler")
+    resumes to the same run. (ppo-encoder's test covers a scale that backed off.)"""
+    whole = td.train_bc(_bc(precision="fp16"), tmp_path / "whole", **QUIET)
+    first = td.train_bc(_bc(precision="fp16", num_updates=5), tmp_path / "split", **QUIET)
+    scale, tracker = float(first.state["optim_actor", "scale"]), int(first.state["optim_actor", "growth_tracker"])
+    assert (scale, tracker) == (2.0**16, 5) and int(whole.state["optim_actor", "growth_tracker"]) == 10
+    shutil.copytree(tmp_path / "split", tmp_path / "old")
+    resumed = td.resume_diffusion(tmp_path / "split", 10, **QUIET)
+    for key in whole.state.keys(include_nested=True, leaves_only=True):
+        assert torch.equal(whole.state[key], resumed.state[key]), key
+    # the old layout: no loss-scale link in the state, torch.amp.GradScaler's state_dict in meta
+    snap = checkpoint.latest_snapshot(tmp_path / "old")
+    tensors, meta = checkpoint.load_snapshot(snap)
+    tensors["optim_actor"] = tensors["optim_actor", "inner"]
+    meta["grad_scaler"] = {"scale": scale, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                           "_growth_tracker": tracker}
+    shutil.rmtree(snap)
+    checkpoint.save_snapshot(snap, tensors, meta)
+    from_old = td.resume_diffusion(tmp_path / "old", 10, **QUIET)
+    for key in whole.state.keys(include_nested=True, leaves_only=True):
+        assert torch.equal(whole.state[key], from_old.state[key]), key

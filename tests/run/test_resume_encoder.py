@@ -193,3 +193,24 @@ def test_a_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "state layout 1" in err[0] and "aaf3139" in err[0]
     assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_resume_under_fp16_is_exact_after_the_loss_scale_backed_off(tmp_path):
+    """fp16's loss scale is optimizer state (rlfunc.optim.amp.dynamic_loss_scale): a crash and resume after
+    it backed off continue with the backed-off scale (a GradScaler outside the state restarted at 2^16)."""
+    from rlfunc.run.ppo_encoder import train_ppo_encoder
+
+    full = _train(tmp_path / "full", 4, checkpoint_every=2, precision="fp16")
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / f"step_{32:012d}")
+    saved, _ = _tensors(part)
+    assert float(saved["optim.scale"]) < 2.0**16  # an fp16 gradient overflowed in the first 2 iterations
+    resumed = train_ppo_encoder(None, part, resume=True, evaluate_at_end=False, **QUIET)
+    a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert _metrics(part) == _metrics(tmp_path / "full")
+    (sa, _), (sb, _) = _tensors(tmp_path / "full"), _tensors(part)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)  # the loss scale included

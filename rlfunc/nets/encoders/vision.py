@@ -27,8 +27,8 @@ from rlfunc.errors import CheckpointError, ShapeError
 from rlfunc.nets.encoders._checks import _check_int, _check_widths
 from rlfunc.nets.encoders.attention import QueryPool, _no_autocast
 
-if TYPE_CHECKING:  # annotation only; fusion imports this module, not the other way round
-    from rlfunc.nets.encoders.fusion import EncoderConfig
+if TYPE_CHECKING:  # annotation only
+    from rlfunc.nets.encoders.config import EncoderConfig
 
 __all__ = ["AttentionPool2d", "BasicBlockGN", "ResNetGN", "VisionEncoder", "preprocess_images", "sincos_2d"]
 
