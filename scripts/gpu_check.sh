@@ -70,6 +70,23 @@ for t in traces[:1]:
     with open(t, "rb") as f, gzip.open(f"{out}/trace.json.gz", "wb") as g:
         shutil.copyfileobj(f, g)
 EOF
+  # fp16 on the device: the loss scale is learner state, so 200 bc updates + resume to 400 == 400 in one go
+  timeout 120 $PY - $R $DEV <<'EOF' > "$OUT/fp16_resume.log" 2>&1
+import sys, torch
+import rlfunc.run.diffusion as td
+from rlfunc.algos.bc import BCConfig
+from rlfunc.algos.diffusion_actor import ActorSpec
+from rlfunc.config import replace
+r, dev = sys.argv[1], sys.argv[2]
+cfg = lambda n: replace(BCConfig(), actor=ActorSpec(hidden=(256, 256)), num_demos=32, num_updates=n, batch_size=256, log_every=50,
+                        checkpoint_every=0, eval_episodes=4, device=dev, precision="fp16")
+whole = td.train_bc(cfg(400), f"{r}/fp16_whole", progress=False, tensorboard=False)
+td.train_bc(cfg(200), f"{r}/fp16_split", progress=False, tensorboard=False)
+resumed = td.resume_diffusion(f"{r}/fp16_split", 400, progress=False, tensorboard=False)
+same = all(torch.equal(whole.state[k], resumed.state[k]) for k in whole.state.keys(True, True))
+print({"fp16_resume_exact": same, "scale": float(whole.state["optim_actor", "scale"]),
+       "growth_tracker": int(whole.state["optim_actor", "growth_tracker"])})
+EOF
 ) &
 BG=$!
 # C, in the background on the host's idle cores: DPPO's compiled step on the CPU (issue 18's CPU target)
@@ -90,4 +107,4 @@ for mode in off on; do
   last sac_pendulum_compile_$mode $R/sac_$mode | tee -a "$OUT/results.jsonl"
 done
 wait $BG ${CPUJOB:-}
-cat "$OUT/results.jsonl"; tail -n 3 "$OUT/nccl1.log" "$OUT/nccl2.log"; tail -n 4 "$OUT/prof.log"; grep -v "^$" "$OUT/compiled_dppo_cpu.txt" | tail -n 4
+cat "$OUT/results.jsonl"; tail -n 3 "$OUT/nccl1.log" "$OUT/nccl2.log"; tail -n 4 "$OUT/prof.log"; tail -n 2 "$OUT/fp16_resume.log"; grep -v "^$" "$OUT/compiled_dppo_cpu.txt" | tail -n 4

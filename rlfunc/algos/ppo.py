@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -368,13 +368,14 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         norms = apply_grads(leaves, treedef, adam_state, grads, loss, lr, allowed)
         return loss, metrics, norms
 
+    # a freeze mask changes the set of stepped leaves between iterations, which the compiled step fixes
     compiled = config.run.compile != "off" and transform is None and not config.adaptive_clip \
-        and not config.prioritized_minibatches
+        and not config.prioritized_minibatches and config.freeze_threshold == 0
     if config.run.compile == "auto":  # on where the run is long enough to pay for compiling (bench/compiled_update.py)
         compiled = compiled and config.num_iterations * config.num_epochs * (config.batch_size // config.minibatch_size) >= AUTO_COMPILE_STEPS
     if config.run.compile == "on" and not compiled:
         raise ConfigError("run.compile='on': ppo compiles its plain gradient step only; expected no step transform, "
-                          "adaptive_clip or prioritized_minibatches with it (or --compile off)")
+                          "adaptive_clip, prioritized_minibatches or freeze_threshold with it (or --compile off)")
     compiled_step = compiled_grads = compiled_apply = None
     if compiled and W == 1:
         compiled_step = compile_step(grad_step, device, config.run.compile, "ppo", static_args=(0, 2))
@@ -504,11 +505,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     def sample_value(params: TensorDict, observation: Tensor) -> Tensor:
         return sequential_apply(net.critic, params["critic"], observation[None]).sum()
 
-    def minibatch_priorities(params: TensorDict, flat: TensorDict, log_prob_grads: TensorDict) -> tuple[Tensor, Tensor]:
+    def minibatch_priorities(params: TensorDict, flat: TensorDict, log_prob_grads: TensorDict,
+                             frozen: Collection[str] = ()) -> tuple[Tensor, Tensor]:
         """(p [S, B], importance weights [S, B]) from m_i, the norm of sample i's loss gradient at the
         start of the update (ratio 1): sqrt(A_i^2 |d log pi_i|^2 + (c_v (V_i - V_target_i))^2 |d V_i|^2),
         A the batch-normalised advantage (actor and critic share no parameter; entropy left out)."""
-        value_grads = shaped.stacked_per_sample_grads(sample_value, params, flat["observation"], device=device, use_loop=use_loop)
+        value_grads = shaped.stacked_per_sample_grads(sample_value, params, flat["observation"], device=device, use_loop=use_loop,
+                                                      frozen=frozen)
         sq = lambda td: sum(g.square().flatten(2).sum(-1) for g in td.values())  # noqa: E731  [S, B]
         adv = flat["advantage"].squeeze(-1)
         if config.normalize_advantages:
@@ -603,14 +606,17 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             new["obs_stats"] = update_stats(obs_stats, raw)
         return flat, TensorDict(new, batch_size=[]), finite
 
-    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator]) -> tuple[TensorDict, TensorDict]:
+    def iteration(state: TensorDict, batch: TensorDict, generators: list[torch.Generator],
+                  frozen: Collection[int] = ()) -> tuple[TensorDict, TensorDict]:
         """One PPO update on ``batch`` ([S, N, T] TorchRL keys) at the learning rate
         ``linear_lr(lr, state["iteration"], num_iterations, anneal_lr)``. Returns the new state and
         per-seed metrics [S].
 
         The parameters and Adam's moments are stepped in place (``state`` and the new state share
-        them, as with torch.optim); leaves with ``requires_grad`` off (rlfunc.run.ppo's freeze) are left out
-        of the gradients, so neither they nor their moments or step counts move. A seed whose data,
+        them, as with torch.optim). ``frozen`` (a freeze mask: indices into ``func.leaves(params)``,
+        rlfunc.run.ppo's freeze tracker) leaves those leaves out of the gradients and of the update
+        chain, so neither they nor their moments or step counts move (the chain's links step only the
+        leaves they are given, optax's ``masked``). A seed whose data,
         loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
         adam's ``mask``: its parameters and moments stay bit for bit."""
         flat, new_stats, finite = prepare(state, batch)
@@ -626,7 +632,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         data_ok = finite.all(0)  # [S]
         params = state["params"]
         keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)  # func.leaves order
-        trainable = [k for k in keys if params.get(k).requires_grad]  # frozen leaves (rlfunc.run.ppo) are left out
+        frozen_keys = {keys[k] for k in frozen}
+        trainable = [k for k in keys if k not in frozen_keys]
+        frozen_names = {shaped.flat_name(k) for k in frozen_keys}
         leaves = [params.get(k) for k in trainable]
         flat_leaves, treedef = flatten(params if len(trainable) == len(keys) else params.select(*trainable))
         if any(a is not b for a, b in zip(flat_leaves, leaves)):  # both are func.leaves' order
@@ -647,14 +655,14 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         active = torch.ones(S, dtype=torch.bool, device=device)  # seeds still updating (target_kl)
         # gradient shaping (rlfunc.algos.shaped; all off by default)
         clip_epsilon = shaped.clip_epsilon(config, config.clip_epsilon, state["iteration"])
-        shaping_state, names, probs = state.get("shaping", None), shaped.trainable(params)[0], None
+        shaping_state, names, probs = state.get("shaping", None), shaped.trainable(params, frozen_names)[0], None
         if config.adaptive_clip or config.prioritized_minibatches:
             log_prob_grads = shaped.stacked_per_sample_grads(
-                sample_log_prob, params, flat["observation"], flat["action"], device=device, use_loop=use_loop
+                sample_log_prob, params, flat["observation"], flat["action"], device=device, use_loop=use_loop, frozen=frozen_names
             )
-            shaping_state = shaped.begin_update(config, shaping_state, params, log_prob_grads, clip_epsilon)
+            shaping_state = shaped.begin_update(config, shaping_state, params, log_prob_grads, clip_epsilon, frozen_names)
             if config.prioritized_minibatches:
-                probs, weights = minibatch_priorities(params, flat, log_prob_grads)
+                probs, weights = minibatch_priorities(params, flat, log_prob_grads, frozen_names)
         loss_fn = vmap(member_loss, in_dims=(0, 0, None)) if config.adaptive_clip else vmap(member_loss)
         loss_args = (clip_epsilon,) if config.adaptive_clip else ()
         for _ in range(config.num_epochs):

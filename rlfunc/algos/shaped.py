@@ -23,7 +23,7 @@ state) and ``"step"`` (0-dim int64, gradient steps taken), so checkpoints and re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -59,14 +59,20 @@ def make_transform(config) -> shaping.GradientTransformation | None:
     return shaping.chain(*parts) if parts else None
 
 
-def trainable(params: TensorDictBase) -> tuple[list[str], list[Tensor]]:
-    """Flat names ("actor/0/weight") and tensors of ``params``' trainable leaves, in ``func.leaves`` order."""
+def flat_name(key: str | tuple[str, ...]) -> str:
+    """A parameter key as the transforms' flat name: ("actor", "0", "weight") -> "actor/0/weight"."""
+    return shaping.SEP.join(key) if isinstance(key, tuple) else key
+
+
+def trainable(params: TensorDictBase, frozen: Collection[str] = ()) -> tuple[list[str], list[Tensor]]:
+    """Flat names ("actor/0/weight") and tensors of ``params``' trainable leaves (requiring grad, not
+    named in ``frozen``: a freeze mask, :mod:`rlfunc.run.ppo`), in ``func.leaves`` order."""
     keys = sorted(params.keys(include_nested=True, leaves_only=True), key=str)
     names, leaves = [], []
     for k in keys:
-        t = params.get(k)
-        if t.requires_grad:
-            names.append(shaping.SEP.join(k) if isinstance(k, tuple) else k)
+        t, name = params.get(k), flat_name(k)
+        if t.requires_grad and name not in frozen:
+            names.append(name)
             leaves.append(t)
     return names, leaves
 
@@ -88,13 +94,13 @@ def clip_epsilon(config, base: float, iteration: Tensor | int) -> float:
 
 
 def begin_update(config, shaping_state: TensorDictBase, params: TensorDictBase, log_prob_grads: TensorDictBase | None,
-                 epsilon: float) -> TensorDict:
+                 epsilon: float, frozen: Collection[str] = ()) -> TensorDict:
     """At the start of a policy update: re-anchor the trust region at ``params`` with radii
     ``trust_radius_scale * epsilon / (L s_l)`` from the per-sample log-likelihood gradients ``log_prob_grads``
-    (flat keys, ``[S, N, *shape]``). Other transforms' states are carried over."""
+    (flat keys, ``[S, N, *shape]``) of the leaves not ``frozen``. Other transforms' states are carried over."""
     if not config.adaptive_clip:
         return shaping_state
-    names, leaves = trainable(params)
+    names, leaves = trainable(params, frozen)
     flat = TensorDict({n: t.detach() for n, t in zip(names, leaves)}, batch_size=[])
     radius = shaping.layer_radius(shaping.layer_sensitivity(log_prob_grads, member_dims=1), epsilon * config.trust_radius_scale)
     out = shaping_state.clone(recurse=False)
@@ -106,10 +112,10 @@ def begin_update(config, shaping_state: TensorDictBase, params: TensorDictBase, 
 
 
 def stacked_per_sample_grads(fn: Callable[..., Tensor], params: TensorDictBase, *inputs: Tensor, device=None,
-                             use_loop: bool | None = None) -> TensorDict:
+                             use_loop: bool | None = None, frozen: Collection[str] = ()) -> TensorDict:
     """:func:`rlfunc.optim.shaping.per_sample_grads` for each seed s of ``params`` [S, ...] on ``inputs[i][s]``
-    ``[S, N, ...]``, over the trainable leaves only: flat keys, ``[S, N, *shape]``."""
-    names, _ = trainable(params)
+    ``[S, N, ...]``, over the trainable leaves only (:func:`trainable`): flat keys, ``[S, N, *shape]``."""
+    names, _ = trainable(params, frozen)
     per_seed = []
     for s in range(params.batch_size[0] if params.batch_size else next(iter(params.values(True, True))).shape[0]):
         member = params[s] if params.batch_size else params.apply(lambda t, s=s: t[s])
@@ -123,7 +129,7 @@ def gradients(loss: Tensor, leaves: Sequence[Tensor], with_curvature: bool):
     the gradients (``create_graph=True``) for a Hessian-vector product. Returns the gradient list
     (graph-carrying when asked)."""
     if not with_curvature:
-        loss.backward()
+        loss.backward(inputs=list(leaves))  # no gradient for the other leaves (frozen ones)
         return [p.grad for p in leaves]
     grads = torch.autograd.grad(loss, list(leaves), create_graph=True, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]

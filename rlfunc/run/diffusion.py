@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -549,6 +550,9 @@ class ReplayDiffusionRun(DiffusionRun):
         self.optim_keys = self.algo.optim_keys
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
         self.total = config.num_iterations()
+        if config.num_updates() == 0:
+            warnings.warn(f"{name}: warmup_steps={config.warmup_steps} covers the whole budget (total_steps={config.total_steps}), so the "
+                          "run takes no gradient step; lower --warmup-steps or raise --total-steps", stacklevel=2)
 
     def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
         """Each side's torch.optim.Adam held its leaves in func.leaves order, the chain's own."""

@@ -151,6 +151,9 @@ class OffPolicyRun(Run):
         data_parallel.check_divides(self.world_size, num_envs=config.num_envs, batch_size=config.batch_size)
         self.local_envs = config.num_envs // self.world_size  # this rank's envs: rank * local_envs ...
         self.total = config.num_iterations()
+        if config.learning_starts >= self.total * config.num_envs * config.num_steps:
+            warnings.warn(f"{name}: learning_starts={config.learning_starts} covers the whole budget (total_steps={config.total_steps}), "
+                          "so the run takes no gradient step; lower --learning-starts or raise --total-steps", stacklevel=2)
         self.venv = collect.make_vec_env(config.env, self.local_envs, workers=config.run.env_workers)
         try:
             if config.run.torch_threads:

@@ -289,14 +289,8 @@ class PPORun(Run):
             batch = batch.reshape(S, N, T)
         t1 = time.perf_counter()
         frozen = [] if self.freeze is None else [k for k, u in enumerate(self.freeze["frozen_until"].tolist()) if u > it]
-        for k in frozen:
-            self.leaves[k].requires_grad_(False)
-        try:
-            with span("update"):
-                self.state, metrics = self.algo.iteration(self.state, batch, gens)
-        finally:
-            for k in frozen:
-                self.leaves[k].requires_grad_(True)
+        with span("update"):
+            self.state, metrics = self.algo.iteration(self.state, batch, gens, frozen=frozen)
         t2 = time.perf_counter()
         if self.freeze is not None:
             frozen_numel = sum(self.leaves[k].numel() for k in frozen)

@@ -394,3 +394,11 @@ def test_bc_under_fp16_resumes_exactly_with_its_loss_scale_and_from_a_grad_scale
     from_old = td.resume_diffusion(tmp_path / "old", 10, **QUIET)
     for key in whole.state.keys(include_nested=True, leaves_only=True):
         assert torch.equal(whole.state[key], from_old.state[key]), key
+
+
+def test_a_replay_run_whose_warmup_covers_its_budget_warns_that_it_takes_no_gradient_step(tmp_path):
+    """td3-diffusion's default warmup (5,000 env steps) is longer than a tiny run: said, not silent."""
+    with pytest.warns(UserWarning, match="no gradient step"):
+        result = td.train_td3_diffusion(_td3(warmup_steps=5_000, total_steps=6 * 80, checkpoint_every=0), tmp_path / "r", **QUIET)
+    steps = result.state["optim_critic", "1", "step"].values(True, True)
+    assert all(int(s.max()) == 0 for s in steps)  # Adam never stepped

@@ -20,7 +20,7 @@ from tensordict import TensorDict
 from rlfunc.algos.ppo import preset
 from rlfunc.cli import commands as cli
 from rlfunc.core import func
-from rlfunc.errors import CheckpointError
+from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import versions
 from rlfunc.run.ppo import init_freeze, train, update_freeze
 
@@ -395,3 +395,22 @@ def test_freeze_mode_skips_updates_of_frozen_leaves_and_resumes_exactly(tmp_path
     resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
     for key, value in _leaves(full.state).items():
         assert torch.equal(value, resumed.state.get(key)), key
+
+
+def test_freeze_mode_runs_eager_under_compile_auto_and_is_refused_under_compile_on(tmp_path, monkeypatch):
+    """A freeze mask changes the stepped leaves between iterations, which a compiled step fixes: with
+    --compile on the run is refused in one line; under auto a run long enough to compile runs eager (it
+    crashed inside dynamo with "key 'weight' not found" before), and every leaf keeps requires_grad (the
+    mask is an argument of the update, not a flag set on the leaves)."""
+    import rlfunc.algos.ppo as ppo_algo
+
+    with pytest.raises(ConfigError, match="freeze_threshold"):
+        train(preset("Pendulum-v1", total_steps=2 * 128, freeze_threshold=10.0, compile="on", **TINY), tmp_path / "on",
+              progress=False, tensorboard=False)
+    monkeypatch.setattr(ppo_algo, "AUTO_COMPILE_STEPS", 1)  # auto compiles any run now
+    config = preset("Pendulum-v1", total_steps=3 * 128, freeze_threshold=10.0, freeze_window=1, compile="auto", **TINY)
+    result = train(config, tmp_path / "auto", progress=False, tensorboard=False)
+    records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["frozen_leaves"] == 0 and all(r["frozen_leaves"] >= 6 for r in records[1:])
+    assert "compile_s" not in records[0]
+    assert all(p.requires_grad for p in func.leaves(result.state["params"]))
