@@ -660,7 +660,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             log_prob_grads = shaped.stacked_per_sample_grads(
                 sample_log_prob, params, flat["observation"], flat["action"], device=device, use_loop=use_loop, frozen=frozen_names
             )
-            shaping_state = shaped.begin_update(config, shaping_state, params, log_prob_grads, clip_epsilon, frozen_names)
+            shaping_state = shaped.begin_update(config, shaping_state, params, log_prob_grads, clip_epsilon)
             if config.prioritized_minibatches:
                 probs, weights = minibatch_priorities(params, flat, log_prob_grads, frozen_names)
         loss_fn = vmap(member_loss, in_dims=(0, 0, None)) if config.adaptive_clip else vmap(member_loss)

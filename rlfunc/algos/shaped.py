@@ -94,13 +94,15 @@ def clip_epsilon(config, base: float, iteration: Tensor | int) -> float:
 
 
 def begin_update(config, shaping_state: TensorDictBase, params: TensorDictBase, log_prob_grads: TensorDictBase | None,
-                 epsilon: float, frozen: Collection[str] = ()) -> TensorDict:
+                 epsilon: float) -> TensorDict:
     """At the start of a policy update: re-anchor the trust region at ``params`` with radii
     ``trust_radius_scale * epsilon / (L s_l)`` from the per-sample log-likelihood gradients ``log_prob_grads``
-    (flat keys, ``[S, N, *shape]``) of the leaves not ``frozen``. Other transforms' states are carried over."""
+    (flat keys, ``[S, N, *shape]``). Every leaf is anchored, so the state keeps its structure; a leaf
+    without gradients there (a frozen one, which does not move) gets no bound. Other transforms' states
+    are carried over."""
     if not config.adaptive_clip:
         return shaping_state
-    names, leaves = trainable(params, frozen)
+    names, leaves = trainable(params)
     flat = TensorDict({n: t.detach() for n, t in zip(names, leaves)}, batch_size=[])
     radius = shaping.layer_radius(shaping.layer_sensitivity(log_prob_grads, member_dims=1), epsilon * config.trust_radius_scale)
     out = shaping_state.clone(recurse=False)

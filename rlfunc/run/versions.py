@@ -81,10 +81,11 @@ _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 def tensor_hash(t: torch.Tensor) -> str:
     """sha256 (hex) of ``dtype | shape | raw bytes`` of a CPU tensor: its blob name."""
-    t = t.detach().to("cpu").contiguous()
+    t = t.detach().to("cpu")
     h = hashlib.sha256(f"{_dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if t.numel():  # a fresh dense copy: a one-element slice is "contiguous" with any stride, which view() refuses
+        flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+        h.update(flat.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -79,6 +79,11 @@ def test_unchanged_tensors_are_written_once(tmp_path):
     # the hash covers dtype and shape: same bytes, other dtype/shape -> other blob
     assert versions.tensor_hash(torch.zeros(2, dtype=torch.int32)) != versions.tensor_hash(torch.zeros(2, dtype=torch.float32))
     assert versions.tensor_hash(torch.zeros(2, 3)) != versions.tensor_hash(torch.zeros(3, 2))
+    # a one-element slice of a wider tensor: "contiguous" with stride 13 (oscillation damping's per-seed state
+    # of one seed), which crashed the hash ("stride(-1) must be 1 to view Float as Byte")
+    strided = torch.arange(13.0).reshape(1, 13)[:, 4]
+    assert strided.is_contiguous() and strided.stride() == (13,)
+    assert versions.tensor_hash(strided) == versions.tensor_hash(torch.tensor([4.0]))
     state, manifest = versions.load_version(tmp_path, "v000004")
     assert torch.equal(state["learner", "params", "w"], torch.tensor([3.0, 5.0])) and manifest["parent"] == "v000003"
 
@@ -414,3 +419,17 @@ def test_freeze_mode_runs_eager_under_compile_auto_and_is_refused_under_compile_
     assert records[0]["frozen_leaves"] == 0 and all(r["frozen_leaves"] >= 6 for r in records[1:])
     assert "compile_s" not in records[0]
     assert all(p.requires_grad for p in func.leaves(result.state["params"]))
+
+
+def test_freeze_with_the_adaptive_clip_keeps_the_snapshot_structure_and_resumes_exactly(tmp_path):
+    """The trust region re-anchored every update over the unfrozen leaves only, so a run with frozen
+    leaves saved a shaping state that no fresh run has: eval, resume and the final evaluation refused
+    it ("key 'learner.shaping.transform.0.actor/0/weight.anchor' ... not in the snapshot")."""
+    config = preset("Pendulum-v1", total_steps=4 * 128, freeze_threshold=10.0, freeze_window=2, adaptive_clip=True, **TINY)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["frozen_leaves"] > 0
+    train(config, tmp_path / "part", max_iterations=3, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    for key, value in _leaves(full.state).items():
+        assert torch.equal(value, resumed.state.get(key)), key
