@@ -36,7 +36,7 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda | npu (rlfunc.device)
     torch_threads: int = 1  # intra-op CPU threads (0: torch's default); small nets run best on 1
     vmap: Literal["auto", "vmap", "loop"] = "auto"  # how seeds are mapped (loop on npu; ppo, grpo)
-    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.optim.amp; bc, dppo, td3-diffusion, ppo-encoder)
+    precision: Literal["off", "auto", "bf16", "fp16"] = "off"  # autocast of the networks (rlfunc.optim.amp; bc, dppo, td3-diffusion, sac-diffusion, ppo-encoder; fp16 scales the loss)
     checkpoint_every: int = 10  # iterations between snapshots in RUN_DIR/checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # snapshots kept in RUN_DIR/checkpoints (0: all)
     version_every: int = 0  # iterations between versions in RUN_DIR/versions (0: off); see rlfunc.run.versions

@@ -132,3 +132,18 @@ def test_the_flat_configs_of_the_layout_1_fixtures_load(fixture):
     assert config.run.seed == meta["config"]["seed"] and config.run.device == meta["config"]["device"]
     nested = json.loads(json.dumps({**meta, "config": dataclasses.asdict(config)}))
     assert registry.config_from_meta(nested, snap) == config
+
+
+@pytest.mark.parametrize("cls, change, field", [
+    (PPOConfig, dict(entropy_coef=float("nan")), "entropy_coef"),  # accepted before: every loss nan, every step skipped
+    (PPOConfig, dict(value_coef=float("inf")), "value_coef"),
+    (PPOConfig, dict(lr=float("inf")), "lr"),
+    (PPOConfig, dict(hidden=()), "hidden"),  # `--hidden` with no value: an IndexError deep in the net before
+    (PPOEncoderConfig, dict(entropy_coef=float("nan")), "entropy_coef"),
+    (PPOEncoderConfig, dict(hidden=()), "hidden"),
+    (MAPPOConfig, dict(value_coef=float("inf")), "value_coef"),
+    (DPPOConfig, dict(value_coef=float("nan")), "value_coef"),
+])
+def test_non_finite_coefficients_and_empty_layers_are_refused_naming_the_field(cls, change, field):
+    with pytest.raises(ConfigError, match=field):
+        replace(cls(), **change)

@@ -92,7 +92,7 @@ class DPPOConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
-        if self.value_coef < 0 or any(h < 1 for h in self.critic_hidden):
+        if not 0 <= self.value_coef < math.inf or any(h < 1 for h in self.critic_hidden):
             raise ConfigError(f"value_coef={self.value_coef}, critic_hidden={self.critic_hidden}: expected >= 0 and positive widths")
         for name in ("gamma", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:

@@ -35,6 +35,7 @@ Tasks" (parameter sharing, the RWARE tasks); Shao et al. (2024) (GRPO); Zheng et
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -121,7 +122,7 @@ class MAPPOConfig:
         self.check_data_parallel()  # before torchrun starts the ranks
         if not (0 <= self.gamma <= 1 and 0 <= self.lmbda <= 1):
             raise ConfigError(f"gamma={self.gamma}, lmbda={self.lmbda}: expected values in [0, 1]")
-        if not self.lr > 0 or self.entropy_coef < 0 or self.value_coef < 0 or not self.max_grad_norm > 0:
+        if not self.lr > 0 or not 0 <= self.entropy_coef < math.inf or not 0 <= self.value_coef < math.inf or not self.max_grad_norm > 0:
             raise ConfigError("lr and max_grad_norm must be > 0, entropy_coef and value_coef >= 0")
 
     def check_data_parallel(self) -> None:

@@ -115,8 +115,13 @@ class PPOConfig:
         for name in ("lr", "clip_epsilon", "max_grad_norm", "obs_clip", "reward_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
-        if self.entropy_coef < 0 or self.value_coef < 0:
-            raise ConfigError("entropy_coef and value_coef must be >= 0")
+        if not math.isfinite(self.lr):
+            raise ConfigError(f"lr={self.lr}: expected a finite value > 0")
+        for name in ("entropy_coef", "value_coef"):  # nan/inf made every loss non-finite: every step skipped, silently
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a finite value >= 0")
+        if not self.hidden:
+            raise ConfigError("hidden=(): expected at least one layer width (e.g. --hidden 64 64)")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"hidden={self.hidden}: every layer width must be positive")
         if self.target_kl is not None and not self.target_kl > 0:

@@ -125,13 +125,13 @@ class PPOEncoderConfig:
         for name in ("lr", "clip_epsilon", "max_grad_norm", "reward_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
-        if self.entropy_coef < 0 or self.value_coef < 0:
-            raise ConfigError(f"entropy_coef={self.entropy_coef}, value_coef={self.value_coef}: expected >= 0")
+        if not 0 <= self.entropy_coef < math.inf or not 0 <= self.value_coef < math.inf:  # nan/inf: every step skipped
+            raise ConfigError(f"entropy_coef={self.entropy_coef}, value_coef={self.value_coef}: expected finite values >= 0")
         for name in ("target_kl", "value_clip_epsilon"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected > 0 or None")
-        if any(h < 1 for h in self.hidden):
-            raise ConfigError(f"hidden={self.hidden}: every width must be positive")
+        if not self.hidden or any(h < 1 for h in self.hidden):
+            raise ConfigError(f"hidden={self.hidden}: expected at least one width, every width positive")
         if self.activation not in ("tanh", "relu", "elu", "silu"):
             raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
         if self.encoder_d_model < 4 or self.encoder_d_model % 4:

@@ -101,7 +101,7 @@ class ReplayDiffusionConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         check_env_workers(self.run, self.num_envs)
-        if self.actor.horizon != self.actor.act_steps:
+        if self.actor.horizon != self.actor.act_steps and self.init_from is None:  # else init_from's spec replaces it, checked then
             raise ConfigError(
                 f"actor.horizon={self.actor.horizon}, actor.act_steps={self.actor.act_steps}: {n}'s critic "
                 "scores the executed chunk, so the two must be equal"

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 T = TypeVar("T")
@@ -109,6 +110,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     from torch.distributed.run import get_args_parser, run
 
     from rlfunc.errors import ConfigError
+    from rlfunc.run import checkpoint
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "rlfunc"])
     # the command's own flags (--nproc among them) are the script's, not torchrun's to parse
@@ -120,9 +122,11 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
         rank, failure = e.get_first_failure()  # the earliest: the others were stopped because of it
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         others = sorted(set(e.failures) - {rank})
+        saved = Path(run_dir).is_dir() and checkpoint.latest_snapshot(run_dir) is not None
+        after = (f"the run dir's latest snapshot is intact: rlfunc resume {run_dir}" if saved
+                 else "no snapshot was written (the ranks' errors are above)")
         raise ConfigError(f"data-parallel run: rank {rank} of {nproc} failed ({how})"
-                          + (f"; ranks {others} stopped with it" if others else "")
-                          + f"; the run dir's latest snapshot is intact: rlfunc resume {run_dir}") from None
+                          + (f"; ranks {others} stopped with it" if others else "") + f"; {after}") from None
     return 0
 
 

@@ -129,3 +129,14 @@ def test_a_diffusion_run_saved_on_another_device_type(bc_dir, tmp_path, capsys):
     checkpoint.save_snapshot(snap, state, meta)
     assert main(["resume", str(d)]) == 2
     assert "learner key 'rng' is ((2, 5056), torch.uint8) in the snapshot" in capsys.readouterr().err
+
+
+def test_actor_flags_are_ignored_with_init_from_as_the_readme_says(bc_dir, tmp_path, capsys):
+    """`--actor.horizon 2` (act_steps 4) was refused before the snapshot's actor replaced the flags'."""
+    d = tmp_path / "td3"
+    args = ["train", "td3-diffusion", "--init-from", str(bc_dir), "--actor.horizon", "2", "--total-steps", "640",
+            "--num-envs", "16", "--num-steps", "10", "--warmup-steps", "320", "--updates-per-iteration", "1",
+            "--batch-size", "32", "--eval-episodes", "4", "--device", "cpu", "--run-dir", str(d)]
+    assert main(args) == 0
+    used = json.loads((d / "config.json").read_text())["actor"]
+    assert used == json.loads((bc_dir / "config.json").read_text())["actor"]

@@ -146,6 +146,7 @@ def test_a_killed_rank_stops_the_job_in_one_line_and_the_snapshot_resumes(tmp_pa
     assert job.returncode == 2
     last = [line for line in err.splitlines() if line.startswith("rlfunc: error:")]
     assert len(last) == 1 and "rank 1 of 2 failed (signal SIGKILL)" in last[0], err[-2000:]
+    assert f"latest snapshot is intact: rlfunc resume {run}" in last[0]
     snap = checkpoint.latest_snapshot(run)
     checkpoint.load_snapshot(snap)  # passes its checksums
     done = checkpoint.load_meta(snap)["iteration"]
@@ -154,3 +155,15 @@ def test_a_killed_rank_stops_the_job_in_one_line_and_the_snapshot_resumes(tmp_pa
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
     assert meta["iteration"] == done + 1
     assert meta["world_size"] == 2  # `rlfunc resume` of an --nproc 2 run continues on 2 ranks
+
+
+def test_a_job_whose_ranks_all_refuse_the_config_says_nothing_was_saved(tmp_path):
+    """3 ranks for 4 envs: each rank refuses it; the launcher's line named a snapshot to resume from,
+    in a run dir that was never written."""
+    run = tmp_path / "r"
+    out = _rlfunc("train", "ppo", "--env", "Pendulum-v1", "--num-envs", "4", "--num-steps", "8", "--minibatch-size", "8",
+                  "--total-steps", "64", "--nproc", "3", "--run-dir", str(run))
+    assert out.returncode == 2
+    last = [line for line in out.stderr.splitlines() if "data-parallel run: rank" in line]
+    assert last and "no snapshot was written" in last[-1] and "rlfunc resume" not in last[-1], out.stderr[-2000:]
+    assert "does not divide" in out.stderr
