@@ -147,3 +147,11 @@ def test_the_flat_configs_of_the_layout_1_fixtures_load(fixture):
 def test_non_finite_coefficients_and_empty_layers_are_refused_naming_the_field(cls, change, field):
     with pytest.raises(ConfigError, match=field):
         replace(cls(), **change)
+
+
+def test_freeze_with_stacked_seeds_is_refused():
+    """One freeze mask for all stacked seeds made seed 1 of a 2-seed run differ from seed 1 alone by 1.7e-2
+    (4e-6 without freezing): the seeds were not the independent runs that --num-seeds promises."""
+    with pytest.raises(ConfigError, match="num_seeds=2"):
+        replace(PPOConfig(), freeze_threshold=0.05, num_seeds=2)
+    assert replace(PPOConfig(), freeze_threshold=0.05).freeze_threshold == 0.05

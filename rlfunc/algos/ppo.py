@@ -104,6 +104,10 @@ class PPOConfig:
             raise ConfigError(f"freeze_threshold={self.freeze_threshold}: expected >= 0")
         if self.freeze_window < 1:
             raise ConfigError(f"freeze_window={self.freeze_window}: expected a positive integer")
+        if self.freeze_threshold > 0 and self.run.num_seeds > 1:  # they were coupled: the largest change over seeds decided
+            raise ConfigError(f"freeze_threshold={self.freeze_threshold} with num_seeds={self.run.num_seeds}: the freeze mask "
+                              "is one for all the stacked seeds, so they would not be independent runs; train the seeds "
+                              "as separate runs")
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")

@@ -21,7 +21,7 @@ after ``rlfunc versions rollback RUN_DIR V`` it continues from V.
 
 ``freeze_threshold`` > 0 skips the updates of parameter leaves that barely move: every
 ``freeze_window`` iterations each leaf's relative change ||p - p_ref|| / ||p_ref|| over the window
-(max over seeds) is measured, and a leaf below the threshold is frozen (no gradient, no Adam step) for
+is measured (one seed: a mask for stacked seeds would couple them, so --num-seeds > 1 is refused), and a leaf below the threshold is frozen (no gradient, no Adam step) for
 the next window, then trains a window again before it is measured anew. The tracker (reference
 params, frozen-until iteration per leaf) is part of the saved state, so resume stays exact.
 """
