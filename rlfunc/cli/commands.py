@@ -55,7 +55,15 @@ def _eval(argv: list[str]) -> int:
     if snap is None and (Path(a.run_dir) / "meta.json").is_file():
         snap = Path(a.run_dir)  # a snapshot directory
     entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
-    print(json.dumps(registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)))
+    try:
+        result = registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
+    except SnapshotCorruptError as e:  # name the older snapshots, as resume does
+        older = [p for p in checkpoint.run_snapshots(a.run_dir) if snap is not None and p.name < snap.name]
+        if snap is None or str(snap) not in str(e) or not older:
+            raise
+        raise SnapshotCorruptError(f"{e}. Older snapshots: {', '.join(p.name for p in older)}; to evaluate the newest "
+                                   f"of them: rlfunc eval {older[0]}") from e
+    print(json.dumps(result))
     return 0
 
 

@@ -117,6 +117,11 @@ def test_corrupt_latest_snapshot_names_older_ones_and_resume_can_continue_from_o
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sha256" in err[0]
     assert f"Older snapshots: step_000000000128; to continue from the newest of them: rlfunc resume {run} --snapshot step_000000000128" in err[0]
+    assert main(["eval", str(run), "--episodes", "2"]) == 2  # eval names them too (it did not)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"Older snapshots: step_000000000128; to evaluate the newest of them: rlfunc eval {ckpt / 'step_000000000128'}" in err[0]
+    assert main(["eval", str(ckpt / "step_000000000128"), "--episodes", "2"]) == 0
+    capsys.readouterr()
     assert main(["resume", str(run), "--snapshot", "step_x"]) == 2
     assert "snapshot='step_x': not a complete snapshot" in capsys.readouterr().err
     assert main(["resume", str(run), "--total-steps", "384", "--snapshot", "step_000000000128"]) == 0
