@@ -8,7 +8,11 @@ and evaluate it. Any gymnasium id works without an entry (through gymnasium vect
 Environments register themselves: the repository's top-level ``envs`` package (whose
 ``envs/registry_entries.py`` calls :func:`register`) is imported on the first :func:`find`,
 :func:`lookup`, :func:`ids` or :func:`ensure_loaded`; importing it also registers its ids with
-gymnasium. This is the one place in rlfunc that imports ``envs``.
+gymnasium. This is the one place in rlfunc that imports ``envs``. Other packages plug in the same
+way, without touching rlfunc: each module named by an entry point of the group ``"rlfunc.envs"``
+(``[project.entry-points."rlfunc.envs"] my_robot = "my_robot.rlfunc_entries"`` in its
+pyproject.toml, as gymnasium's ``"gymnasium.envs"`` plugins do) is imported then too and calls
+:func:`register` (and ``gymnasium.register`` for its ids).
 
 An id ending in ``*`` is a pattern (:func:`fnmatch.fnmatchcase`) matched when no exact id is
 registered, e.g. ``"rware-*"`` for a family of ids built by one function.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -66,6 +71,7 @@ class EnvEntry:
 
 _ENTRIES: dict[str, EnvEntry] = {}
 _loaded = False
+PLUGIN_GROUP = "rlfunc.envs"  # entry points whose modules register envs (see the module docstring)
 
 
 def ensure_loaded() -> None:
@@ -80,6 +86,12 @@ def ensure_loaded() -> None:
     except ModuleNotFoundError as e:
         if e.name != "envs":
             raise
+    for plugin in importlib.metadata.entry_points(group=PLUGIN_GROUP):  # other packages' envs
+        try:
+            plugin.load()
+        except Exception as e:  # noqa: BLE001  a broken plugin is named, in one line
+            raise EnvError(f"env plugin {plugin.name!r} ({plugin.value}, entry point group {PLUGIN_GROUP!r}) failed to load: "
+                           f"{type(e).__name__}: {e}") from e
 
 
 def register(env_id: str, entry: EnvEntry) -> None:

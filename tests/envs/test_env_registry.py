@@ -116,3 +116,25 @@ def test_rlfunc_reaches_our_envs_only_through_the_registry():
             if re.search(r'env_id == "|TORCH_ENVS', line):
                 by_name.append(where)
     assert imports == [] and by_name == []
+
+
+def test_a_package_plugs_its_envs_in_through_the_rlfunc_envs_entry_point_group(scratch, monkeypatch, tmp_path):
+    """A package of the user's registers its env from the module its "rlfunc.envs" entry point names
+    (loaded with ours on first use, no edit of rlfunc); a plugin that fails to import is named in one line."""
+    import importlib.metadata
+    import sys
+
+    (tmp_path / "my_robot_entries.py").write_text(
+        "from rlfunc.envs.registry import EnvEntry, register\n"
+        "register('MyRobot-v0', EnvEntry(episode_metrics=lambda td: td))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    good = importlib.metadata.EntryPoint("my_robot", "my_robot_entries", registry.PLUGIN_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [good] if group == registry.PLUGIN_GROUP else [])
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.delitem(sys.modules, "my_robot_entries", raising=False)
+    assert registry.find("MyRobot-v0") is not None and "MyRobot-v0" in registry.ids()
+    bad = importlib.metadata.EntryPoint("broken", "no_such_module_xyz", registry.PLUGIN_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [bad])
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(EnvError, match=r"env plugin 'broken' \(no_such_module_xyz.*ModuleNotFoundError"):
+        registry.ensure_loaded()
