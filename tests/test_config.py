@@ -155,3 +155,19 @@ def test_freeze_with_stacked_seeds_is_refused():
     with pytest.raises(ConfigError, match="num_seeds=2"):
         replace(PPOConfig(), freeze_threshold=0.05, num_seeds=2)
     assert replace(PPOConfig(), freeze_threshold=0.05).freeze_threshold == 0.05
+
+
+def test_groups_of_one_an_empty_eval_seed_list_and_a_batch_beyond_the_replay_are_refused():
+    """From a new-user pass: a group of one trains nothing (advantage 0) without a word; mappo's empty
+    eval_seeds failed only after the whole training; a minibatch larger than the replay buffer."""
+    from rlfunc.algos.sac import SACConfig
+
+    with pytest.raises(ConfigError, match="group_size=1"):
+        replace(GRPOConfig(), group_size=1, minibatch_size=16)
+    with pytest.raises(ConfigError, match="group_size=1"):
+        replace(MAPPOConfig(), loss="grpo", group_size=1)
+    assert replace(MAPPOConfig(), loss="ppo", group_size=1).group_size == 1  # ppo has no groups
+    with pytest.raises(ConfigError, match="eval_seeds"):
+        replace(MAPPOConfig(), eval_seeds=())
+    with pytest.raises(ConfigError, match="batch_size=64 > buffer_size=50"):
+        replace(SACConfig(), buffer_size=50, batch_size=64)

@@ -107,6 +107,8 @@ class GRPOConfig:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
         if self.loss not in ("grpo", "gspo"):
             raise ConfigError(f"loss={self.loss!r}: expected 'grpo' or 'gspo'")
+        if self.group_size < 2:  # a group of one has advantage 0: no gradient, silently
+            raise ConfigError(f"group_size={self.group_size}: expected >= 2 (the advantage is relative to the group's other episodes)")
         if self.backend not in ("auto", "gym", "torch"):
             raise ConfigError(f"backend={self.backend!r}: expected 'auto', 'gym' or 'torch'")
         if self.backend == "torch" and registry.torch_builder(self.env) is None:

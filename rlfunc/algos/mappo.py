@@ -117,6 +117,11 @@ class MAPPOConfig:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
         require_default(self.run, env_workers="mappo's envs step in the learner's process (torch-batched on the device, or rware's)", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
                         precision="mappo has no mixed precision", log_every="mappo logs every iteration")
+        if self.loss != "ppo" and self.group_size < 2:  # a group of one has advantage 0: no gradient, silently
+            raise ConfigError(f"group_size={self.group_size} with loss={self.loss!r}: expected >= 2 (the advantage is relative "
+                              "to the group's other episodes)")
+        if not self.eval_seeds:  # else found only after the whole training
+            raise ConfigError("eval_seeds=(): expected at least one seed for the final evaluation")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
         self.check_data_parallel()  # before torchrun starts the ranks

@@ -229,6 +229,8 @@ class OffPolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        if self.batch_size > self.buffer_size:
+            raise ConfigError(f"batch_size={self.batch_size} > buffer_size={self.buffer_size}: a minibatch larger than the replay")
         nproc = self.run.nproc
         if nproc > 1 and self.run.compile == "on":
             raise ConfigError(f"run.compile='on' with nproc={nproc}: {n}'s compiled step holds no all-reduce; "

@@ -80,6 +80,8 @@ def _resume(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from rlfunc.run import checkpoint
 
+    if not Path(a.run_dir).is_dir():
+        raise ConfigError(f"run_dir={a.run_dir!r}: no such directory (rlfunc resume continues a run that `rlfunc train` wrote)")
     before = None
     if a.snapshot is not None:
         before = checkpoint.latest_snapshot(a.run_dir)

@@ -106,6 +106,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     """
     if nproc <= 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return None
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -118,13 +119,19 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     args.training_script_args = [*command, *run_dir_flag]
     try:
         run(args)
+    except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks got it too, saved and said so
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()  # the earliest: the others were stopped because of it
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         others = sorted(set(e.failures) - {rank})
         saved = Path(run_dir).is_dir() and checkpoint.latest_snapshot(run_dir) is not None
-        after = (f"the run dir's latest snapshot is intact: rlfunc resume {run_dir}" if saved
-                 else "no snapshot was written (the ranks' errors are above)")
+        if command[0] == "resume":  # the ranks refused the snapshot (their errors above say what to do)
+            after = "the ranks' errors are above"
+        elif saved:
+            after = f"the run dir's latest snapshot is intact: rlfunc resume {run_dir}"
+        else:
+            after = "no snapshot was written (the ranks' errors are above)"
         raise ConfigError(f"data-parallel run: rank {rank} of {nproc} failed ({how})"
                           + (f"; ranks {others} stopped with it" if others else "") + f"; {after}") from None
     return 0

@@ -43,6 +43,10 @@ def check_env_id(env_id: str) -> None:
     registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
     if env_id not in gym.registry:
+        entry = registry.find(env_id)
+        if entry is not None and entry.multi_agent_env is not None:  # rlfunc's own multi-agent env, not a gymnasium one
+            raise EnvError(f"env={env_id!r}: a multi-agent env of rlfunc's env registry, not a gymnasium environment; "
+                           f"train it with `rlfunc train mappo --env {env_id}`")
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise EnvError(f"env={env_id!r}: not a registered gymnasium environment{hint}")

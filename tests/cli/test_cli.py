@@ -409,3 +409,9 @@ def test_a_closed_pipe_ends_the_command_quietly():
             "commands.COMMANDS['versions'] = listing\nsys.exit(commands.main(['versions', 'list', 'x']))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 141 and "Traceback" not in out.stderr
+
+
+def test_resume_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
+    assert main(["resume", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such directory" in err[0]

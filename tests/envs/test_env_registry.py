@@ -138,3 +138,13 @@ def test_a_package_plugs_its_envs_in_through_the_rlfunc_envs_entry_point_group(s
     monkeypatch.setattr(registry, "_loaded", False)
     with pytest.raises(EnvError, match=r"env plugin 'broken' \(no_such_module_xyz.*ModuleNotFoundError"):
         registry.ensure_loaded()
+
+
+def test_a_single_agent_algorithm_on_a_multi_agent_registry_env_is_told_to_use_mappo():
+    """`rlfunc train td3 --env Warehouse-v0` suggested "did you mean CartPole-v0?"."""
+    from rlfunc.envs.collect import check_env_id
+
+    multi = [i for i in registry.ids("multi_agent_env") if not i.endswith("*")]
+    assert multi
+    with pytest.raises(EnvError, match=rf"a multi-agent env of rlfunc's env registry.*rlfunc train mappo --env {re.escape(multi[0])}"):
+        check_env_id(multi[0])

@@ -167,3 +167,42 @@ def test_a_job_whose_ranks_all_refuse_the_config_says_nothing_was_saved(tmp_path
     last = [line for line in out.stderr.splitlines() if "data-parallel run: rank" in line]
     assert last and "no snapshot was written" in last[-1] and "rlfunc resume" not in last[-1], out.stderr[-2000:]
     assert "does not divide" in out.stderr
+
+
+def test_ctrl_c_to_a_data_parallel_job_saves_and_exits_130_without_a_traceback(tmp_path):
+    """SIGINT to the process group (Ctrl-C): the ranks save and say so; the launcher exited 1 with
+    torch's SignalException traceback before."""
+    run = tmp_path / "run"
+    job = subprocess.Popen([PY, "-m", "rlfunc", "train", "ppo", *FLAGS, "--total-steps", str(128 * 400), "--checkpoint-every", "50",
+                            "--nproc", "2", "--run-dir", str(run)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and job.poll() is None, "no iteration came"
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGINT)
+        _, err = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "snapshot saved" in err, err[-2000:]
+    assert checkpoint.latest_snapshot(run) is not None
+
+
+def test_resume_of_a_two_rank_run_whose_latest_snapshot_is_truncated_points_to_the_older_one(tmp_path):
+    """The launcher's last line said "the run dir's latest snapshot is intact: rlfunc resume RUN" about
+    the very snapshot the ranks had refused; the ranks' own lines name the older snapshot to use."""
+    run = tmp_path / "run"
+    out = _rlfunc("train", "ppo", *FLAGS, "--total-steps", str(128 * 2), "--checkpoint-every", "1", "--nproc", "2",
+                  "--run-dir", str(run))
+    assert out.returncode == 0, out.stderr[-2000:]
+    latest = checkpoint.latest_snapshot(run)
+    state = latest / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:100])
+    out = _rlfunc("resume", str(run))
+    assert out.returncode == 2
+    last = [line for line in out.stderr.splitlines() if "data-parallel run: rank" in line]
+    assert last and "is intact" not in last[-1] and "errors are above" in last[-1], out.stderr[-2000:]
+    assert "--snapshot step_" in out.stderr
