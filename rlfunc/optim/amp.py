@@ -163,7 +163,8 @@ def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16,
     defaults and arithmetic.
 
     The loss was multiplied by ``state["scale"]`` before backward (:func:`backward`). ``update``
-    multiplies the gradients by ``1 / scale`` (the reciprocal taken in float64, as GradScaler does); if
+    multiplies the gradients by ``1 / scale`` (in float32: exact for a power-of-two scale, which the
+    default factors keep, so equal to GradScaler's float64 reciprocal; no float64, which NPUs lack); if
     any is not finite the updates are zero, ``inner``'s state is kept and the scale is multiplied by
     ``backoff_factor``; otherwise ``inner`` updates on the unscaled gradients (with their global norm as
     ``grad_norm=``) and after ``growth_interval`` finite steps in a row the scale is multiplied by
@@ -192,7 +193,7 @@ def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16,
     def update_leaves(grads: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None,
                       **extra):
         extra.pop("grad_norm", None)  # of the scaled gradients: this link gives the unscaled one
-        inv_scale = state["scale"].double().reciprocal().float()
+        inv_scale = state["scale"].reciprocal()
         unscaled = torch._foreach_mul(grads, inv_scale)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unscaled]))
         finite = bool(norm.isfinite())
