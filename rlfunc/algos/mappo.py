@@ -128,7 +128,7 @@ class MAPPOConfig:
         if not (0 <= self.gamma <= 1 and 0 <= self.lmbda <= 1):
             raise ConfigError(f"gamma={self.gamma}, lmbda={self.lmbda}: expected values in [0, 1]")
         if not self.lr > 0 or not 0 <= self.entropy_coef < math.inf or not 0 <= self.value_coef < math.inf or not self.max_grad_norm > 0:
-            raise ConfigError("lr and max_grad_norm must be > 0, entropy_coef and value_coef >= 0")
+            raise ConfigError("lr and max_grad_norm must be > 0, entropy_coef and value_coef finite and >= 0")
 
     def check_data_parallel(self) -> None:
         """ConfigError, one line, unless ``run.nproc`` = W ranks can split this run: its env must

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rlfunc.device import autocast_dtype
 from rlfunc.errors import ConfigError
-from rlfunc.optim.base import GradientTransform, flatten, from_leaves, node, tree_leaves, unflatten
+from rlfunc.optim.base import GradientTransform, from_leaves, node, tree_leaves, update_leaves_of
 
 PrecisionMode = Literal["off", "auto", "bf16", "fp16"]
 
@@ -164,7 +164,7 @@ def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16,
 
     The loss was multiplied by ``state["scale"]`` before backward (:func:`backward`). ``update``
     multiplies the gradients by ``1 / scale`` (in float32: exact for a power-of-two scale, which the
-    default factors keep, so equal to GradScaler's float64 reciprocal; no float64, which NPUs lack); if
+    default factors keep, so equal to GradScaler's double-precision reciprocal, which NPUs lack); if
     any is not finite the updates are zero, ``inner``'s state is kept and the scale is multiplied by
     ``backoff_factor``; otherwise ``inner`` updates on the unscaled gradients (with their global norm as
     ``grad_norm=``) and after ``growth_interval`` finite steps in a row the scale is multiplied by
@@ -198,7 +198,7 @@ def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16,
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unscaled]))
         finite = bool(norm.isfinite())
         if finite:
-            updates, inner_state = _update_leaves(inner, unscaled, treedef, state["inner"], params,
+            updates, inner_state = update_leaves_of(inner, unscaled, treedef, state["inner"], params,
                                                   grad_norm=norm.reshape(1), **extra)
         else:
             updates, inner_state = [torch.zeros_like(g) for g in grads], state["inner"]
@@ -211,13 +211,6 @@ def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16,
     return from_leaves(init, update_leaves)
 
 
-def _update_leaves(transform: GradientTransform, grads, treedef, state, params, **extra):
-    if transform.update_leaves is not None:
-        return transform.update_leaves(grads, treedef, state, params, **extra)
-    updates, new_state = transform.update(unflatten(treedef, grads), state, params, **extra)
-    return flatten(updates)[0], new_state
-
-
 def with_loss_scale(transform: GradientTransform, prec: Precision | None) -> GradientTransform:
     """``transform`` inside :func:`dynamic_loss_scale` when ``prec`` scales the loss (fp16), else itself."""
     return dynamic_loss_scale(transform) if prec is not None and prec.loss_scaled else transform
@@ -226,6 +219,11 @@ def with_loss_scale(transform: GradientTransform, prec: Precision | None) -> Gra
 def loss_scale_of(opt_state: TensorDictBase) -> Tensor | None:
     """The loss scale of a :func:`dynamic_loss_scale` state (0-dim), None for any other transform's state."""
     return opt_state.get("scale") if "growth_tracker" in opt_state.keys() else None
+
+
+def without_loss_scale(opt_state: TensorDictBase) -> TensorDictBase:
+    """The wrapped chain's state of a :func:`dynamic_loss_scale` state, ``opt_state`` itself for any other."""
+    return opt_state["inner"] if loss_scale_of(opt_state) is not None else opt_state
 
 
 def transform_step(transform: GradientTransform, opt_state: TensorDictBase, params: TensorDictBase,

@@ -248,19 +248,24 @@ def partition(transforms: dict[str, GradientTransform]) -> GradientTransform:
             if sub is None or k not in transforms:
                 raise ShapeError(f"partition: gradient {k!r} is in none of the groups {sorted(names)}")
             n = _count(sub)
-            t = transforms[k]
-            g = grads[start:start + n]
             group_params = None if params is None else params.get(k)
-            if t.update_leaves is not None:
-                updates, new[k] = t.update_leaves(g, sub, parts[k], group_params, **extra)
-            else:
-                updates, new[k] = t.update(unflatten(sub, g), parts[k], group_params, **extra)
-                updates = leaves_at(updates, sub, "partition")
+            updates, new[k] = update_leaves_of(transforms[k], grads[start:start + n], sub, parts[k], group_params, **extra)
             out.extend(updates)
             start += n
         return out, node(new, state.device)
 
     return from_leaves(init, update_leaves)
+
+
+def update_leaves_of(transform: GradientTransform, grads: list[Tensor], treedef: tuple, state: TensorDictBase,
+                     params: TensorDictBase | None = None, **extra) -> tuple[list[Tensor], TensorDict]:
+    """``transform``'s update over the leaf list ``grads`` (:func:`flatten` order of ``treedef``): its
+    ``update_leaves``, or its TensorDict ``update`` on the rebuilt gradients for a transform that has none.
+    Returns (updates in the same order, new state). For the links that wrap or group other transforms."""
+    if transform.update_leaves is not None:
+        return transform.update_leaves(grads, treedef, state, params, **extra)
+    updates, new_state = transform.update(unflatten(treedef, grads), state, params, **extra)
+    return leaves_at(updates, treedef, "update"), new_state
 
 
 def _count(treedef: tuple) -> int:

@@ -64,7 +64,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.optim.amp import loss_scale_of, precision
+from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run.resume import (NO_SNAPSHOT, STATE_LAYOUT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot,
                            optim_from_layout_1, restore_buffer, restore_env_rng, set_generator_state)
 from rlfunc.run import Run, RunResult, resume_source, train
@@ -371,8 +371,7 @@ class DiffusionRun(Run):
         renumber = lambda j: str(new_index[order[int(j)]]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
         torch_state = TensorDict({renumber(j): v for j, v in torch_state.items()}, batch_size=[])
         indices = sorted(int(j) for j in torch_state.keys() if j.isdigit())
-        like = self.state[key]  # under fp16 the chain's state is inside the loss scale's: the loop wraps it again
-        like = like["inner"] if loss_scale_of(like) is not None else like
+        like = without_loss_scale(self.state[key])  # fp16: the loop wraps the converted state again
         return optim_from_layout_1(f"{where}: {key}", torch_state, like, stepped, indices=indices, commit=LAYOUT_1_COMMIT)
 
     def layout_1_order(self, key: str) -> tuple[TensorDict, list]:

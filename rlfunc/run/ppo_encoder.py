@@ -46,7 +46,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
-from rlfunc.optim.amp import loss_scale_of, precision
+from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import checkpoint
 from rlfunc.run.resume import (ResumePoint, env_rng_snapshot, learner_entries, restore_env_rng, set_generator_state, state_layout,
                            state_meta, upgrade_layout_1)
@@ -221,8 +221,7 @@ class EncoderRun(Run):
             renumber = lambda j: str(order[int(j)]) if j.isdigit() and int(j) < len(order) else j  # noqa: E731
             loaded["optim"] = TensorDict({renumber(j): v for j, v in loaded["optim"].items()}, batch_size=[])
             meta = {**meta, "optim_leaves": [order[j] for j in indices]}
-        optim = learner_entries(self.state)["optim"]  # under fp16 inside the loss scale's state: the loop wraps it again
-        optim = optim["inner"] if loss_scale_of(optim) is not None else optim
+        optim = without_loss_scale(learner_entries(self.state)["optim"])  # fp16: the loop wraps the converted state again
         like = TensorDict({"learner": {"params": stepped}, "optim": optim}, batch_size=[])
         return upgrade_layout_1(loaded, meta, where, like, algo=ALGO, commit=LAYOUT_1_COMMIT)
 

@@ -38,6 +38,7 @@ from tensordict import TensorDict
 
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim import adam_state_from_torch
+from rlfunc.optim.amp import loss_scale_of
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import read_metrics
 
@@ -188,7 +189,7 @@ def optim_from_layout_1(name: str, torch_state: TensorDict, like: TensorDict, pa
 
 def _loss_scale_paths(td: TensorDict, path: tuple = ()) -> list[tuple]:
     """The keys of ``td``'s nested :func:`rlfunc.optim.amp.dynamic_loss_scale` states (fp16 optimizers)."""
-    if {"scale", "growth_tracker", "inner"} <= set(td.keys()):
+    if loss_scale_of(td) is not None:
         return [path]
     return [p for k, v in td.items() if isinstance(v, TensorDict) for p in _loss_scale_paths(v, path + (k,))]
 
@@ -207,7 +208,7 @@ def with_loss_scales(loaded: TensorDict, like: TensorDict, grad_scaler: dict | N
     that code resumed with)."""
     for path in _loss_scale_paths(like):
         saved = loaded.get(path, None)
-        if not isinstance(saved, TensorDict) or "growth_tracker" in saved.keys():
+        if not isinstance(saved, TensorDict) or loss_scale_of(saved) is not None:
             continue
         wrapped = like.get(path).clone()
         wrapped["inner"] = saved.to(wrapped.device)

@@ -83,8 +83,10 @@ def tensor_hash(t: torch.Tensor) -> str:
     """sha256 (hex) of ``dtype | shape | raw bytes`` of a CPU tensor: its blob name."""
     t = t.detach().to("cpu")
     h = hashlib.sha256(f"{_dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-    if t.numel():  # a fresh dense copy: a one-element slice is "contiguous" with any stride, which view() refuses
-        flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+    if t.numel():
+        flat = t.reshape(-1)
+        if flat.stride() != (1,):  # a strided view, or a one-element slice ("contiguous" with any stride): view() refuses it
+            flat = torch.empty(t.numel(), dtype=t.dtype).copy_(flat)
         h.update(flat.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
