@@ -47,7 +47,7 @@ from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
 from rlfunc.nets.actor_critic import GaussianActorCritic
-from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
+from rlfunc.optim import adam, all_reduce_mean, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
 from rlfunc.optim.leaves import chain_state, chain_step
 
 BATCH_KEYS = ("observation", "action", "sample_log_prob", ("next", "reward"), "mask")  # what iteration reads of a batch
@@ -247,8 +247,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
     "obs_stats", "rng" (uint8 generator states [S, L]), "iteration" and "env_steps" (0-dim int64), and
     "optim", the state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr,
     eps=adam_eps))``: "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg",
-    "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and moments (like "params"); "shaping"
-    when a step transform is on.
+    "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and moments (like "params"); with a step
+    transform on, Adam's state is "1" "inner", beside the transforms' (:mod:`rlfunc.algos.shaped`).
 
     ``iteration`` takes a grouped batch [S, num_groups, group_size, T] with "observation" (raw),
     "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.envs.grouped`), gathered
@@ -269,7 +269,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on (rlfunc.algos.shaped)
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
-    optimizer = chain(clip, adam(config.lr, eps=config.adam_eps))
+    optimizer = shaped.optimizer(config, clip, adam(config.lr, eps=config.adam_eps))  # chain(clip, adam), Adam wrapped when shaping
     reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
     # data parallel: the loss's and the metrics' means over valid steps, weighted by the share's part of the minibatch's
     token_means = {"kl_ref", "approx_kl", *(("clip_fraction", "ratio_mean") if config.loss == "grpo" else ())}
@@ -287,7 +287,6 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
                 "params": params,
                 "ref_params": ref,
                 "optim": optimizer.init(params),
-                **({"shaping": shaped.init_state(transform, params)} if transform is not None else {}),
                 "obs_stats": base["obs_stats"],
                 "rng": base["rng"],
                 "iteration": base["iteration"],
@@ -329,19 +328,18 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
 
         return member_loss
 
-    def begin_shaping(state: TensorDict, seq: TensorDict, epsilon: float) -> TensorDict | None:
-        """Shaping state for this update; with adaptive_clip the trust radii come from per-step
+    def begin_shaping(state: TensorDict, seq: TensorDict, epsilon: float) -> TensorDict:
+        """The chain's state for this update; with adaptive_clip the trust radii come from per-step
         log-likelihood gradients over the valid steps (every k-th step, at most ~4096 per seed)."""
-        shaping_state = state.get("shaping", None)
         if not config.adaptive_clip:
-            return shaping_state
+            return state["optim"]
         obs, act, mask = (seq[k].flatten(1, 2) for k in ("observation", "action", "mask"))  # [S, n*G*T, ...]
         stride = max(1, obs.shape[1] // 4096)
         obs, act, mask = obs[:, ::stride], act[:, ::stride], mask[:, ::stride].squeeze(-1).to(obs.dtype)
         grads = shaped.stacked_per_sample_grads(step_log_prob, state["params"], obs, act, device=device, use_loop=use_loop)
         scale = (mask * mask.shape[1] / mask.sum(1, keepdim=True).clamp_min(1)).sqrt()  # mean over valid steps only
         grads = grads.apply(lambda g: g * scale.reshape(*scale.shape, *([1] * (g.dim() - 2))))
-        return shaped.begin_update(config, shaping_state, state["params"], grads, epsilon)
+        return shaped.begin_update(config, state["optim"], state["params"], grads, epsilon)
 
     def advantages(episode_return: Tensor) -> Tensor:
         """[S, n, G] -> [S, n, G]; the "batch" std is per seed."""
@@ -419,7 +417,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
         low = shaped.clip_epsilon(config, low, state["iteration"])  # decayed with adaptive_clip
         high = None if high is None else shaped.clip_epsilon(config, high, state["iteration"])
         loss_fn = vmap(member_loss_with(low, high))
-        shaping_state, names = begin_shaping(state, seq, low), shaped.trainable(params)[0]
+        optim_state, names = begin_shaping(state, seq, low), shaped.trainable(params)[0]
         B = seq.batch_size[1]
         num_mb = B // config.minibatch_size
         rows = torch.arange(S, device=device).unsqueeze(1)
@@ -451,7 +449,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
                         metrics[key] = metrics[key] * weight
                 for p in leaves:
                     p.grad = None
-                with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
+                with_curvature = transform is not None and shaped.curvature_due(config, optim_state)
                 graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
                 curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
                 del graph_grads
@@ -465,20 +463,13 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
                     for g in grads:
                         g.nan_to_num_(0.0, 0.0, 0.0)
 
-                def step(grads=grads, norms=norms, ok=ok):
-                    nonlocal optim_state  # the chain over the leaf lists (rlfunc.optim.base), as in PPO
-                    delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params,
-                                                                 lr=lr, mask=ok, grad_norm=norms)
-                    with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
-                        torch._foreach_add_(leaves, delta)
-
-                if transform is None:
-                    step()
-                else:  # the transforms see the clipped gradients (the chain's first link), as Adam does
-                    clipped, _ = clip.update_leaves(grads, treedef, optim_state["0"], grad_norm=norms)
-                    shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature,
-                                                                        grads=clipped)
-                    for key, value in shaping_metrics.items():
+                # the chain over the leaf lists (rlfunc.optim.base), as in PPO
+                delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params, lr=lr, mask=ok,
+                                                             grad_norm=norms, curvature=curvature)
+                with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
+                    torch._foreach_add_(leaves, delta)
+                if transform is not None:
+                    for key, value in shaped.metrics_of(optim_state).items():
                         metrics[key] = value
                 if config.adaptive_clip:
                     metrics["clip_epsilon"] = torch.full((S,), low, device=device)
@@ -487,8 +478,6 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
                 updates += 1
         out = state.clone(recurse=False)
         out["optim"] = optim_state
-        if transform is not None:
-            out["shaping"] = shaping_state
         if config.normalize_observations:
             flat_mask = batch["mask"].flatten(1, 3).squeeze(-1)
             out["obs_stats"] = vmap(update_running_stats)(state["obs_stats"], batch["observation"].flatten(1, 3), flat_mask)

@@ -42,7 +42,7 @@ from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.actor_critic import CategoricalActorCritic, GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
-from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms
+from rlfunc.optim import adam, all_reduce_mean, clip_by_global_norm, flatten, linear_lr, member_grad_norms
 from rlfunc.optim.base import leaves_at_each, unflatten
 from rlfunc.optim.shaping import importance_weights, priorities, sample_prioritized
 
@@ -276,7 +276,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64), and "optim", the
     state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr, eps=adam_eps))``:
     "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
-    per-leaf step counts (0-dim float32) and moments (like "params"); "shaping" when a step transform is on.
+    per-leaf step counts (0-dim float32) and moments (like "params"). With a step transform on, Adam's
+    state is "1" "inner", beside the transforms' ("transform", "step", "metrics": :mod:`rlfunc.algos.shaped`).
     """
     S, N = config.run.num_seeds, config.num_envs
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
@@ -304,7 +305,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
-    optimizer = chain(clip, adam(config.lr, eps=config.adam_eps))
+    optimizer = shaped.optimizer(config, clip, adam(config.lr, eps=config.adam_eps))  # chain(clip, adam), Adam wrapped when shaping
     # data parallel: the chain is all_reduce_mean -> clip -> adam; its first link runs ahead of the norms and the
     # finiteness mask (which must see the averaged gradients) and is stateless, so the state keeps its layout
     reduce = all_reduce_mean(None if dist is None else dist.group)
@@ -317,10 +318,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         gens = [torch.Generator(device=device).manual_seed(seed) for seed in config.seeds]
         stats = init_running_stats((spec.obs_dim,), device=device)
         ret_stats = init_running_stats((), device=device)
-        extra = {"shaping": shaped.init_state(transform, params)} if transform is not None else {}
         return TensorDict(
             {
-                **extra,
                 "params": params,
                 "optim": optimizer.init(params),
                 "obs_stats": torch.stack([stats] * S),
@@ -664,12 +663,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         active = torch.ones(S, dtype=torch.bool, device=device)  # seeds still updating (target_kl)
         # gradient shaping (rlfunc.algos.shaped; all off by default)
         clip_epsilon = shaped.clip_epsilon(config, config.clip_epsilon, state["iteration"])
-        shaping_state, names, probs = state.get("shaping", None), shaped.trainable(params, frozen_names)[0], None
+        names, probs = shaped.trainable(params, frozen_names)[0], None
         if config.adaptive_clip or config.prioritized_minibatches:
             log_prob_grads = shaped.stacked_per_sample_grads(
                 sample_log_prob, params, flat["observation"], flat["action"], device=device, use_loop=use_loop, frozen=frozen_names
             )
-            shaping_state = shaped.begin_update(config, shaping_state, params, log_prob_grads, clip_epsilon)
+            optim_state = shaped.begin_update(config, optim_state, params, log_prob_grads, clip_epsilon)
             if config.prioritized_minibatches:
                 probs, weights = minibatch_priorities(params, flat, log_prob_grads, frozen_names)
         loss_fn = vmap(member_loss, in_dims=(0, 0, None)) if config.adaptive_clip else vmap(member_loss)
@@ -707,7 +706,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     loss, metrics = loss_fn(params, mb, *loss_args)
                     for p in leaves:
                         p.grad = None
-                    with_curvature = transform is not None and shaped.curvature_due(config, shaping_state)
+                    with_curvature = transform is not None and shaped.curvature_due(config, optim_state)
                     graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
                     curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
                     del graph_grads
@@ -724,22 +723,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1).long()
                         for g in grads:
                             g.nan_to_num_(0.0, 0.0, 0.0)
-                    mask = ok & active
-
-                    def step(grads=grads, norms=norms, mask=mask):
-                        nonlocal optim_state  # the chain over the leaf lists (rlfunc.optim.base): no TensorDict per step
-                        delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params,
-                                                                     lr=lr, mask=mask, grad_norm=norms)
-                        with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
-                            torch._foreach_add_(leaves, delta)
-
-                    if transform is None:
-                        step()
-                    else:  # the transforms see the clipped gradients (the chain's first link), as Adam does
-                        clipped, _ = clip.update_leaves(grads, treedef, optim_state["0"], grad_norm=norms)
-                        shaping_state, shaping_metrics = shaped.shaped_step(step, transform, shaping_state, names, leaves, curvature,
-                                                                            grads=clipped)
-                        for key, value in shaping_metrics.items():
+                    # the chain over the leaf lists (rlfunc.optim.base): no TensorDict per step
+                    delta, optim_state = optimizer.update_leaves(grads, treedef, optim_state, params, lr=lr, mask=ok & active,
+                                                                 grad_norm=norms, curvature=curvature)
+                    with torch.no_grad():  # rlfunc.optim.apply_updates over the leaves
+                        torch._foreach_add_(leaves, delta)
+                    if transform is not None:
+                        for key, value in shaped.metrics_of(optim_state).items():
                             metrics[key] = value
                     if config.adaptive_clip:
                         metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
@@ -756,8 +746,6 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         for key, value in new_stats.items():
             out[key] = value
         out["optim"] = optim_state
-        if transform is not None:
-            out["shaping"] = shaping_state
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2] * W
         out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)

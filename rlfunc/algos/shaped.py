@@ -5,19 +5,22 @@ transform on (all are off by default); the configs share the field names read he
 ``oscillation_damping``, ``damping_strength``, ``hessian_interval``, ``adaptive_clip``,
 ``clip_epsilon_decay``, ``trust_radius_scale`` and ``lr``. Parameters carry a leading seed dim S (``member_dims=1``).
 
-Per gradient step: the optimizer steps as usual, the step it took (``new - old`` per tensor) goes
-through the transform chain (oscillation damping, then the per-layer trust region, whose projection
-must come last for its bound to hold), and ``old + shaped`` is written back. Every
-``hessian_interval``-th step the gradients are taken with ``create_graph=True`` and one
-double-backward Hessian-vector product on a Rademacher probe (drawn from each seed's generator)
-refreshes the per-tensor curvature estimate.
+Per gradient step the update chain is ``chain(clip, shape_steps(adam, transforms))``
+(:func:`optimizer`): Adam steps on the clipped gradients, and the step it takes goes through the
+transforms (oscillation damping, then the per-layer trust region, whose projection must come last
+for its bound to hold) before it is applied. Every ``hessian_interval``-th step the gradients are
+taken with ``create_graph=True`` and one double-backward Hessian-vector product on a Rademacher
+probe (drawn from each seed's generator) refreshes the per-tensor curvature estimate, passed to the
+chain as ``curvature``.
 
 Prioritised minibatches are PPO's alone (:mod:`rlfunc.algos.ppo`: priorities from per-sample
 loss-gradient norms, importance weights through ``ppo_loss(sample_weight=...)``); GRPO/GSPO
 aggregate per-step terms over episodes of unequal length and take the two step transforms only.
 
-The shaping state lives in the learner state as ``state["shaping"]``: ``"transform"`` (the chain's
-state) and ``"step"`` (0-dim int64, gradient steps taken), so checkpoints and resume carry it.
+The shaping state is the chain's link :data:`LINK` of the learner's "optim": ``"inner"`` (Adam's),
+``"transform"`` (the transforms'), ``"step"`` (0-dim int64, gradient steps taken) and ``"metrics"``,
+so checkpoints and resume carry it. (Snapshots from before it was a link keep it as the learner's
+"shaping"; :func:`rlfunc.run.resume.with_shaping_in_chain` converts them on load.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from rlfunc.errors import ConfigError
 from rlfunc.optim import shaping
+from rlfunc.optim.base import GradientTransform, chain
 
 
 def check_config(config) -> None:
@@ -59,6 +63,25 @@ def make_transform(config) -> shaping.GradientTransformation | None:
     return shaping.chain(*parts) if parts else None
 
 
+LINK = "1"  # the shaping link's key in the chain's state: chain(clip, shape_steps(adam, ...))
+
+
+def optimizer(config, clip: GradientTransform, inner: GradientTransform) -> GradientTransform:
+    """``chain(clip, inner)``, with ``inner`` (Adam) wrapped in the step transforms ``config`` turns on
+    (:func:`rlfunc.optim.shaping.shape_steps`; parameters with a leading seed dim)."""
+    transform = make_transform(config)
+    if transform is None:
+        return chain(clip, inner)
+    names = (("sign_agreement", "damping") if config.oscillation_damping else ()) + \
+        (("trust_clip_fraction",) if config.adaptive_clip else ())
+    return chain(clip, shaping.shape_steps(inner, transform, names, member_dims=1))
+
+
+def metrics_of(optim_state: TensorDictBase) -> dict[str, Tensor]:
+    """The shaping link's metrics of the last step (per seed ``[S]``)."""
+    return dict(optim_state[LINK, "metrics"].items())
+
+
 def flat_name(key: str | tuple[str, ...]) -> str:
     """A parameter key as the transforms' flat name: ("actor", "0", "weight") -> "actor/0/weight"."""
     return shaping.SEP.join(key) if isinstance(key, tuple) else key
@@ -77,15 +100,6 @@ def trainable(params: TensorDictBase, frozen: Collection[str] = ()) -> tuple[lis
     return names, leaves
 
 
-def init_state(transform: shaping.GradientTransformation, params: TensorDictBase) -> TensorDict:
-    names, leaves = trainable(params)
-    flat = TensorDict({n: t.detach() for n, t in zip(names, leaves)}, batch_size=[])
-    return TensorDict(
-        {"transform": transform.init(flat), "step": torch.zeros((), dtype=torch.int64, device=leaves[0].device)},
-        batch_size=[],
-    )
-
-
 def clip_epsilon(config, base: float, iteration: Tensor | int) -> float:
     """``base * clip_epsilon_decay^iteration`` with ``adaptive_clip``, else ``base``."""
     if not config.adaptive_clip:
@@ -93,23 +107,25 @@ def clip_epsilon(config, base: float, iteration: Tensor | int) -> float:
     return float(shaping.decayed_clip_epsilon(base, config.clip_epsilon_decay, int(iteration)))
 
 
-def begin_update(config, shaping_state: TensorDictBase, params: TensorDictBase, log_prob_grads: TensorDictBase | None,
-                 epsilon: float) -> TensorDict:
-    """At the start of a policy update: re-anchor the trust region at ``params`` with radii
-    ``trust_radius_scale * epsilon / (L s_l)`` from the per-sample log-likelihood gradients ``log_prob_grads``
-    (flat keys, ``[S, N, *shape]``). Every leaf is anchored, so the state keeps its structure; a leaf
-    without gradients there (a frozen one, which does not move) gets no bound. Other transforms' states
-    are carried over."""
+def begin_update(config, optim_state: TensorDictBase, params: TensorDictBase, log_prob_grads: TensorDictBase | None,
+                 epsilon: float) -> TensorDictBase:
+    """At the start of a policy update: the chain's state ``optim_state`` with the trust region
+    re-anchored at ``params``, radii ``trust_radius_scale * epsilon / (L s_l)`` from the per-sample
+    log-likelihood gradients ``log_prob_grads`` (flat keys, ``[S, N, *shape]``). Every leaf is
+    anchored, so the state keeps its structure; a leaf without gradients there (a frozen one, which
+    does not move) gets no bound. The other transforms' states are carried over."""
     if not config.adaptive_clip:
-        return shaping_state
+        return optim_state
     names, leaves = trainable(params)
     flat = TensorDict({n: t.detach() for n, t in zip(names, leaves)}, batch_size=[])
     radius = shaping.layer_radius(shaping.layer_sensitivity(log_prob_grads, member_dims=1), epsilon * config.trust_radius_scale)
-    out = shaping_state.clone(recurse=False)
-    transform = shaping_state["transform"].clone(recurse=False)
-    index = str(int(config.oscillation_damping))  # the trust region is the chain's last part
+    link = optim_state[LINK].clone(recurse=False)
+    transform = link["transform"].clone(recurse=False)
+    index = str(int(config.oscillation_damping))  # the trust region is the transforms' last part
     transform[index] = shaping.layer_trust_region(member_dims=1).init(flat, radius=radius)
-    out["transform"] = transform
+    link["transform"] = transform
+    out = optim_state.clone(recurse=False)
+    out[LINK] = link
     return out
 
 
@@ -152,29 +168,6 @@ def curvature(graph_grads: Sequence[Tensor], leaves: Sequence[Tensor], names: Se
     return TensorDict(dict(zip(names, c)), batch_size=[])
 
 
-def curvature_due(config, shaping_state: TensorDictBase) -> bool:
-    return bool(config.oscillation_damping) and int(shaping_state["step"]) % config.hessian_interval == 0
-
-
-def shaped_step(step: Callable[[], None], transform: shaping.GradientTransformation, shaping_state: TensorDictBase,
-                names: Sequence[str], leaves: Sequence[Tensor], curvature_td: TensorDictBase | None,
-                grads: Sequence[Tensor] | None = None) -> tuple[TensorDict, TensorDict]:
-    """Run ``step()`` (the optimizer step), shape the step it took and write ``old + shaped`` back.
-
-    ``grads`` (one per leaf) are the gradients the transforms see; None: each leaf's ``.grad``.
-    Returns the new shaping state and the transforms' metrics (per seed, ``[S]``)."""
-    with torch.no_grad():
-        before = [p.detach().clone() for p in leaves]
-        grads = [p.grad for p in leaves] if grads is None else grads
-        grads = TensorDict({n: g.detach() for n, g in zip(names, grads)}, batch_size=[])
-    step()
-    with torch.no_grad():
-        updates = TensorDict({n: p.detach() - b for n, p, b in zip(names, leaves, before)}, batch_size=[])
-        params = TensorDict(dict(zip(names, before)), batch_size=[])
-        shaped, new_transform, metrics = transform.update(
-            updates, shaping_state["transform"], grads=grads, curvature=curvature_td, params=params
-        )
-        for n, p, b in zip(names, leaves, before):
-            p.copy_(b + shaped[n])
-    # a fresh TensorDict: setting into the learner state's (device-bound) one would copy it with ``to``
-    return TensorDict({"transform": new_transform, "step": shaping_state["step"] + 1}, batch_size=[]), metrics
+def curvature_due(config, optim_state: TensorDictBase) -> bool:
+    """Whether this gradient step refreshes the curvature estimate (every ``hessian_interval``-th)."""
+    return bool(config.oscillation_damping) and int(optim_state[LINK, "step"]) % config.hessian_interval == 0

@@ -176,7 +176,8 @@ def check_shapes(got: Sequence[Tensor], want: Sequence[Tensor], treedef: tuple, 
                              f"{list(w.shape)} in the state")
 
 
-def _key(treedef: tuple, index: int) -> tuple:
+def tree_keys(treedef: tuple) -> list[tuple]:
+    """The nested keys of ``treedef``'s leaves (:func:`flatten`), in their order: ``[("actor", "0", "weight"), ...]``."""
     keys: list[tuple] = []
 
     def walk(spec, path):
@@ -187,7 +188,11 @@ def _key(treedef: tuple, index: int) -> tuple:
                 walk(sub, path + (k,))
 
     walk(treedef, ())
-    return keys[index]
+    return keys
+
+
+def _key(treedef: tuple, index: int) -> tuple:
+    return tree_keys(treedef)[index]
 
 
 def chain(*transforms: GradientTransform) -> GradientTransform:

@@ -8,8 +8,9 @@ are then per member, shape ``[S]``. Transforms ignore context they do not use.
 
 ``updates`` are parameter steps (``new_params - params``), not raw gradients: Adam divides each
 coordinate by its own running RMS, so a per-tensor factor on the gradient before Adam is (nearly)
-undone by it. The algorithms therefore let the optimizer step, read the step it took, shape it and
-write ``params + shaped`` back (:mod:`rlfunc.algos.ppo`, :mod:`rlfunc.algos.grpo`).
+undone by it. :func:`shape_steps` therefore makes Adam and the transforms after it one link of
+:mod:`rlfunc.optim.base`'s chain, whose state the learner owns (:mod:`rlfunc.algos.shaped` builds it
+for :mod:`rlfunc.algos.ppo` and :mod:`rlfunc.algos.grpo`).
 
 Transforms
 - :func:`oscillation_damping`: per tensor, the sign agreement of successive gradients
@@ -49,6 +50,7 @@ from torch import Tensor
 
 from rlfunc.core import func
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.optim.base import GradientTransform, flatten, from_leaves, leaves_at, tree_keys, update_leaves_of
 
 Generators = torch.Generator | Sequence[torch.Generator]
 SEP = "/"  # joins nested parameter keys into flat ones ("actor/0/weight"); snapshots reserve "."
@@ -102,6 +104,61 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, _td(new_state), _td(metrics)
 
     return GradientTransformation(init, update)
+
+
+def shape_steps(inner: GradientTransform, transform: GradientTransformation, metrics: Sequence[str],
+                member_dims: int = 0) -> GradientTransform:
+    """``inner`` (Adam: gradients in, parameter steps out), then ``transform`` on the step it took: one
+    link of :func:`rlfunc.optim.base.chain`, e.g. ``chain(clip, shape_steps(adam(lr), transform, ...))``.
+
+    The link wraps ``inner`` instead of following it because the transforms read the gradients
+    ``inner`` saw (the sign agreement and RMS of :func:`oscillation_damping`), which a later link of
+    the chain would not get; placed after the clip, both see the clipped gradients.
+
+    State: ``{"inner": inner's, "transform": transform's (flat keys, :data:`SEP`), "step": 0-dim int64
+    (updates taken), "metrics": {name: [*M]}}``, the last update's ``metrics`` (0 before the first;
+    a metric the transform did not give keeps its last value). ``update`` reads ``params`` (the values
+    before the step; :func:`layer_trust_region` projects from them) and ``curvature`` (flat keys, per
+    tensor ``[*M]``, :func:`hutchinson_curvature`; None: the stored estimate) from its arguments; the
+    other ``extra`` (``lr``, ``mask``, ``grad_norm``) reach ``inner``. Gradients of a subset of the
+    params' leaves (frozen ones left out) step and shape that subset.
+
+    Raises:
+        ConfigError: ``update`` without ``params``.
+    """
+    _check_member_dims(member_dims)
+
+    def init(params: TensorDictBase) -> TensorDict:
+        leaves, treedef = flatten(params)
+        names = [SEP.join(k) for k in tree_keys(treedef)]
+        member = leaves[0].shape[:member_dims] if leaves else torch.Size([])
+        device = params.device if params.device is not None else _device(params)
+        return TensorDict({
+            "inner": inner.init(params),
+            "transform": transform.init(_td({n: t.detach() for n, t in zip(names, leaves)})),
+            "step": torch.zeros((), dtype=torch.int64, device=device),
+            "metrics": _td({m: torch.zeros(member, device=device) for m in metrics}),
+        }, batch_size=[], device=params.device)
+
+    def update_leaves(grads: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None,
+                      *, curvature: TensorDictBase | None = None, **extra):
+        if params is None:
+            raise ConfigError("shape_steps.update: params=... (the parameters before the step) is required")
+        steps, inner_state = update_leaves_of(inner, grads, treedef, state["inner"], params, **extra)
+        names = [SEP.join(k) for k in tree_keys(treedef)]
+        before = leaves_at(params, treedef, "shape_steps")
+        with torch.no_grad():
+            shaped, new_transform, m = transform.update(
+                _td(dict(zip(names, steps))), state["transform"], grads=_td({n: g.detach() for n, g in zip(names, grads)}),
+                curvature=curvature, params=_td({n: p.detach() for n, p in zip(names, before)}),
+            )
+        last = state["metrics"]
+        new_metrics = _td({k: m.get(k).detach() if k in m.keys() else last.get(k) for k in last.keys()})
+        new_state = TensorDict({"inner": inner_state, "transform": new_transform, "step": state["step"] + 1,
+                                "metrics": new_metrics}, batch_size=[], device=state.device)
+        return [shaped.get(n) for n in names], new_state
+
+    return from_leaves(init, update_leaves)
 
 
 # ----------------------------------------------------------------------------- curvature

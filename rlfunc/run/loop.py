@@ -38,7 +38,7 @@ from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
 from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir,
-                               has_loss_scale, truncate_metrics, with_loss_scales)
+                               has_loss_scale, has_shaping_link, truncate_metrics, with_loss_scales, with_shaping_in_chain)
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
@@ -197,7 +197,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     fresh = run.saved()[0]
     like = fresh.exclude(*run.variable)
     scaled = has_loss_scale(fresh)  # fp16: a snapshot from before the loss scale was state holds bare optimizer states
-    check = like if layout == STATE_LAYOUT and not run.variable and not scaled else None
+    shaping = has_shaping_link(fresh)  # a snapshot from before the shaping state was a link holds it beside the chain
+    check = like if layout == STATE_LAYOUT and not run.variable and not scaled and not shaping else None
     if kind == "snapshot":
         loaded, meta = checkpoint.load_snapshot(where, device=device, like=check)
     else:
@@ -207,6 +208,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
         loaded = run.upgrade(loaded, meta, name)
     if scaled:
         loaded = with_loss_scales(loaded, fresh, meta.get("grad_scaler"))
+    if shaping:
+        loaded = with_shaping_in_chain(loaded, fresh)
     if check is None:
         checkpoint.check_learner(name, loaded.exclude(*run.variable), like)
     run.restore(loaded, meta)

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict
 
+from rlfunc.algos.shaped import LINK
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim import adam_state_from_torch
 from rlfunc.optim.amp import loss_scale_of
@@ -216,6 +217,39 @@ def with_loss_scales(loaded: TensorDict, like: TensorDict, grad_scaler: dict | N
             wrapped["scale"].fill_(float(grad_scaler["scale"]))
             wrapped["growth_tracker"].fill_(int(grad_scaler["_growth_tracker"]))
         loaded.set(path, wrapped)
+    return loaded
+
+
+def _optim_path(td: TensorDict) -> tuple[str, ...] | None:
+    """Where a snapshot keeps the update chain's state: "learner" "optim" (ppo) or "optim" (the others)."""
+    for path in (("learner", "optim"), ("optim",)):
+        if isinstance(td.get(path, None), TensorDict):
+            return path
+    return None
+
+
+def has_shaping_link(like: TensorDict) -> bool:
+    """Whether the run whose snapshot structure is ``like`` keeps gradient shaping as a link of its
+    chain (:func:`rlfunc.algos.shaped.optimizer`)."""
+    path = _optim_path(like)
+    return path is not None and "transform" in like.get(path).get(LINK, TensorDict()).keys()
+
+
+def with_shaping_in_chain(loaded: TensorDict, like: TensorDict) -> TensorDict:
+    """``loaded``, a snapshot of a shaped ppo, grpo or gspo run from before the shaping state was a link
+    of the chain (the learner's "shaping": {"transform", "step"}, Adam's state as the chain's link 1),
+    in the layout of ``like`` (the fresh run's snapshot structure); the link's metrics start at
+    ``like``'s. Other snapshots are returned as they are."""
+    learner = loaded.get("learner", None)
+    path = _optim_path(loaded)
+    if not has_shaping_link(like) or path is None or not isinstance(learner, TensorDict) or "shaping" not in learner.keys():
+        return loaded
+    old = learner["shaping"]
+    link = like.get(_optim_path(like)).get(LINK).clone()
+    link["inner"] = loaded.get(path).get(LINK)
+    link["transform"], link["step"] = old["transform"], old["step"]
+    loaded.set(path + (LINK,), link)
+    loaded["learner"] = loaded["learner"].exclude("shaping")
     return loaded
 
 

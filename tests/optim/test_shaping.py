@@ -245,7 +245,7 @@ def test_all_off_is_plain_ppo():
     config = replace(PPOConfig(), **SMALL)
     assert not (config.oscillation_damping or config.adaptive_clip or config.prioritized_minibatches)
     state, _ = _run(config)
-    assert "shaping" not in state.keys()
+    assert "shaping" not in state.keys() and "transform" not in state["optim", "1"].keys()
     # the shaping knobs do nothing while their transforms are off
     other, _ = _run(replace(PPOConfig(), **SMALL, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5, priority_alpha=2.0, priority_beta=1.0))
     for a, b in zip(state["params"].values(True, True), other["params"].values(True, True)):
@@ -285,7 +285,7 @@ def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
     for x, y in zip(a.values(True, True), b.values(True, True)):
         assert torch.allclose(x.float(), y.float(), atol=1e-5)
     assert torch.allclose(ma[1]["clip_epsilon"], torch.full((2,), 0.2 * 0.995))
-    assert int(a["shaping", "step"]) == 2 * 4
+    assert int(a["optim", "1", "step"]) == 2 * 4
     for key in ("sign_agreement", "damping", "trust_clip_fraction"):
         assert ma[1][key].shape == (2,) and ma[1][key].isfinite().all()
     assert all(v.isfinite().all() for v in a["params"].values(True, True))
@@ -300,7 +300,7 @@ def test_trust_region_bounds_ppo_policy_change():
     state = algo.init()
     start = state["params"].clone()
     state, m = algo.iteration(state, _batch(1, 2, 32), [torch.Generator().manual_seed(0)])
-    trust = state["shaping", "transform", "0"]
+    trust = state["optim", "1", "transform", "0"]
     moved = 0
     for name in trust.keys():
         keys = tuple(name.split(shaping.SEP))
@@ -346,16 +346,16 @@ def test_grpo_gspo_shaping(loss):
     kw = dict(env="PointReach-v0", loss=loss, num_groups=2, group_size=4, minibatch_size=4, num_epochs=3, num_seeds=2)
     plain, _, _ = _run_grpo(replace(GRPOConfig(), **kw))
     knobs, _, _ = _run_grpo(replace(GRPOConfig(), **kw, damping_strength=1.0, hessian_interval=1, clip_epsilon_decay=0.5))
-    assert "shaping" not in plain.keys()
+    assert "shaping" not in plain.keys() and "transform" not in plain["optim", "1"].keys()
     for a, b in zip(plain["params"].values(True, True), knobs["params"].values(True, True)):
         assert torch.equal(a, b)  # off means off
     state, m, _ = _run_grpo(replace(GRPOConfig(), **kw, oscillation_damping=True, adaptive_clip=True, hessian_interval=2), iterations=2)
     base = 0.2 if loss == "grpo" else 0.03
     assert torch.allclose(m["clip_epsilon"], torch.full((2,), base * 0.995))
-    assert int(state["shaping", "step"]) == 2 * 3 * 2
+    assert int(state["optim", "1", "step"]) == 2 * 3 * 2
     assert all(v.isfinite().all() for v in state["params"].values(True, True))
     # each policy tensor ends the second update within its radius of that update's start
-    trust = state["shaping", "transform", "1"]
+    trust = state["optim", "1", "transform", "1"]
     for name in trust.keys():
         dist = (state["params"].get(tuple(name.split(shaping.SEP))) - trust[name, "anchor"]).flatten(1).norm(dim=1)
         assert (dist <= trust[name, "radius"] * (1 + 1e-4)).all(), name
@@ -373,16 +373,97 @@ def test_ppo_shaped_resume_is_exact(tmp_path):
     resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
     a = dict(full.state.items(include_nested=True, leaves_only=True))
     b = dict(resumed.state.items(include_nested=True, leaves_only=True))
-    assert a.keys() == b.keys() and any(k[0] == "shaping" for k in a)
+    assert a.keys() == b.keys() and any(k[:3] == ("optim", "1", "transform") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_shape_steps_is_adam_then_the_transforms_on_its_step():
+    """The link's update equals Adam's step put through the transforms by hand, with the gradients
+    Adam saw, and keeps the transforms' metrics; ``params`` is required."""
+    from rlfunc.optim import adam, chain, clip_by_global_norm, flatten
+
+    g = torch.Generator().manual_seed(0)
+    params = TensorDict({"actor": {"0": {"weight": torch.randn(2, 3, 4, generator=g)}}, "log_std": torch.randn(2, 4, generator=g)},
+                        batch_size=[])
+    damping = shaping.oscillation_damping(1e-2, strength=0.5, member_dims=1)
+    link = shaping.shape_steps(adam(1e-2), damping, ("sign_agreement", "damping"), member_dims=1)
+    state = link.init(params)
+    assert int(state["step"]) == 0 and state["metrics", "damping"].shape == (2,)
+    ref_adam, ref_t = adam(1e-2).init(params), state["transform"].clone()
+    for i in range(3):
+        grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+        out, state = link.update(grads, state, params, lr=1e-2)
+        step, ref_adam = adam(1e-2).update(grads, ref_adam, params, lr=1e-2)
+        flat = lambda td: TensorDict({"/".join(k): v for k, v in zip(_keys(td), flatten(td)[0])}, batch_size=[])  # noqa: E731
+        shaped, ref_t, m = damping.update(flat(step), ref_t, grads=flat(grads))
+        for k, v in zip(_keys(out), flatten(out)[0]):
+            assert torch.equal(v, shaped["/".join(k)]), k
+        assert torch.equal(state["metrics", "damping"], m["damping"]) and int(state["step"]) == i + 1
+    with pytest.raises(ConfigError, match="params"):
+        chain(clip_by_global_norm(1.0, stacked=True), link).update(grads, chain(clip_by_global_norm(1.0, stacked=True), link).init(params))
+
+
+def _keys(td):
+    from rlfunc.optim.base import flatten, tree_keys
+
+    return tree_keys(flatten(td)[1])
+
+
+def test_ppo_shaped_snapshot_from_before_the_link_resumes_exactly(tmp_path):
+    """A shaped run's snapshot of the layout before the shaping state was a link of the update chain
+    (the learner's "shaping" {"transform", "step"} beside the chain, Adam's state as link "1") loads,
+    and the resumed run equals the uninterrupted one."""
+    from rlfunc.run import checkpoint
+    from rlfunc.run.ppo import train
+
+    tiny = dict(num_envs=2, num_steps=64, minibatch_size=32, num_epochs=1, checkpoint_every=1, device="cpu",
+                version_every=0, total_steps=4 * 128, hessian_interval=3)
+    config = preset("Pendulum-v1", shaping="ppo-shaped", **tiny)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    snap = checkpoint.latest_snapshot(tmp_path / "part")
+    saved, meta = checkpoint.load_snapshot(snap)
+    link = saved["learner", "optim", "1"]
+    old = saved.clone()
+    old["learner", "optim", "1"] = link["inner"]
+    old["learner", "shaping"] = TensorDict({"transform": link["transform"], "step": link["step"]}, batch_size=[])
+    checkpoint.save_snapshot(snap, old, meta)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    a = dict(full.state.items(include_nested=True, leaves_only=True))
+    b = dict(resumed.state.items(include_nested=True, leaves_only=True))
+    assert a.keys() == b.keys() and ("optim", "1", "step") in a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_with_shaping_in_chain_on_the_grpo_layout():
+    """grpo's snapshots keep the chain beside the learner ("optim"), ppo's inside it: both convert."""
+    from rlfunc.run.resume import has_shaping_link, with_shaping_in_chain
+
+    link = TensorDict({"inner": {"exp_avg": torch.zeros(2)}, "transform": {"0": {"count": torch.zeros(())}},
+                       "step": torch.zeros((), dtype=torch.int64), "metrics": {"damping": torch.zeros(2)}}, batch_size=[])
+    like = TensorDict({"learner": {"params": torch.zeros(2)}, "optim": {"0": {"norm": torch.zeros(2)}, "1": link}}, batch_size=[])
+    def old():
+        return TensorDict({"learner": {"params": torch.ones(2), "shaping": {"transform": {"0": {"count": torch.tensor(3.0)}},
+                                                                           "step": torch.tensor(7)}},
+                           "optim": {"0": {"norm": torch.ones(2)}, "1": {"exp_avg": torch.full((2,), 5.0)}}}, batch_size=[])
+
+    assert has_shaping_link(like) and not has_shaping_link(old())
+    new = with_shaping_in_chain(old(), like)
+    assert set(new.keys(include_nested=True, leaves_only=True)) == set(like.keys(include_nested=True, leaves_only=True))
+    assert int(new["optim", "1", "step"]) == 7 and float(new["optim", "1", "transform", "0", "count"]) == 3.0
+    assert torch.equal(new["optim", "1", "inner", "exp_avg"], torch.full((2,), 5.0))
+    assert torch.equal(new["learner", "params"], torch.ones(2))
+    plain = like.exclude(("optim", "1", "transform"))
+    assert not has_shaping_link(plain) and with_shaping_in_chain(old(), plain)["learner"].get("shaping", None) is not None
 
 
 def test_trust_radius_scale_multiplies_the_radii():
     kw = dict(num_envs=2, num_steps=32, minibatch_size=32, num_epochs=1, adaptive_clip=True)
     a, _ = _run(replace(PPOConfig(), **kw))
     b, _ = _run(replace(PPOConfig(), **kw, trust_radius_scale=3.0))
-    ra, rb = a["shaping", "transform", "0"], b["shaping", "transform", "0"]
+    ra, rb = a["optim", "1", "transform", "0"], b["optim", "1", "transform", "0"]
     for name in ra.keys():
         x, y = ra[name, "radius"], rb[name, "radius"]
         assert torch.allclose(torch.where(x.isinf(), x, 3 * x), y), name
@@ -412,15 +493,18 @@ def test_shaping_transforms_see_the_clipped_gradients(monkeypatch):
     # Regression (found in review after PPO's optimizer moved into the learner): the shaping
     # transforms must see the gradients after the per-seed global-norm clip, as they did when the
     # clip was done in place before the step; with max_grad_norm 1e-3 every gradient is clipped.
-    from rlfunc.algos import shaped
-
     seen = []
-    real = shaped.shaped_step
+    real = shaping.oscillation_damping
 
-    def recording(step, transform, state, names, leaves, curvature, grads=None):
-        seen.append(torch.stack([g.pow(2).flatten(1).sum(1) for g in (grads or [p.grad for p in leaves])]).sum(0).sqrt())
-        return real(step, transform, state, names, leaves, curvature, grads=grads)
+    def recording(*args, **kwargs):
+        t = real(*args, **kwargs)
 
-    monkeypatch.setattr(shaped, "shaped_step", recording)
+        def update(updates, state, *, grads=None, **context):
+            seen.append(torch.stack([g.pow(2).flatten(1).sum(1) for g in grads.values()]).sum(0).sqrt())
+            return t.update(updates, state, grads=grads, **context)
+
+        return shaping.GradientTransformation(t.init, update)
+
+    monkeypatch.setattr(shaping, "oscillation_damping", recording)
     _run(replace(PPOConfig(), **SMALL, num_seeds=2, max_grad_norm=1e-3, oscillation_damping=True, hessian_interval=2))
     assert len(seen) == 8 and all(bool((n <= 1e-3 + 1e-7).all()) for n in seen), seen
