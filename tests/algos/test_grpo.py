@@ -492,11 +492,13 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "3"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["mean"] == pytest.approx(out["mean"])  # same snapshot, same seed
+    # eval.json and `rlfunc eval` name the algorithm (they did not for grpo/gspo, mappo, ppo-encoder)
+    assert out["algo"] == again["algo"] == json.loads((run / "eval.json").read_text())["algo"] == "gspo"
     assert main(["train", "grpo", "--env", "PointReach-v0", "--loss", "gspo", "--run-dir", str(tmp_path / "x")]) == 2
     capsys.readouterr()
     assert main(["resume", str(run)]) == 0  # a finished run: nothing left to train, evaluated again
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert resumed["mean"] == pytest.approx(out["mean"])
+    assert resumed["mean"] == pytest.approx(out["mean"]) and resumed["algo"] == "gspo"
     # as if saved on the other device type (CPU generator states are 5056 bytes, CUDA ones 16): evaluation
     # loads it (it failed on the states' shapes), resume names the device type to resume on
     from rlfunc.run import checkpoint
