@@ -513,11 +513,13 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     def sample_value(params: TensorDict, observation: Tensor) -> Tensor:
         return sequential_apply(net.critic, params["critic"], observation[None]).sum()
 
-    def minibatch_priorities(params: TensorDict, flat: TensorDict, log_prob_grads: TensorDict,
+    def minibatch_priorities(params: TensorDict, flat: TensorDict, log_prob_grads: TensorDict, data_ok: Tensor,
                              frozen: Collection[str] = ()) -> tuple[Tensor, Tensor]:
         """(p [S, B], importance weights [S, B]) from m_i, the norm of sample i's loss gradient at the
         start of the update (ratio 1): sqrt(A_i^2 |d log pi_i|^2 + (c_v (V_i - V_target_i))^2 |d V_i|^2),
-        A the batch-normalised advantage (actor and critic share no parameter; entropy left out)."""
+        A the batch-normalised advantage (actor and critic share no parameter; entropy left out).
+        A seed whose data is not finite (``data_ok`` [S] False; its update is skipped) or whose m_i are
+        not gets uniform priorities."""
         value_grads = shaped.stacked_per_sample_grads(sample_value, params, flat["observation"], device=device, use_loop=use_loop,
                                                       frozen=frozen)
         sq = lambda td: sum(g.square().flatten(2).sum(-1) for g in td.values())  # noqa: E731  [S, B]
@@ -526,7 +528,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             adv = (adv - adv.mean(1, keepdim=True)) / (adv.std(1, correction=0, keepdim=True) + 1e-8)
         value_error = config.value_coef * (flat["state_value"] - flat["value_target"]).squeeze(-1)
         magnitude = (adv.square() * sq(log_prob_grads) + value_error.square() * sq(value_grads)).sqrt()
-        p = priorities(magnitude, config.priority_alpha)
+        usable = (data_ok & magnitude.isfinite().all(1)).unsqueeze(1)  # [S, 1]
+        p = priorities(torch.where(usable, magnitude, torch.ones_like(magnitude)), config.priority_alpha)
         return p, importance_weights(p, config.priority_beta)
 
     def member_loss(params: TensorDict, mb: TensorDict, clip_epsilon: float = config.clip_epsilon) -> tuple[Tensor, TensorDict]:
@@ -670,7 +673,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             )
             optim_state = shaped.begin_update(config, optim_state, params, log_prob_grads, clip_epsilon)
             if config.prioritized_minibatches:
-                probs, weights = minibatch_priorities(params, flat, log_prob_grads, frozen_names)
+                probs, weights = minibatch_priorities(params, flat, log_prob_grads, data_ok, frozen_names)
         loss_fn = vmap(member_loss, in_dims=(0, 0, None)) if config.adaptive_clip else vmap(member_loss)
         loss_args = (clip_epsilon,) if config.adaptive_clip else ()
         for _ in range(config.num_epochs):

@@ -120,8 +120,11 @@ def shape_steps(inner: GradientTransform, transform: GradientTransformation, met
     a metric the transform did not give keeps its last value). ``update`` reads ``params`` (the values
     before the step; :func:`layer_trust_region` projects from them) and ``curvature`` (flat keys, per
     tensor ``[*M]``, :func:`hutchinson_curvature`; None: the stored estimate) from its arguments; the
-    other ``extra`` (``lr``, ``mask``, ``grad_norm``) reach ``inner``. Gradients of a subset of the
-    params' leaves (frozen ones left out) step and shape that subset.
+    other ``extra`` (``lr``, ``grad_norm``) reach ``inner``. ``mask`` (bool ``[*M]``, as Adam's) reaches
+    ``inner`` too, and a member it leaves out (a skipped update) keeps its part of the transforms'
+    state and metrics and gets a zero step; the shared counters ("step", the transforms' "count")
+    advance when any member steps. Gradients of a subset of the params' leaves (frozen ones left out)
+    step and shape that subset.
 
     Raises:
         ConfigError: ``update`` without ``params``.
@@ -154,11 +157,28 @@ def shape_steps(inner: GradientTransform, transform: GradientTransformation, met
             )
         last = state["metrics"]
         new_metrics = _td({k: m.get(k).detach() if k in m.keys() else last.get(k) for k in last.keys()})
-        new_state = TensorDict({"inner": inner_state, "transform": new_transform, "step": state["step"] + 1,
+        out = [shaped.get(n) for n in names]
+        mask = extra.get("mask", None)
+        if mask is not None:  # skipped members: their old state, no step
+            keep = lambda new, old: _where_members(mask, new, old)  # noqa: E731
+            new_transform = new_transform.apply(keep, state["transform"])
+            new_metrics = new_metrics.apply(keep, last)
+            out = [_where_members(mask, u, torch.zeros_like(u)) for u in out]
+        step = state["step"] + (1 if mask is None else mask.any().to(state["step"].dtype))
+        new_state = TensorDict({"inner": inner_state, "transform": new_transform, "step": step,
                                 "metrics": new_metrics}, batch_size=[], device=state.device)
-        return [shaped.get(n) for n in names], new_state
+        return out, new_state
 
     return from_leaves(init, update_leaves)
+
+
+def _where_members(mask: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """``new`` for the members ``mask`` [*M] keeps, ``old`` for the others: per member where the
+    tensor leads with the member dims, else (a counter shared by the members) ``new`` if any is kept."""
+    m = mask.dim()
+    if m and new.dim() >= m and new.shape[:m] == mask.shape:
+        return torch.where(mask.reshape(*mask.shape, *([1] * (new.dim() - m))), new, old)
+    return torch.where(mask.any(), new, old)
 
 
 # ----------------------------------------------------------------------------- curvature

@@ -292,6 +292,34 @@ def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
     save_snapshot(tmp_path / "snap", a, {"note": "shaping state keys are snapshot-safe"})
 
 
+@pytest.mark.parametrize("kw", [dict(prioritized_minibatches=True), dict(oscillation_damping=True, hessian_interval=1),
+                                dict(adaptive_clip=True), dict(oscillation_damping=True, adaptive_clip=True, prioritized_minibatches=True)],
+                         ids=["prioritized", "damping", "adaptive_clip", "all"])
+def test_non_finite_data_skips_that_seeds_update_with_shaping(kw):
+    # Regression (new-user pass): a NaN reward crashed a run with prioritized_minibatches ("priorities:
+    # magnitude must be finite"), and with damping the skipped update still moved the seed's shaping
+    # state (curvature from the NaN loss, grad_sq, counters). Now seed 0's update is skipped and
+    # everything of it stays put; seed 1 trains on.
+    config = replace(PPOConfig(), num_envs=2, num_steps=32, minibatch_size=16, num_epochs=2, num_seeds=2, **kw)
+    algo = make_ppo(config, SPEC, torch.device("cpu"))
+    gens = [torch.Generator().manual_seed(s) for s in config.seeds]
+    state, _ = algo.iteration(algo.init(), _batch(2, 2, 32, 0), gens)
+    before = state.clone()
+    batch = _batch(2, 2, 32, 1)
+    batch["next", "reward"][0, 1, 5] = float("nan")
+    after, m = algo.iteration(state, batch, gens)
+    assert m["skipped_data"].tolist() == [2 * 32 // 16 * 2, 0]  # every minibatch of both epochs, seed 0 only
+    moved = []
+    for key, old in before.items(include_nested=True, leaves_only=True):
+        if key[0] not in ("params", "optim") or key[:2] == ("optim", "0") or key[-1] in ("anchor", "radius") \
+                or old.dim() == 0 or old.shape[0] != 2:
+            continue  # the clip link's state is the last gradient norm, a report; the trust region re-anchors every update
+        new = after.get(key)
+        assert torch.equal(new[0], old[0]), key  # the skipped seed: params, Adam, transforms' state, metrics
+        moved.append(not torch.equal(new[1], old[1]))
+    assert any(moved) and all(v.isfinite().all() for v in after["params"].values(True, True))
+
+
 def test_trust_region_bounds_ppo_policy_change():
     """Within one PPO iteration each policy tensor stays within its radius of the start."""
     kw = dict(num_envs=2, num_steps=32, minibatch_size=16, num_epochs=4, adaptive_clip=True, lr=0.05, max_grad_norm=100.0)
