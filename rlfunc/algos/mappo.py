@@ -129,6 +129,9 @@ class MAPPOConfig:
             raise ConfigError(f"gamma={self.gamma}, lmbda={self.lmbda}: expected values in [0, 1]")
         if not self.lr > 0 or not 0 <= self.entropy_coef < math.inf or not 0 <= self.value_coef < math.inf or not self.max_grad_norm > 0:
             raise ConfigError("lr and max_grad_norm must be > 0, entropy_coef and value_coef finite and >= 0")
+        for name in ("clip_epsilon", "gspo_clip_epsilon", "gspo_clip_epsilon_high"):  # else found at the first update, run dir written
+            if not 0 < getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a value in (0, 1)")
 
     def check_data_parallel(self) -> None:
         """ConfigError, one line, unless ``run.nproc`` = W ranks can split this run: its env must

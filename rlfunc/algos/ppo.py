@@ -128,8 +128,12 @@ class PPOConfig:
             raise ConfigError("hidden=(): expected at least one layer width (e.g. --hidden 64 64)")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"hidden={self.hidden}: every layer width must be positive")
-        if self.target_kl is not None and not self.target_kl > 0:
-            raise ConfigError(f"target_kl={self.target_kl}: expected > 0 or None")
+        for name in ("target_kl", "value_clip_epsilon"):  # value_clip_epsilon nan skipped every step, silently
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value}: expected a finite value > 0 or None")
+        if not (self.adam_eps >= 0 and math.isfinite(self.adam_eps)):
+            raise ConfigError(f"adam_eps={self.adam_eps}: expected a finite value >= 0")
         if self.activation not in ("tanh", "relu", "elu", "silu"):
             raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
         if self.exploration not in ("gaussian", "gsde"):
@@ -146,6 +150,7 @@ class PPOConfig:
                           if self.run.num_seeds > 1 or nproc > 1 else "")
         if not self.priority_alpha >= 0 or not 0 <= self.priority_beta <= 1:
             raise ConfigError(f"priority_alpha={self.priority_alpha}, priority_beta={self.priority_beta}: expected >= 0 and in [0, 1]")
+        parallel.check_config(self, self.run.nproc)  # before torchrun starts the ranks (make_ppo checks the real W)
 
     @property
     def batch_size(self) -> int:

@@ -128,8 +128,11 @@ class PPOEncoderConfig:
         if not 0 <= self.entropy_coef < math.inf or not 0 <= self.value_coef < math.inf:  # nan/inf: every step skipped
             raise ConfigError(f"entropy_coef={self.entropy_coef}, value_coef={self.value_coef}: expected finite values >= 0")
         for name in ("target_kl", "value_clip_epsilon"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0 or None")
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value}: expected a finite value > 0 or None")
+        if not (self.adam_eps >= 0 and math.isfinite(self.adam_eps)):
+            raise ConfigError(f"adam_eps={self.adam_eps}: expected a finite value >= 0")
         if not self.hidden or any(h < 1 for h in self.hidden):
             raise ConfigError(f"hidden={self.hidden}: expected at least one width, every width positive")
         if self.activation not in ("tanh", "relu", "elu", "silu"):

@@ -403,9 +403,11 @@ class DiffusionRun(Run):
         weights (bc: the EMA), DDIM with eta ``eval_eta`` (dppo; else 0)."""
         key, encoder_key = algorithms.lookup(self.name).deploy
         config, state = self.config, self.state
-        return evaluate_episodes(self.algo.actor, state[key], state["obs_stats"], state["schedule"], config.env,
-                                 config.run.eval_episodes, seed=config.run.seed + EVAL_SEED_OFFSET,
-                                 eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None))
+        summary = evaluate_episodes(self.algo.actor, state[key], state["obs_stats"], state["schedule"], config.env,
+                                    config.run.eval_episodes, seed=config.run.seed + EVAL_SEED_OFFSET,
+                                    eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None))
+        # the keys of evaluate_run's, so `rlfunc eval RUN_DIR` repeats eval.json exactly
+        return {"algo": self.name, "episodes": config.run.eval_episodes, **{k: float(v) for k, v in summary.items()}}
 
     def close(self) -> None:
         if self.env is not None:

@@ -101,6 +101,10 @@ def test_config_errors():
         MAPPOConfig(loss="grpo", num_envs=10, group_size=4)
     with pytest.raises(ConfigError, match="critic"):
         MAPPOConfig(critic="global")
+    # Regression (new-user pass): a nan clip range was found at the first update, after the run dir was written
+    for name in ("clip_epsilon", "gspo_clip_epsilon", "gspo_clip_epsilon_high"):
+        with pytest.raises(ConfigError, match=f"^{name}=nan"):
+            MAPPOConfig(loss="gspo", **{name: float("nan")})
 
 
 def _small(loss: str, **kw) -> MAPPOConfig:

@@ -123,6 +123,18 @@ def test_a_split_that_does_not_divide_is_a_config_error():
         make_ppo(_config(prioritized_minibatches=True), spec, CPU, SimpleNamespace(world_size=2, rank=0, group=None))
 
 
+def test_the_config_refuses_a_split_before_torchrun_starts_the_ranks():
+    # Regression (new-user pass): `rlfunc train ppo --shaping ppo-shaped --nproc 2` started both ranks,
+    # each printed the refusal, then torchrun's failure lines; the config now refuses it in one line
+    from rlfunc.algos.ppo import preset
+
+    with pytest.raises(ConfigError, match="gradient shaping is not data-parallel"):
+        preset("Pendulum-v1", shaping="ppo-shaped", nproc=2)
+    with pytest.raises(ConfigError, match="num_envs=2 does not divide by the 3 ranks"):
+        preset("Pendulum-v1", num_envs=2, nproc=3)
+    assert preset("Pendulum-v1", nproc=2).run.nproc == 2
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_rank_draws_the_noise_of_its_envs(case):
     # rank r's policy on its envs' observations acts as the single process's on envs 2r, 2r+1: it draws

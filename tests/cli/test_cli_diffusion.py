@@ -31,6 +31,9 @@ def test_eval_of_a_diffusion_run(bc_dir, capsys):
     assert main(["eval", str(bc_dir), "--episodes", "5", "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["algo"] == "bc" and out["episodes"] == 5 and 0.0 <= out["success_rate"] <= 1.0
+    # with the run's own defaults it repeats eval.json, key for key (the final evaluation had no "episodes")
+    assert main(["eval", str(bc_dir), "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads((bc_dir / "eval.json").read_text())
 
 
 def test_resume_of_a_bc_run_with_a_new_budget(bc_dir, tmp_path, capsys):

@@ -275,6 +275,18 @@ def test_config_errors(bad):
         replace(PPOConfig(), **bad)
 
 
+@pytest.mark.parametrize("bad", [dict(value_clip_epsilon=math.nan), dict(value_clip_epsilon=-0.1), dict(adam_eps=math.nan)])
+def test_ppo_config_names_the_bad_field(bad):
+    # Regression (new-user pass): value_clip_epsilon nan was accepted and every step was skipped,
+    # silently; adam_eps nan was refused by Adam as "eps=nan", not by the flag's name
+    from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+
+    (name, _), = bad.items()
+    for cls in (PPOConfig, PPOEncoderConfig):
+        with pytest.raises(ConfigError, match=f"^{name}="):
+            replace(cls(), **bad)
+
+
 def test_shaped_iteration_vmap_equals_loop_and_checkpoints(tmp_path):
     from rlfunc.run.checkpoint import save_snapshot
 
