@@ -14,6 +14,12 @@ from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
 _ALIASES = {"--demos": "--num-demos", "--init": "--init-from"}
 
 
+def _alias(arg: str) -> str:
+    """``arg`` with a short flag spelled out, as ``--demos 5`` or ``--demos=5``."""
+    flag, eq, value = arg.partition("=")
+    return _ALIASES.get(flag, flag) + eq + value if flag in _ALIASES else arg
+
+
 def _train(name: str, argv: list[str], what: str) -> int:
     """Parse ``argv`` into the config of ``name``'s entry, run its ``train`` and print the evaluation
     as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped it."""
@@ -22,7 +28,7 @@ def _train(name: str, argv: list[str], what: str) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(argv)
-    rest = [_ALIASES.get(a, a) for a in rest]
+    rest = [_alias(a) for a in rest]
     config = parse_config(
         cls, args=rest, default=cls(),
         prog=f"rlfunc train {name}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{name}-sSEED-TIME).",

@@ -143,3 +143,11 @@ def test_actor_flags_are_ignored_with_init_from_as_the_readme_says(bc_dir, tmp_p
     assert main(args) == 0
     used = json.loads((d / "config.json").read_text())["actor"]
     assert used == json.loads((bc_dir / "config.json").read_text())["actor"]
+
+
+def test_short_flags_in_both_spellings():
+    # Regression (new-user pass): `--demos=5` was "Unrecognized options: --demos=5"; only `--demos 5` worked
+    from rlfunc.cli.diffusion import _alias
+
+    assert [_alias(a) for a in ("--demos", "5", "--demos=5", "--init=runs/x", "--demosx=1", "--lr=1")] == \
+        ["--num-demos", "5", "--num-demos=5", "--init-from=runs/x", "--demosx=1", "--lr=1"]
