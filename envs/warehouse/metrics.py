@@ -16,7 +16,7 @@ from torch import Tensor
 from envs.warehouse.core import N_ACTIONS, STEP_KEYS
 from envs.warehouse.env import WarehouseEnv
 from envs.warehouse.layout import WarehouseConfig
-from rlfunc.core.stats import mean_interval
+from rlfunc.core.stats import mean_interval, summarize_returns
 from rlfunc.errors import ConfigError, ShapeError
 
 Policy = Callable[[TensorDictBase], Tensor]
@@ -102,9 +102,12 @@ def evaluate(
         device: where the env runs.
 
     Returns:
-        {"per_seed": [{"seed": s, **rollout_metrics}], "median": {metric: median over seeds}}; with
-        ``num_episodes > 1`` each seed's row also has "deliveries_per_100_steps_ci95", the Student-t
-        95% interval of the mean over its warehouses (:func:`rlfunc.core.stats.mean_interval`).
+        {"per_seed": [{"seed": s, **rollout_metrics}], "median": {metric: median over seeds},
+        "deliveries_per_100_steps": {"mean", "std", "episodes", "ci95"} over every seed's warehouses
+        (:func:`rlfunc.core.stats.summarize_returns`: the evaluation protocol's summary; "ci95" None
+        for one warehouse)}; with ``num_episodes > 1`` each seed's row also has
+        "deliveries_per_100_steps_ci95", the Student-t 95% interval of the mean over its warehouses
+        (:func:`rlfunc.core.stats.mean_interval`).
 
     Raises:
         ConfigError: no seeds, or ``num_steps`` < 1.
@@ -114,7 +117,7 @@ def evaluate(
     num_steps = config.max_steps if num_steps is None else num_steps
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ConfigError(f"num_steps={num_steps!r}: expected an int >= 1")
-    rows = []
+    rows, episodes = [], []
     for seed in seeds:
         env = WarehouseEnv(num_episodes, config, device=device, seed=seed)
         policy = make_policy(env)
@@ -125,9 +128,10 @@ def evaluate(
         with torch.no_grad():
             td = env.rollout(num_steps, act, break_when_any_done=False)
         row = {"seed": seed, **rollout_metrics(td)}
+        per_warehouse = td["next", "deliveries"].reshape(num_episodes, -1).float().mean(-1) * 100.0
         if num_episodes > 1:  # the spread over this seed's warehouses (the evaluation protocol's interval)
-            per_warehouse = td["next", "deliveries"].reshape(num_episodes, -1).float().mean(-1) * 100.0
             row["deliveries_per_100_steps_ci95"] = list(mean_interval(per_warehouse))
         rows.append(row)
+        episodes.append(per_warehouse.cpu())
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "seed" and not k.endswith("_ci95")}
-    return {"per_seed": rows, "median": median}
+    return {"per_seed": rows, "median": median, "deliveries_per_100_steps": summarize_returns(torch.cat(episodes))}

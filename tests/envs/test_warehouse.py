@@ -277,6 +277,12 @@ def test_scripted_baseline_delivers_without_conflicts_and_beats_random():
         assert row["deliveries_per_100_steps"] >= 20  # measured 28-33 over 150 steps
     assert rand["median"]["deliveries_per_100_steps"] <= 1 and rand["median"]["conflicts_per_100_steps"] > 50
     assert expert["median"]["idle_fraction"] < 0.5 * rand["median"]["idle_fraction"]
+    # the protocol's summary over every warehouse (one per seed here): mean, std and interval of the two
+    summary = expert["deliveries_per_100_steps"]
+    rates = [r["deliveries_per_100_steps"] for r in expert["per_seed"]]
+    assert summary["episodes"] == 2 and summary["mean"] == pytest.approx(sum(rates) / 2, rel=1e-6)
+    assert summary["std"] == pytest.approx(abs(rates[0] - rates[1]) / 2, rel=1e-5, abs=1e-6)
+    assert summary["ci95"][0] <= summary["mean"] <= summary["ci95"][1]
 
 
 def test_windowed_cooperative_astar_baseline_has_no_conflicts():
