@@ -54,8 +54,7 @@ def _eval(argv: list[str]) -> int:
     snap = checkpoint.latest_snapshot(a.run_dir)
     if snap is None and (Path(a.run_dir) / "meta.json").is_file():
         snap = Path(a.run_dir)  # a snapshot directory
-    algo = checkpoint.load_meta(snap).get("algo") if snap is not None else None
-    entry = registry.for_snapshot(algo)
+    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
     try:
         result = registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
     except SnapshotCorruptError as e:  # name the older snapshots, as resume does
@@ -64,8 +63,6 @@ def _eval(argv: list[str]) -> int:
             raise
         raise SnapshotCorruptError(f"{e}. Older snapshots: {', '.join(p.name for p in older)}; to evaluate the newest "
                                    f"of them: rlfunc eval {older[0]}") from e
-    if algo and isinstance(result, dict) and "algo" not in result:  # as the run's eval.json names it
-        result = {"algo": algo, **result}
     print(json.dumps(result))
     return 0
 

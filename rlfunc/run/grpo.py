@@ -251,7 +251,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), like, generators="fresh")
     with torch.no_grad():
         like.update_(learner)
-    return evaluate_policy(config, like, spec, dev, episodes, config.run.seed if seed is None else seed)
+    return {"algo": meta["algo"], **evaluate_policy(config, like, spec, dev, episodes, config.run.seed if seed is None else seed)}
 
 
 def train_grpo(

@@ -189,7 +189,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
     with torch.no_grad():
         state.update_(learner)
-    return evaluate_state(config, algo, state, dev)
+    return {"algo": "mappo", **evaluate_state(config, algo, state, dev)}
 
 
 def config_from_meta(meta: dict, path: Path | str = "snapshot") -> MAPPOConfig:

@@ -442,7 +442,7 @@ def evaluate(
     run's ``eval_episodes``).
 
     Returns:
-        {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
+        {"algo", "env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
         Student-t 95% interval of the mean over all episodes of all seeds (env reward units,
         :func:`rlfunc.core.stats.summarize_returns`), the episodes per seed, the mean per seed (and with
         several seeds "per_seed_ci95"), and the snapshot's env steps; "success_rate" and its Wilson
@@ -485,6 +485,7 @@ def evaluate(
         venv.close()
     per_seed = returns.view(config.run.num_seeds, episodes)
     out = {
+        "algo": "ppo",
         "env": config.env,
         **summarize_returns(returns),
         "episodes": episodes,

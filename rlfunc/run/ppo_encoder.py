@@ -352,7 +352,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
     with torch.no_grad():
         state.update_(learner)
-    return evaluate_state(config, info, state, episodes, seed=seed, device=dev, max_envs=max_envs)
+    return {"algo": meta["algo"], **evaluate_state(config, info, state, episodes, seed=seed, device=dev, max_envs=max_envs)}
 
 
 def evaluate_state(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict, episodes: int, *, seed: int | None = None,
