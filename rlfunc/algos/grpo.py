@@ -22,6 +22,8 @@ Sequence Policy Optimization" (GSPO); see :mod:`rlfunc.losses.grpo` and :mod:`rl
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -194,11 +196,12 @@ class GRPOConfig:
         return self.backend == "torch" or (self.backend == "auto" and registry.torch_builder(self.env) is not None)
 
     def actor_config(self) -> PPOConfig:
-        """The PPOConfig whose actor, initialisation and rollout policy GRPO shares."""
+        """The PPOConfig whose actor, initialisation and rollout policy GRPO shares (nproc 1: GRPO splits
+        its groups over the ranks itself, :meth:`check_data_parallel`; PPO's policy takes the ranks from ``dist``)."""
         return PPOConfig(
             env=self.env, num_envs=1, num_steps=1, minibatch_size=1, hidden=self.hidden, activation=self.activation,
             init_log_std=self.init_log_std, normalize_observations=self.normalize_observations, obs_clip=self.obs_clip,
-            run=self.run,
+            run=dataclasses.replace(self.run, nproc=1),
         )
 
 
