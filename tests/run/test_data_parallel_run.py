@@ -159,10 +159,18 @@ def test_a_killed_rank_stops_the_job_in_one_line_and_the_snapshot_resumes(tmp_pa
 
 def test_a_job_whose_ranks_all_refuse_the_config_says_nothing_was_saved(tmp_path):
     """3 ranks for 4 envs: each rank refuses it; the launcher's line named a snapshot to resume from,
-    in a run dir that was never written."""
+    in a run dir that was never written. (`rlfunc train` now refuses this split before it launches,
+    in one line, so the launcher is called directly here.)"""
     run = tmp_path / "r"
-    out = _rlfunc("train", "ppo", "--env", "Pendulum-v1", "--num-envs", "4", "--num-steps", "8", "--minibatch-size", "8",
-                  "--total-steps", "64", "--nproc", "3", "--run-dir", str(run))
+    command = ["train", "ppo", "--env", "Pendulum-v1", "--num-envs", "4", "--num-steps", "8", "--minibatch-size", "8",
+               "--total-steps", "64", "--nproc", "3", "--run-dir", str(run)]
+    out = _rlfunc(*command)
+    assert out.returncode == 2 and out.stderr.count("rlfunc: error:") == 1 and "data-parallel run: rank" not in out.stderr
+    assert "num_envs=4 does not divide by the 3 ranks" in out.stderr and not run.exists()
+    launcher = ("import sys\nfrom rlfunc.cli.common import launch\nfrom rlfunc.errors import ConfigError\n"
+                "try:\n    launch(sys.argv[2:], 3, sys.argv[1])\nexcept ConfigError as e:\n"
+                "    print(f'rlfunc: error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
+    out = subprocess.run([PY, "-c", launcher, str(run), *command], env=_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 2
     last = [line for line in out.stderr.splitlines() if "data-parallel run: rank" in line]
     assert last and "no snapshot was written" in last[-1] and "rlfunc resume" not in last[-1], out.stderr[-2000:]
