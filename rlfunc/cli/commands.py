@@ -77,7 +77,12 @@ def _resume(argv: list[str]) -> int:
     p.add_argument("--device", default=None,
                    help="run on this device (auto | cpu | cuda | npu) instead of the run's own, from now on (later snapshots "
                         "record it); a run continues exactly only on the device type it ran on")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="continue on N data-parallel ranks on this node (default: as many as the run had; 1: in this process); "
+                        "N must divide the run's envs")
     a = p.parse_args(argv)
+    if a.nproc is not None and a.nproc < 1:
+        raise ConfigError(f"nproc={a.nproc}: expected >= 1")
     from rlfunc.run import checkpoint
 
     if not Path(a.run_dir).is_dir():
@@ -113,6 +118,7 @@ def _resume_from(a, snap) -> int:
     meta = checkpoint.load_meta(snap) if snap is not None else {}
     run = (meta.get("config") or {}).get("run") if isinstance(meta.get("config"), dict) else None
     nproc = run.get("nproc", 1) if isinstance(run, dict) else 1
+    nproc = nproc if a.nproc is None else a.nproc
     if isinstance(nproc, int) and nproc > 1:  # a data-parallel run continues on as many ranks, under torchrun
         flags = [*(["--total-steps", str(a.total_steps)] if a.total_steps is not None else []),
                  *(["--device", a.device] if a.device is not None else [])]

@@ -92,6 +92,12 @@ def default_run_dir(env: str, name: str, seed: int) -> str:
     return os.path.join("runs", f"{env}-{name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def under_torchrun() -> bool:
+    """Whether this process is one of torchrun's ranks (of any world size, 1 included: its elastic agent
+    sets TORCHELASTIC_RUN_ID), or was given a world of several ranks some other way."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
 def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     """``rlfunc COMMAND...`` in ``nproc`` data-parallel processes on this node, started by torchrun
     (``torch.distributed.run --standalone --nproc-per-node NPROC -m rlfunc COMMAND... --run-dir RUN_DIR``,
@@ -104,7 +110,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     Raises:
         ConfigError: a rank failed; the message names the first failed rank and its exit code or signal.
     """
-    if nproc <= 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if nproc <= 1 or under_torchrun():
         return None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -415,3 +415,18 @@ def test_resume_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
     assert main(["resume", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such directory" in err[0]
+
+
+def test_launch_inside_torchrun_of_one_rank_runs_in_this_process(monkeypatch, tmp_path):
+    # Regression (new-user pass): `torchrun --nproc-per-node 1 -m rlfunc resume RUN_DIR` of a 2-rank run
+    # started a second torchrun of 2 ranks inside it (WORLD_SIZE was 1, so the launcher did not see torchrun)
+    from rlfunc.cli.common import launch, under_torchrun
+
+    for var in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert not under_torchrun() and launch(["resume", "x"], 1, "x") is None  # one rank: nothing to launch
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert under_torchrun() and launch(["resume", "x"], 2, "x") is None
+    # and `rlfunc resume --nproc N` takes the rank count from the user (N >= 1)
+    assert main(["resume", str(tmp_path), "--nproc", "0"]) == 2
