@@ -23,6 +23,7 @@ plus what each run carries between iterations (env state, collection carry, ...)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +69,32 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         f"run_dir={str(run_dir)!r} is not empty (a run stopped before its first snapshot, or other files); "
         "choose a new --run-dir or remove it"
     )
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """Hold an exclusive lock on the directory ``run_dir`` itself (an advisory ``fcntl.flock`` on it,
+    freed by the kernel when the process ends; nothing is written) for the ``with`` block: a second
+    ``rlfunc resume`` of the same run is refused instead of interleaving its snapshots, versions and
+    metrics with the first's. A no-op where fcntl does not exist (Windows).
+
+    Raises:
+        ConfigError: another process holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError(f"run_dir={str(run_dir)!r}: another process is running this run; wait for it to end") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def truncate_metrics(run_dir: Path, iteration: int) -> float:

@@ -244,3 +244,21 @@ def test_grpo_versions_rollback_and_resume_continue_exactly(tmp_path):
     for key, value in full.state.items(True, True):
         assert torch.equal(value, resumed.state.get(key)), key
     assert versions.branch_heads(run) == {"main": "v000004", "retry": "v000006"}
+
+
+def test_a_second_resume_of_a_running_run_is_refused(tmp_path):
+    # Regression (new-user pass): two `rlfunc resume` of one run dir both ran, writing every version twice
+    # and config.json of one with the evaluation of the other; the run dir is now locked while a resume
+    # runs (flock: a second open of the lock file conflicts even in one process, as in two)
+    from rlfunc.errors import ConfigError
+    from rlfunc.run.loop import train
+    from rlfunc.run.resume import hold_run_dir
+
+    with hold_run_dir(tmp_path):
+        with pytest.raises(ConfigError, match="another process is running this run"):
+            with hold_run_dir(tmp_path):
+                pass
+        with pytest.raises(ConfigError, match="another process is running this run"):  # before anything is read
+            train(None, None, None, tmp_path, config_type=object, resume=True)
+    with hold_run_dir(tmp_path):  # released at the end of the block
+        pass
