@@ -18,9 +18,10 @@ _TAIL = """
     rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean, std, episodes and 95% CI of the return (ppo),
                                             success rate with its CI and goal shares (bc, dppo, td3-diffusion),
                                             eval.json's rates (mappo)
-    rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME]
-                                            continue a run from its latest snapshot (N: a new budget; NAME: an older snapshot)
-    rlfunc versions list|show|diff|rollback RUN_DIR ...   a ppo run's versions (rlfunc versions --help)
+    rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME] [--nproc N]
+                                            continue a run from its latest snapshot (N: a new budget; NAME: an older snapshot;
+                                            --nproc: ranks, default the run's)
+    rlfunc versions list|show|diff|rollback|pin RUN_DIR ...   a run's versions, any algorithm (rlfunc versions --help)
 
 Every config field is a flag of `train ALGO` (`rlfunc train ALGO --help`); ppo's defaults come from
 the env's preset. Errors print as one line on stderr with exit code 2; a run stopped by SIGINT/SIGTERM
