@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -367,53 +368,73 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
     # one process at a time resumes a run (rank 0 of a data-parallel one holds it for all)
-    main = resume and run_dir.is_dir() and int(os.environ.get("RANK", "0") or 0) == 0
-    held = hold_run_dir(run_dir) if main else contextlib.nullcontext()
-    with held:
-        source = None
-        if resume:
-            source = resume_source(run_dir)
-            if source is None:
-                raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
-            meta, name = source_meta(run_dir, source)
-            config = from_meta(meta, name)
-            if total_steps is not None:
-                check_budget(total_steps, unit)
-                config = replace(config, **{budget_field: total_steps})
-            if device is not None:
-                resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
-                config = replace(config, device=str(device))
-        else:
-            if total_steps is not None:
-                raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
-            if device is not None:
-                raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
-            if not isinstance(config, config_type):
-                raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
-        dist = None
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            if not data_parallel:
-                raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {getattr(config, 'name', type(config).__name__)} "
-                                  "is not data-parallel yet (every other algorithm is): run it in one process")
-            from rlfunc.run.distributed import Distributed
+    rank0 = int(os.environ.get("RANK", "0") or 0) == 0
+    held = hold_run_dir(run_dir) if resume and run_dir.is_dir() and rank0 else contextlib.nullcontext()
+    made = not resume and not run_dir.exists() and rank0  # this call creates the run dir
+    try:
+        with held:
+            return _train(build, from_meta, config, run_dir, config_type, resume, total_steps, device, budget_field, unit,
+                          max_iterations, progress, tensorboard, data_parallel)
+    except BaseException:
+        if made and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
-            dist = Distributed.from_env(config.run.device)  # the rendezvous: every rank has checked the run dir
-        device = resolve_device(config.run.device) if dist is None else dist.device
-        built = build(config, device) if dist is None else build(config, device, dist=dist)
-        try:
-            time_offset = 0.0
-            if source is not None:
-                done = meta.get("iteration")
-                if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-                    raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
-                if total_steps is not None:
-                    check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), unit)
-                load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
-                if dist is None or dist.is_main:
-                    time_offset = truncate_metrics(run_dir, built.done())
-            return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
-                            progress=progress, tensorboard=tensorboard, profile=config.run.profile, device=device, dist=dist)
-        finally:
-            built.close()
-            if dist is not None:
-                dist.close()
+
+def _nothing_kept(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds nothing of a run: no snapshot, no version, no metrics line."""
+    metrics = run_dir / "metrics.jsonl"
+    return (checkpoint.latest_snapshot(run_dir) is None and not versions.has_versions(run_dir)
+            and not (metrics.is_file() and metrics.stat().st_size > 0))
+
+
+def _train(build, from_meta, config, run_dir: Path, config_type, resume, total_steps, device, budget_field, unit,
+           max_iterations, progress, tensorboard, data_parallel) -> RunResult:
+    """:func:`train` after its run-dir checks."""
+    source = None
+    if resume:
+        source = resume_source(run_dir)
+        if source is None:
+            raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
+        meta, name = source_meta(run_dir, source)
+        config = from_meta(meta, name)
+        if total_steps is not None:
+            check_budget(total_steps, unit)
+            config = replace(config, **{budget_field: total_steps})
+        if device is not None:
+            resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
+            config = replace(config, device=str(device))
+    else:
+        if total_steps is not None:
+            raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
+        if device is not None:
+            raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
+        if not isinstance(config, config_type):
+            raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
+    dist = None
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        if not data_parallel:
+            raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {getattr(config, 'name', type(config).__name__)} "
+                              "is not data-parallel yet (every other algorithm is): run it in one process")
+        from rlfunc.run.distributed import Distributed
+
+        dist = Distributed.from_env(config.run.device)  # the rendezvous: every rank has checked the run dir
+    device = resolve_device(config.run.device) if dist is None else dist.device
+    built = build(config, device) if dist is None else build(config, device, dist=dist)
+    try:
+        time_offset = 0.0
+        if source is not None:
+            done = meta.get("iteration")
+            if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+                raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
+            if total_steps is not None:
+                check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), unit)
+            load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
+            if dist is None or dist.is_main:
+                time_offset = truncate_metrics(run_dir, built.done())
+        return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
+                        progress=progress, tensorboard=tensorboard, profile=config.run.profile, device=device, dist=dist)
+    finally:
+        built.close()
+        if dist is not None:
+            dist.close()

@@ -227,3 +227,30 @@ def test_progress_bar_keeps_the_compile_time(tmp_path, capsys):
     assert "compile_s=12.5" in last and "steps_per_s=300" in last
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line.get("compile_s") for line in lines] == [12.5, None, None]
+
+
+def test_a_run_that_fails_before_its_first_iteration_leaves_no_run_dir(tmp_path, monkeypatch):
+    # Regression (new-user pass): a failed `--compile on` (the first iteration raised) left config.json, an
+    # empty metrics.jsonl and tb/, so the same command with `--compile off`, as the error advised, was
+    # refused ("run_dir ... is not empty") and resume had no snapshot
+    import rlfunc.envs.collect as collect
+    from rlfunc.errors import ConfigError
+
+    def broken(*args, **kwargs):
+        raise ConfigError("--compile on: torch.compile (inductor) of ppo's step failed; use --compile off")
+
+    config = preset("Pendulum-v1", total_steps=2 * 128, **TINY)
+    with monkeypatch.context() as m:
+        m.setattr(collect, "rollout", broken)
+        with pytest.raises(ConfigError, match="compile"):
+            train(config, tmp_path / "r", progress=False, tensorboard=False)
+    assert not (tmp_path / "r").exists()
+    result = train(config, tmp_path / "r", progress=False, tensorboard=False)  # the same dir takes the run now
+    assert int(result.state["iteration"]) == 2
+    # a dir that existed before (made by the user) is left in place
+    (tmp_path / "mine").mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(collect, "rollout", broken)
+        with pytest.raises(ConfigError):
+            train(config, tmp_path / "mine", progress=False, tensorboard=False)
+    assert (tmp_path / "mine").is_dir()
