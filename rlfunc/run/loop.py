@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -282,6 +283,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
             from tqdm import tqdm
 
             kept: dict[str, str] = {}
+            shown: dict[str, str] = {}
             with tqdm(total=run.total, initial=start, desc=run.name, disable=not (progress and main), dynamic_ncols=True) as bar:
                 for i in range(start + 1, end + 1):
                     with span("iteration"):
@@ -293,7 +295,9 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         last_record = record
                         if progress and main:  # the postfix only for a bar that is shown
                             kept.update({k: f"{_scalar(record[k]):.3g}" for k in KEPT if k in record})
-                            bar.set_postfix({**{k: f"{_scalar(record[k]):.3g}" for k in SHOWN if k in record}, **kept})
+                            # an iteration in which no episode ended has no return (nan): the bar keeps the last one
+                            shown.update({k: f"{v:.3g}" for k in SHOWN if k in record and math.isfinite(v := _scalar(record[k]))})
+                            bar.set_postfix({**shown, **kept})
                     bar.update(1)
                     signal_name = agree(stop.signal)  # read once: the loop stops here only after this iteration's final save
                     final = signal_name is not None or i == end

@@ -254,3 +254,12 @@ def test_a_run_that_fails_before_its_first_iteration_leaves_no_run_dir(tmp_path,
         with pytest.raises(ConfigError):
             train(config, tmp_path / "mine", progress=False, tensorboard=False)
     assert (tmp_path / "mine").is_dir()
+
+
+def test_the_progress_bar_keeps_the_last_return_instead_of_nan(tmp_path, capsys):
+    # Regression (new-user pass): every iteration in which no episode ended showed episode_return=nan
+    # (Pendulum's episodes are 200 steps: 2 envs x 64 steps end none in the first iterations)
+    config = preset("Pendulum-v1", total_steps=8 * 128, **{**TINY, "checkpoint_every": 0})
+    train(config, tmp_path / "r", progress=True, tensorboard=False)
+    err = capsys.readouterr().err
+    assert "steps_per_s=" in err and "episode_return=" in err and "nan" not in err
