@@ -115,6 +115,17 @@ def _resume(argv: list[str]) -> int:
 def _resume_from(a, snap) -> int:
     from rlfunc.cli.common import launch
     from rlfunc.run import checkpoint
+    from rlfunc.run.loop import resume_source
+
+    if a.snapshot is not None and snap is not None:  # after a rollback the run continues on its new branch: say so
+        from rlfunc.run import versions
+
+        source, branch = resume_source(a.run_dir), versions.current_branch(a.run_dir)
+        on = checkpoint.load_meta(snap).get("branch", versions.MAIN)
+        if source is not None and source[0] == "version" and on != branch:
+            raise ConfigError(f"--snapshot {a.snapshot}: the snapshot is on branch {on!r}, the run on {branch!r} (a rollback) "
+                              f"and continues from its head version {source[1]}; resume without --snapshot, or roll back "
+                              f"to a version of {on!r} (rlfunc versions list {a.run_dir})")
 
     meta = checkpoint.load_meta(snap) if snap is not None else {}
     run = (meta.get("config") or {}).get("run") if isinstance(meta.get("config"), dict) else None

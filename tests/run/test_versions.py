@@ -433,3 +433,20 @@ def test_freeze_with_the_adaptive_clip_keeps_the_snapshot_structure_and_resumes_
     resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
     for key, value in _leaves(full.state).items():
         assert torch.equal(value, resumed.state.get(key)), key
+
+
+def test_resume_with_a_snapshot_of_another_branch_is_refused_in_one_line(tmp_path, capsys):
+    # Regression (new-user pass): after a rollback, `rlfunc resume RUN_DIR --snapshot step_<later>` silently
+    # continued from the rolled-back version, not from the snapshot it was given
+    from rlfunc.run import checkpoint
+
+    run = tmp_path / "run"
+    config = preset("Pendulum-v1", total_steps=3 * 128, version_every=1, **{**TINY, "checkpoint_every": 1})
+    train(config, run, progress=False, tensorboard=False)
+    latest = checkpoint.latest_snapshot(run)
+    versions.rollback(run, "v000001")
+    capsys.readouterr()
+    assert cli.main(["resume", str(run), "--snapshot", latest.name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--snapshot {latest.name}" in err[0] and "v000001" in err[0], err
+    assert checkpoint.latest_snapshot(run) == latest  # 'latest' names what it named
