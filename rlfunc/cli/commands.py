@@ -186,6 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `rlfunc versions list RUN_DIR | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as e:  # a rank whose peer died: one line, not the collective's 40-line traceback
+        if not _lost_a_peer(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"rlfunc: rank {os.environ.get('RANK', '?')}: a collective failed, another rank has stopped ({first[:200]})",
+              file=sys.stderr)
+        return 1
+
+
+def _lost_a_peer(e: Exception) -> bool:
+    """Whether ``e``, raised in one of torchrun's ranks, is a collective that failed because another rank
+    went away (torch.distributed's DistError, or gloo's / NCCL's / HCCL's connection errors)."""
+    from rlfunc.cli.common import under_torchrun
+
+    if not under_torchrun():
+        return False
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "gloo", "NCCL", "HCCL", "hccl"))
 
 
 if __name__ == "__main__":
