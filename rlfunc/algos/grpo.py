@@ -23,7 +23,6 @@ Sequence Policy Optimization" (GSPO); see :mod:`rlfunc.losses.grpo` and :mod:`rl
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -117,17 +117,16 @@ def _resume_from(a, snap) -> int:
     from rlfunc.run import checkpoint
     from rlfunc.run.loop import resume_source
 
+    meta = checkpoint.load_meta(snap) if snap is not None else {}
     if a.snapshot is not None and snap is not None:  # after a rollback the run continues on its new branch: say so
         from rlfunc.run import versions
 
         source, branch = resume_source(a.run_dir), versions.current_branch(a.run_dir)
-        on = checkpoint.load_meta(snap).get("branch", versions.MAIN)
+        on = meta.get("branch", versions.MAIN)
         if source is not None and source[0] == "version" and on != branch:
             raise ConfigError(f"--snapshot {a.snapshot}: the snapshot is on branch {on!r}, the run on {branch!r} (a rollback) "
                               f"and continues from its head version {source[1]}; resume without --snapshot, or roll back "
                               f"to a version of {on!r} (rlfunc versions list {a.run_dir})")
-
-    meta = checkpoint.load_meta(snap) if snap is not None else {}
     run = (meta.get("config") or {}).get("run") if isinstance(meta.get("config"), dict) else None
     nproc = run.get("nproc", 1) if isinstance(run, dict) else 1
     nproc = nproc if a.nproc is None else a.nproc
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _lost_a_peer(e: Exception) -> bool:
     """Whether ``e``, raised in one of torchrun's ranks, is a collective that failed because another rank
-    went away (torch.distributed's DistError, or gloo's / NCCL's / HCCL's connection errors)."""
+    went away: torch.distributed's DistError, or a backend's connection to it reset or closed (gloo's RuntimeError)."""
     from rlfunc.cli.common import under_torchrun
 
     if not under_torchrun():
@@ -206,9 +205,7 @@ def _lost_a_peer(e: Exception) -> bool:
 
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in text for s in ("Connection reset by peer", "Connection closed by peer", "gloo", "NCCL", "HCCL", "hccl"))
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer"))
 
 
 if __name__ == "__main__":

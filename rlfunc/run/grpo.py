@@ -187,7 +187,8 @@ class GRPORun(Run):
         return upgrade_layout_1(loaded, meta, where, self.saved()[0], algo="grpo/gspo", commit=LAYOUT_1_COMMIT)
 
     def evaluate(self) -> dict:
-        return evaluate_policy(self.config, self.state, self.spec, self.device, self.config.run.eval_episodes, self.config.run.seed)
+        return {"algo": self.config.loss,
+                **evaluate_policy(self.config, self.state, self.spec, self.device, self.config.run.eval_episodes, self.config.run.seed)}
 
     def close(self) -> None:
         self.env.close()

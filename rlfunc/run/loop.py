@@ -320,9 +320,6 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
     if interrupted is None and run.done() >= run.total:
         evaluation = run.evaluate()
-        snap = checkpoint.latest_snapshot(run_dir) if evaluation is not None and "algo" not in evaluation else None
-        if snap is not None:  # name the algorithm, as `rlfunc eval` does (grpo, gspo, mappo, ppo-encoder had none)
-            evaluation = {"algo": checkpoint.load_meta(snap).get("algo"), **evaluation}
         if evaluation is not None:
             (run_dir / "eval.json").write_text(json.dumps(to_jsonable(evaluation)) + "\n")
     return RunResult(run.state, run_dir, evaluation, interrupted)

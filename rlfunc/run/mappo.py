@@ -340,7 +340,7 @@ class MAPPORun(Run):
         return upgrade_layout_1(loaded, meta, where, self.saved()[0], algo="mappo", commit=LAYOUT_1_COMMIT)
 
     def evaluate(self) -> dict:
-        return evaluate_state(self.config, self.algo, self.state, self.device)
+        return {"algo": "mappo", **evaluate_state(self.config, self.algo, self.state, self.device)}
 
     def close(self) -> None:
         self.env.close()

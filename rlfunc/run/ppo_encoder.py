@@ -228,7 +228,7 @@ class EncoderRun(Run):
     def evaluate(self) -> dict | None:
         if not self.evaluate_at_end:
             return None
-        return evaluate_state(self.config, self.info, self.state, self.config.run.eval_episodes, device=self.device)
+        return {"algo": ALGO, **evaluate_state(self.config, self.info, self.state, self.config.run.eval_episodes, device=self.device)}
 
     def close(self) -> None:
         self.env.close()
