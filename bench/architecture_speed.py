@@ -31,16 +31,22 @@ CASES = {
 from rlfunc.algos.ppo import preset
 try:
     from rlfunc.run.ppo import train
-except ImportError:  # a tree from before the layered layout
-    from rlfunc.train import train
+except ImportError:
+    try:  # a tree from before the layered layout
+        from rlfunc.train import train
+    except ImportError:  # a tree with the one entry point of every algorithm
+        from rlfunc.run import train
 train(preset("Pendulum-v1", total_steps=16 * 256 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
 """, "iteration_s", False),
     "ppo HalfCheetah-v5 iteration s": ("""
 from rlfunc.algos.ppo import preset
 try:
     from rlfunc.run.ppo import train
-except ImportError:  # a tree from before the layered layout
-    from rlfunc.train import train
+except ImportError:
+    try:  # a tree from before the layered layout
+        from rlfunc.train import train
+    except ImportError:  # a tree with the one entry point of every algorithm
+        from rlfunc.run import train
 train(preset("HalfCheetah-v5", total_steps=16 * 128 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
 """, "iteration_s", False),
     "dppo PointReach-v0 iteration s": ("""
@@ -48,7 +54,10 @@ from rlfunc.algos.dppo import DPPOConfig
 try:
     from rlfunc.run.diffusion import train_dppo
 except ImportError:
-    from rlfunc.train_diffusion import train_dppo
+    try:
+        from rlfunc.train_diffusion import train_dppo
+    except ImportError:  # a tree with the one entry point of every algorithm
+        from rlfunc.run import train as train_dppo
 try:  # a tree with RunConfig (config.run)
     from rlfunc.config import replace
     config = replace(DPPOConfig(env="PointReach-v0", total_steps=128 * 8 * 4 * {its}), eval_episodes=16, device="cpu")

@@ -27,9 +27,9 @@ from pathlib import Path
 from rlfunc.algos.sac import SACConfig
 from rlfunc.algos.td3 import TD3Config
 from rlfunc.config import replace
-from rlfunc.run import offpolicy
+from rlfunc.run import train
 
-CONFIGS = {"sac": (SACConfig, offpolicy.train_sac), "td3": (TD3Config, offpolicy.train_td3)}
+CONFIGS = {"sac": (SACConfig, train), "td3": (TD3Config, train)}
 
 
 def _rate(run_dir: Path) -> tuple[float, float, float]:

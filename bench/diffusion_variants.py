@@ -16,7 +16,7 @@ import torch
 from rlfunc.config import replace
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
-from rlfunc.run.diffusion import train_dppo, train_td3_diffusion
+from rlfunc.run import train
 
 BC = "bench/out/point_reach/bc-s0"
 OUT = "bench/out/point_reach_extra"
@@ -26,9 +26,9 @@ def main() -> None:
     torch.set_num_threads(1)
     shutil.rmtree(OUT, ignore_errors=True)
     runs = [
-        ("dppo output-noise from bc-s0", train_dppo, replace(DPPOConfig(), init_from=BC, likelihood="output-noise", eval_episodes=1000, device="cpu")),
-        ("td3-diffusion from scratch (horizon 1)", train_td3_diffusion, replace(TD3DiffusionConfig(), eval_episodes=1000, device="cpu")),
-        ("td3-diffusion from bc-s0 (horizon 4)", train_td3_diffusion, replace(TD3DiffusionConfig(), init_from=BC, eval_episodes=1000, device="cpu")),
+        ("dppo output-noise from bc-s0", train, replace(DPPOConfig(), init_from=BC, likelihood="output-noise", eval_episodes=1000, device="cpu")),
+        ("td3-diffusion from scratch (horizon 1)", train, replace(TD3DiffusionConfig(), eval_episodes=1000, device="cpu")),
+        ("td3-diffusion from bc-s0 (horizon 4)", train, replace(TD3DiffusionConfig(), init_from=BC, eval_episodes=1000, device="cpu")),
     ]
     for i, (name, fn, config) in enumerate(runs):
         t = time.perf_counter()

@@ -21,9 +21,10 @@ import torch
 
 from rlfunc.algos.grpo import preset as grpo_preset
 from rlfunc.algos.ppo import preset as ppo_preset
-from rlfunc.run.grpo import train_grpo
+from rlfunc.run import train
 from rlfunc.run.log import read_metrics
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 METHODS = ("grpo", "gspo", "gspo-paper", "ppo")
 DEFAULT_STEPS = {"PointReach-v0": 100_000, "Pendulum-v1": 200_000}
@@ -39,12 +40,12 @@ def run(method: str, env: str, steps: int, seed: int, episodes: int, root: Path)
     run_dir = root / f"{env}-{method}-s{seed}"
     common = dict(total_steps=steps, seed=seed, device="cpu", checkpoint_every=0, eval_episodes=episodes)
     if method == "ppo":
-        train(ppo_preset(env, **common), run_dir, progress=False, tensorboard=False)
+        train(ppo_preset(env, **common), run_dir, progress=False, tensorboard=False, evaluate=False)
         summary = evaluate(run_dir, episodes, device="cpu")
         return summary["mean"], _train_seconds(run_dir), summary["env_steps"]
     loss = "grpo" if method == "grpo" else "gspo"
     extra = dict(gspo_clip_epsilon=3e-4, gspo_clip_epsilon_high=4e-4) if method == "gspo-paper" else {}
-    result = train_grpo(grpo_preset(env, loss, **common, **extra), run_dir, progress=False, tensorboard=False)
+    result = train(grpo_preset(env, loss, **common, **extra), run_dir, progress=False, tensorboard=False)
     return result.evaluation["mean"], _train_seconds(run_dir), result.evaluation["env_steps"]
 
 

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
+from rlfunc.algos import registry
 from rlfunc.config import replace
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import make_ppo, preset
 from rlfunc.envs import collect
 from rlfunc.run import checkpoint
-from rlfunc.run.diffusion import train_bc, train_dppo
-from rlfunc.run.ppo import _load_snapshot, _saved_state, config_from_meta, env_spec, train
+from rlfunc.run import train
+from rlfunc.run.ppo import _load_snapshot, _saved_state, env_spec
 
 
 def ppo_mode_statistics(run_dir: Path, episodes: int, seed: int) -> dict:
@@ -33,7 +34,7 @@ def ppo_mode_statistics(run_dir: Path, episodes: int, seed: int) -> dict:
     from envs.point_reach import PointReachEnv, mode_statistics
 
     snap = checkpoint.latest_snapshot(run_dir)
-    config = config_from_meta(checkpoint.load_meta(snap), snap)
+    config = registry.config_from_meta(checkpoint.load_meta(snap), snap)
     venv = collect.make_vec_env(config.env, 1)
     spec = env_spec(venv)
     venv.close()
@@ -74,17 +75,17 @@ def main() -> None:
         for d in (bc_dir, dppo_dir, ppo_dir):
             shutil.rmtree(d, ignore_errors=True)
         t = time.perf_counter()
-        bc = train_bc(replace(BCConfig(), num_updates=a.bc_updates, seed=seed, eval_episodes=a.episodes, device="cpu"), bc_dir, progress=False)
+        bc = train(replace(BCConfig(), num_updates=a.bc_updates, seed=seed, eval_episodes=a.episodes, device="cpu"), bc_dir, progress=False)
         rows.append({"method": "diffusion bc", "seed": seed, "budget": f"{a.bc_updates} updates",
                      "wall_s": time.perf_counter() - t, **bc.evaluation})
         t = time.perf_counter()
-        dppo = train_dppo(replace(DPPOConfig(), init_from=str(bc_dir), total_steps=a.dppo_steps, seed=seed,
+        dppo = train(replace(DPPOConfig(), init_from=str(bc_dir), total_steps=a.dppo_steps, seed=seed,
                                      eval_episodes=a.episodes, device="cpu"), dppo_dir, progress=False)
         rows.append({"method": "diffusion bc + dppo", "seed": seed, "budget": f"+{a.dppo_steps} env steps",
                      "wall_s": time.perf_counter() - t, **dppo.evaluation})
         if not a.skip_ppo:
             t = time.perf_counter()
-            train(preset("PointReach-v0", seed=seed, total_steps=a.dppo_steps, device="cpu"), ppo_dir, progress=False)
+            train(preset("PointReach-v0", seed=seed, total_steps=a.dppo_steps, device="cpu"), ppo_dir, progress=False, evaluate=False)
             rows.append({"method": "gaussian ppo", "seed": seed, "budget": f"{a.dppo_steps} env steps",
                          "wall_s": time.perf_counter() - t, **ppo_mode_statistics(ppo_dir, a.episodes, seed)})
         print(json.dumps(rows[-1]), flush=True)

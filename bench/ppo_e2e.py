@@ -29,7 +29,7 @@ STEPS = 65_536
 def ours(num_envs: int, num_steps: int, compile: str, tmp: Path) -> float:
     from rlfunc.algos.ppo import PPOConfig
     from rlfunc.config import replace
-    from rlfunc.run.ppo import train
+    from rlfunc.run import train
 
     config = replace(PPOConfig(), env="HalfCheetah-v5", total_steps=STEPS, num_envs=num_envs, num_steps=num_steps,
                      num_epochs=10, minibatch_size=64, hidden=(64, 64), activation="tanh", lr=3e-4, anneal_lr=False,
@@ -37,7 +37,7 @@ def ours(num_envs: int, num_steps: int, compile: str, tmp: Path) -> float:
                      normalize_observations=False, normalize_rewards=False, init_log_std=0.0, exploration="gaussian",
                      compile=compile, torch_threads=1, checkpoint_every=0, version_every=0, device="cpu")
     t0 = time.perf_counter()
-    train(config, tmp / f"ours_{num_envs}_{compile}_{time.time_ns()}", progress=False, tensorboard=False)
+    train(config, tmp / f"ours_{num_envs}_{compile}_{time.time_ns()}", progress=False, tensorboard=False, evaluate=False)
     return time.perf_counter() - t0
 
 

@@ -37,7 +37,8 @@ from rlfunc.algos.ppo import preset
 from rlfunc.core.stats import summarize_returns
 from rlfunc.envs import collect
 from rlfunc.run.log import read_metrics
-from rlfunc.run.ppo import EVAL_SEED_OFFSET, evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import EVAL_SEED_OFFSET, evaluate
 
 # RL-Zoo (rl-baselines3-zoo, hyperparams/ppo.yml) settings.
 ZOO = {
@@ -84,7 +85,7 @@ def run_ours(env: str, seeds: list[int], eval_every: int, episodes: int, out: Pa
     config = preset(env, **base, **overrides)
     config = preset(env, **base, checkpoint_every=max(1, eval_every // config.batch_size), **overrides)
     t = time.perf_counter()
-    train(config, run_dir, progress=False, tensorboard=False)
+    train(config, run_dir, progress=False, tensorboard=False, evaluate=False)
     wall = time.perf_counter() - t
     times = {r["step"]: r["time"] for r in read_metrics(run_dir / "metrics.jsonl")}
     curves = {s: [] for s in seeds}

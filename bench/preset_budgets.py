@@ -27,7 +27,8 @@ from bench.halfcheetah_gsde import parse_overrides
 from bench.protocol import aggregate, fmt_aggregate, plot_curves
 from rlfunc.algos.ppo import preset
 from rlfunc.run.log import read_metrics
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 
 def run(env: str, seed: int, multiple: float, episodes: int, eval_every: int, out: Path, overrides: dict) -> dict:
@@ -40,7 +41,7 @@ def run(env: str, seed: int, multiple: float, episodes: int, eval_every: int, ou
     run_dir = out / f"{env}-s{seed}-x{multiple:g}-{abs(hash(str(sorted(overrides.items())))) % 10**8}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t = time.perf_counter()
-    train(config, run_dir, progress=False, tensorboard=False)
+    train(config, run_dir, progress=False, tensorboard=False, evaluate=False)
     wall = time.perf_counter() - t
     times = {r["step"]: r["time"] for r in read_metrics(run_dir / "metrics.jsonl")}
     curve = []

@@ -25,8 +25,8 @@ from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.algos.ppo import preset
-from rlfunc.run.diffusion import train_bc, train_dppo
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 
 def main() -> None:
@@ -53,14 +53,14 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
         t = time.perf_counter()
         spec = ActorSpec(horizon=4, act_steps=a.act_steps)
-        bc = train_bc(replace(BCConfig(), env=a.env, actor=spec, num_demos=a.demos, demo_noise_std=a.demo_noise_std,
+        bc = train(replace(BCConfig(), env=a.env, actor=spec, num_demos=a.demos, demo_noise_std=a.demo_noise_std,
                                num_updates=a.bc_updates, seed=seed, eval_episodes=a.episodes, device="cpu"),
                       bc_dir, progress=False, tensorboard=False)
         rows.append({"method": "diffusion bc", "seed": seed, "budget": f"{a.demos} demos, {a.bc_updates} updates",
                      "wall_s": time.perf_counter() - t, **bc.evaluation})
         print(json.dumps(rows[-1]), flush=True)
         t = time.perf_counter()
-        dppo = train_dppo(replace(DPPOConfig(), env=a.env, init_from=str(bc_dir), likelihood=a.likelihood, total_steps=a.dppo_steps,
+        dppo = train(replace(DPPOConfig(), env=a.env, init_from=str(bc_dir), likelihood=a.likelihood, total_steps=a.dppo_steps,
                                      num_envs=64, num_steps=chunks, minibatch_size=64 * chunks // 5, seed=seed,
                                      eval_episodes=a.episodes, device="cpu"),
                           dppo_dir, progress=False, tensorboard=False)
@@ -69,7 +69,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         if not a.skip_ppo:
             t = time.perf_counter()
-            train(preset(a.env, seed=seed, total_steps=a.dppo_steps, device="cpu"), ppo_dir, progress=False, tensorboard=False)
+            train(preset(a.env, seed=seed, total_steps=a.dppo_steps, device="cpu"), ppo_dir, progress=False, tensorboard=False, evaluate=False)
             ev = evaluate(ppo_dir, a.episodes, device="cpu")
             rows.append({"method": "gaussian ppo", "seed": seed, "budget": f"{a.dppo_steps} env steps",
                          "wall_s": time.perf_counter() - t, "episode_return": ev["mean"], "success_rate": ev["success_rate"]})

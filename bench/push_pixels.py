@@ -31,7 +31,8 @@ from rlfunc.algos.diffusion_actor import ActorSpec, make_env
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.device import resolve_device, synchronize
 from rlfunc.optim.amp import precision
-from rlfunc.run.diffusion import _init_actor, train_bc
+from rlfunc.run import train
+from rlfunc.run.diffusion import _init_actor
 
 TIMES: dict[str, float] = defaultdict(float)
 SYNC = lambda: None  # noqa: E731  (set to the accelerator's synchronize in main)
@@ -82,7 +83,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     spec = ActorSpec(horizon=4, act_steps=4)
     t = time.perf_counter()
-    bc = train_bc(replace(BCConfig(), env="Push-v0", actor=spec, num_demos=a.demos, num_updates=a.bc_updates, batch_size=64,
+    bc = train(replace(BCConfig(), env="Push-v0", actor=spec, num_demos=a.demos, num_updates=a.bc_updates, batch_size=64,
                            eval_episodes=2, device=str(device)), out / "bc", progress=False, tensorboard=False)
     bc_s = time.perf_counter() - t
     chunks = 25

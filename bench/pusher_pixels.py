@@ -63,12 +63,13 @@ def _speed(run_dir: Path) -> float:
 
 def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = True, **pixel_kw) -> dict:
     """``pixel_kw``: device, envs, encoder of :func:`pixel_config`; ``state=False`` skips the state run."""
-    from rlfunc.run.ppo import evaluate, train
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
+    from rlfunc.run.ppo import evaluate
+    from rlfunc.run import train
 
     results = {}
     t = time.perf_counter()
-    pix = train_ppo_encoder(pixel_config("PusherPixels-v5", steps, seed, **pixel_kw), out / "pusher-pixels",
+    pix = train(pixel_config("PusherPixels-v5", steps, seed, **pixel_kw), out / "pusher-pixels",
                             progress=False, tensorboard=False)
     results["pixels"] = {"eval": pix.evaluation, "wall_s": time.perf_counter() - t, "steps_per_s": _speed(out / "pusher-pixels"),
                          "curve": _curve(out / "pusher-pixels", bin_steps)}
@@ -82,7 +83,7 @@ def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = T
         return results
     t = time.perf_counter()
     state_cfg = preset("Pusher-v5", total_steps=steps, seed=seed, device="cpu", version_every=0, checkpoint_every=0)
-    train(state_cfg, out / "pusher-state", progress=False, tensorboard=False)
+    train(state_cfg, out / "pusher-state", progress=False, tensorboard=False, evaluate=False)
     results["state"] = {"eval": evaluate(out / "pusher-state", episodes=10, device="cpu"), "wall_s": time.perf_counter() - t,
                         "steps_per_s": _speed(out / "pusher-state"), "curve": _curve(out / "pusher-state", bin_steps)}
     print(f"\nPusher-v5, {steps} env steps, seed {seed}: mean return of the episodes ended per {bin_steps}-step bin")
@@ -99,11 +100,11 @@ def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = T
 
 
 def run_push(out: Path, steps: int, seed: int, **pixel_kw) -> dict:
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     cfg = replace(pixel_config("Push-v0", steps, seed, **pixel_kw), eval_episodes=20)
     t = time.perf_counter()
-    res = train_ppo_encoder(cfg, out / "push-images", progress=False, tensorboard=False)
+    res = train(cfg, out / "push-images", progress=False, tensorboard=False)
     records = read_metrics(out / "push-images" / "metrics.jsonl")
     out_dict = {
         "steps_per_s": _speed(out / "push-images"), "wall_s": time.perf_counter() - t, "eval": res.evaluation,

@@ -24,8 +24,9 @@ from rlfunc.algos.sac import preset as sac_preset
 from rlfunc.algos.sac_diffusion import SACDiffusionConfig
 from rlfunc.config import replace
 from rlfunc.core.stats import success_interval
-from rlfunc.run.diffusion import EVAL_SEED_OFFSET, train_sac_diffusion
-from rlfunc.run.offpolicy import train_sac
+from rlfunc.run import train
+from rlfunc.run.diffusion import EVAL_SEED_OFFSET
+from rlfunc.run import train
 
 ENV = "PointReach-v0"
 
@@ -54,7 +55,7 @@ def _modes_of(act, episodes: int, seed: int) -> dict:
 def run_sac_diffusion(seed: int, steps: int, episodes: int, out: Path) -> dict:
     config = replace(SACDiffusionConfig(), total_steps=steps, seed=seed, eval_episodes=episodes, device="cpu")
     t = time.perf_counter()
-    result = train_sac_diffusion(config, out / f"sac-diffusion-s{seed}", progress=False, tensorboard=False)
+    result = train(config, out / f"sac-diffusion-s{seed}", progress=False, tensorboard=False)
     wall = time.perf_counter() - t
     e = result.evaluation
     return {"algo": "sac-diffusion", "seed": seed, "env_steps": steps, "wall_s": wall, "episodes": episodes,
@@ -69,7 +70,7 @@ def run_sac(seed: int, steps: int, episodes: int, out: Path) -> dict:
 
     config = sac_preset(ENV, total_steps=steps, seed=seed, eval_episodes=min(episodes, 100), device="cpu")
     t = time.perf_counter()
-    result = train_sac(config, out / f"sac-s{seed}", progress=False, tensorboard=False)
+    result = train(config, out / f"sac-s{seed}", progress=False, tensorboard=False)
     wall = time.perf_counter() - t
     algo = make_sac(config, EnvSpec(6, 2, [-1.0, -1.0], [1.0, 1.0]), torch.device("cpu"))
     modes = _modes_of(algo.policy(result.state, None, deterministic=True), episodes, seed + EVAL_SEED_OFFSET)

@@ -22,7 +22,8 @@ import torch
 from rlfunc.algos.sac import preset
 from rlfunc.core.stats import summarize_returns
 from rlfunc.envs import collect
-from rlfunc.run.offpolicy import EVAL_SEED_OFFSET, evaluate, train_sac
+from rlfunc.run import train
+from rlfunc.run.offpolicy import EVAL_SEED_OFFSET, evaluate
 
 # RL-Zoo (rl-baselines3-zoo, hyperparams/sac.yml); the rest SB3's SAC defaults (buffer 1e6,
 # learning_starts 100, batch 256, tau 0.005, gamma 0.99, train_freq 1, gradient_steps 1, auto
@@ -40,7 +41,7 @@ def run_ours(env: str, seed: int, steps: int, episodes: int, out: Path) -> dict:
     config = preset(env, total_steps=steps, seed=seed, eval_episodes=episodes, device="cpu",
                     num_steps=min(base.num_steps, steps), learning_starts=min(base.learning_starts, max(steps // 2, 1)))
     t0 = time.perf_counter()
-    train_sac(config, run_dir, progress=False, tensorboard=False)
+    train(config, run_dir, progress=False, tensorboard=False)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, **evaluate(run_dir, episodes, seed=seed, device="cpu")}
 

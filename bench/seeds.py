@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 
 from rlfunc.algos.ppo import preset
-from rlfunc.run.ppo import train
+from rlfunc.run import train
 
 
 def timed(env: str, steps: int, num_seeds: int, vmap: str) -> float:
     run_dir = Path(tempfile.mkdtemp()) / "run"
     t = time.perf_counter()
     train(preset(env, total_steps=steps, num_seeds=num_seeds, vmap=vmap, device="cpu", checkpoint_every=0),
-          run_dir, progress=False, tensorboard=False)
+          run_dir, progress=False, tensorboard=False, evaluate=False)
     elapsed = time.perf_counter() - t
     shutil.rmtree(run_dir.parent)
     return elapsed

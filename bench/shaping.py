@@ -28,7 +28,8 @@ import torch
 
 from rlfunc.algos.ppo import preset
 from rlfunc.run.log import read_metrics
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 METHODS = {
     "plain": dict(oscillation_damping=False, adaptive_clip=False, prioritized_minibatches=False),
@@ -50,7 +51,7 @@ def run(method: str, env: str, steps: int, seeds: list[int], episodes: int, root
         env, shaping="ppo-shaped", total_steps=steps, seed=seeds[0], num_seeds=len(seeds), device="cpu",
         checkpoint_every=0, version_every=0, eval_episodes=episodes, **METHODS[method],
     )
-    train(config, run_dir, progress=False, tensorboard=False)
+    train(config, run_dir, progress=False, tensorboard=False, evaluate=False)
     summary = evaluate(run_dir, episodes, device="cpu")
     update_s = statistics.median(float(r["update_s"]) for r in read_metrics(run_dir / "metrics.jsonl"))
     return [float(x) for x in summary["per_seed_mean"]], update_s

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from rlfunc.algos.ppo import preset
 from rlfunc.run import checkpoint, versions
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 
 def _disk(path: Path) -> int:
@@ -73,7 +74,7 @@ def storage(iterations: int, **overrides) -> dict:
     try:
         config = preset("Pendulum-v1", total_steps=iterations * 2048, device="cpu", checkpoint_every=0,
                         version_every=1, version_keep_last=0, **overrides)
-        train(config, run, progress=False, tensorboard=False)
+        train(config, run, progress=False, tensorboard=False, evaluate=False)
     finally:
         versions.save_version = real
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -97,7 +98,7 @@ def freeze_run(seed: int, steps: int, threshold: float, window: int) -> dict:
     config = preset("Pendulum-v1", total_steps=steps, seed=seed, device="cpu", checkpoint_every=0, version_every=0,
                     freeze_threshold=threshold, freeze_window=window)
     t0 = time.perf_counter()
-    train(config, run, progress=False, tensorboard=False)
+    train(config, run, progress=False, tensorboard=False, evaluate=False)
     wall = time.perf_counter() - t0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     final = evaluate(run, episodes=10, device="cpu")["mean"]

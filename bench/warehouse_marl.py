@@ -1,7 +1,7 @@
 """Shared-parameter multi-agent PPO / GRPO / GSPO on Warehouse-v0 (20 AGVs) vs the scripted baseline
 (PIBT) and random; shared-parameter PPO on the public rware-tiny-2ag-v2 benchmark (learning curve).
 
-Each learned run: ``rlfunc.run.mappo.train_mappo`` with the budget given (env steps of one 20-AGV
+Each learned run: ``rlfunc.run.train`` of a MAPPOConfig with the budget given (env steps of one 20-AGV
 warehouse; training episodes of --episode-steps with BFS-progress shaping --shaping), then
 ``envs.warehouse.metrics.evaluate`` of the sampled policy on the default warehouse (default rewards,
 200-step episodes, --eval-episodes warehouses per eval seed). The baselines run through the same
@@ -41,7 +41,7 @@ def _append(row: dict) -> None:
 
 def learned(loss: str, seed: int, a) -> dict:
     from rlfunc.algos.mappo import MAPPOConfig
-    from rlfunc.run.mappo import train_mappo
+    from rlfunc.run import train
 
     config = replace(MAPPOConfig(),
         loss=loss, n_agents=20, seed=seed, device="cpu", total_steps=a.total_steps, num_envs=16,
@@ -50,7 +50,7 @@ def learned(loss: str, seed: int, a) -> dict:
     )
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        result = train_mappo(config, Path(d) / "run", progress=False, tensorboard=False)
+        result = train(config, Path(d) / "run", progress=False, tensorboard=False)
         curve = [json.loads(x) for x in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
     m = result.evaluation["median"]
     method = f"{loss} {a.tag}" if a.tag else loss
@@ -76,14 +76,14 @@ def baselines(a) -> list[dict]:
 
 def rware_curve(a) -> dict:
     from rlfunc.algos.mappo import MAPPOConfig
-    from rlfunc.run.mappo import train_mappo
+    from rlfunc.run import train
 
     config = replace(MAPPOConfig(), env="rware-tiny-2ag-v2", loss="ppo", seed=0, device="cpu", total_steps=a.rware_steps,
                          num_envs=8, rollout_steps=100, hidden=(64, 64), lr=5e-4, entropy_coef=0.01,
                          eval_episodes=4, eval_seeds=(0,))
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        result = train_mappo(config, Path(d) / "run", progress=False, tensorboard=False)
+        result = train(config, Path(d) / "run", progress=False, tensorboard=False)
         curve = [json.loads(x) for x in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
     points = [(r["step"], round(r["episode_return"], 3)) for r in curve if "episode_return" in r]
     return {"kind": "rware", "method": "ppo (shared params, local critic)", "env": config.env,

@@ -35,7 +35,8 @@ _PUBLIC = {
     **dict.fromkeys(("GaussianMixture", "fit_gmm", "gmm_log_prob", "gmm_sample", "gmm_entropy"), "rlfunc.diffusion.entropy"),
     **dict.fromkeys(("GradientTransform", "chain", "adam", "clip_by_global_norm", "apply_updates", "linear_lr"),
                     "rlfunc.optim"),
-    **dict.fromkeys(("Run", "RunResult", "run_loop"), "rlfunc.run"),
+    **dict.fromkeys(("Run", "RunResult", "run_loop", "train"), "rlfunc.run"),
+    "resume": "rlfunc.run.loop",
     "RunConfig": "rlfunc.config",
 }
 

@@ -77,12 +77,13 @@ import rlfunc.run.diffusion as td
 from rlfunc.algos.bc import BCConfig
 from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.config import replace
+from rlfunc import resume, train
 r, dev = sys.argv[1], sys.argv[2]
 cfg = lambda n: replace(BCConfig(), actor=ActorSpec(hidden=(256, 256)), num_demos=32, num_updates=n, batch_size=256, log_every=50,
                         checkpoint_every=0, eval_episodes=4, device=dev, precision="fp16")
-whole = td.train_bc(cfg(400), f"{r}/fp16_whole", progress=False, tensorboard=False)
-td.train_bc(cfg(200), f"{r}/fp16_split", progress=False, tensorboard=False)
-resumed = td.resume_diffusion(f"{r}/fp16_split", 400, progress=False, tensorboard=False)
+whole = train(cfg(400), f"{r}/fp16_whole", progress=False, tensorboard=False)
+train(cfg(200), f"{r}/fp16_split", progress=False, tensorboard=False)
+resumed = resume(f"{r}/fp16_split", 400, progress=False, tensorboard=False)
 same = all(torch.equal(whole.state[k], resumed.state[k]) for k in whole.state.keys(True, True))
 print({"fp16_resume_exact": same, "scale": float(whole.state["optim_actor", "scale"]),
        "growth_tracker": int(whole.state["optim_actor", "growth_tracker"])})

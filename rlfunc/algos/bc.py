@@ -282,9 +282,8 @@ def make_bc(config: BCConfig, obs_dim, act_dim: int, device: torch.device, dist=
 
 
 register("bc", AlgorithmEntry(
-    config="rlfunc.algos.bc:BCConfig", command="rlfunc.cli.diffusion:train_bc", train="rlfunc.run.diffusion:train_bc",
-    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
-    config_from_meta="rlfunc.run.diffusion:config_from_meta",
+    config="rlfunc.algos.bc:BCConfig", run="rlfunc.run.diffusion:BCRun", command="rlfunc.cli.diffusion:train_bc",
+    evaluate="rlfunc.run.diffusion:evaluate_run",
     needs="expert",  # a scripted expert (envs.registry) and bounded Box actions
     family="diffusion", budget="num_updates", unit="updates",
     deploy=(("ema",), ("encoder_ema",)),  # the EMA weights (actor, encoder)

@@ -389,9 +389,8 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
 
 
 register("dppo", AlgorithmEntry(
-    config="rlfunc.algos.dppo:DPPOConfig", command="rlfunc.cli.diffusion:train_dppo", train="rlfunc.run.diffusion:train_dppo",
-    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
-    config_from_meta="rlfunc.run.diffusion:config_from_meta",
+    config="rlfunc.algos.dppo:DPPOConfig", run="rlfunc.run.diffusion:DPPORun", command="rlfunc.cli.diffusion:train_dppo",
+    evaluate="rlfunc.run.diffusion:evaluate_run",
     needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
     usage="    rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]",
 ))

@@ -504,9 +504,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
 
 # grpo and gspo: one config (its ``loss`` is the name), one line in the usage text
 _GROUPED = AlgorithmEntry(
-    config="rlfunc.algos.grpo:GRPOConfig", command="rlfunc.cli.grpo:train", train="rlfunc.run.grpo:train_grpo",
-    resume="rlfunc.run.grpo:resume_grpo", evaluate="rlfunc.run.grpo:evaluate_run",
-    config_from_meta="rlfunc.run.grpo:config_from_meta",
+    config="rlfunc.algos.grpo:GRPOConfig", run="rlfunc.run.grpo:GRPORun", command="rlfunc.cli.grpo:train",
+    evaluate="rlfunc.run.grpo:evaluate_run",
     needs="settable-start-state",  # G episodes from one start state (a torch-batched env of the env registry)
     usage="    rlfunc train grpo|gspo --env ENV_ID [--num-groups N] [--group-size G] [...]   critic-free, grouped episodes",
 )

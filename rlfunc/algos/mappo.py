@@ -521,9 +521,8 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
 
 
 register("mappo", AlgorithmEntry(
-    config="rlfunc.algos.mappo:MAPPOConfig", command="rlfunc.cli.mappo:train", train="rlfunc.run.mappo:train_mappo",
-    resume="rlfunc.run.mappo:resume_mappo", evaluate="rlfunc.run.mappo:evaluate_run",
-    config_from_meta="rlfunc.run.mappo:config_from_meta",
+    config="rlfunc.algos.mappo:MAPPOConfig", run="rlfunc.run.mappo:MAPPORun", command="rlfunc.cli.mappo:train",
+    evaluate="rlfunc.run.mappo:evaluate_run",
     needs="multi-agent",  # a multi-agent builder and evaluation in the env registry
     usage="    rlfunc train mappo [--env Warehouse-v0|rware-tiny-2ag-v2] [--loss ppo|grpo|gspo] [--critic local|mean|concat]\n"
           "                                            shared-parameter multi-agent policy (agents as a batch dim)",

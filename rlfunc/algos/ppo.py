@@ -774,8 +774,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
 
 
 register("ppo", AlgorithmEntry(
-    config="rlfunc.algos.ppo:PPOConfig", command="rlfunc.cli.ppo:train", train="rlfunc.run.ppo:train",
-    resume="rlfunc.cli.ppo:resume", evaluate="rlfunc.cli.ppo:evaluate", config_from_meta="rlfunc.run.ppo:config_from_meta",
-    needs="box-actions",  # gymnasium vector envs, Box observations; Box (Gaussian), Discrete or MultiDiscrete (categorical) actions
+    config="rlfunc.algos.ppo:PPOConfig", run="rlfunc.run.ppo:PPORun", command="rlfunc.cli.ppo:train", evaluate="rlfunc.cli.ppo:evaluate",
+    unit="env steps per seed", needs="box-actions",  # gymnasium vector envs, Box observations; Box (Gaussian), Discrete or MultiDiscrete (categorical) actions
     usage="    rlfunc train ppo --env ENV_ID [--total-steps N] [--seed S] [--num-seeds N] [--device auto] [--run-dir DIR] [...]",
 ))

@@ -565,9 +565,8 @@ def evaluate(algo: PPOEncoder, state: TensorDict, env, max_steps: int) -> dict[s
 
 
 register("ppo-encoder", AlgorithmEntry(
-    config="rlfunc.algos.ppo_encoder:PPOEncoderConfig", command="rlfunc.cli.ppo_encoder:train",
-    train="rlfunc.run.ppo_encoder:train_ppo_encoder", resume="rlfunc.run.ppo_encoder:resume_encoder",
-    evaluate="rlfunc.run.ppo_encoder:evaluate_run", config_from_meta="rlfunc.run.ppo_encoder:config_from_meta",
+    config="rlfunc.algos.ppo_encoder:PPOEncoderConfig", run="rlfunc.run.ppo_encoder:EncoderRun",
+    command="rlfunc.cli.ppo_encoder:train", evaluate="rlfunc.run.ppo_encoder:evaluate_run",
     needs="dict-observation",  # cameras / proprio / instruction, Box actions
     variant_of="ppo", accepts="rlfunc.run.ppo_encoder:is_dict_env",  # `rlfunc train ppo` on a Dict observation
     usage="                                            (an env with a Dict observation, e.g. Push-v0 or PusherPixels-v5:\n"

@@ -42,31 +42,28 @@ FALLBACK = "ppo"
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmEntry:
-    """How rlfunc runs, resumes, evaluates and loads one algorithm. Every callable is a
-    "module:attribute" string, imported on first use (:func:`resolve`).
+    """How rlfunc runs, evaluates and loads one algorithm. Every callable is a "module:attribute"
+    string, imported on first use (:func:`resolve`).
 
     Signatures (``result``: a run's result with ``run_dir``, ``interrupted`` and ``evaluation``):
-        config: its config dataclass (hyperparameters; ``rlfunc train NAME --help`` shows them).
+        config: its config dataclass (hyperparameters; ``rlfunc train NAME --help`` shows them). A
+            snapshot's meta "config" is read back into it (:func:`config_from_meta`).
+        run: ``(config, device, *, dist=None, resumed=False) -> rlfunc.run.Run``, one run of it
+            (usually the :class:`rlfunc.run.Run` subclass itself); :func:`rlfunc.run.train` and
+            :func:`rlfunc.run.resume` drive it.
         command: ``rlfunc train NAME ARGS...``: ``(name, argv) -> exit code`` (parses the flags,
             trains, reports).
-        train: ``(config, run_dir, *, resume=False, total_steps=None, progress=True,
-            tensorboard=True, device=None, ...) -> result``, the whole run.
-        resume: ``(run_dir, total_steps=None, *, device=None) -> result``, ``rlfunc resume``.
         evaluate: ``(run_dir, episodes=None, *, seed=None, device="auto") -> dict``, the JSON line
             of ``rlfunc eval`` (``run_dir``: a run dir or a snapshot dir).
-        config_from_meta: ``(meta, path) -> config``; CheckpointError naming ``path`` when the meta
-            is not this algorithm's or holds no valid config.
         report: ``(result) -> exit code``, how ``rlfunc resume`` prints the run it continued.
         accepts: with ``variant_of``, ``(env_id) -> bool``: this entry trains ``env_id`` when
             ``rlfunc train VARIANT_OF --env ENV_ID`` is asked for.
     """
 
     config: str  # "module:Class" of its config dataclass
+    run: str  # "module:Class" of its rlfunc.run.Run (or a function building one)
     command: str  # "module:function", `rlfunc train NAME ARGS...`
-    train: str  # "module:function", the whole run
-    resume: str  # "module:function", continue a run from its latest snapshot
     evaluate: str  # "module:function", evaluate a run's latest snapshot
-    config_from_meta: str  # "module:function", the config a snapshot's meta.json holds
     needs: str  # the env interface it needs, e.g. "box-actions", "dict-observation", "multi-agent"
     usage: str  # its lines of `rlfunc --help` (newline-joined; "": listed in another entry's lines)
     report: str = "rlfunc.cli.common:report_run"  # "module:function", prints a resumed run's end
@@ -175,14 +172,40 @@ def resolve(ref: str) -> Any:
         raise ConfigError(f"ref={ref!r}: module {module!r} has no attribute {attr!r}") from None
 
 
-def config_from_meta(meta: dict, path: Any = "snapshot") -> Any:
-    """The config of a snapshot's meta.json, read by the entry of its ``"algo"``
-    (:func:`for_snapshot`).
+def name_of(config: Any) -> str:
+    """The name of the first entry (in :func:`_ordered`'s order) whose config class ``config`` is an
+    instance of (exactly; grpo and gspo share one: "grpo").
 
     Raises:
-        CheckpointError: the meta holds no valid config of a registered algorithm (the message names ``path``).
+        ConfigError: ``config`` is no registered algorithm's config; the message names its type.
     """
-    return resolve(for_snapshot(meta.get("algo")).config_from_meta)(meta, path)
+    for n, e in _ordered():
+        if type(config) is resolve(e.config):
+            return n
+    raise ConfigError(f"config={type(config).__name__}: expected the config of a registered algorithm "
+                      f"({', '.join(names(commands=False))})")
+
+
+def config_from_meta(meta: dict, path: Any = "snapshot", *, of: type | str | None = None) -> Any:
+    """The config of a snapshot's meta.json: its "config" read into the config class of the entry
+    registered as its ``"algo"`` (:func:`rlfunc.config.from_dict`). ``of``: a config class, or a
+    family's name ("diffusion"), the meta must be of (a loader of one algorithm's snapshots).
+
+    Raises:
+        CheckpointError: the meta names no registered algorithm (or none of ``of``), or holds no
+            valid config of it (the message names ``path``).
+    """
+    from rlfunc.config import from_dict
+    from rlfunc.errors import CheckpointError
+
+    _load()
+    allowed = [n for n, e in _ordered()
+               if of is None or (e.family == of if isinstance(of, str) else resolve(e.config) is of)]
+    algo = meta.get("algo") if isinstance(meta, dict) else None
+    if algo not in allowed:
+        expected = " or ".join(repr(n) for n in allowed) if len(allowed) < 3 else f"one of {', '.join(allowed)}"
+        raise CheckpointError(f"{path}: snapshot algo={algo!r}: expected {expected}")
+    return from_dict(resolve(_ENTRIES[algo].config), meta.get("config"), path, algo=algo)
 
 
 def usage() -> str:

@@ -278,9 +278,8 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
 
 
 register("sac", AlgorithmEntry(
-    config="rlfunc.algos.sac:SACConfig", command="rlfunc.cli.offpolicy:train", train="rlfunc.run.offpolicy:train_sac",
-    resume="rlfunc.run.offpolicy:resume", evaluate="rlfunc.run.offpolicy:evaluate",
-    config_from_meta="rlfunc.run.offpolicy:config_from_meta", needs="bounded-box-actions", family="offpolicy",
+    config="rlfunc.algos.sac:SACConfig", run="rlfunc.run.offpolicy:OffPolicyRun", command="rlfunc.cli.offpolicy:train",
+    evaluate="rlfunc.run.offpolicy:evaluate", needs="bounded-box-actions", family="offpolicy",
     deploy=(("params", "actor"),),
     usage="    rlfunc train sac --env ENV_ID [--total-steps N] [--seed S] [--updates-per-step K] [--run-dir DIR] [...]",
 ))

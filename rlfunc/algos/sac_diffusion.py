@@ -358,10 +358,8 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
 
 
 register("sac-diffusion", AlgorithmEntry(
-    config="rlfunc.algos.sac_diffusion:SACDiffusionConfig", command="rlfunc.cli.diffusion:train_sac_diffusion",
-    train="rlfunc.run.diffusion:train_sac_diffusion",
-    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
-    config_from_meta="rlfunc.run.diffusion:config_from_meta",
+    config="rlfunc.algos.sac_diffusion:SACDiffusionConfig", run="rlfunc.run.diffusion:ReplayDiffusionRun",
+    command="rlfunc.cli.diffusion:train_sac_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
     needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
     usage="    rlfunc train sac-diffusion [--env ENV_ID] [--init-from BC_RUN_DIR] [--actor.ddim-steps K] [...]",
 ))

@@ -242,9 +242,8 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
 
 
 register("td3", AlgorithmEntry(
-    config="rlfunc.algos.td3:TD3Config", command="rlfunc.cli.offpolicy:train", train="rlfunc.run.offpolicy:train_td3",
-    resume="rlfunc.run.offpolicy:resume", evaluate="rlfunc.run.offpolicy:evaluate",
-    config_from_meta="rlfunc.run.offpolicy:config_from_meta", needs="bounded-box-actions", family="offpolicy",
+    config="rlfunc.algos.td3:TD3Config", run="rlfunc.run.offpolicy:OffPolicyRun", command="rlfunc.cli.offpolicy:train",
+    evaluate="rlfunc.run.offpolicy:evaluate", needs="bounded-box-actions", family="offpolicy",
     deploy=(("params", "actor"),),
     usage="    rlfunc train td3 --env ENV_ID [--total-steps N] [--seed S] [--policy-delay D] [--run-dir DIR] [...]",
 ))

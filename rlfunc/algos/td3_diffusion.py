@@ -297,10 +297,8 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
 
 register("td3-diffusion", AlgorithmEntry(
-    config="rlfunc.algos.td3_diffusion:TD3DiffusionConfig", command="rlfunc.cli.diffusion:train_td3_diffusion",
-    train="rlfunc.run.diffusion:train_td3_diffusion",
-    resume="rlfunc.run.diffusion:resume_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
-    config_from_meta="rlfunc.run.diffusion:config_from_meta",
+    config="rlfunc.algos.td3_diffusion:TD3DiffusionConfig", run="rlfunc.run.diffusion:ReplayDiffusionRun",
+    command="rlfunc.cli.diffusion:train_td3_diffusion", evaluate="rlfunc.run.diffusion:evaluate_run",
     needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
     usage="    rlfunc train td3-diffusion [--init-from BC_RUN_DIR] [...]",
 ))

@@ -136,9 +136,10 @@ def _resume_from(a, snap) -> int:
         launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir))
         if launched is not None:
             return launched
-    entry = registry.for_snapshot(meta.get("algo") if snap is not None else None)
-    result = registry.resolve(entry.resume)(a.run_dir, a.total_steps, device=a.device)
-    return registry.resolve(entry.report)(result)
+    from rlfunc.run.loop import resume
+
+    result = resume(a.run_dir, a.total_steps, device=a.device)
+    return registry.resolve(registry.for_snapshot(meta.get("algo") if snap is not None else None).report)(result)
 
 
 def _versions(argv: list[str]) -> int:

@@ -21,10 +21,12 @@ def _alias(arg: str) -> str:
 
 
 def _train(name: str, argv: list[str], what: str) -> int:
-    """Parse ``argv`` into the config of ``name``'s entry, run its ``train`` and print the evaluation
+    """Parse ``argv`` into the config of ``name``'s entry, train it and print the evaluation
     as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped it."""
     entry = registry.lookup(name)
-    cls, fn = registry.resolve(entry.config), registry.resolve(entry.train)
+    from rlfunc.run import train as fn
+
+    cls = registry.resolve(entry.config)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
     known, rest = pre.parse_known_args(argv)

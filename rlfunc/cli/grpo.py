@@ -16,7 +16,7 @@ def train(algo: str, argv: list[str]) -> int:
     """Parse ``argv`` into a GRPOConfig with ``loss=algo``, train, print the evaluation as one JSON line."""
     from rlfunc.algos.grpo import preset
     from rlfunc.envs.collect import check_env_id
-    from rlfunc.run.grpo import train_grpo
+    from rlfunc.run import train
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=GRPOConfig.env)
@@ -38,5 +38,5 @@ def train(algo: str, argv: list[str]) -> int:
     launched = launch(["train", algo, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
     if launched is not None:
         return launched
-    result = train_grpo(config, run_dir)
+    result = train(config, run_dir)
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

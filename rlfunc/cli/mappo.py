@@ -11,7 +11,7 @@ def train(name: str, argv: list[str]) -> int:
     evaluation as one JSON line."""
     import argparse
 
-    from rlfunc.run.mappo import train_mappo
+    from rlfunc.run import train
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
@@ -30,4 +30,4 @@ def train(name: str, argv: list[str]) -> int:
     launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
     if launched is not None:
         return launched
-    return report_run(train_mappo(config, run_dir))
+    return report_run(train(config, run_dir))

@@ -17,7 +17,9 @@ def train(name: str, argv: list[str]) -> int:
     from rlfunc.envs.collect import check_env_id
 
     entry = registry.lookup(name)
-    cls, fn = registry.resolve(entry.config), registry.resolve(entry.train)
+    from rlfunc.run import train as fn
+
+    cls = registry.resolve(entry.config)
     preset = registry.resolve(f"{entry.config.partition(':')[0]}:preset")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=cls.env)

@@ -1,6 +1,6 @@
 """``rlfunc train ppo --env ENV [...]``: every PPOConfig field is a flag, defaults from the env's preset
 (an env with a Dict observation goes to the entry that accepts it: "ppo-encoder"); and how
-``rlfunc eval`` / ``rlfunc resume`` evaluate and continue a ppo run. A finished run is reported by
+``rlfunc eval`` evaluates a ppo run. A finished run is reported by
 :func:`rlfunc.cli.common.report_run` (its final evaluation, which the run loop wrote to eval.json)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def train(name: str, argv: list[str]) -> int:
     variant's command's."""
     from rlfunc.algos.ppo import preset
     from rlfunc.envs.collect import check_env_id
-    from rlfunc.run.ppo import train
+    from rlfunc.run import train
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=PPOConfig.env)
@@ -44,15 +44,7 @@ def train(name: str, argv: list[str]) -> int:
     launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
     if launched is not None:
         return launched
-    return report_run(train(config, run_dir, final_eval=True))
-
-
-def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None):
-    """Continue the ppo run in ``run_dir`` (:func:`rlfunc.run.ppo.train` with ``resume=True``), with the
-    final evaluation when it finishes its budget."""
-    from rlfunc.run.ppo import train
-
-    return train(None, run_dir, resume=True, total_steps=total_steps, device=device, final_eval=True)
+    return report_run(train(config, run_dir))
 
 
 def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:

@@ -14,7 +14,7 @@ def train(name: str, argv: list[str]) -> int:
     """Parse ``argv`` (the flags after ``rlfunc train ppo``) into a PPOEncoderConfig, train as
     ``name`` ("ppo-encoder"), print the evaluation as one JSON line (exit 0), or 130/143 when
     SIGINT/SIGTERM stopped the run. ``--nproc N``: N data-parallel ranks started by torchrun."""
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--run-dir", default=None)
@@ -28,5 +28,5 @@ def train(name: str, argv: list[str]) -> int:
     launched = launch(["train", "ppo", *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
     if launched is not None:
         return launched
-    result = train_ppo_encoder(config, run_dir)
+    result = train(config, run_dir)
     return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}`")

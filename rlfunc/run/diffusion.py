@@ -18,8 +18,7 @@ Push-v0). Dict observations (Push-v0: two cameras, proprio, an instruction) go t
 observation statistics and actor spec. A snapshot is written every ``checkpoint_every`` iterations
 and at the end (the last ``keep_checkpoints`` kept).
 
-Resume: ``train_X(None, run_dir, resume=True)`` (or :func:`resume_diffusion`, which reads the
-algorithm from the run) continues from the newer of the latest snapshot and the current branch's head
+Resume (:func:`rlfunc.run.resume`, or ``rlfunc.run.train(None, run_dir, resume=True)``) continues from the newer of the latest snapshot and the current branch's head
 version (:func:`rlfunc.run.resume_source`) with its config, optionally with a new budget. On CPU it is
 exact: N iterations, stop, resume to 2N give the same parameters, optimizer and RNG states as 2N in
 one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator; its
@@ -59,16 +58,14 @@ from rlfunc.algos.diffusion_actor import (
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.sac_diffusion import SACDiffusionConfig, make_sac_diffusion
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
-from rlfunc.config import from_dict
 from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim.amp import precision, without_loss_scale
-from rlfunc.run.resume import (NO_SNAPSHOT, STATE_LAYOUT, ResumePoint, buffer_snapshot, check_run_dir, env_rng_snapshot,
-                           optim_from_layout_1, restore_buffer, restore_env_rng, set_generator_state)
-from rlfunc.run import Run, RunResult, resume_source, train
-from rlfunc.run.loop import source_meta
+from rlfunc.run import Run
+from rlfunc.run.resume import (STATE_LAYOUT, ResumePoint, buffer_snapshot, env_rng_snapshot, optim_from_layout_1, restore_buffer,
+                               restore_env_rng, set_generator_state)
 
 EVAL_SEED_OFFSET = 1_000_003
 LAYOUT_1_COMMIT = "8a7709f"  # an rlfunc that wrote (and resumes) bc, dppo and td3-diffusion snapshots of state layout 1
@@ -78,7 +75,6 @@ def _key(key) -> tuple:
     """A TensorDict key as a tuple."""
     return key if isinstance(key, tuple) else (key,)
 
-DiffusionResult = RunResult  # what these runs returned before rlfunc.run: (state, run_dir, evaluation, interrupted)
 
 
 def _setup(config) -> torch.device:
@@ -135,8 +131,9 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     if snap is None:
         raise CheckpointError(f"{path}: holds no complete snapshot")
     meta = checkpoint.load_meta(snap)
-    if meta.get("algo") not in _algos():
-        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a {_algos_phrase()} snapshot")
+    family = algorithms.names(family="diffusion", commands=False)
+    if meta.get("algo") not in family:
+        raise CheckpointError(f"{snap}: algo={meta.get('algo')!r}: expected a diffusion snapshot ({', '.join(family)})")
     spec = actor_spec_from_meta(meta, snap)
     info = env_info_from_meta(meta, snap)
     loaded, _ = checkpoint.load_snapshot(snap, device=device)
@@ -210,34 +207,6 @@ def evaluate_run(
     return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
 
 
-# ------------------------------------------------------------------------------------------ configs
-
-
-def _algos() -> tuple[str, ...]:
-    """The algorithms of this module's snapshots: the registry's "diffusion" family (bc, dppo, td3-diffusion)."""
-    return algorithms.names(family="diffusion", commands=False)
-
-
-def _algos_phrase() -> str:
-    """"bc, dppo or td3-diffusion", from :func:`_algos`."""
-    *first, last = _algos()
-    return f"{', '.join(first)} or {last}" if first else last
-
-
-def config_from_meta(meta: dict, path, algo: str | None = None) -> BCConfig | DPPOConfig | TD3DiffusionConfig:
-    """The config saved in a bc / dppo / td3-diffusion snapshot's meta (the actor spec actually used).
-
-    Raises:
-        CheckpointError: not a diffusion snapshot (or, given ``algo``, not one of ``algo``), or no
-            valid config in its meta (the message names ``path``).
-    """
-    got = meta.get("algo")
-    if got not in _algos() or (algo is not None and got != algo):
-        expected = f"a {_algos_phrase()}" if algo is None else f"a {algo}"
-        raise CheckpointError(f"{path}: algo={got!r}: expected {expected} snapshot")
-    return from_dict(algorithms.resolve(algorithms.lookup(got).config), meta.get("config"), path, algo=got)
-
-
 # ------------------------------------------------------------------------------------------ the runs
 
 
@@ -275,13 +244,15 @@ class DiffusionRun(Run):
     """
 
     requires_format = False  # diffusion snapshots never had meta "resume_format"
+    data_parallel = True
     curve = "success_rate"
     carry: tuple[str, ...] = ()  # the top-level snapshot entries of the run's own carry
     optim_keys: tuple[str, ...] = ()  # the learner state's optimizer states (update chains), each a snapshot entry
     env = None
 
-    def __init__(self, config, device: torch.device, name: str, dist=None) -> None:
+    def __init__(self, config, device: torch.device, dist=None) -> None:
         _setup(config)
+        name = algorithms.name_of(config)
         self.config, self.device, self.name, self.dist = config, device, name, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         self.prec = precision(device, config.run.precision)
@@ -425,10 +396,10 @@ class BCRun(DiffusionRun):
     curve = "loss_denoise"  # against updates (a bc record's "step")
     optim_keys = ("optim_actor",)
 
-    def __init__(self, config: BCConfig, device: torch.device, dist=None) -> None:
+    def __init__(self, config: BCConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         from rlfunc.envs.demos import check_expert, expert_demonstrations
 
-        super().__init__(config, device, "bc", dist)
+        super().__init__(config, device, dist)
         check_expert(config.env)
         self.info = env_info(config.env)
         # checks the encoder settings before the demos are collected; data-parallel: each rank collects the
@@ -490,8 +461,8 @@ class DPPORun(DiffusionRun):
 
     optim_keys = ("optim_all",)
 
-    def __init__(self, config: DPPOConfig, device: torch.device, resumed: bool = False, dist=None) -> None:
-        super().__init__(config, device, "dppo", dist)
+    def __init__(self, config: DPPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
+        super().__init__(config, device, dist)
         self._finetune(make_dppo, config, resumed)
         self.total = self.config.num_iterations(self.config.actor.act_steps)
 
@@ -525,8 +496,12 @@ class DPPORun(DiffusionRun):
                 **metrics.to_dict()}
 
 
+# the algorithm each replay-buffer config builds (the registry entry names the config type)
+REPLAY_MAKERS = {TD3DiffusionConfig: make_td3_diffusion, SACDiffusionConfig: make_sac_diffusion}
+
+
 class ReplayDiffusionRun(DiffusionRun):
-    """A td3-diffusion or sac-diffusion run (``name``, its pieces built by ``make``): per iteration a
+    """A td3-diffusion or sac-diffusion run (its pieces built by :data:`REPLAY_MAKERS` of its config): per iteration a
     rollout into a device-resident TorchRL replay buffer, then (past ``warmup_steps``)
     ``updates_per_iteration`` updates with one update chain (clip, Adam) per side, their states the
     learner's ``optim_keys`` ("optim_critic", "optim_actor"; sac-diffusion's "optim_alpha" too). A
@@ -542,17 +517,17 @@ class ReplayDiffusionRun(DiffusionRun):
 
     carry = ("buffer",)
 
-    def __init__(self, config, device: torch.device, name: str, make, resumed: bool = False, dist=None) -> None:
+    def __init__(self, config, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-        super().__init__(config, device, name, dist)
-        self._finetune(make, config, resumed)
+        super().__init__(config, device, dist)
+        self._finetune(REPLAY_MAKERS[type(config)], config, resumed)
         config = self.config
         self.optim_keys = self.algo.optim_keys
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
         self.total = config.num_iterations()
         if config.num_updates() == 0:
-            warnings.warn(f"{name}: warmup_steps={config.warmup_steps} covers the whole budget (total_steps={config.total_steps}), so the "
+            warnings.warn(f"{self.name}: warmup_steps={config.warmup_steps} covers the whole budget (total_steps={config.total_steps}), so the "
                           "run takes no gradient step; lower --warmup-steps or raise --total-steps", stacklevel=2)
 
     def layout_1_order(self, key: str) -> tuple[TensorDict, list]:
@@ -606,106 +581,3 @@ def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
 
 
 # --------------------------------------------------------------------------------------- the calls
-
-
-def _resume_meta(run_dir: str | Path) -> tuple[dict, str]:
-    """(meta, a name for messages) of what a resume of ``run_dir`` continues from. Raises ConfigError:
-    ``run_dir`` is not a directory; CheckpointError: it holds no snapshot or version."""
-    run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume=True)
-    source = resume_source(run_dir)
-    if source is None:
-        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
-    return source_meta(run_dir, source)
-
-
-def _train(algo: str, build, config, run_dir, *, resume: bool, **kw) -> RunResult:
-    """:func:`rlfunc.run.train` of ``build(config, device)``, with ``algo``'s registry entry's config
-    type, budget field and unit; on resume the config of ``run_dir``'s snapshot (one of ``algo``).
-    ``data_parallel=True`` in ``kw``: ``build`` also takes ``dist=`` (bc, dppo, td3-diffusion, sac-diffusion)."""
-    entry = algorithms.lookup(algo)
-    return train(build, lambda meta, path: config_from_meta(meta, path, algo), config, run_dir, resume=resume,
-                 config_type=algorithms.resolve(entry.config), budget_field=entry.budget, unit=entry.unit, **kw)
-
-
-def train_bc(config: BCConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-             progress: bool = True, tensorboard: bool = True, device: str | None = None) -> RunResult:
-    """Diffusion BC (:class:`BCRun`) on the env's scripted-expert demonstrations (see
-    :mod:`rlfunc.algos.bc` and :func:`rlfunc.envs.demos.expert_demonstrations`). Under torchrun
-    (``rlfunc train bc --nproc N``) data-parallel: every rank holds the dataset and takes its share of
-    each batch; the snapshots are the single process's.
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue the run in ``run_dir`` (see the module docstring).
-        total_steps: on resume, a new budget in updates (``num_updates``), at least those done.
-        progress: show a tqdm bar. tensorboard: also log to TensorBoard when installed.
-        device: on resume, run on this device instead of the config's (exact only on the same device type).
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted): evaluation None and the signal's name when
-        SIGINT/SIGTERM stopped the run after the current update with a snapshot.
-
-    Raises:
-        ConfigError: a bad run dir, config or budget. EnvError: an env without a scripted expert.
-        CheckpointError: on resume, no snapshot in ``run_dir``, or one that is corrupt or does not fit its config.
-    """
-    return _train("bc", BCRun, config, run_dir, resume=resume, total_steps=total_steps, progress=progress,
-                  tensorboard=tensorboard, device=device, data_parallel=True)
-
-
-def train_dppo(config: DPPOConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-               progress: bool = True, tensorboard: bool = True, device: str | None = None) -> RunResult:
-    """DPPO fine-tuning (:class:`DPPORun`, :mod:`rlfunc.algos.dppo`), usually from a bc run
-    (``init_from``; config.json records the actor spec actually used). Arguments, result and errors
-    as :func:`train_bc`, but ``total_steps`` counts env steps, ``init_from`` is not read on resume
-    (the snapshot holds the actor), and CheckpointError also for a missing or unfitting ``init_from``.
-    Under torchrun (``--nproc N``) data-parallel: each rank steps its split of the ``num_envs`` (a
-    torch-batched env's, or a gymnasium id's GymChunkEnv with the single process's reset seeds, in
-    ``env_workers`` processes per rank) and the update is the single process's; the snapshot holds the
-    env's RNG, every rank's the single process's, so it resumes on any number of ranks."""
-    return _train("dppo", lambda c, d, dist=None: DPPORun(c, d, resumed=resume, dist=dist), config, run_dir, resume=resume,
-                  total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device, data_parallel=True)
-
-
-def train_td3_diffusion(config: TD3DiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
-                        total_steps: int | None = None, progress: bool = True, tensorboard: bool = True,
-                        device: str | None = None) -> RunResult:
-    """TD3 with a diffusion actor (:class:`TD3DiffusionRun`, :mod:`rlfunc.algos.td3_diffusion`) and a
-    device-resident TorchRL replay buffer. Arguments, result and errors as :func:`train_dppo`; a
-    resumed run refills an empty buffer, with a warning, when the run did not save it
-    (``checkpoint_buffer=False``)."""
-    return _train("td3-diffusion",
-                  lambda c, d, dist=None: ReplayDiffusionRun(c, d, "td3-diffusion", make_td3_diffusion, resumed=resume, dist=dist),
-                  config, run_dir, resume=resume, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                  device=device, data_parallel=True)
-
-
-def train_sac_diffusion(config: SACDiffusionConfig | None, run_dir: str | Path, *, resume: bool = False,
-                        total_steps: int | None = None, progress: bool = True, tensorboard: bool = True,
-                        device: str | None = None) -> RunResult:
-    """SAC with a diffusion actor after DACER (:class:`ReplayDiffusionRun`, :mod:`rlfunc.algos.sac_diffusion`).
-    Arguments, result and errors as :func:`train_td3_diffusion`."""
-    return _train("sac-diffusion",
-                  lambda c, d, dist=None: ReplayDiffusionRun(c, d, "sac-diffusion", make_sac_diffusion, resumed=resume, dist=dist),
-                  config, run_dir, resume=resume, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                  device=device, data_parallel=True)
-
-
-def resume_diffusion(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                     tensorboard: bool = True, device: str | None = None) -> RunResult:
-    """Continue the bc, dppo or td3-diffusion run in ``run_dir``: ``train_X(None, run_dir, resume=True,
-    ...)`` of the algorithm of its latest snapshot or head version. ``total_steps``: a new budget,
-    updates for bc, env steps for dppo and td3-diffusion (None: the run's). A run that had already done
-    its budget runs no iteration and is evaluated again.
-
-    Raises:
-        As ``train_X`` on resume (CheckpointError for no snapshot names ``run_dir``; for generator
-        states saved on another device type, the one to resume on), and CheckpointError for a
-        snapshot of another algorithm.
-    """
-    meta, name = _resume_meta(run_dir)
-    config_from_meta(meta, name)  # CheckpointError unless a bc, dppo or td3-diffusion one
-    fn = algorithms.resolve(algorithms.lookup(meta["algo"]).train)
-    return fn(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard, device=device)

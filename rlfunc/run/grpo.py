@@ -1,13 +1,13 @@
-"""A whole GRPO or GSPO run as one function of its config: grouped rollouts -> update -> log -> snapshot.
+"""A whole GRPO or GSPO run (:class:`GRPORun`): grouped rollouts -> update -> log -> snapshot.
 
-``train_grpo(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
+``rlfunc.run.train(config, run_dir)`` of a GRPOConfig writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
 checkpoints/ (safetensors snapshots, see rlfunc.run.checkpoint), learning_curve.png and eval.json
 (deterministic-action returns on the gymnasium env, as ``rlfunc eval`` gives for PPO runs).
 
 Each iteration's start states come from reset seeds derived from (seed, iteration) (gymnasium
 backend) or from the torch env's generator, seeded once with the run seed (torch backend).
 
-Resume (:func:`resume_grpo`, ``train_grpo(..., resume=True)``) is exact on CPU: 2N iterations in
+Resume (:func:`rlfunc.run.resume`) is exact on CPU: 2N iterations in
 one go equal N, stop, N more, parameter for parameter. A snapshot holds the learner state (its
 action-sampling generators included; its Adam state, ``state["optim"]``, as the snapshot's "optim":
 :func:`rlfunc.run.resume.learner_entries`) and, on the torch backend, the env's generator and state; the
@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.core.stats import summarize_returns
-from rlfunc.config import from_dict
+from rlfunc.algos import registry as algorithms
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
@@ -39,7 +39,7 @@ from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
-from rlfunc.run import Run, RunResult, train
+from rlfunc.run import Run
 from rlfunc.run.ppo import EVAL_SEED_OFFSET, _generators, env_spec
 from rlfunc.run.resume import learner_entries, state_layout, state_meta, upgrade_layout_1
 
@@ -128,7 +128,9 @@ class GRPORun(Run):
     state (its Adam state as "optim", :func:`rlfunc.run.resume.learner_entries`) and, on the torch
     backend, the env's generator and state ("env")."""
 
-    def __init__(self, config: GRPOConfig, device: torch.device, dist=None) -> None:
+    data_parallel = True
+
+    def __init__(self, config: GRPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         collect.check_env_id(config.env)
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
@@ -218,13 +220,6 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
     }
 
 
-def config_from_meta(meta: dict, path: Path | str = "snapshot") -> GRPOConfig:
-    """The GRPOConfig of a grpo/gspo snapshot's meta; CheckpointError naming ``path`` if invalid."""
-    if meta.get("algo") not in ("grpo", "gspo"):
-        raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'grpo' or 'gspo'")
-    return from_dict(GRPOConfig, meta.get("config"), path, algo=meta["algo"])
-
-
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
     """:func:`evaluate_policy` of the latest snapshot of a grpo/gspo run (or of a snapshot dir).
 
@@ -239,7 +234,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     if snap is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
     meta = checkpoint.load_meta(snap)
-    config = config_from_meta(meta, snap)
+    config = algorithms.config_from_meta(meta, snap, of=GRPOConfig)
     state_layout(str(snap), meta, "grpo/gspo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.run.eval_episodes if episodes is None else episodes
     if episodes < 1:
@@ -253,70 +248,3 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     with torch.no_grad():
         like.update_(learner)
     return {"algo": meta["algo"], **evaluate_policy(config, like, spec, dev, episodes, config.run.seed if seed is None else seed)}
-
-
-def train_grpo(
-    config: GRPOConfig | None,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    total_steps: int | None = None,
-    progress: bool = True,
-    tensorboard: bool = True,
-    device: str | None = None,
-) -> RunResult:
-    """Train GRPO or GSPO (``config.loss``) per ``config`` into ``run_dir``, or continue it (``resume``).
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot: learner (generators included), Adam state, the
-            torch env's generator and state, iteration counter; metrics lines written after that
-            snapshot are dropped. Exact on CPU (see the module docstring).
-        total_steps: with ``resume``, a new budget (env steps per seed) to extend the run; the
-            learning-rate schedule is then stretched over the new budget.
-        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
-        device: with ``resume``, run on this device instead of the snapshot config's (None: the
-            config's); a run continues exactly only on the device type it ran on.
-
-    Under torchrun (``rlfunc train grpo --nproc W``) data-parallel: each rank steps its groups
-    (:func:`_rollout_env`) and the update is the single process's (:func:`rlfunc.algos.grpo.make_grpo`);
-    rank 0 alone writes, and the snapshots have the single process's layout.
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted): the final deterministic evaluation
-        (None when SIGINT/SIGTERM stopped the run after saving a snapshot; on ranks > 0).
-
-    Raises:
-        ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
-            below the steps the run has done. EnvError: a bad env id. CheckpointError: on resume, no
-            snapshot in ``run_dir``, or a corrupt one or one that does not match its config. Nothing
-            is written then.
-    """
-    return train(GRPORun, config_from_meta, config, run_dir, config_type=GRPOConfig, resume=resume,
-                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard, data_parallel=True)
-
-
-def resume_grpo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                tensorboard: bool = True, device: str | None = None) -> RunResult:
-    """Continue a grpo/gspo run from its latest snapshot: ``train_grpo(None, run_dir, resume=True, ...)``.
-
-    Args:
-        run_dir: a run directory written by :func:`train_grpo`.
-        total_steps: a new budget in env steps per seed (None: the run's own).
-        device: run on this device instead of the snapshot config's (None: the config's); a run
-            continues exactly only on the device type it ran on.
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted), as :func:`train_grpo`.
-
-    Raises:
-        CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
-            sha256, keys or shapes), a config in meta.json that is not a GRPOConfig, or a snapshot
-            written before grpo/gspo runs were resumable, or one whose generator states were saved
-            on another device type (the message names the one to resume on).
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
-            ``device`` is not a device this machine has.
-    """
-    return train_grpo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                      device=device)

@@ -69,7 +69,10 @@ def cadence(config: Any) -> Cadence:
 
 class Run:
     """One algorithm's run, built from its config, as :func:`run_loop` drives it. Subclasses set the
-    attributes and override :meth:`step`, :meth:`saved`, :meth:`restore`; the rest is optional.
+    attributes and override :meth:`step`, :meth:`saved`, :meth:`restore`; the rest is optional. Built
+    (by :func:`train`) as ``cls(config, device, *, dist=None, resumed=False)``: ``dist`` the
+    :class:`rlfunc.run.distributed.Distributed` of a data-parallel run, ``resumed`` whether a snapshot
+    will be loaded into it (so what it holds, e.g. a pretrained actor, need not be read).
 
     Attributes:
         config: the config it was built from (config.json; snapshots' meta "config").
@@ -84,6 +87,7 @@ class Run:
     total: int
     name: str = "train"
     curve: str = "episode_return"
+    data_parallel: bool = False  # trains under torchrun (its constructor uses ``dist``)
     requires_format: bool = True  # refuse snapshots without meta "resume_format" (written before the kind was resumable)
     # top-level snapshot entries whose structure depends on how far the run got (a replay buffer's
     # filled rows ...): left out of the check against the fresh run's; restore checks them
@@ -223,7 +227,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
 
 
 def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0, max_iterations: int | None = None,
-        progress: bool = True, tensorboard: bool = True, profile: int = 0, device=None, dist=None) -> RunResult:
+        progress: bool = True, tensorboard: bool = True, profile: int = 0, device=None, dist=None,
+        evaluate: bool = True) -> RunResult:
     """The iterations left of ``run`` (from ``run.done()`` to ``run.total``, at most ``max_iterations``
     of them), with its snapshots, versions and metrics in ``run_dir``, then its final evaluation.
 
@@ -241,7 +246,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     each snapshot (:meth:`~rlfunc.run.distributed.Distributed.check_in_sync`).
 
     Returns:
-        :class:`RunResult`; eval.json is written when the budget was done and ``run.evaluate()`` gives one.
+        :class:`RunResult`; eval.json is written when ``evaluate``, the budget was done and
+        ``run.evaluate()`` gives one.
     """
     main = dist is None or dist.is_main
     if main:
@@ -318,7 +324,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
     if not main:
         return RunResult(run.state, run_dir, None, interrupted)
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
-    if interrupted is None and run.done() >= run.total:
+    if evaluate and interrupted is None and run.done() >= run.total:
         evaluation = run.evaluate()
         if evaluation is not None:
             (run_dir / "eval.json").write_text(json.dumps(to_jsonable(evaluation)) + "\n")
@@ -336,35 +342,44 @@ def _scalar(value) -> float:
 # ------------------------------------------------------------------------------- a whole run
 
 
-def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, resume: bool = False,
-          total_steps: int | None = None, device: str | None = None, budget_field: str = "total_steps",
-          unit: str = "env steps", max_iterations: int | None = None, progress: bool = True,
-          tensorboard: bool = True, data_parallel: bool = False) -> RunResult:
-    """A whole run of one algorithm: check ``run_dir``, on resume find the source and its config,
-    ``build(config, device) -> Run``, load the source into it, then :func:`run_loop`.
+def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
+          device: str | None = None, max_iterations: int | None = None, evaluate: bool = True,
+          progress: bool = True, tensorboard: bool = True) -> RunResult:
+    """A whole run of any registered algorithm (:mod:`rlfunc.algos.registry`): check ``run_dir``, on
+    resume find the source (:func:`resume_source`) and its config, build the algorithm's
+    :class:`Run` (its entry's ``run``), load the source into it, then :func:`run_loop`.
 
     Args:
-        build: ``(config, device: torch.device) -> Run``; builds without writing into ``run_dir``.
-        from_meta: ``(meta, path) -> config``, the config a snapshot's meta holds (CheckpointError
-            naming ``path`` when it holds none of this algorithm).
-        config: the config of a new run (ignored on resume: the source's is used; may be None then).
-        config_type: what ``config`` must be for a new run.
-        resume: continue from :func:`resume_source`.
-        total_steps: with ``resume``, a new budget (in ``unit``) put in ``budget_field``; it must
-            cover the iterations done. The schedule (lr decay ...) is then stretched over it.
-        device: with ``resume``, run on this device instead of the config's; a run continues
-            exactly only on the device type it ran on.
-        data_parallel: ``build`` takes ``dist=`` and its run trains data-parallel. Under torchrun
-            (WORLD_SIZE > 1 in the environment) the process joins the group
-            (:meth:`rlfunc.run.distributed.Distributed.from_env`, the device per local rank) and
-            the run gets it; an algorithm without ``data_parallel`` is refused there.
+        config: a registered algorithm's config (its type picks the algorithm, :func:`rlfunc.algos.registry.name_of`);
+            ignored on resume, where the source's algorithm and config are used (may be None then).
+        run_dir: output directory; must not already hold a run unless ``resume``.
+        resume: continue from the latest snapshot, or from the current branch's head version when that is
+            further along (after ``rlfunc versions rollback RUN_DIR V``: V); metrics lines written after
+            it are dropped. Exact on CPU for every built-in algorithm.
+        total_steps: with ``resume``, a new budget (in the entry's ``unit``, e.g. updates for bc) put in
+            its ``budget`` field; it must cover the iterations done. The schedule (lr decay ...) is then
+            stretched over it.
+        device: with ``resume``, run on this device instead of the config's; a run continues exactly
+            only on the device type it ran on (generator states are device-specific).
+        max_iterations: run at most this many iterations in this call (e.g. to split a run in parts).
+        evaluate: once the budget is done, the run's final evaluation (``config.run.eval_episodes``
+            deterministic episodes, :meth:`Run.evaluate`) into RUN_DIR/eval.json and the result.
+        progress: a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
 
+    Under torchrun (WORLD_SIZE > 1 in the environment; ``rlfunc train ALGO --nproc N``) the process
+    joins the group (:meth:`rlfunc.run.distributed.Distributed.from_env`, the device per local rank)
+    and the run trains data-parallel; a Run without ``data_parallel`` is refused there.
     ``config.run.profile`` iterations are recorded with the device's profiler (:mod:`rlfunc.run.profile`).
+
+    Returns:
+        :class:`RunResult` (state, run_dir, evaluation, interrupted): evaluation None when ``evaluate``
+        is False or a signal (named by interrupted, "SIGINT"/"SIGTERM") stopped the run after a snapshot.
 
     Raises:
         ConfigError: a bad run dir or config; ``total_steps``/``device`` without ``resume``; a budget
-            below what the run has done; a device this machine lacks. CheckpointError: on resume, no
-            snapshot or version, or one that is corrupt or does not fit its config. Nothing is written then.
+            below what the run has done; a device this machine lacks. EnvError: an env the algorithm
+            cannot train. CheckpointError: on resume, no snapshot or version, or one that is corrupt,
+            of no registered algorithm or does not fit its config. Nothing is written then.
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
@@ -374,12 +389,18 @@ def train(build, from_meta, config, run_dir: str | Path, *, config_type: type, r
     made = not resume and not run_dir.exists() and rank0  # this call creates the run dir
     try:
         with held:
-            return _train(build, from_meta, config, run_dir, config_type, resume, total_steps, device, budget_field, unit,
-                          max_iterations, progress, tensorboard, data_parallel)
+            return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard)
     except BaseException:
         if made and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None, **kwargs) -> RunResult:
+    """Continue the run in ``run_dir``, of whichever algorithm: ``train(None, run_dir, resume=True, ...)``
+    (``kwargs``: its ``max_iterations``, ``evaluate``, ``progress``, ``tensorboard``). A run that had
+    already done its budget runs no iteration and is evaluated again. Raises as :func:`train`."""
+    return train(None, run_dir, resume=True, total_steps=total_steps, device=device, **kwargs)
 
 
 def _nothing_kept(run_dir: Path) -> bool:
@@ -389,19 +410,21 @@ def _nothing_kept(run_dir: Path) -> bool:
             and not (metrics.is_file() and metrics.stat().st_size > 0))
 
 
-def _train(build, from_meta, config, run_dir: Path, config_type, resume, total_steps, device, budget_field, unit,
-           max_iterations, progress, tensorboard, data_parallel) -> RunResult:
+def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard) -> RunResult:
     """:func:`train` after its run-dir checks."""
+    from rlfunc.algos import registry
+
     source = None
     if resume:
         source = resume_source(run_dir)
         if source is None:
             raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
         meta, name = source_meta(run_dir, source)
-        config = from_meta(meta, name)
+        config = registry.config_from_meta(meta, name)
+        entry = registry.lookup(meta["algo"])
         if total_steps is not None:
-            check_budget(total_steps, unit)
-            config = replace(config, **{budget_field: total_steps})
+            check_budget(total_steps, entry.unit)
+            config = replace(config, **{entry.budget: total_steps})
         if device is not None:
             resolve_device(device)  # ConfigError for a device this machine lacks, before anything is built
             config = replace(config, device=str(device))
@@ -410,18 +433,20 @@ def _train(build, from_meta, config, run_dir: Path, config_type, resume, total_s
             raise ConfigError(f"total_steps={total_steps!r}: a new budget is for resume=True; set the config's budget instead")
         if device is not None:
             raise ConfigError(f"device={device!r}: is for resume=True; set the config's device instead")
-        if not isinstance(config, config_type):
-            raise ConfigError(f"config={config!r}: expected a {config_type.__name__} (None only with resume=True)")
+        if config is None:
+            raise ConfigError("config=None: expected a registered algorithm's config (None only with resume=True)")
+        entry = registry.lookup(registry.name_of(config))
+    build = registry.resolve(entry.run)
     dist = None
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        if not data_parallel:
+        if not getattr(build, "data_parallel", False):
             raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {getattr(config, 'name', type(config).__name__)} "
                               "is not data-parallel yet (every other algorithm is): run it in one process")
         from rlfunc.run.distributed import Distributed
 
         dist = Distributed.from_env(config.run.device)  # the rendezvous: every rank has checked the run dir
     device = resolve_device(config.run.device) if dist is None else dist.device
-    built = build(config, device) if dist is None else build(config, device, dist=dist)
+    built = build(config, device, dist=dist, resumed=source is not None)
     try:
         time_offset = 0.0
         if source is not None:
@@ -429,12 +454,13 @@ def _train(build, from_meta, config, run_dir: Path, config_type, resume, total_s
             if isinstance(done, bool) or not isinstance(done, int) or done < 0:
                 raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
             if total_steps is not None:
-                check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), unit)
+                check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), entry.unit)
             load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
             if dist is None or dist.is_main:
                 time_offset = truncate_metrics(run_dir, built.done())
         return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
-                        progress=progress, tensorboard=tensorboard, profile=config.run.profile, device=device, dist=dist)
+                        progress=progress, tensorboard=tensorboard, profile=config.run.profile, device=device, dist=dist,
+                        evaluate=evaluate)
     finally:
         built.close()
         if dist is not None:

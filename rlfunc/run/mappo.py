@@ -1,6 +1,6 @@
-"""A whole shared-parameter multi-agent run (PPO / GRPO / GSPO) as one function of its config.
+"""A whole shared-parameter multi-agent run (PPO / GRPO / GSPO): :class:`MAPPORun`.
 
-``train_mappo(config, run_dir)`` (a :class:`MAPPORun` through the one run loop, :mod:`rlfunc.run.loop`)
+``rlfunc.run.train(config, run_dir)`` of a MAPPOConfig (a :class:`MAPPORun` through the one run loop, :mod:`rlfunc.run.loop`)
 writes RUN_DIR/config.json, metrics.jsonl (one line per iteration: losses, training
 deliveries/conflicts per 100 steps on Warehouse-v0, completed-episode team returns), checkpoints/
 (safetensors snapshots, the last ``keep_checkpoints``), versions/ every ``version_every`` iterations
@@ -14,7 +14,7 @@ Collection is the torch-batched env's own loop (``step_and_maybe_reset``): every
 and every agent of every env, steps at once on the device; grpo/gspo reset all envs with
 :func:`rlfunc.envs.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
 
-Resume (:func:`resume_mappo`, ``train_mappo(..., resume=True)``): a snapshot holds the learner
+Resume (:func:`rlfunc.run.resume`): a snapshot holds the learner
 state (its Adam state, ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.run.resume.learner_entries`),
 the action-sampling / minibatch generator ("rng", uint8), the collection carry
 (the env output acted on next, the running team returns) and, on Warehouse-v0, the env's core state
@@ -37,7 +37,8 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
-from rlfunc.config import from_dict, replace
+from rlfunc.algos import registry as algorithms
+from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_reset
@@ -45,7 +46,7 @@ from rlfunc.envs.registry import EnvEntry
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
-from rlfunc.run import Run, RunResult, train
+from rlfunc.run import Run
 from rlfunc.run.resume import learner_entries, set_generator_state, state_layout, state_meta, upgrade_layout_1
 
 COUNT_KEYS = ("deliveries", "vertex_conflicts", "swap_conflicts", "obstacle_bumps", "idle")
@@ -170,7 +171,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     if snap is None or not (Path(snap) / checkpoint.META_FILE).is_file():
         raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
     meta = checkpoint.load_meta(snap)
-    config = config_from_meta(meta, snap)
+    config = algorithms.config_from_meta(meta, snap, of=MAPPOConfig)
     state_layout(str(snap), meta, "mappo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     if episodes is not None and (isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1):
         raise ConfigError(f"episodes={episodes!r}: expected an int >= 1")
@@ -190,13 +191,6 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     with torch.no_grad():
         state.update_(learner)
     return {"algo": "mappo", **evaluate_state(config, algo, state, dev)}
-
-
-def config_from_meta(meta: dict, path: Path | str = "snapshot") -> MAPPOConfig:
-    """The MAPPOConfig of a mappo snapshot's meta; CheckpointError naming ``path`` if invalid."""
-    if meta.get("algo") != "mappo":
-        raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'mappo'")
-    return from_dict(MAPPOConfig, meta.get("config"), path, algo="mappo")
 
 
 def _env_capture(config: MAPPOConfig, env) -> TensorDict | None:
@@ -225,7 +219,9 @@ class MAPPORun(Run):
             loss on an env whose state cannot be set.
     """
 
-    def __init__(self, config: MAPPOConfig, device: torch.device, dist=None) -> None:
+    data_parallel = True
+
+    def __init__(self, config: MAPPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, f"mappo-{config.loss}"
@@ -344,73 +340,3 @@ class MAPPORun(Run):
 
     def close(self) -> None:
         self.env.close()
-
-
-def train_mappo(
-    config: MAPPOConfig | None,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    total_steps: int | None = None,
-    progress: bool = True,
-    tensorboard: bool = True,
-    device: str | None = None,
-) -> RunResult:
-    """Train shared-parameter PPO / GRPO / GSPO (``config.loss``) per ``config`` into ``run_dir``,
-    or continue it (``resume``): :class:`MAPPORun` through :func:`rlfunc.run.train`.
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot, or from the current branch's head version when it
-            is further along (:func:`rlfunc.run.resume_source`; after ``rlfunc versions rollback`` that
-            version); see the module docstring for what comes back. Metrics lines written after it are dropped.
-        total_steps: with ``resume``, a new budget (env steps, one step of one env) to extend the
-            run; the learning-rate schedule is then stretched over the new budget.
-        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
-        device: with ``resume``, run on this device instead of the snapshot config's (None: the
-            config's); a run continues exactly only on the device type it ran on.
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted): eval.json's content, or None with the
-        signal's name when SIGINT/SIGTERM stopped the run after saving a snapshot.
-
-    Raises:
-        ConfigError: bad config or run dir; ``total_steps`` without ``resume``, not an int >= 1, or
-            below the steps the run has done. EnvError: a bad env. CheckpointError: on resume, no
-            snapshot or version in ``run_dir``, or a corrupt one or one that does not match its config.
-            Nothing is written then.
-
-    Warns:
-        UserWarning: resuming an rware run (new episodes; not bit-identical).
-    """
-    return train(MAPPORun, config_from_meta, config, run_dir, config_type=MAPPOConfig, resume=resume,
-                 total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard, data_parallel=True)
-
-
-def resume_mappo(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                 tensorboard: bool = True, device: str | None = None) -> RunResult:
-    """Continue a mappo run from its latest snapshot: ``train_mappo(None, run_dir, resume=True, ...)``.
-
-    Args:
-        run_dir: a run directory written by :func:`train_mappo`.
-        total_steps: a new budget in env steps (None: the run's own).
-        device: run on this device instead of the snapshot config's (None: the config's); a run
-            continues exactly only on the device type it ran on.
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted), as :func:`train_mappo`.
-
-    Raises:
-        CheckpointError: no snapshot in ``run_dir`` (the message names it), a corrupt snapshot (size,
-            sha256, keys or shapes), a config in meta.json that is not a MAPPOConfig, or a snapshot
-            written before mappo runs were resumable, or one whose generator states were saved on
-            another device type (the message names the one to resume on).
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
-            ``device`` is not a device this machine has.
-
-    Warns:
-        UserWarning: an rware run (its env state cannot be captured: new episodes).
-    """
-    return train_mappo(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                       device=device)

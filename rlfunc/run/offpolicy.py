@@ -46,17 +46,14 @@ from rlfunc.algos.offpolicy import OffPolicy, transitions, uniform_policy
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.sac import SACConfig, make_sac
 from rlfunc.algos.td3 import TD3Config, make_td3
-from rlfunc.config import from_dict
 from rlfunc.core.stats import success_interval, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs.async_collect import AsyncCollector
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
-from rlfunc.run import Run, RunResult, checkpoint, resume_source
-from rlfunc.run import train as run_train
-from rlfunc.run.loop import source_meta
+from rlfunc.run import Run, checkpoint
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
-from rlfunc.run.resume import NO_SNAPSHOT, ResumePoint, buffer_snapshot, check_run_dir, restore_buffer, set_generator_state, state_meta
+from rlfunc.run.resume import ResumePoint, buffer_snapshot, restore_buffer, set_generator_state, state_meta
 
 # the algorithm each config type builds (the registry entry names the config type)
 MAKERS = {SACConfig: make_sac, TD3Config: make_td3}
@@ -77,24 +74,6 @@ def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
                        f"(low={act_space.low.tolist()}, high={act_space.high.tolist()})")
     return EnvSpec(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)),
                    act_space.low.astype(float).reshape(-1).tolist(), act_space.high.astype(float).reshape(-1).tolist())
-
-
-def _algos() -> tuple[str, ...]:
-    return algorithms.names(family="offpolicy", commands=False)
-
-
-def config_from_meta(meta: dict, path, algo: str | None = None) -> SACConfig | TD3Config:
-    """The config saved in a sac / td3 snapshot's meta.
-
-    Raises:
-        CheckpointError: not a sac or td3 snapshot (given ``algo``, not one of ``algo``), or no valid
-            config in its meta (the message names ``path``).
-    """
-    got = meta.get("algo")
-    if got not in _algos() or (algo is not None and got != algo):
-        expected = " or ".join(_algos()) if algo is None else algo
-        raise CheckpointError(f"{path}: snapshot algo={got!r}: expected a {expected} snapshot")
-    return from_dict(algorithms.resolve(algorithms.lookup(got).config), meta.get("config"), path, algo=got)
 
 
 def evaluate_policy(algo: OffPolicy, state: TensorDict, config, episodes: int, seed: int, device: torch.device) -> dict:
@@ -143,9 +122,12 @@ class OffPolicyRun(Run):
 
     variable = ("buffer",)  # its rows depend on how far the run got; restore checks them
 
-    def __init__(self, config, device: torch.device, name: str, dist=None) -> None:
+    data_parallel = True
+
+    def __init__(self, config, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
+        name = algorithms.name_of(config)
         self.config, self.device, self.name, self.dist = config, device, name, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         data_parallel.check_divides(self.world_size, num_envs=config.num_envs, batch_size=config.batch_size)
@@ -334,64 +316,6 @@ class OffPolicyRun(Run):
 # --------------------------------------------------------------------------------------- the calls
 
 
-def _train(algo: str, config, run_dir, **kw) -> RunResult:
-    entry = algorithms.lookup(algo)
-    return run_train(lambda c, d, dist=None: OffPolicyRun(c, d, algo, dist), lambda meta, path: config_from_meta(meta, path, algo),
-                     config, run_dir, config_type=algorithms.resolve(entry.config), budget_field=entry.budget,
-                     unit=entry.unit, data_parallel=True, **kw)
-
-
-def train_sac(config: SACConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-              max_iterations: int | None = None, progress: bool = True, tensorboard: bool = True,
-              device: str | None = None) -> RunResult:
-    """Train SAC (:mod:`rlfunc.algos.sac`) per ``config`` into ``run_dir``, or continue it (``resume``).
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's is used; may be None then).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot (or the current branch's head version).
-        total_steps: on resume, a new budget in env steps, at least those done.
-        max_iterations: stop after this many iterations of this call (to split a run).
-        progress: a tqdm bar. tensorboard: also log to TensorBoard when installed.
-        device: on resume, run on this device instead of the config's (exact only on the same device type).
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted); evaluation (eval.json) once the budget is done.
-
-    Raises:
-        ConfigError, EnvError, CheckpointError: bad config, env, run dir or snapshot. Nothing is written then.
-    """
-    return _train("sac", config, run_dir, resume=resume, total_steps=total_steps, max_iterations=max_iterations,
-                  progress=progress, tensorboard=tensorboard, device=device)
-
-
-def train_td3(config: TD3Config | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-              max_iterations: int | None = None, progress: bool = True, tensorboard: bool = True,
-              device: str | None = None) -> RunResult:
-    """Train TD3 with an MLP actor (:mod:`rlfunc.algos.td3`); arguments, result and errors as :func:`train_sac`."""
-    return _train("td3", config, run_dir, resume=resume, total_steps=total_steps, max_iterations=max_iterations,
-                  progress=progress, tensorboard=tensorboard, device=device)
-
-
-def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None, progress: bool = True,
-           tensorboard: bool = True) -> RunResult:
-    """Continue the sac or td3 run in ``run_dir`` (its algorithm read from the snapshot or version it
-    continues from), optionally with a new budget ``total_steps`` (env steps).
-
-    Raises:
-        ConfigError: ``run_dir`` is not a directory. CheckpointError: no snapshot, or not a sac / td3 one.
-    """
-    run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume=True)
-    source = resume_source(run_dir)
-    if source is None:
-        raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
-    meta, name = source_meta(run_dir, source)
-    config_from_meta(meta, name)
-    fn = algorithms.resolve(algorithms.lookup(meta["algo"]).train)
-    return fn(None, run_dir, resume=True, total_steps=total_steps, device=device, progress=progress, tensorboard=tensorboard)
-
-
 def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:
     """:func:`evaluate_policy` of the latest snapshot of ``run_dir`` (or of ``run_dir`` itself, a snapshot
     directory) on ``episodes`` episodes (None: the run's ``eval_episodes``), reset seeds from ``seed``
@@ -405,7 +329,7 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
     meta = checkpoint.load_meta(path)
-    config = config_from_meta(meta, path)
+    config = algorithms.config_from_meta(meta, path, of="offpolicy")
     episodes = config.run.eval_episodes if episodes is None else episodes
     seed = config.run.seed if seed is None else seed
     if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:

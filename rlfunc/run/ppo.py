@@ -1,8 +1,8 @@
-"""A whole PPO run as one function of its config: collect -> update -> log -> checkpoint, resumable.
+"""A whole PPO run: collect -> update -> log -> checkpoint, resumable.
 
-``train(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per iteration),
-checkpoints/ (safetensors snapshots, see rlfunc.run.checkpoint), versions/ and learning_curve.png, and
-with ``final_eval`` eval.json. The run is a :class:`PPORun`, driven by the one run loop
+``rlfunc.run.train(config, run_dir)`` of a PPOConfig writes RUN_DIR/config.json, metrics.jsonl (one
+line per iteration), checkpoints/ (safetensors snapshots, see rlfunc.run.checkpoint), versions/,
+learning_curve.png and eval.json (:func:`evaluate`). The run is a :class:`PPORun`, driven by the one run loop
 (:mod:`rlfunc.run.loop`: snapshots, versions, metrics, progress bar, stop on SIGINT/SIGTERM).
 
 Resume is exact on CPU: the learner state (Adam's moments and steps included, ``state["optim"]``),
@@ -29,7 +29,6 @@ params, frozen-until iteration per leaf) is part of the saved state, so resume s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 import warnings
@@ -41,17 +40,17 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos import ppo_parallel
+from rlfunc.algos import registry as algorithms
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import mean_interval, success_interval, summarize_returns
-from rlfunc.config import from_dict, replace
+from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
-from rlfunc.run import Run, RunResult
-from rlfunc.run import train as run_train
+from rlfunc.run import Run
 from rlfunc.run.resume import STATE_LAYOUT, generator_from_state, optim_from_layout_1, state_layout
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
@@ -213,22 +212,6 @@ def _env_meta(config: PPOConfig, venv: gym.vector.VectorEnv) -> dict:
     }
 
 
-def config_from_meta(meta: dict, path: Path | str = "snapshot", **overrides) -> PPOConfig:
-    """Rebuild a PPOConfig from a snapshot's meta (with ``overrides``).
-
-    Raises:
-        CheckpointError: the meta holds no valid PPO config (missing, wrong types, out of range);
-            the message names the snapshot ``path``.
-    """
-    if meta.get("algo") != "ppo":
-        raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected 'ppo'")
-    config = from_dict(PPOConfig, meta.get("config"), path, algo="ppo")
-    try:
-        return replace(config, **overrides)
-    except ConfigError as e:
-        raise CheckpointError(f"{path}: snapshot config is not a valid PPOConfig with {overrides}: {e}") from e
-
-
 class PPORun(Run):
     """A PPO run as :func:`rlfunc.run.run_loop` drives it: ``config.run.num_seeds * config.num_envs``
     gymnasium envs, the learner state of ``make_ppo(config, ...)``, the rollout carry and, with
@@ -238,8 +221,7 @@ class PPORun(Run):
 
     Args:
         config: the run's hyperparameters. device: where the learner state lives.
-        final_eval: :meth:`evaluate` gives the final evaluation (:func:`evaluate` of the last
-            snapshot, ``config.run.eval_episodes`` per seed); False: None (no eval.json).
+        dist: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run.
 
     Raises:
         EnvError: ``config.env`` cannot be built, or has no Box observations, or actions other than
@@ -250,9 +232,10 @@ class PPORun(Run):
     # PPO snapshots never had meta "resume_format": every one holds the RNG states and the rollout
     # carry (the structure check refuses one that does not), so there is nothing for it to mark
     requires_format = False
+    data_parallel = True
 
-    def __init__(self, config: PPOConfig, device: torch.device, *, final_eval: bool = False, dist=None) -> None:
-        self.config, self.device, self.final_eval, self.dist = config, device, final_eval, dist
+    def __init__(self, config: PPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
+        self.config, self.device, self.dist = config, device, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         ppo_parallel.check_config(config, self.world_size)
         self.local_envs = config.num_envs // self.world_size  # this rank's envs per seed
@@ -372,65 +355,14 @@ class PPORun(Run):
     def open(self, run_dir: Path) -> None:
         self.run_dir = run_dir
 
-    def evaluate(self) -> dict | None:
-        """With ``final_eval``: :func:`evaluate` of the run's latest snapshot (the one the loop wrote
-        at the end of the budget) on ``config.run.eval_episodes`` episodes per seed, so eval.json is
-        what ``rlfunc eval RUN_DIR`` repeats. Else None."""
-        if not self.final_eval:
-            return None
+    def evaluate(self) -> dict:
+        """:func:`evaluate` of the run's latest snapshot (the one the loop wrote at the end of the
+        budget) on ``config.run.eval_episodes`` episodes per seed, so eval.json is what ``rlfunc eval
+        RUN_DIR`` repeats."""
         return evaluate(self.run_dir, self.config.run.eval_episodes, device=self.config.run.device)
 
     def close(self) -> None:
         self.venv.close()
-
-
-def train(
-    config: PPOConfig | None,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    max_iterations: int | None = None,
-    progress: bool = True,
-    tensorboard: bool = True,
-    total_steps: int | None = None,
-    device: str | None = None,
-    final_eval: bool = False,
-) -> RunResult:
-    """Train PPO per ``config`` into ``run_dir`` (or continue it with ``resume=True``): a
-    :class:`PPORun` through :func:`rlfunc.run.train`.
-
-    Args:
-        config: every hyperparameter (see PPOConfig); on resume, the snapshot's config is used (may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot in ``run_dir``, or from the head version of the
-            current branch when that is newer or the branch was made by a rollback
-            (:func:`rlfunc.run.resume_source`).
-        max_iterations: stop after this many iterations of this call (the LR schedule still spans
-            ``config.total_steps``), e.g. to split a run in parts.
-        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
-        total_steps: on resume, a new budget (env steps per seed) to extend or shorten the run;
-            the learning-rate schedule is then stretched over the new budget.
-        device: on resume, run on this device instead of the snapshot config's (None: the config's);
-            a run continues exactly only on the device type it ran on (its generator states are
-            device-specific).
-        final_eval: when the budget is done, :func:`evaluate` the latest snapshot (the final
-            policy; ``config.run.eval_episodes`` deterministic episodes per seed) into RUN_DIR/eval.json
-            and the result's ``evaluation``, as ``rlfunc train ppo`` and ``rlfunc resume`` do;
-            False: no evaluation (None).
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted): interrupted names the signal
-        (SIGINT/SIGTERM) that stopped the run after saving a snapshot, else None. Signals are
-        caught only when called from the main thread.
-
-    Raises:
-        ConfigError, EnvError, CheckpointError: bad config, env id, run dir or snapshot; ``total_steps``
-            or ``device`` without ``resume``; a new budget below the steps done. Nothing is written then.
-    """
-    return run_train(functools.partial(PPORun, final_eval=final_eval), config_from_meta, config, run_dir,
-                     config_type=PPOConfig, resume=resume, total_steps=total_steps, device=device,
-                     unit="env steps per seed", max_iterations=max_iterations, progress=progress,
-                     tensorboard=tensorboard, data_parallel=True)
 
 
 def evaluate(
@@ -460,7 +392,7 @@ def evaluate(
     path = Path(snapshot) if snapshot is not None else checkpoint.latest_snapshot(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
-    trained = config_from_meta(checkpoint.load_meta(path), path)
+    trained = algorithms.config_from_meta(checkpoint.load_meta(path), path, of=PPOConfig)
     episodes = trained.run.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
     # the evaluation's envs step in this process, whatever the run's workers (K need not divide the episodes)

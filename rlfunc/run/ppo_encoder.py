@@ -1,7 +1,7 @@
 """A whole encoder-PPO run (:mod:`rlfunc.algos.ppo_encoder`) on the one run loop (:mod:`rlfunc.run.loop`):
 collect -> update -> log -> snapshot / version -> evaluate.
 
-``train_ppo_encoder(config, run_dir)`` writes RUN_DIR/config.json, metrics.jsonl (one line per
+``rlfunc.run.train(config, run_dir)`` of a PPOEncoderConfig (an :class:`EncoderRun`) writes RUN_DIR/config.json, metrics.jsonl (one line per
 iteration: losses, episode_return (and success_rate, for envs that report ``is_success``) of the
 episodes that ended, steps/s, collect and update seconds), checkpoints/ (safetensors snapshots,
 ``algo="ppo-encoder"``), versions/ every ``version_every`` iterations (:mod:`rlfunc.run.versions`:
@@ -14,7 +14,7 @@ seeds), the update is the single process's (:func:`rlfunc.algos.ppo_encoder.make
 0 alone writes, and a snapshot holds every rank's carry and episode state in the single process's
 env order (meta "world_size" says how many ranks wrote it), so it resumes on any W dividing N.
 
-Resume (:func:`resume_encoder`, ``train_ppo_encoder(..., resume=True)``) continues the latest
+Resume (:func:`rlfunc.run.resume`) continues the latest
 snapshot or the current branch's head version (:func:`rlfunc.run.resume_source`). A snapshot holds
 the learner state (its action / minibatch generator "rng" included; its Adam state,
 ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.run.resume.learner_entries`), the carry
@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from tensordict import TensorDict
 from rlfunc.algos.diffusion_actor import EnvInfo, check_env, dones_of_split, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
 from rlfunc.core import func
-from rlfunc.config import from_dict
+from rlfunc.algos import registry as algorithms
 from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
@@ -51,7 +50,7 @@ from rlfunc.run import checkpoint
 from rlfunc.run.resume import (ResumePoint, env_rng_snapshot, learner_entries, restore_env_rng, set_generator_state, state_layout,
                            state_meta, upgrade_layout_1)
 from rlfunc.core.stats import success_interval, summarize_returns
-from rlfunc.run import Run, RunResult, train
+from rlfunc.run import Run
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
 
 
@@ -113,7 +112,6 @@ class EncoderRun(Run):
     rank calls :meth:`saved`), so it resumes on any number of ranks that divides ``num_envs``.
 
     Args:
-        evaluate_at_end: False: :meth:`evaluate` gives None (no eval.json).
         dist: None, or the :class:`rlfunc.run.distributed.Distributed` of a data-parallel run.
 
     Raises:
@@ -121,12 +119,13 @@ class EncoderRun(Run):
     """
 
     name = ALGO
+    data_parallel = True
 
-    def __init__(self, config: PPOEncoderConfig, device: torch.device, *, evaluate_at_end: bool = True, dist=None) -> None:
+    def __init__(self, config: PPOEncoderConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         check_env(config.env)
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
-        self.config, self.device, self.evaluate_at_end, self.dist = config, device, evaluate_at_end, dist
+        self.config, self.device, self.dist = config, device, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         W = self.world_size
         self.local_envs = config.num_envs // W  # this rank's envs
@@ -225,95 +224,11 @@ class EncoderRun(Run):
         like = TensorDict({"learner": {"params": stepped}, "optim": optim}, batch_size=[])
         return upgrade_layout_1(loaded, meta, where, like, algo=ALGO, commit=LAYOUT_1_COMMIT)
 
-    def evaluate(self) -> dict | None:
-        if not self.evaluate_at_end:
-            return None
+    def evaluate(self) -> dict:
         return {"algo": ALGO, **evaluate_state(self.config, self.info, self.state, self.config.run.eval_episodes, device=self.device)}
 
     def close(self) -> None:
         self.env.close()
-
-
-def train_ppo_encoder(
-    config: PPOEncoderConfig | None, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
-    progress: bool = True, tensorboard: bool = True, evaluate_at_end: bool = True, device: str | None = None,
-    max_iterations: int | None = None,
-) -> RunResult:
-    """Train encoder PPO per ``config`` into ``run_dir``, or continue it (``resume``): :func:`rlfunc.run.train`
-    of an :class:`EncoderRun`; under torchrun (WORLD_SIZE > 1) data-parallel, every rank calling it
-    (see the module docstring).
-
-    Args:
-        config: every hyperparameter; ignored on resume (the snapshot's config is used; may be None).
-        run_dir: output directory; must not already hold a run unless ``resume``.
-        resume: continue from the latest snapshot or the current branch's head version, whichever is
-            further along (see the module docstring for what comes back); metrics lines written after
-            it are dropped.
-        total_steps: with ``resume``, a new budget (env steps) to extend the run; the learning-rate
-            schedule is then stretched over the new budget.
-        progress: show a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
-        evaluate_at_end: run the final evaluation (:func:`evaluate_state`, eval.json) once the budget is done.
-        device: with ``resume``, run on this device instead of the snapshot config's (None: the
-            config's); a run continues exactly only on the device type it ran on.
-        max_iterations: run at most this many iterations in this call (None: to the budget).
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted): ``state`` is the learner state without its
-        optimizer's (the snapshot's "learner"; the Adam state is its "optim"); ``evaluation`` is
-        :func:`evaluate_state`'s dict on ``config.run.eval_episodes`` episodes (None when a signal stopped
-        the run or ``evaluate_at_end`` is False); ``interrupted`` names the signal (SIGINT/SIGTERM)
-        that stopped it after a snapshot.
-
-    Raises:
-        ConfigError: a bad run_dir or config; ``total_steps`` without ``resume``, not an int >= 1, or
-            below the steps the run has done. EnvError: an unknown env, or one without a Dict
-            observation. CheckpointError: on resume, no snapshot or version in ``run_dir``, a corrupt
-            one, one written before ppo-encoder runs were resumable, or one that does not fit its config.
-
-    Warns:
-        UserWarning: on resume, when the snapshot holds no state of the envs' episodes (new episodes).
-    """
-    result = train(partial(EncoderRun, evaluate_at_end=evaluate_at_end), config_from_meta, config, run_dir,
-                   config_type=PPOEncoderConfig, resume=resume, total_steps=total_steps, device=device,
-                   max_iterations=max_iterations, progress=progress, tensorboard=tensorboard, data_parallel=True)
-    return dataclasses.replace(result, state=result.state.exclude("optim"))
-
-
-def resume_encoder(run_dir: str | Path, total_steps: int | None = None, *, progress: bool = True,
-                   tensorboard: bool = True, device: str | None = None) -> RunResult:
-    """Continue a ppo-encoder run from its latest snapshot or head version: ``train_ppo_encoder(None,
-    run_dir, resume=True, ...)``.
-
-    Args:
-        run_dir: a run directory written by :func:`train_ppo_encoder`.
-        total_steps: a new budget in env steps (None: the run's own).
-        device: run on this device instead of the snapshot config's (None: the config's); a run
-            continues exactly only on the device type it ran on.
-
-    Returns:
-        RunResult(state, run_dir, evaluation, interrupted), as :func:`train_ppo_encoder` (a run that
-        had already done its budget runs no iteration and is evaluated again).
-
-    Raises:
-        CheckpointError: no snapshot or version in ``run_dir`` (the message names it), a corrupt
-            snapshot, a config in meta.json that is not a PPOEncoderConfig, or a snapshot written before
-            ppo-encoder runs were resumable, or one whose generator states were saved on another
-            device type (the message names the one to resume on).
-        ConfigError: ``total_steps`` is not an int >= 1, or gives fewer iterations than already done;
-            ``device`` is not a device this machine has.
-
-    Warns:
-        UserWarning: the envs' episodes could not be captured (the resumed run starts new ones).
-    """
-    return train_ppo_encoder(None, run_dir, resume=True, total_steps=total_steps, progress=progress, tensorboard=tensorboard,
-                             device=device)
-
-
-def config_from_meta(meta: dict, path) -> PPOEncoderConfig:
-    """The PPOEncoderConfig of a snapshot's meta; CheckpointError when it is not a valid encoder-PPO one."""
-    if meta.get("algo") != ALGO:
-        raise CheckpointError(f"{path}: snapshot algo={meta.get('algo')!r}: expected {ALGO!r}")
-    return from_dict(PPOEncoderConfig, meta.get("config"), path, algo=ALGO)
 
 
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto",
@@ -336,7 +251,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     if snap is None or not (Path(snap) / "meta.json").is_file():
         raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
     meta = checkpoint.load_meta(snap)
-    config = config_from_meta(meta, snap)
+    config = algorithms.config_from_meta(meta, snap, of=PPOEncoderConfig)
     state_layout(str(snap), meta, ALGO)  # layouts 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.run.eval_episodes if episodes is None else episodes
     if episodes < 1:

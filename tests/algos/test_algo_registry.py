@@ -4,7 +4,6 @@ import ast
 import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ from rlfunc.algos import registry
 from rlfunc.algos.registry import AlgorithmEntry
 from rlfunc.cli.commands import main
 from rlfunc.errors import CheckpointError, ConfigError
-from rlfunc.run import checkpoint
+from rlfunc.config import RunConfig
+from rlfunc.run import Run, checkpoint
+from rlfunc.run.resume import RESUME_FORMAT, STATE_LAYOUT
 
 CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "sac-diffusion", "sac", "td3", "grpo", "gspo", "mappo")
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def test_every_cli_algorithm_is_registered_and_resolves():
     for name in registry.names(commands=False):
         entry = registry.lookup(name)
         assert dataclasses.is_dataclass(registry.resolve(entry.config)), name
-        for field in ("command", "train", "resume", "evaluate", "config_from_meta", "report"):
+        for field in ("run", "command", "evaluate", "report"):
             assert callable(registry.resolve(getattr(entry, field))), (name, field)
         assert entry.needs
     assert registry.variant("ppo", "Pendulum-v1") == "ppo"
@@ -56,11 +57,19 @@ def test_config_from_meta_goes_through_the_snapshot_algo():
     assert registry.config_from_meta(meta, "snap") == BCConfig()
     ppo = {"algo": "ppo", "config": json.loads(json.dumps(dataclasses.asdict(PPOConfig())))}
     assert registry.config_from_meta(ppo, "snap") == PPOConfig()
-    with pytest.raises(CheckpointError, match="snap: snapshot algo='redq': expected 'ppo'"):  # the fallback's refusal
+    with pytest.raises(CheckpointError, match="snap: snapshot algo='redq': expected one of ppo, ppo-encoder, bc, .*, mappo"):
         registry.config_from_meta({"algo": "redq"}, "snap")
+    with pytest.raises(CheckpointError, match="snap: snapshot algo='bc': expected 'ppo'"):  # a loader of ppo's snapshots
+        registry.config_from_meta(meta, "snap", of=PPOConfig)
+    with pytest.raises(CheckpointError, match="snap: snapshot algo='ppo': expected one of bc, dppo, td3-diffusion, sac-diffusion"):
+        registry.config_from_meta(ppo, "snap", of="diffusion")
+    assert registry.name_of(BCConfig()) == "bc"
+    with pytest.raises(ConfigError, match="config=dict: expected the config of a registered algorithm"):
+        registry.name_of({})
 
 
-# A toy algorithm: what a new one adds is its files and one entry.
+# A toy algorithm: what a new one adds is its config, its Run and one entry - no train, resume or
+# config_from_meta function of its own.
 CALLS = []
 
 
@@ -69,28 +78,46 @@ class ToyConfig:
     """A toy algorithm's hyperparameters."""
 
     steps: int = 3  # iterations
+    run: RunConfig = dataclasses.field(default_factory=lambda: RunConfig(eval_episodes=2))
+
+
+class ToyRun(Run):
+    """Adds its iteration number to x each iteration."""
+
+    name = "toy"
+
+    def __init__(self, config, device, *, dist=None, resumed=False):
+        CALLS.append(("build", config.steps, resumed))
+        self.config, self.total = config, config.steps
+        self.state = TensorDict({"iteration": torch.zeros((), dtype=torch.int64), "x": torch.zeros(())}, batch_size=[])
+
+    def step(self, i, stopping):
+        self.state["x"] += i
+        self.state["iteration"] += 1
+        return {"iteration": i, "step": i, "x": float(self.state["x"])}
+
+    def saved(self):
+        meta = {"algo": "toy", "config": dataclasses.asdict(self.config), "iteration": int(self.state["iteration"]),
+                "env_steps": int(self.state["iteration"]), "state_layout": STATE_LAYOUT, "resume_format": RESUME_FORMAT}
+        return self.state.clone(), meta
+
+    def restore(self, loaded, meta):
+        self.state.update_(loaded)
+
+    def evaluate(self):
+        return {"algo": "toy", "x": float(self.state["x"])}
 
 
 def _toy_command(name, argv):
+    from rlfunc.run import train
+
     CALLS.append(("command", name, argv))
-    return 0
-
-
-def _toy_train(config, run_dir, **kw):
-    CALLS.append(("train", config, run_dir))
-
-
-def _toy_resume(run_dir, total_steps=None, *, device=None):
-    CALLS.append(("resume", Path(run_dir).name, total_steps))
-    return SimpleNamespace(run_dir=run_dir, interrupted=None, evaluation={"toy": total_steps})
+    steps, run_dir = int(argv[1]), argv[3]
+    return 0 if train(ToyConfig(steps), run_dir, progress=False, tensorboard=False).evaluation["x"] == steps * (steps + 1) / 2 else 1
 
 
 def _toy_evaluate(run_dir, episodes=None, *, seed=None, device="auto"):
     return {"toy_episodes": episodes, "seed": seed}
-
-
-def _toy_from_meta(meta, path):
-    return ToyConfig(**meta["config"])
 
 
 @pytest.fixture
@@ -99,30 +126,30 @@ def toy(monkeypatch):
     monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
     here = __name__
     registry.register("toy", AlgorithmEntry(
-        config=f"{here}:ToyConfig", command=f"{here}:_toy_command", train=f"{here}:_toy_train",
-        resume=f"{here}:_toy_resume", evaluate=f"{here}:_toy_evaluate", config_from_meta=f"{here}:_toy_from_meta",
-        needs="anything", usage="    rlfunc train toy [--steps N]",
+        config=f"{here}:ToyConfig", run=f"{here}:ToyRun", command=f"{here}:_toy_command", evaluate=f"{here}:_toy_evaluate",
+        needs="anything", usage="    rlfunc train toy [--steps N]", budget="steps", unit="iterations",
     ))
     CALLS.clear()
     return CALLS
 
 
 def test_a_registered_entry_is_dispatched_by_train_eval_and_resume(toy, tmp_path, capsys):
+    from rlfunc import resume
+
     assert registry.names()[-1] == "toy"
-    assert main(["train", "toy", "--steps", "5"]) == 0
-    assert toy == [("command", "toy", ["--steps", "5"])]
+    run = tmp_path / "run"
+    assert main(["train", "toy", "--steps", "3", "--run-dir", str(run)]) == 0
+    assert toy == [("command", "toy", ["--steps", "3", "--run-dir", str(run)]), ("build", 3, False)]
     assert main(["--help"]) == 0
     assert "    rlfunc train toy [--steps N]\n    rlfunc eval RUN_DIR" in capsys.readouterr().out
-    run = tmp_path / "run"
-    checkpoint.save_snapshot(run / checkpoint.CHECKPOINTS_DIR / "step_000000000001",
-                             TensorDict({"x": torch.zeros(1)}, batch_size=[]), {"algo": "toy", "config": {}})
-    capsys.readouterr()
     assert main(["eval", str(run), "--episodes", "4", "--seed", "7"]) == 0
     assert json.loads(capsys.readouterr().out) == {"toy_episodes": 4, "seed": 7}
-    assert main(["resume", str(run), "--total-steps", "9"]) == 0
-    assert toy[-1] == ("resume", "run", 9)
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"toy": 9}
+    # `rlfunc resume` builds the Run from the snapshot's config, with the new budget, and continues it
+    assert main(["resume", str(run), "--total-steps", "5"]) == 0
+    assert toy[-1] == ("build", 5, True)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"algo": "toy", "x": 15.0}  # 1 + ... + 5
     assert registry.config_from_meta({"algo": "toy", "config": {"steps": 2}}) == ToyConfig(2)
+    assert resume(run, 6, progress=False, tensorboard=False).evaluation == {"algo": "toy", "x": 21.0}
 
 
 def _algorithm_name_literals(path: Path) -> list[str]:

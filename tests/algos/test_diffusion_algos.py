@@ -19,7 +19,8 @@ from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.nets.unet1d import ConditionalUnet1D
 from rlfunc.optim.amp import precision
 from rlfunc.run import checkpoint
-from rlfunc.run.diffusion import evaluate_run, load_actor, train_bc, train_dppo, train_td3_diffusion
+from rlfunc.run import train
+from rlfunc.run.diffusion import evaluate_run, load_actor
 
 CPU = torch.device("cpu")
 SMALL = ActorSpec(hidden=(128, 128, 128), horizon=4, act_steps=4, num_train_steps=20, ddim_steps=10)
@@ -30,7 +31,7 @@ def bc_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("bc") / "run"
     config = replace(BCConfig(), actor=SMALL, num_demos=300, num_updates=2000, batch_size=512, lr=3e-3, ema_decay=0.99,
                       log_every=500, checkpoint_every=1000, eval_episodes=400, device="cpu")
-    return train_bc(config, d, progress=False, tensorboard=False)
+    return train(config, d, progress=False, tensorboard=False)
 
 
 def test_bc_keeps_both_modes(bc_run):
@@ -154,7 +155,7 @@ def test_dppo_finetune_steps_keeps_the_frozen_prefix(bc_run):
 def test_dppo_run_from_bc(bc_run, tmp_path):
     config = replace(DPPOConfig(), init_from=str(bc_run.run_dir), total_steps=2 * 64 * 8 * 4, num_envs=64, num_steps=8,
                         minibatch_size=256, num_epochs=2, eval_episodes=64, checkpoint_every=1, device="cpu")
-    result = train_dppo(config, tmp_path / "dppo", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "dppo", progress=False, tensorboard=False)
     records = [json.loads(l) for l in (tmp_path / "dppo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2048, 4096]
     assert {"success_rate", "share_goal_a", "share_goal_b", "loss_objective", "approx_kl"} <= records[0].keys()
@@ -168,7 +169,7 @@ def test_td3_diffusion_run(tmp_path):
     config = replace(TD3DiffusionConfig(), actor=actor, total_steps=3 * 32 * 30, num_envs=32, num_steps=30, warmup_steps=1000,
                                 updates_per_iteration=8, batch_size=64, critic_hidden=(64, 64), eval_episodes=32,
                                 device="cpu")
-    result = train_td3_diffusion(config, tmp_path / "td3", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "td3", progress=False, tensorboard=False)
     records = [json.loads(l) for l in (tmp_path / "td3" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and "loss_critic" not in records[0] and "loss_critic" in records[1]
     assert "loss_actor_q" in records[1] and all(r["loss_critic"] >= 0 for r in records[1:])
@@ -185,7 +186,7 @@ def test_runs_from_bc_record_and_use_the_bc_actor(bc_run, tmp_path):
     actor, and the step budget counts its 4 actions per chunk (it once used the default's 1)."""
     config = replace(TD3DiffusionConfig(), init_from=str(bc_run.run_dir), total_steps=2 * 16 * 8 * 4, num_envs=16, num_steps=8,
                                 warmup_steps=0, updates_per_iteration=2, batch_size=32, eval_episodes=8, device="cpu")
-    result = train_td3_diffusion(config, tmp_path / "td3", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "td3", progress=False, tensorboard=False)
     records = [json.loads(l) for l in (tmp_path / "td3" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [512, 1024]
     recorded = json.loads((tmp_path / "td3" / "config.json").read_text())["actor"]
@@ -218,7 +219,7 @@ def test_signal_stops_a_run_with_a_snapshot(tmp_path, monkeypatch):
     monkeypatch.setattr(td, "make_bc", make_bc)
     config = replace(BCConfig(), actor=ActorSpec(hidden=(32, 32), ddim_steps=5), num_demos=10, num_updates=1000, batch_size=32,
                       log_every=100, eval_episodes=8, device="cpu")
-    result = td.train_bc(config, tmp_path / "bc", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "bc", progress=False, tensorboard=False)
     assert result.interrupted == "SIGINT" and result.evaluation is None
     assert int(result.state["iteration"]) == 7
     assert checkpoint.latest_snapshot(tmp_path / "bc").name == "step_000000000007"

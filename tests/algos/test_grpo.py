@@ -465,14 +465,15 @@ def test_grpo_improves_point_reach(tmp_path):
     """A short GRPO run on the torch-batched PointReach-v0 (fixed seed) raises the deterministic
     return from about -0.3 (standing still) by more than 1 (the success bonus alone is 1)."""
     from rlfunc.algos.grpo import GRPOConfig
-    from rlfunc.run.grpo import _spec, evaluate_policy, train_grpo, make_grpo
+    from rlfunc.run import train
+    from rlfunc.run.grpo import _spec, evaluate_policy, make_grpo
 
     config = replace(GRPOConfig(), env="PointReach-v0", total_steps=46_080, num_groups=16, group_size=8, minibatch_size=32,
                         checkpoint_every=0, eval_episodes=20, seed=0)
     device = torch.device("cpu")
     spec = _spec(config.env)
     before = evaluate_policy(config, make_grpo(config, spec, device).init(), spec, device, 20, 0)["mean"]
-    result = train_grpo(config, tmp_path / "run", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     after = result.evaluation["mean"]
     assert before < -0.2 and after > before + 1.0, (before, after)
     for name in ("config.json", "metrics.jsonl", "eval.json", "learning_curve.png"):
@@ -532,7 +533,8 @@ def test_cli_train_and_eval_gspo(tmp_path, capsys):
 def test_train_grpo_gym_backend_and_seeds(tmp_path):
     """Pendulum through the gymnasium path: groups share reset seeds, new seeds every iteration."""
     from rlfunc.algos.grpo import GRPOConfig
-    from rlfunc.run.grpo import _rollout_fn, group_seeds, train_grpo
+    from rlfunc.run import train
+    from rlfunc.run.grpo import _rollout_fn, group_seeds
 
     assert group_seeds(0, 0, 3) != group_seeds(0, 1, 3) and len(set(group_seeds(0, 0, 3))) == 3
     config = replace(GRPOConfig(), env="Pendulum-v1", num_groups=2, group_size=3, minibatch_size=3, max_episode_steps=5,
@@ -552,6 +554,6 @@ def test_train_grpo_gym_backend_and_seeds(tmp_path):
         close()
     assert first.shape == (2, 2, 3, 3)
     assert torch.equal(first, first[:, :, :1].expand_as(first)) and not torch.equal(first, second)
-    result = train_grpo(config, tmp_path / "run", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     assert result.evaluation["episodes"] == 2 and len(result.evaluation["per_seed_mean"]) == 2
     assert int(result.state["env_steps"]) == 2 * 6 * 5

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from rlfunc.config import replace
 from rlfunc.algos.mappo import MAPPOConfig, critic_input, make_mappo, ppo_agent_loss, sequence_advantage
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.run import train
 
 SMALL_LAYOUT = (
     "P......D",
@@ -130,7 +131,7 @@ def test_training_improves_deliveries_on_a_small_warehouse(tmp_path, monkeypatch
     config = replace(MAPPOConfig(), loss="ppo", n_agents=2, num_envs=16, rollout_steps=25, total_steps=16 * 25 * 12,
                          hidden=(32,), lr=3e-3, num_epochs=4, entropy_coef=0.0, eval_episodes=16, eval_seeds=(5,),
                          device="cpu", critic="mean")
-    result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     learned = result.evaluation["median"]["deliveries_per_100_steps"]
     rand = evaluate(lambda env: random_policy(env, seed=0, masked=True), wh_config(config, train=False),
                     seeds=(5,), num_episodes=16)["median"]["deliveries_per_100_steps"]
@@ -152,7 +153,7 @@ def test_grouped_losses_run(tmp_path, monkeypatch, loss):
     monkeypatch.setattr(registry_entries, "warehouse_config", lambda config, train: small)
     config = replace(MAPPOConfig(), loss=loss, n_agents=2, num_envs=8, group_size=4, episode_steps=10, total_steps=160,
                          hidden=(8,), eval_episodes=2, eval_seeds=(0,), device="cpu")
-    result = tm.train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(abs(r["ratio_mean"] - 1) < 0.5 for r in rows)
     assert result.evaluation["median"]["env_steps"] == 10 * 2

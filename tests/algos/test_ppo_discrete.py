@@ -182,13 +182,14 @@ def test_each_rank_draws_the_uniforms_of_its_envs(env):
 
 def test_a_multi_discrete_run_snapshots_resumes_and_evaluates(tmp_path):
     from rlfunc.run import checkpoint
-    from rlfunc.run.ppo import evaluate, train
+    from rlfunc.run import train
+    from rlfunc.run.ppo import evaluate
 
     config = preset(TWO_HEADS, total_steps=2 * 64, num_envs=2, num_steps=32, minibatch_size=32, num_epochs=1,
                     checkpoint_every=1, device="cpu")
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    train(config, tmp_path / "part", max_iterations=1, progress=False, tensorboard=False)
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    train(config, tmp_path / "part", max_iterations=1, progress=False, tensorboard=False, evaluate=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     for a, b in zip(func.leaves(full.state), func.leaves(resumed.state)):
         assert torch.equal(a, b)
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "full"))

@@ -117,10 +117,10 @@ def test_policy_log_prob_is_the_gaussian_density_of_the_action():
 
 
 def _train(tmp_path, name, **overrides):
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     config = replace(PPOEncoderConfig(), env="Push-v0", total_steps=32, **{**TINY, **overrides})
-    return train_ppo_encoder(config, tmp_path / name, progress=False, tensorboard=False, evaluate_at_end=False)
+    return train(config, tmp_path / name, progress=False, tensorboard=False, evaluate=False)
 
 
 @needs_rendering
@@ -196,10 +196,10 @@ def test_cli_trains_push_with_images_and_evaluates(tmp_path, capsys):
 
 
 def test_box_observation_env_is_a_clear_error(tmp_path):
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     with pytest.raises(EnvError, match="Box observation.*Dict observation"):
-        train_ppo_encoder(replace(PPOEncoderConfig(), env="PushState-v0", **TINY), tmp_path / "run", progress=False)
+        train(replace(PPOEncoderConfig(), env="PushState-v0", **TINY), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
     box = EnvInfo(21, 3, "observation", 21, ("observation",))
     with pytest.raises(EnvError, match="PushState-v0"):

@@ -144,9 +144,9 @@ def test_unbounded_actions_are_refused():
 def test_a_run_whose_learning_starts_covers_its_budget_warns_that_it_takes_no_gradient_step(tmp_path):
     from rlfunc.algos.sac import SACConfig
     from rlfunc.config import replace
-    from rlfunc.run.offpolicy import train_sac
+    from rlfunc.run import train
 
     config = replace(SACConfig(), env="Pendulum-v1", total_steps=64, num_steps=64, learning_starts=64, num_envs=1, device="cpu",
                      eval_episodes=1, checkpoint_every=0)
     with pytest.warns(UserWarning, match="no gradient step"):
-        train_sac(config, tmp_path / "r", progress=False, tensorboard=False)
+        train(config, tmp_path / "r", progress=False, tensorboard=False)

@@ -159,12 +159,12 @@ def test_bad_config_is_refused_naming_the_field(changes, message):
 def test_a_gymnasium_env_trains_through_the_chunk_env(tmp_path):
     """Pendulum-v1 (a gymnasium id: rlfunc.envs.chunk.GymChunkEnv, actions scaled to [-2, 2]): two
     iterations past the warm-up give finite losses, a moved alpha and an evaluation."""
-    from rlfunc.run.diffusion import train_sac_diffusion
+    from rlfunc.run import train
 
     config = replace(SACDiffusionConfig(), env="Pendulum-v1", actor=ACTOR, critic_hidden=(32,), num_envs=4, num_steps=50,
                      warmup_steps=200, updates_per_iteration=4, batch_size=32, entropy_every=2, entropy_states=4,
                      entropy_samples=20, total_steps=600, eval_episodes=2, device="cpu")
-    result = train_sac_diffusion(config, tmp_path / "run", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     import json
 
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

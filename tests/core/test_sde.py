@@ -186,14 +186,14 @@ def _leaves(state):
 
 
 def test_gsde_seeds_as_a_batch_equal_separate_runs_and_vmap_equals_loop(tmp_path):
-    from rlfunc.run.ppo import train
+    from rlfunc.run import train
 
     base = dict(TINY, total_steps=2 * 128)
-    loop = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "l", progress=False, tensorboard=False)
-    vmapped = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="vmap", **base), tmp_path / "v", progress=False, tensorboard=False)
+    loop = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "l", progress=False, tensorboard=False, evaluate=False)
+    vmapped = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="vmap", **base), tmp_path / "v", progress=False, tensorboard=False, evaluate=False)
     assert loop.state["params", "log_std"].shape == (2, 64, 1)
     for i, seed in enumerate((3, 4)):
-        alone = train(preset("Pendulum-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False)
+        alone = train(preset("Pendulum-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False, evaluate=False)
         for key, value in _leaves(alone.state["params"]).items():
             torch.testing.assert_close(loop.state["params"].get(key)[i], value[0], atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(vmapped.state["params"].get(key)[i], value[0], atol=1e-5, rtol=1e-4)
@@ -202,12 +202,12 @@ def test_gsde_seeds_as_a_batch_equal_separate_runs_and_vmap_equals_loop(tmp_path
 
 
 def test_gsde_resume_is_exact(tmp_path):
-    from rlfunc.run.ppo import train
+    from rlfunc.run import train
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **{**TINY, "sde_sample_freq": 5})
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     a, b = _leaves(full.state), _leaves(resumed.state)
     assert a.keys() == b.keys()
     for key in a:
@@ -231,13 +231,14 @@ def test_actor_critic_apply_equals_functional_call():
 
 
 def test_short_pendulum_run_with_gsde_improves(tmp_path):
-    from rlfunc.run.ppo import evaluate, train
+    from rlfunc.run import train
+    from rlfunc.run.ppo import evaluate
 
     # the preset, but at a constant lr of 3e-3: the preset's decay to 0 over a 4-iteration budget
     # would leave too few steps at a useful lr to show learning (the full budget's test: test_train.py)
     config = preset("Pendulum-v1", total_steps=16_384, checkpoint_every=0, device="cpu", anneal_lr=False, lr=3e-3)
     assert config.exploration == "gsde"  # the preset
-    train(config, tmp_path / "r", progress=False, tensorboard=False)
+    train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     first = records[0]["episode_return"]  # -1289 here
     trained = evaluate(tmp_path / "r", episodes=10, device="cpu")

@@ -100,7 +100,8 @@ def test_evaluation_reset_seeds_are_disjoint_from_training_ones():
 def test_train_and_evaluate_use_disjoint_reset_seeds(tmp_path, monkeypatch):
     # what rlfunc.run.ppo.train and rlfunc.run.ppo.evaluate actually pass to the envs' reset
     from rlfunc.algos.ppo import preset
-    from rlfunc.run.ppo import evaluate, train
+    from rlfunc.run import train
+    from rlfunc.run.ppo import evaluate
 
     calls = []
     real_reset = collect.reset
@@ -112,7 +113,7 @@ def test_train_and_evaluate_use_disjoint_reset_seeds(tmp_path, monkeypatch):
     monkeypatch.setattr(collect, "reset", recording_reset)
     config = preset("Pendulum-v1", total_steps=64, num_envs=4, num_steps=16, minibatch_size=32, num_epochs=1,
                     seed=3, device="cpu", version_every=0)
-    train(config, tmp_path / "r", progress=False, tensorboard=False)
+    train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     train_seeds = {s for c in calls for s in c}
     calls.clear()
     out = evaluate(tmp_path / "r", episodes=50, device="cpu")

@@ -19,7 +19,8 @@ from rlfunc.core import func
 from rlfunc.envs.chunk import GymChunkEnv, scale_action, unscale_action
 from rlfunc.envs.demos import chunk_indices, expert_demonstrations
 from rlfunc.errors import CheckpointError, EnvError
-from rlfunc.run.diffusion import evaluate_run, load_actor, train_bc, train_dppo
+from rlfunc.run import train
+from rlfunc.run.diffusion import evaluate_run, load_actor
 
 CPU = torch.device("cpu")
 
@@ -206,18 +207,18 @@ def test_push_state_bc_then_dppo_from_the_cli_functions(tmp_path):
     dppo run refuses a bc run of another env."""
     bc = replace(BCConfig(), env="PushState-v0", num_demos=2, num_updates=3, batch_size=16, eval_episodes=2, log_every=1,
                   actor=ActorSpec(hidden=(32, 32), horizon=4, act_steps=4, num_train_steps=4, ddim_steps=2), device="cpu")
-    r = train_bc(bc, tmp_path / "bc", progress=False, tensorboard=False)
+    r = train(bc, tmp_path / "bc", progress=False, tensorboard=False)
     assert json.loads((tmp_path / "bc" / "demos.json").read_text())["num_episodes"] == 2
     assert r.evaluation["num_episodes"] == 2.0 and 0.0 <= r.evaluation["success_rate"] <= 1.0
     loaded = load_actor(tmp_path / "bc", CPU)
     assert loaded.info == env_info("PushState-v0") and loaded.encoder is None
     d = replace(DPPOConfig(), env="PushState-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 4, num_envs=2, num_steps=2,
                    minibatch_size=4, num_epochs=1, eval_episodes=2, target_kl=None, device="cpu")
-    out = train_dppo(d, tmp_path / "dppo", progress=False, tensorboard=False)
+    out = train(d, tmp_path / "dppo", progress=False, tensorboard=False)
     moved = [(a - b).abs().max().item() for a, b in zip(func.leaves(out.state["params", "actor"]), func.leaves(loaded.params))]
     assert max(moved) > 0
     with pytest.raises(CheckpointError, match="observations"):
-        train_dppo(replace(DPPOConfig(), env="PointReach-v0", init_from=str(tmp_path / "bc"), device="cpu"), tmp_path / "x",
+        train(replace(DPPOConfig(), env="PointReach-v0", init_from=str(tmp_path / "bc"), device="cpu"), tmp_path / "x",
                    progress=False, tensorboard=False)
 
 
@@ -232,7 +233,7 @@ def test_push_pixels_bc_and_dppo_with_images_proprio_and_text(tmp_path):
     spec = ActorSpec(hidden=(32, 32), horizon=2, act_steps=2, num_train_steps=4, ddim_steps=2, **TINY_VISION)
     bc = replace(BCConfig(), env="Push-v0", num_demos=1, num_updates=2, batch_size=8, eval_episodes=1, log_every=1, actor=spec,
                   lr=1e-2, device="cpu")
-    r = train_bc(bc, tmp_path / "bc", progress=False, tensorboard=False)
+    r = train(bc, tmp_path / "bc", progress=False, tensorboard=False)
     state = r.state
     assert set(state["encoder"].keys()) >= {"vision", "proprio", "text", "fusion", "cls"}
     fresh = load_actor(tmp_path / "bc", CPU)
@@ -245,7 +246,7 @@ def test_push_pixels_bc_and_dppo_with_images_proprio_and_text(tmp_path):
         assert any(changed), part
     d = replace(DPPOConfig(), env="Push-v0", init_from=str(tmp_path / "bc"), total_steps=2 * 2 * 2, num_envs=2, num_steps=2,
                    minibatch_size=4, num_epochs=1, eval_episodes=1, target_kl=None, device="cpu")
-    out = train_dppo(d, tmp_path / "dppo", progress=False, tensorboard=False)
+    out = train(d, tmp_path / "dppo", progress=False, tensorboard=False)
     for part in ("actor", "critic"):
         start = fresh.params if part == "actor" else None
         if start is not None:

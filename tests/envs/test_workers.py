@@ -18,8 +18,8 @@ from rlfunc.config import replace
 from rlfunc.envs import collect
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import ConfigError, EnvError
-from rlfunc.run.diffusion import resume_diffusion, train_dppo
-from rlfunc.run.ppo import train
+from rlfunc import resume, train
+from rlfunc.run import train
 
 CPU = torch.device("cpu")
 
@@ -137,9 +137,9 @@ def test_a_ppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
     workers' snapshot; the episodes end at their step 200, in the 4th iteration)."""
     config = replace(PPOConfig(), env="Pendulum-v1", total_steps=4 * 128, num_envs=2, num_steps=64, minibatch_size=64,
                      num_epochs=1, checkpoint_every=1, device="cpu", version_every=0)
-    inline = train(config, tmp_path / "inline", **QUIET)
-    train(replace(config, env_workers=2), tmp_path / "part", max_iterations=2, **QUIET)
-    resumed = train(None, tmp_path / "part", resume=True, **QUIET)
+    inline = train(config, tmp_path / "inline", **QUIET, evaluate=False)
+    train(replace(config, env_workers=2), tmp_path / "part", max_iterations=2, **QUIET, evaluate=False)
+    resumed = train(None, tmp_path / "part", resume=True, **QUIET, evaluate=False)
     a, b = _leaves(inline.state), _leaves(resumed.state)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     records = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("inline", "part")]
@@ -177,9 +177,9 @@ def test_a_dppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
     actor = ActorSpec(hidden=(32, 32), num_train_steps=6, ddim_steps=3)
     config = replace(DPPOConfig(), actor=actor, env="Pendulum-v1", num_envs=4, num_steps=4, minibatch_size=8, num_epochs=1,
                      critic_hidden=(32,), total_steps=4 * 64, eval_episodes=2, device="cpu")
-    inline = train_dppo(config, tmp_path / "inline", **QUIET)
-    train_dppo(replace(config, total_steps=2 * 64, env_workers=2), tmp_path / "part", **QUIET)
-    resumed = resume_diffusion(tmp_path / "part", 4 * 64, **QUIET)
+    inline = train(config, tmp_path / "inline", **QUIET)
+    train(replace(config, total_steps=2 * 64, env_workers=2), tmp_path / "part", **QUIET)
+    resumed = resume(tmp_path / "part", 4 * 64, **QUIET)
     a, b = _leaves(inline.state), _leaves(resumed.state)
     assert int(resumed.state["iteration"]) == 4 and a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []

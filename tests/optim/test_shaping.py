@@ -403,14 +403,14 @@ def test_grpo_gspo_shaping(loss):
 
 def test_ppo_shaped_resume_is_exact(tmp_path):
     """The shaping state travels in snapshots: 4 iterations == 2, stop, resume for 2 more."""
-    from rlfunc.run.ppo import train
+    from rlfunc.run import train
 
     tiny = dict(num_envs=2, num_steps=64, minibatch_size=32, num_epochs=1, checkpoint_every=1, device="cpu",
                 version_every=0, total_steps=4 * 128, hessian_interval=3)
     config = preset("Pendulum-v1", shaping="ppo-shaped", **tiny)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     a = dict(full.state.items(include_nested=True, leaves_only=True))
     b = dict(resumed.state.items(include_nested=True, leaves_only=True))
     assert a.keys() == b.keys() and any(k[:3] == ("optim", "1", "transform") for k in a)
@@ -455,13 +455,13 @@ def test_ppo_shaped_snapshot_from_before_the_link_resumes_exactly(tmp_path):
     (the learner's "shaping" {"transform", "step"} beside the chain, Adam's state as link "1") loads,
     and the resumed run equals the uninterrupted one."""
     from rlfunc.run import checkpoint
-    from rlfunc.run.ppo import train
+    from rlfunc.run import train
 
     tiny = dict(num_envs=2, num_steps=64, minibatch_size=32, num_epochs=1, checkpoint_every=1, device="cpu",
                 version_every=0, total_steps=4 * 128, hessian_interval=3)
     config = preset("Pendulum-v1", shaping="ppo-shaped", **tiny)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
     snap = checkpoint.latest_snapshot(tmp_path / "part")
     saved, meta = checkpoint.load_snapshot(snap)
     link = saved["learner", "optim", "1"]
@@ -469,7 +469,7 @@ def test_ppo_shaped_snapshot_from_before_the_link_resumes_exactly(tmp_path):
     old["learner", "optim", "1"] = link["inner"]
     old["learner", "shaping"] = TensorDict({"transform": link["transform"], "step": link["step"]}, batch_size=[])
     checkpoint.save_snapshot(snap, old, meta)
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     a = dict(full.state.items(include_nested=True, leaves_only=True))
     b = dict(resumed.state.items(include_nested=True, leaves_only=True))
     assert a.keys() == b.keys() and ("optim", "1", "step") in a

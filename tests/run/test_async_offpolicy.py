@@ -13,6 +13,7 @@ from rlfunc.algos.td3 import TD3Config
 from rlfunc.config import replace
 from rlfunc.errors import ConfigError
 from rlfunc.run import checkpoint, offpolicy
+from rlfunc import resume, train
 
 QUIET = dict(progress=False, tensorboard=False)
 # 2 envs x 50 steps per iteration, 3 iterations; gradient steps from env step 60: at env steps 60, 62, ..., 300
@@ -24,7 +25,7 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("cls, train", [(SACConfig, offpolicy.train_sac), (TD3Config, offpolicy.train_td3)])
+@pytest.mark.parametrize("cls, train", [(SACConfig, train), (TD3Config, train)])
 def test_an_async_run_stores_every_step_and_takes_the_synchronous_gradient_steps(tmp_path, cls, train):
     result = train(replace(cls(), **SMALL), tmp_path / "run", **QUIET)
     assert int(result.state["env_steps"]) == 300
@@ -41,7 +42,7 @@ def test_an_async_run_stores_every_step_and_takes_the_synchronous_gradient_steps
 def test_items_of_several_steps_take_their_updates_together(tmp_path):
     # items of 5 vector-env steps (10 env steps): updates after the items ending at env steps 60 (its last step
     # only: learning starts at 60), 70, ..., 300: the in-process count
-    result = offpolicy.train_sac(replace(SACConfig(), **{**SMALL, "async_steps": 5}), tmp_path / "run", **QUIET)
+    result = train(replace(SACConfig(), **{**SMALL, "async_steps": 5}), tmp_path / "run", **QUIET)
     assert int(result.state["env_steps"]) == 300 and int(result.state["updates"]) == 2 * 121
     records = _records(tmp_path / "run")
     assert all(0 <= r["policy_lag"] <= 3 for r in records)  # publishes: one per item's updates
@@ -52,18 +53,18 @@ def test_an_item_that_straddles_learning_starts_counts_only_its_steps_past_it(tm
     # steps); the item ending at 60 env steps holds the steps ending at 52, 54 (before learning starts at 56) and
     # 56, 58, 60 (after): those 3 update, as in process
     config = replace(SACConfig(), **{**SMALL, "async_steps": 5, "learning_starts": 56, "total_steps": 100, "num_steps": 50})
-    result = offpolicy.train_sac(config, tmp_path / "run", **QUIET)
+    result = train(config, tmp_path / "run", **QUIET)
     assert int(result.state["updates"]) == 2 * 23  # env steps 56, 58, ..., 100: 23 vector-env steps, as in process
     config = replace(SACConfig(), **{**SMALL, "async_steps": 5, "learning_starts": 57, "total_steps": 100, "num_steps": 50})
-    result = offpolicy.train_sac(config, tmp_path / "run57", **QUIET)
+    result = train(config, tmp_path / "run57", **QUIET)
     assert int(result.state["updates"]) == 2 * 22  # env steps 58, ..., 100
 
 
 def test_an_async_resume_warns_and_continues_with_new_episodes(tmp_path):
     config = replace(SACConfig(), **SMALL)
-    offpolicy.train_sac(config, tmp_path / "run", max_iterations=1, **QUIET)
+    train(config, tmp_path / "run", max_iterations=1, **QUIET)
     with pytest.warns(UserWarning, match="starts new episodes"):
-        resumed = offpolicy.resume(tmp_path / "run", **QUIET)
+        resumed = resume(tmp_path / "run", **QUIET)
     assert int(resumed.state["env_steps"]) == 300 and int(resumed.state["updates"]) == 2 * 121
 
 

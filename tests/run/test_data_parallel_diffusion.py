@@ -12,7 +12,7 @@ from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.config import replace
 from rlfunc.run import checkpoint
-from rlfunc.run.diffusion import train_dppo
+from rlfunc.run import train
 
 SPEC = ActorSpec(hidden=(32, 32), horizon=4, act_steps=4, num_train_steps=8, ddim_steps=4)
 
@@ -24,12 +24,12 @@ def _config():
 
 
 def _rank(dist, run_dir):
-    train_dppo(_config(), run_dir, progress=False, tensorboard=False)
+    train(_config(), run_dir, progress=False, tensorboard=False)
 
 
 def test_a_two_rank_dppo_run_is_the_single_process_run_and_rank_0_alone_writes(gloo, tmp_path, same_snapshots):
     gloo(_rank, str(tmp_path / "dp"))
-    single = train_dppo(_config(), tmp_path / "single", progress=False, tensorboard=False)
+    single = train(_config(), tmp_path / "single", progress=False, tensorboard=False)
     a, b = checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp")
     assert a.name == b.name == "step_000000000640"
     _, meta, worst = same_snapshots(a, b)  # generator states (the env's too), counters: exact
@@ -48,7 +48,7 @@ def test_a_two_rank_dppo_run_is_the_single_process_run_and_rank_0_alone_writes(g
 
 import gymnasium as gym  # noqa: E402
 
-from rlfunc.run.diffusion import resume_diffusion  # noqa: E402
+from rlfunc import resume
 
 UNEVEN = "UnevenPointReach-v0"
 
@@ -89,9 +89,9 @@ def _gym_rank(dist, run_dir, after_one):
     """One iteration, rank 0 keeping a copy of the run then, and a resume on the same 2 ranks to 2."""
     from conftest import keep_copy_on_rank_0
 
-    train_dppo(_gym_config(1), run_dir, progress=False, tensorboard=False)  # it leaves the process group
+    train(_gym_config(1), run_dir, progress=False, tensorboard=False)  # it leaves the process group
     keep_copy_on_rank_0(dist, run_dir, after_one)
-    resume_diffusion(run_dir, 2 * GYM_ITERATION, progress=False, tensorboard=False)
+    resume(run_dir, 2 * GYM_ITERATION, progress=False, tensorboard=False)
 
 
 def _assert_same_snapshot(got_dir, want_dir, same_snapshots):
@@ -109,8 +109,8 @@ def test_a_two_rank_dppo_run_on_a_gymnasium_id_is_the_single_process_run_and_res
     in one process, all end in the single process's snapshot (floats within 1e-6, the rest exact); its
     metrics count every rank's episodes; rank 0 alone writes."""
     gloo(_gym_rank, str(tmp_path / "dp"), str(tmp_path / "dp_after_1"))
-    train_dppo(_gym_config(2), tmp_path / "single", progress=False, tensorboard=False)
-    resume_diffusion(tmp_path / "dp_after_1", 2 * GYM_ITERATION, progress=False, tensorboard=False)
+    train(_gym_config(2), tmp_path / "single", progress=False, tensorboard=False)
+    resume(tmp_path / "dp_after_1", 2 * GYM_ITERATION, progress=False, tensorboard=False)
     assert _assert_same_snapshot(tmp_path / "dp", tmp_path / "single", same_snapshots)["world_size"] == 2
     assert _assert_same_snapshot(tmp_path / "dp_after_1", tmp_path / "single", same_snapshots)["world_size"] == 1
     records = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]

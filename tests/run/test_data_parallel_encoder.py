@@ -138,21 +138,21 @@ def test_two_rank_iterations_equal_the_single_process_ones(gloo, tmp_path):
 
 
 def _run(run_dir, iterations: int, **kw):
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     config = _config(total_steps=24 * iterations, checkpoint_every=1)
-    return train_ppo_encoder(config, run_dir, evaluate_at_end=False, **QUIET, **kw)
+    return train(config, run_dir, evaluate=False, **QUIET, **kw)
 
 
 def _rank_run(dist, run_dir, after_one):
     """One iteration, rank 0 keeping a copy of the run then, and a resume on the same 2 ranks to 2."""
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     from conftest import keep_copy_on_rank_0
 
     _run(run_dir, 1)  # it leaves the process group
     keep_copy_on_rank_0(dist, run_dir, after_one)
-    train_ppo_encoder(None, run_dir, resume=True, total_steps=48, evaluate_at_end=False, **QUIET)
+    train(None, run_dir, resume=True, total_steps=48, evaluate=False, **QUIET)
 
 
 def _assert_same_snapshot(got_dir, want_dir, same_snapshots) -> dict:
@@ -174,11 +174,11 @@ def test_a_two_rank_run_is_the_single_process_run_and_resumes_in_one_process(glo
     ranks to 2), and that run's 1-iteration snapshot resumed in one process, both end in the single
     process's snapshot (floats within 1e-6, the rest exact); rank 0 alone writes, and its metrics
     lines count every rank's episodes."""
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     gloo(_rank_run, str(tmp_path / "dp"), str(tmp_path / "dp_after_1"))
     _run(tmp_path / "single", 2)
-    train_ppo_encoder(None, tmp_path / "dp_after_1", resume=True, total_steps=48, evaluate_at_end=False, **QUIET)
+    train(None, tmp_path / "dp_after_1", resume=True, total_steps=48, evaluate=False, **QUIET)
     assert _assert_same_snapshot(tmp_path / "dp", tmp_path / "single", same_snapshots)["world_size"] == 2
     assert _assert_same_snapshot(tmp_path / "dp_after_1", tmp_path / "single", same_snapshots)["world_size"] == 1
     records = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ import json
 from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.config import replace
 from rlfunc.run import checkpoint
-from rlfunc.run.grpo import train_grpo
+from rlfunc.run import train
 
 
 def _config():
@@ -18,12 +18,12 @@ def _config():
 
 
 def _rank(dist, run_dir):
-    train_grpo(_config(), run_dir, progress=False, tensorboard=False)
+    train(_config(), run_dir, progress=False, tensorboard=False)
 
 
 def test_a_two_rank_grpo_run_is_the_single_process_run_and_rank_0_alone_writes(gloo, tmp_path, same_snapshots):
     gloo(_rank, str(tmp_path / "dp"))
-    single = train_grpo(_config(), tmp_path / "single", progress=False, tensorboard=False)
+    single = train(_config(), tmp_path / "single", progress=False, tensorboard=False)
     a, b = checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp")
     assert a.name == b.name == "step_000000000256"
     _, meta, worst = same_snapshots(a, b)  # generator states (the env's too), counters, the env's flags and step counts: exact

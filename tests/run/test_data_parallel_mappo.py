@@ -29,20 +29,20 @@ def _config():
 
 
 def _rank(dist, run_dir):
-    from rlfunc.run.mappo import train_mappo
+    from rlfunc.run import train
 
     _small_warehouses()
-    train_mappo(_config(), run_dir, progress=False, tensorboard=False)
+    train(_config(), run_dir, progress=False, tensorboard=False)
 
 
 def test_a_two_rank_mappo_run_is_the_single_process_run_and_rank_0_alone_writes(gloo, tmp_path, same_snapshots, monkeypatch):
     from envs import registry_entries
-    from rlfunc.run.mappo import train_mappo
+    from rlfunc.run import train
 
     gloo(_rank, str(tmp_path / "dp"))
     monkeypatch.setattr(registry_entries, "warehouse_config", registry_entries.warehouse_config)  # undone after the test
     _small_warehouses()
-    single = train_mappo(_config(), tmp_path / "single", progress=False, tensorboard=False)
+    single = train(_config(), tmp_path / "single", progress=False, tensorboard=False)
     a, b = checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp")
     assert a.name == b.name
     _, meta, worst = same_snapshots(a, b)  # generator states, counters, the warehouses' cells and tasks: exact

@@ -9,7 +9,7 @@ import json
 
 from rlfunc.algos.sac import preset
 from rlfunc.run import checkpoint
-from rlfunc.run.offpolicy import train_sac
+from rlfunc.run import train
 
 # float rounding only (a minibatch's loss as the mean of two half means), carried through ~100
 # gradient steps into the actions, the observations they led to and the buffer: the largest
@@ -24,7 +24,7 @@ def _config():
 
 
 def _rank(dist, run_dir):
-    train_sac(_config(), run_dir, max_iterations=2, progress=False, tensorboard=False)
+    train(_config(), run_dir, max_iterations=2, progress=False, tensorboard=False)
 
 
 def _assert_same(a, b, same_snapshots):
@@ -38,7 +38,7 @@ def test_a_two_rank_sac_run_is_the_single_process_run_and_resumes_in_one_process
     gloo(_rank, str(tmp_path / "dp"))
     records = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]  # one writer
-    single = train_sac(_config(), tmp_path / "single", progress=False, tensorboard=False)
+    single = train(_config(), tmp_path / "single", progress=False, tensorboard=False)
     snaps = checkpoint.run_snapshots(tmp_path / "single")
     worst, meta = _assert_same(snaps[1], checkpoint.latest_snapshot(tmp_path / "dp"), same_snapshots)  # iteration 2 (newest first)
     assert meta["world_size"] == 2 and meta["iteration"] == 2 and len(meta["env_state"]) == 2
@@ -47,7 +47,7 @@ def test_a_two_rank_sac_run_is_the_single_process_run_and_resumes_in_one_process
         assert got["step"] == w["step"] and got["updates"] == w["updates"] and got["episodes"] == w["episodes"]
         assert abs(got["loss_critic"] - w["loss_critic"]) < 1e-4 * max(1.0, abs(w["loss_critic"]))
 
-    resumed = train_sac(None, tmp_path / "dp", resume=True, progress=False, tensorboard=False)  # 1 process, the 2 envs in order
+    resumed = train(None, tmp_path / "dp", resume=True, progress=False, tensorboard=False)  # 1 process, the 2 envs in order
     worst_resumed, meta = _assert_same(checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp"), same_snapshots)
     assert meta["world_size"] == 1 and meta["iteration"] == 3 and int(meta["env_steps"]) == 120
     assert resumed.evaluation["episodes"] == single.evaluation["episodes"] == 2

@@ -10,7 +10,7 @@ from rlfunc.algos.diffusion_actor import ActorSpec
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.config import replace
 from rlfunc.run import checkpoint
-from rlfunc.run.diffusion import train_td3_diffusion
+from rlfunc.run import train
 
 SPEC = ActorSpec(hidden=(32, 32), horizon=4, act_steps=4, num_train_steps=8, ddim_steps=4)
 
@@ -24,12 +24,12 @@ def _config():
 
 
 def _rank(dist, run_dir):
-    train_td3_diffusion(_config(), run_dir, progress=False, tensorboard=False)
+    train(_config(), run_dir, progress=False, tensorboard=False)
 
 
 def test_a_two_rank_td3_diffusion_run_is_the_single_process_run_and_rank_0_alone_writes(gloo, tmp_path, same_snapshots):
     gloo(_rank, str(tmp_path / "dp"))
-    single = train_td3_diffusion(_config(), tmp_path / "single", progress=False, tensorboard=False)
+    single = train(_config(), tmp_path / "single", progress=False, tensorboard=False)
     a, b = checkpoint.latest_snapshot(tmp_path / "single"), checkpoint.latest_snapshot(tmp_path / "dp")
     assert a.name == b.name == "step_000000000640"
     _, meta, worst = same_snapshots(a, b)  # generator states (the env's too), counters: exact

@@ -79,7 +79,7 @@ def test_two_ranks_equal_one_process_stepping_all_the_envs_and_rank_0_alone_writ
 
 def test_a_two_rank_snapshot_resumes_in_one_process_as_the_uninterrupted_run(single, tmp_path):
     run = tmp_path / "run"
-    script = (f"from rlfunc.algos.ppo import preset\nfrom rlfunc.run.ppo import train\n"
+    script = (f"from rlfunc.algos.ppo import preset\nfrom rlfunc.run import train\n"
               f"train(preset('Pendulum-v1', num_envs=4, num_steps=32, minibatch_size=64, num_epochs=2, eval_episodes=2, "
               f"device='cpu', version_every=0, total_steps=384), {str(run)!r}, max_iterations=2, progress=False, tensorboard=False)\n")
     out = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

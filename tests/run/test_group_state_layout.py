@@ -17,6 +17,7 @@ from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.algos.mappo import MAPPOConfig
 from rlfunc.cli.commands import main
 from rlfunc.run import checkpoint
+from rlfunc import resume, train
 
 DATA = Path(__file__).parents[1] / "data"  # runs written by rlfunc at commit d98cef6 (their READMEs)
 SMALL_LAYOUT = ("P......D", "..#..#..", "P......D")  # tests/run/test_resume_group.py's small warehouse
@@ -96,13 +97,13 @@ def _mappo_config(loss: str, iterations: int, **kw) -> MAPPOConfig:
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
 def test_a_grpo_snapshot_of_layout_1_resumes_exactly(tmp_path, num_seeds):
-    from rlfunc.run.grpo import resume_grpo, train_grpo
+    from rlfunc import resume, train
 
     config = _grpo_config(4, num_seeds=num_seeds)
-    full = train_grpo(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
     part = _crash_copy(tmp_path / "full", tmp_path / "part", 2 * config.steps_per_iteration)
     _as_layout_1(checkpoint.latest_snapshot(part))
-    resumed = resume_grpo(part, progress=False, tensorboard=False)
+    resumed = resume(part, progress=False, tensorboard=False)
     _assert_same(full, resumed, tmp_path / "full", part)
 
 
@@ -110,24 +111,25 @@ def test_a_grpo_snapshot_of_layout_1_resumes_exactly(tmp_path, num_seeds):
 def test_a_mappo_snapshot_of_layout_1_resumes_exactly(tmp_path, small_warehouse, loss):
     tm = small_warehouse
     config = _mappo_config(loss, 4, critic="mean")
-    full = tm.train_mappo(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
     part = _crash_copy(tmp_path / "full", tmp_path / "part", 2 * config.steps_per_iteration)
     snap = checkpoint.latest_snapshot(part)
     _as_layout_1(snap)
     assert checkpoint.load_meta(snap)["optim_leaves"] == (list(range(8)) if loss == "ppo" else [0, 1, 2, 3])
-    resumed = tm.resume_mappo(part, progress=False, tensorboard=False)
+    resumed = resume(part, progress=False, tensorboard=False)
     _assert_same(full, resumed, tmp_path / "full", part)
 
 
 def test_a_grpo_run_written_by_the_old_code_resumes_and_evaluates(tmp_path):
-    from rlfunc.run.grpo import evaluate_run, resume_grpo
+    from rlfunc import resume
+    from rlfunc.run.grpo import evaluate_run
 
     run = _copy("grpo_state_layout_1", tmp_path)
     saved, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(run))
     assert "state_layout" not in meta and meta["optim_leaves"] == list(range(7))
     result = evaluate_run(run, 2)
     assert result["env_steps"] == 240 and torch.isfinite(torch.tensor(result["mean"]))
-    resumed = resume_grpo(run, total_steps=3 * 120, progress=False, tensorboard=False)
+    resumed = resume(run, total_steps=3 * 120, progress=False, tensorboard=False)
     assert int(resumed.state["iteration"]) == 3
     # Adam's state went from torch.optim's numbered entries into the learner, leaf for leaf: the
     # resumed iteration took 4 more steps of each (2 epochs of 2 minibatches)
@@ -145,7 +147,7 @@ def test_a_mappo_run_written_by_the_old_code_resumes_and_evaluates(tmp_path, sma
     assert "state_layout" not in meta and meta["optim_leaves"] == [0, 1, 2, 3]  # the actor's; the critic is unused
     result = tm.evaluate_run(run)
     assert result["env"] == "Warehouse-v0" and result["n_agents"] == 2
-    resumed = tm.resume_mappo(run, total_steps=3 * 24, progress=False, tensorboard=False)
+    resumed = resume(run, total_steps=3 * 24, progress=False, tensorboard=False)
     assert int(resumed.state["iteration"]) == 3
     adam = resumed.state["optim", "1"]
     keys = _keys(resumed.state["params"])

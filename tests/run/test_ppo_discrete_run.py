@@ -7,7 +7,8 @@ import torch
 
 from rlfunc.algos.ppo import preset
 from rlfunc.run import checkpoint
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu")
 
@@ -19,13 +20,13 @@ def _leaves(state):
 def test_cartpole_resume_is_exact_and_evaluates(tmp_path):
     # 4 iterations in one go == 2, stop, resume for 2 more: every learner tensor and the metrics
     config = preset("CartPole-v1", total_steps=4 * 128, **TINY)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    part = train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    part = train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
     assert int(part.state["iteration"]) == 2
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "part"))
     assert meta["env_spec"]["action_kind"] == "discrete" and meta["env_spec"]["nvec"] == [2]
     assert meta["env_state"] is not None  # CartPole's state, RNG and time limit: the episodes continue
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     assert int(resumed.state["iteration"]) == 4
     a, b = _leaves(full.state), _leaves(resumed.state)
     assert a.keys() == b.keys() and not any("log_std" in str(k) for k in a)
@@ -45,9 +46,9 @@ def test_cartpole_resume_is_exact_and_evaluates(tmp_path):
 
 def test_two_seeds_of_cartpole_equal_separate_runs(tmp_path):
     base = dict(TINY, total_steps=2 * 128, checkpoint_every=0)
-    together = train(preset("CartPole-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "t", progress=False, tensorboard=False)
+    together = train(preset("CartPole-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "t", progress=False, tensorboard=False, evaluate=False)
     for i, seed in enumerate((3, 4)):
-        alone = train(preset("CartPole-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False)
+        alone = train(preset("CartPole-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False, evaluate=False)
         for key, value in _leaves(alone.state["params"]).items():
             torch.testing.assert_close(together.state["params"].get(key)[i], value[0], atol=1e-6, rtol=1e-5)
 
@@ -57,7 +58,7 @@ def test_short_cartpole_run_learns(tmp_path):
     # policy lasts about 22 steps. Measured here over 20 deterministic episodes: 141 on seed 0 (the
     # test's), 134 on seed 1, 363 on seed 2 (25-30 s of training on a loaded 2-core machine). Asserts > 100.
     config = preset("CartPole-v1", total_steps=20_480, checkpoint_every=0, version_every=0, device="cpu")
-    result = train(config, tmp_path / "r", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     assert result.interrupted is None and int(result.state["env_steps"]) == 20_480
     trained = evaluate(tmp_path / "r", episodes=20, device="cpu")
     assert trained["mean"] > 100.0, trained

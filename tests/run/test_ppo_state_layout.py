@@ -14,7 +14,8 @@ from rlfunc.algos.ppo import preset
 from rlfunc.cli.commands import main
 from rlfunc.core import func
 from rlfunc.run import checkpoint
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 FIXTURE = Path(__file__).parents[1] / "data" / "ppo_state_layout_1"  # written by rlfunc at commit c0e6595 (its README)
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu", version_every=0)
@@ -45,12 +46,12 @@ def _as_layout_1(snap: Path) -> None:
 
 def test_a_snapshot_of_layout_1_resumes_exactly(tmp_path):
     config = preset("Pendulum-v1", total_steps=4 * 128, **TINY)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
     snap = checkpoint.latest_snapshot(tmp_path / "part")
     _as_layout_1(snap)
     assert "state_layout" not in checkpoint.load_meta(snap)
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     a, b = _leaves(full.state), _leaves(resumed.state)
     assert a.keys() == b.keys()
     for key in a:
@@ -65,7 +66,7 @@ def test_a_run_written_by_the_old_code_resumes_and_evaluates(tmp_path):
     assert "optim" in saved.keys() and "optim" not in saved["learner"].keys()
     result = evaluate(run, episodes=2)
     assert result["env_steps"] == 256 and torch.isfinite(torch.tensor(result["mean"]))
-    resumed = train(preset("Pendulum-v1"), run, resume=True, progress=False, tensorboard=False)
+    resumed = train(preset("Pendulum-v1"), run, resume=True, progress=False, tensorboard=False, evaluate=False)
     assert int(resumed.state["iteration"]) == 3
     # Adam's state went from torch.optim's numbered entries into the learner, leaf for leaf: the
     # resumed iteration took one more step of each
@@ -114,7 +115,7 @@ def test_eval_refuses_a_snapshot_of_another_structure(tmp_path, capsys, layout):
         run = _copy_fixture(tmp_path)
     else:
         run = tmp_path / "new"
-        train(preset("Pendulum-v1", total_steps=128, hidden=(8, 8), **TINY), run, progress=False, tensorboard=False)
+        train(preset("Pendulum-v1", total_steps=128, hidden=(8, 8), **TINY), run, progress=False, tensorboard=False, evaluate=False)
     snap = checkpoint.latest_snapshot(run)
     record = json.loads((snap / "meta.json").read_text())
     record["meta"]["config"]["hidden"] = [16, 16]
@@ -136,15 +137,15 @@ def test_a_version_of_layout_1_resumes_exactly_after_a_rollback(tmp_path):
     from rlfunc.run import versions
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, version_every=1))
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
     run = tmp_path / "run"
-    train(config, run, max_iterations=2, progress=False, tensorboard=False)
+    train(config, run, max_iterations=2, progress=False, tensorboard=False, evaluate=False)
     state, manifest = versions.load_version(run, "v000002")
     meta = {k: v for k, v in manifest["meta"].items() if k != "state_layout"}
     old = versions.save_version(run, _layout_1(state), meta, iteration=manifest["iteration"], step=manifest["step"],
                                 metrics=manifest["metrics"])
     assert main(["versions", "rollback", str(run), old["id"]]) == 0
-    resumed = train(config, run, resume=True, progress=False, tensorboard=False)
+    resumed = train(config, run, resume=True, progress=False, tensorboard=False, evaluate=False)
     a, b = _leaves(full.state), _leaves(resumed.state)
     assert a.keys() == b.keys()
     for key in a:

@@ -8,7 +8,7 @@ import torch
 
 from rlfunc.algos.ppo import preset
 from rlfunc.errors import ConfigError
-from rlfunc.run.ppo import train
+from rlfunc.run import train
 from rlfunc.run.profile import PROFILE_DIR, IterationProfiler
 
 TINY = dict(num_envs=2, num_steps=32, minibatch_size=64, num_epochs=1, device="cpu", version_every=0)
@@ -23,7 +23,7 @@ def _trace_names(run_dir) -> set[str]:
 
 def test_profile_writes_one_trace_with_the_ranges_of_the_recorded_iterations(tmp_path):
     run = tmp_path / "run"
-    train(preset("Pendulum-v1", total_steps=5 * 64, profile=2, **TINY), run, progress=False, tensorboard=False)
+    train(preset("Pendulum-v1", total_steps=5 * 64, profile=2, **TINY), run, progress=False, tensorboard=False, evaluate=False)
     names = _trace_names(run)
     for name in ("iteration", "rollout", "update", "policy_forward", "env_step"):
         assert name in names, name
@@ -37,14 +37,14 @@ def test_profile_writes_one_trace_with_the_ranges_of_the_recorded_iterations(tmp
 def test_a_run_shorter_than_the_warm_up_and_the_recording_still_writes_what_it_recorded(tmp_path):
     run = tmp_path / "run"
     train(preset("Pendulum-v1", total_steps=3 * 64, checkpoint_every=1, profile=10, **TINY), run, progress=False,
-          tensorboard=False)
+          tensorboard=False, evaluate=False)
     names = _trace_names(run)  # iteration 3 and its snapshot were recorded when the run stopped
     assert {"iteration", "checkpoint", "update"} <= names
 
 
 def test_no_profile_writes_no_trace(tmp_path):
     run = tmp_path / "run"
-    train(preset("Pendulum-v1", total_steps=64, **TINY), run, progress=False, tensorboard=False)
+    train(preset("Pendulum-v1", total_steps=64, **TINY), run, progress=False, tensorboard=False, evaluate=False)
     assert not (run / PROFILE_DIR).exists()
 
 

@@ -18,6 +18,9 @@ from rlfunc.algos.sac_diffusion import SACDiffusionConfig
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
+from rlfunc import resume, train
+from rlfunc.algos import registry
+from rlfunc.run import RunResult
 
 ACTOR = ActorSpec(hidden=(32, 32), num_train_steps=6, ddim_steps=3)  # horizon = act_steps = 4
 QUIET = dict(progress=False, tensorboard=False)
@@ -73,11 +76,11 @@ def _without_time(records: list[dict]) -> list[dict]:
 
 
 def test_bc_n_stop_resume_n_equals_2n(tmp_path):
-    whole = td.train_bc(_bc(), tmp_path / "whole", **QUIET)
-    first = td.train_bc(_bc(num_updates=5), tmp_path / "split", **QUIET)
+    whole = train(_bc(), tmp_path / "whole", **QUIET)
+    first = train(_bc(num_updates=5), tmp_path / "split", **QUIET)
     assert int(first.state["iteration"]) == 5
-    resumed = td.resume_diffusion(tmp_path / "split", 10, **QUIET)
-    assert isinstance(resumed, td.DiffusionResult) and resumed.interrupted is None
+    resumed = resume(tmp_path / "split", 10, **QUIET)
+    assert isinstance(resumed, RunResult) and resumed.interrupted is None
     assert int(resumed.state["iteration"]) == 10
     for key in whole.state.keys(include_nested=True, leaves_only=True):
         assert torch.equal(whole.state[key], resumed.state[key]), key
@@ -96,9 +99,9 @@ def test_dppo_n_stop_resume_n_equals_2n(tmp_path, env, per_iteration):
     kw = dict(env=env, total_steps=4 * per_iteration)
     if env != "PointReach-v0":
         kw.update(num_envs=4, minibatch_size=8, num_epochs=1, eval_episodes=2)
-    whole = td.train_dppo(_dppo(**kw), tmp_path / "whole", **QUIET)
-    td.train_dppo(_dppo(**{**kw, "total_steps": 2 * per_iteration}), tmp_path / "split", **QUIET)
-    resumed = td.resume_diffusion(tmp_path / "split", 4 * per_iteration, **QUIET)
+    whole = train(_dppo(**kw), tmp_path / "whole", **QUIET)
+    train(_dppo(**{**kw, "total_steps": 2 * per_iteration}), tmp_path / "split", **QUIET)
+    resumed = resume(tmp_path / "split", 4 * per_iteration, **QUIET)
     assert int(resumed.state["iteration"]) == 4 and int(resumed.state["env_steps"]) == 4 * per_iteration
     _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
     assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
@@ -108,13 +111,13 @@ def test_dppo_n_stop_resume_n_equals_2n(tmp_path, env, per_iteration):
 def test_td3_n_stop_resume_n_equals_2n(tmp_path):
     """Stops in the warm-up (iteration 1) and after the replay buffer wrapped (iteration 3: 240 rows
     into 200), each resumed with a larger budget."""
-    whole = td.train_td3_diffusion(_td3(), tmp_path / "whole", **QUIET)
-    td.train_td3_diffusion(_td3(total_steps=80), tmp_path / "split", **QUIET)
-    td.resume_diffusion(tmp_path / "split", 3 * 80, **QUIET)
+    whole = train(_td3(), tmp_path / "whole", **QUIET)
+    train(_td3(total_steps=80), tmp_path / "split", **QUIET)
+    resume(tmp_path / "split", 3 * 80, **QUIET)
     state, meta = _snapshot(tmp_path / "split")
     assert meta["buffer"]["length"] == 200 and meta["buffer"]["writer"]["_cursor"] == 40
     assert state["buffer", "reward"].shape == (200, 1)
-    resumed = td.resume_diffusion(tmp_path / "split", 6 * 80, **QUIET)
+    resumed = resume(tmp_path / "split", 6 * 80, **QUIET)
     assert int(resumed.state["iteration"]) == 6 and int(resumed.state["updates"]) == 5 * 2  # iterations 2..6
     _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
     assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
@@ -124,13 +127,13 @@ def test_td3_n_stop_resume_n_equals_2n(tmp_path):
 def test_sac_diffusion_n_stop_resume_n_equals_2n(tmp_path):
     """As td3's: stops in the warm-up and after the buffer wrapped; the learner's alpha, its Adam
     state, the entropy estimate and the buffer come back exactly."""
-    whole = td.train_sac_diffusion(_sac(), tmp_path / "whole", **QUIET)
-    td.train_sac_diffusion(_sac(total_steps=80), tmp_path / "split", **QUIET)
-    td.resume_diffusion(tmp_path / "split", 3 * 80, **QUIET)
+    whole = train(_sac(), tmp_path / "whole", **QUIET)
+    train(_sac(total_steps=80), tmp_path / "split", **QUIET)
+    resume(tmp_path / "split", 3 * 80, **QUIET)
     state, meta = _snapshot(tmp_path / "split")
     assert meta["algo"] == "sac-diffusion" and meta["buffer"]["length"] == 200
     assert int(state["optim_alpha", "0", "step", "log_alpha"]) == 3  # updates 0, 2 (iteration 2), 4 (iteration 3)
-    resumed = td.resume_diffusion(tmp_path / "split", 6 * 80, **QUIET)
+    resumed = resume(tmp_path / "split", 6 * 80, **QUIET)
     assert int(resumed.state["iteration"]) == 6 and int(resumed.state["updates"]) == 5 * 3
     assert float(resumed.state["params", "log_alpha"]) != pytest.approx(float(torch.tensor(3.0).log()))  # alpha moved
     _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
@@ -141,11 +144,11 @@ def test_sac_diffusion_n_stop_resume_n_equals_2n(tmp_path):
 
 
 def test_td3_without_the_buffer_in_snapshots_warns_on_resume(tmp_path):
-    td.train_td3_diffusion(_td3(total_steps=3 * 80, checkpoint_buffer=False), tmp_path / "run", **QUIET)
+    train(_td3(total_steps=3 * 80, checkpoint_buffer=False), tmp_path / "run", **QUIET)
     state, meta = _snapshot(tmp_path / "run")
     assert meta["buffer"] is None and "buffer" not in state.keys()
     with pytest.warns(UserWarning, match="empty buffer"):
-        resumed = td.resume_diffusion(tmp_path / "run", 4 * 80, **QUIET)
+        resumed = resume(tmp_path / "run", 4 * 80, **QUIET)
     assert int(resumed.state["iteration"]) == 4
 
 
@@ -154,7 +157,7 @@ def test_bc_crash_after_a_snapshot_resumes_exactly_with_its_metrics(tmp_path, mo
     update 2, the line of update 4 (after the snapshot) is dropped, and the resumed run's lines equal
     an uninterrupted run's."""
     config = _bc(log_every=2, checkpoint_every=3)
-    td.train_bc(config, tmp_path / "whole", **QUIET)
+    train(config, tmp_path / "whole", **QUIET)
     real = td.make_bc
 
     def crashing_make_bc(*args, **kwargs):
@@ -171,20 +174,20 @@ def test_bc_crash_after_a_snapshot_resumes_exactly_with_its_metrics(tmp_path, mo
 
     monkeypatch.setattr(td, "make_bc", crashing_make_bc)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        td.train_bc(config, tmp_path / "split", **QUIET)
+        train(config, tmp_path / "split", **QUIET)
     monkeypatch.setattr(td, "make_bc", real)
     assert [r["iteration"] for r in _records(tmp_path / "split")] == [2, 4]
     state, meta = _snapshot(tmp_path / "split")
     assert meta["iteration"] == 3 and meta["pending_metrics"] == 1 and "pending_metrics" in state.keys()
-    td.train_bc(None, tmp_path / "split", resume=True, **QUIET)
+    train(None, tmp_path / "split", resume=True, **QUIET)
     _assert_same_snapshot(tmp_path / "whole", tmp_path / "split")
     assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
 
 
 def test_resume_of_a_finished_run_runs_nothing_and_evaluates(tmp_path):
-    done = td.train_bc(_bc(num_updates=4, log_every=2), tmp_path / "run", **QUIET)
+    done = train(_bc(num_updates=4, log_every=2), tmp_path / "run", **QUIET)
     before = checkpoint.latest_snapshot(tmp_path / "run")
-    again = td.resume_diffusion(tmp_path / "run", **QUIET)
+    again = resume(tmp_path / "run", **QUIET)
     assert int(again.state["iteration"]) == 4 and again.evaluation == done.evaluation
     assert [r["iteration"] for r in _records(tmp_path / "run")] == [2, 4]
     assert checkpoint.latest_snapshot(tmp_path / "run") == before
@@ -193,26 +196,26 @@ def test_resume_of_a_finished_run_runs_nothing_and_evaluates(tmp_path):
 def test_no_snapshot_is_a_checkpoint_error_naming_the_dir(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    for call in (lambda: td.resume_diffusion(empty), lambda: td.train_dppo(None, empty, resume=True),
-                 lambda: td.resume_diffusion(tmp_path / "missing")):
+    for call in (lambda: resume(empty), lambda: train(None, empty, resume=True),
+                 lambda: resume(tmp_path / "missing")):
         with pytest.raises(CheckpointError, match="no snapshot to resume from") as e:
             call()
         assert str(tmp_path) in str(e.value)
 
 
 def test_bad_budgets_and_wrong_algorithm(tmp_path):
-    td.train_bc(_bc(num_updates=4, log_every=2), tmp_path / "bc", **QUIET)
+    train(_bc(num_updates=4, log_every=2), tmp_path / "bc", **QUIET)
     with pytest.raises(ConfigError, match="total_steps=0"):
-        td.resume_diffusion(tmp_path / "bc", 0)
+        resume(tmp_path / "bc", 0)
     with pytest.raises(ConfigError, match="already done 4 iterations"):
-        td.resume_diffusion(tmp_path / "bc", 3)
+        resume(tmp_path / "bc", 3)
     with pytest.raises(ConfigError, match="resume=True"):
-        td.train_bc(_bc(), tmp_path / "other", total_steps=5)
-    with pytest.raises(ConfigError, match="config=None: expected a TD3DiffusionConfig"):
-        td.train_td3_diffusion(None, tmp_path / "other")
+        train(_bc(), tmp_path / "other", total_steps=5)
+    with pytest.raises(ConfigError, match="config=None: expected a registered algorithm's config"):
+        train(None, tmp_path / "other")
     assert not (tmp_path / "other").exists()
-    with pytest.raises(CheckpointError, match="expected a dppo snapshot"):
-        td.train_dppo(None, tmp_path / "bc", resume=True)
+    # the snapshot's "algo" picks the run: resuming the finished bc run runs no update and evaluates again
+    assert int(train(None, tmp_path / "bc", resume=True, **QUIET).state["iteration"]) == 4
     assert [r["iteration"] for r in _records(tmp_path / "bc")] == [2, 4]  # nothing written by the refusals
 
 
@@ -220,9 +223,9 @@ def test_config_from_meta_round_trips():
     for config in (_bc(), _dppo(), _td3(), _sac()):
         algo = {BCConfig: "bc", DPPOConfig: "dppo", TD3DiffusionConfig: "td3-diffusion", SACDiffusionConfig: "sac-diffusion"}[type(config)]
         meta = json.loads(json.dumps({"algo": algo, "config": dataclasses.asdict(config)}))
-        assert td.config_from_meta(meta, "snap") == config
+        assert registry.config_from_meta(meta, "snap") == config
     with pytest.raises(CheckpointError, match="snap: meta.json holds no valid bc config"):
-        td.config_from_meta({"algo": "bc", "config": {"num_updates": -1}}, "snap")
+        registry.config_from_meta({"algo": "bc", "config": {"num_updates": -1}}, "snap")
 
 
 def test_bc_rolled_back_to_a_version_resumes_to_the_uninterrupted_run(tmp_path):
@@ -234,13 +237,13 @@ def test_bc_rolled_back_to_a_version_resumes_to_the_uninterrupted_run(tmp_path):
     with pytest.raises(ConfigError, match="version_every=-1"):
         _bc(version_every=-1)
     config = _bc(num_updates=6, version_every=1)
-    whole = td.train_bc(config, tmp_path / "whole", **QUIET)
+    whole = train(config, tmp_path / "whole", **QUIET)
     run = tmp_path / "run"
-    td.train_bc(config, run, **QUIET)
+    train(config, run, **QUIET)
     manifests = versions.list_versions(run)
     assert [m["iteration"] for m in manifests] == [1, 2, 3, 4, 5, 6]
     versions.rollback(run, next(m["id"] for m in manifests if m["iteration"] == 4))
-    resumed = td.resume_diffusion(run, **QUIET)
+    resumed = resume(run, **QUIET)
     assert int(resumed.state["iteration"]) == 6
     for key in whole.state.keys(include_nested=True, leaves_only=True):
         assert torch.equal(whole.state[key], resumed.state[key]), key
@@ -288,7 +291,7 @@ def test_a_bc_run_of_layout_1_evaluates_and_resumes_as_the_old_code_did(tmp_path
     saved, meta = _snapshot(run)
     assert "state_layout" not in meta and sorted(saved["optim_actor"].keys(), key=int) == [str(i) for i in range(10)]
     assert td.evaluate_run(run, 2, device="cpu")["episodes"] == 2
-    resumed = td.resume_diffusion(run, 8, **QUIET)
+    resumed = resume(run, 8, **QUIET)
     assert int(resumed.state["iteration"]) == 8
     _assert_reached_expected("bc_state_layout_1", resumed.state)
     saved, meta = _snapshot(run)
@@ -305,7 +308,7 @@ def test_a_bc_run_of_layout_1_with_an_encoder_resumes_as_the_old_code_did(tmp_pa
     if not pe.rendering_available():
         pytest.skip("no working OpenGL")
     run = _layout_1_run(tmp_path, "bc_push_state_layout_1")
-    resumed = td.resume_diffusion(run, 4, **QUIET)
+    resumed = resume(run, 4, **QUIET)
     assert int(resumed.state["iteration"]) == 4
     # the camera images are rendered again at resume, and GL implementations round pixels differently
     # (on an EGL machine of 2026-12-02 the params differed from the recorded ones by up to 1.6e-4);
@@ -335,7 +338,7 @@ def test_a_dppo_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
     run = _layout_1_run(tmp_path, "dppo_state_layout_1")
     saved, meta = _snapshot(run)
     assert "state_layout" not in meta and len(saved["optim_all"].keys()) == 14
-    resumed = td.resume_diffusion(run, 4 * 64, **QUIET)
+    resumed = resume(run, 4 * 64, **QUIET)
     assert int(resumed.state["iteration"]) == 4
     _assert_reached_expected("dppo_state_layout_1", resumed.state)
     saved, meta = _snapshot(run)
@@ -349,7 +352,7 @@ def test_a_td3_diffusion_run_of_layout_1_resumes_as_the_old_code_did(tmp_path):
     run = _layout_1_run(tmp_path, "td3_diffusion_state_layout_1")
     saved, meta = _snapshot(run)
     assert "state_layout" not in meta and meta["buffer"]["length"] == 100
-    resumed = td.resume_diffusion(run, 5 * 40, **QUIET)
+    resumed = resume(run, 5 * 40, **QUIET)
     assert int(resumed.state["iteration"]) == 5 and int(resumed.state["updates"]) == 5 * 3
     _assert_reached_expected("td3_diffusion_state_layout_1", resumed.state)
     saved, meta = _snapshot(run)
@@ -375,12 +378,12 @@ def test_bc_under_fp16_resumes_exactly_with_its_loss_scale_and_from_a_grad_scale
     resume to 10 equals 10 in one go, growth tracker included (10 finite steps); a snapshot in the layout
     written before (the optimizer state bare, the GradScaler's scale and tracker in meta "grad_scaler")
     resumes to the same run. (ppo-encoder's test covers a scale that backed off.)"""
-    whole = td.train_bc(_bc(precision="fp16"), tmp_path / "whole", **QUIET)
-    first = td.train_bc(_bc(precision="fp16", num_updates=5), tmp_path / "split", **QUIET)
+    whole = train(_bc(precision="fp16"), tmp_path / "whole", **QUIET)
+    first = train(_bc(precision="fp16", num_updates=5), tmp_path / "split", **QUIET)
     scale, tracker = float(first.state["optim_actor", "scale"]), int(first.state["optim_actor", "growth_tracker"])
     assert (scale, tracker) == (2.0**16, 5) and int(whole.state["optim_actor", "growth_tracker"]) == 10
     shutil.copytree(tmp_path / "split", tmp_path / "old")
-    resumed = td.resume_diffusion(tmp_path / "split", 10, **QUIET)
+    resumed = resume(tmp_path / "split", 10, **QUIET)
     for key in whole.state.keys(include_nested=True, leaves_only=True):
         assert torch.equal(whole.state[key], resumed.state[key]), key
     # the old layout: no loss-scale link in the state, torch.amp.GradScaler's state_dict in meta
@@ -391,7 +394,7 @@ def test_bc_under_fp16_resumes_exactly_with_its_loss_scale_and_from_a_grad_scale
                            "_growth_tracker": tracker}
     shutil.rmtree(snap)
     checkpoint.save_snapshot(snap, tensors, meta)
-    from_old = td.resume_diffusion(tmp_path / "old", 10, **QUIET)
+    from_old = resume(tmp_path / "old", 10, **QUIET)
     for key in whole.state.keys(include_nested=True, leaves_only=True):
         assert torch.equal(whole.state[key], from_old.state[key]), key
 
@@ -399,6 +402,6 @@ def test_bc_under_fp16_resumes_exactly_with_its_loss_scale_and_from_a_grad_scale
 def test_a_replay_run_whose_warmup_covers_its_budget_warns_that_it_takes_no_gradient_step(tmp_path):
     """td3-diffusion's default warmup (5,000 env steps) is longer than a tiny run: said, not silent."""
     with pytest.warns(UserWarning, match="no gradient step"):
-        result = td.train_td3_diffusion(_td3(warmup_steps=5_000, total_steps=6 * 80, checkpoint_every=0), tmp_path / "r", **QUIET)
+        result = train(_td3(warmup_steps=5_000, total_steps=6 * 80, checkpoint_every=0), tmp_path / "r", **QUIET)
     steps = result.state["optim_critic", "1", "step"].values(True, True)
     assert all(int(s.max()) == 0 for s in steps)  # Adam never stepped

@@ -30,10 +30,10 @@ TIMING = {"time", "steps_per_s", "collect_s", "update_s"}
 
 
 def _train(run_dir, iterations: int, **kw):
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     config = replace(PPOEncoderConfig(), **{**TINY, "total_steps": 8 * iterations, **kw})
-    return train_ppo_encoder(config, run_dir, evaluate_at_end=False, **QUIET)
+    return train(config, run_dir, evaluate=False, **QUIET)
 
 
 def _tensors(run_dir) -> tuple[dict[str, torch.Tensor], dict]:
@@ -47,7 +47,7 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def test_resume_after_a_crash_is_exact(tmp_path):
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     full = _train(tmp_path / "full", 4, checkpoint_every=2)
     # a crash after iteration 2's snapshot: the later snapshot gone, the later metrics lines still there
@@ -60,7 +60,7 @@ def test_resume_after_a_crash_is_exact(tmp_path):
     assert [e["elapsed_steps"] for e in meta["env_state"]["envs"]] == [8, 8]  # mid-episode: Push-v0 runs 100 steps
     assert "mujoco" in meta["env_state"]["envs"][0] and isinstance(meta["env_rng"], dict)
 
-    resumed = train_ppo_encoder(None, part, resume=True, evaluate_at_end=False, **QUIET)
+    resumed = train(None, part, resume=True, evaluate=False, **QUIET)
     assert int(resumed.state["iteration"]) == 4
     a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
     assert a.keys() == b.keys()
@@ -98,7 +98,7 @@ def test_envs_whose_state_is_not_captured_resume_with_new_episodes(tmp_path, mon
     """Without the envs' state the resumed run warns and starts new episodes; the learner, Adam's
     state and the generator still come back exactly, and training goes on from them."""
     from rlfunc.envs.chunk import GymChunkEnv
-    from rlfunc.run.ppo_encoder import resume_encoder, train_ppo_encoder
+    from rlfunc import resume, train
 
     monkeypatch.setattr(GymChunkEnv, "episode_state", lambda self: None)
     run = tmp_path / "run"
@@ -106,18 +106,18 @@ def test_envs_whose_state_is_not_captured_resume_with_new_episodes(tmp_path, mon
     saved, meta = _tensors(run)
     assert meta["env_state"] is None
     with pytest.warns(UserWarning, match="starts new episodes"):  # nothing left to run: the restored state itself
-        restored = train_ppo_encoder(None, run, resume=True, total_steps=8, evaluate_at_end=False, **QUIET)
-    for key, value in restored.state.items(True, True):
+        restored = train(None, run, resume=True, total_steps=8, evaluate=False, **QUIET)
+    for key, value in restored.state.exclude("optim").items(True, True):
         assert torch.equal(value, saved["learner." + (key if isinstance(key, str) else ".".join(key))]), key
     with pytest.warns(UserWarning, match="starts new episodes"):
-        resumed = train_ppo_encoder(None, run, resume=True, total_steps=16, evaluate_at_end=False, **QUIET)
+        resumed = train(None, run, resume=True, total_steps=16, evaluate=False, **QUIET)
     assert int(resumed.state["iteration"]) == 2
     after, _ = _tensors(run)
     updates = 8 // TINY["minibatch_size"]  # Adam steps per iteration
     assert all(int(after[k]) == 2 * updates for k in after if k.startswith("optim.") and k.endswith(".step"))
     assert [r["iteration"] for r in _metrics(run)] == [1, 2]
     with pytest.raises(CheckpointError, match="no snapshot to resume from"):
-        resume_encoder(tmp_path / "empty")
+        resume(tmp_path / "empty")
 
 
 # ----------------------------------------------------------- versions, and runs of state layout 1
@@ -127,14 +127,14 @@ LAYOUT_1 = Path(__file__).parents[1] / "data" / "ppo_encoder_state_layout_1"  # 
 
 def test_rollback_to_a_version_then_resume_ends_equal_to_the_uninterrupted_run(tmp_path):
     from rlfunc.run import versions
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     run = tmp_path / "run"
     full = _train(run, 3, version_every=1)
     assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003"]
     before = _metrics(run)
     versions.rollback(run, "v000001", branch="retry")
-    resumed = train_ppo_encoder(None, run, resume=True, evaluate_at_end=False, **QUIET)
+    resumed = train(None, run, resume=True, evaluate=False, **QUIET)
     assert int(resumed.state["iteration"]) == 3
     a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
     assert a.keys() == b.keys()
@@ -157,14 +157,15 @@ def _layout_1_run(tmp_path) -> Path:
 def test_a_run_written_by_the_old_code_evaluates_and_resumes_as_it_would_have(tmp_path):
     from safetensors.torch import load_file
 
-    from rlfunc.run.ppo_encoder import evaluate_run, resume_encoder
+    from rlfunc import resume
+    from rlfunc.run.ppo_encoder import evaluate_run
 
     run = _layout_1_run(tmp_path)
     saved, meta = _tensors(run)
     assert "state_layout" not in meta and meta["optim_leaves"] == list(range(78)) and "version_every" not in meta["config"]
     result = evaluate_run(run, 1, device="cpu")
     assert result["env_steps"] == 8 and result["episodes"] == 1
-    resumed = resume_encoder(run, total_steps=16, **QUIET)
+    resumed = resume(run, total_steps=16, **QUIET)
     assert int(resumed.state["iteration"]) == 4 and resumed.evaluation["env_steps"] == 16
     # torch.optim's entries (numbered in that optimizer's order) became the chain's Adam state leaf
     # for leaf: the parameters are those the old code reached from the same snapshot
@@ -198,7 +199,7 @@ def test_a_layout_1_optimizer_state_that_does_not_fit_is_refused_in_one_line(tmp
 def test_resume_under_fp16_is_exact_after_the_loss_scale_backed_off(tmp_path):
     """fp16's loss scale is optimizer state (rlfunc.optim.amp.dynamic_loss_scale): a crash and resume after
     it backed off continue with the backed-off scale (a GradScaler outside the state restarted at 2^16)."""
-    from rlfunc.run.ppo_encoder import train_ppo_encoder
+    from rlfunc.run import train
 
     full = _train(tmp_path / "full", 4, checkpoint_every=2, precision="fp16")
     part = tmp_path / "part"
@@ -206,7 +207,7 @@ def test_resume_under_fp16_is_exact_after_the_loss_scale_backed_off(tmp_path):
     shutil.rmtree(part / "checkpoints" / f"step_{32:012d}")
     saved, _ = _tensors(part)
     assert float(saved["optim.scale"]) < 2.0**16  # an fp16 gradient overflowed in the first 2 iterations
-    resumed = train_ppo_encoder(None, part, resume=True, evaluate_at_end=False, **QUIET)
+    resumed = train(None, part, resume=True, evaluate=False, **QUIET)
     a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
     assert a.keys() == b.keys()
     for key in a:

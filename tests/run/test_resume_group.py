@@ -20,6 +20,7 @@ from rlfunc.algos.grpo import GRPOConfig
 from rlfunc.algos.mappo import MAPPOConfig
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
+from rlfunc import resume, train
 
 SMALL_LAYOUT = (
     "P......D",
@@ -101,11 +102,11 @@ def _crash_copy(full_dir, dest, keep_iteration_steps: int):
 def test_mappo_resume_after_a_crash_is_exact(tmp_path, small_warehouse, loss):
     tm = small_warehouse
     config = _mappo_config(loss, 4, checkpoint_every=2)
-    full = tm.train_mappo(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
     part = _crash_copy(tmp_path / "full", tmp_path / "part", 2 * config.steps_per_iteration)
     snap = _snapshot_tensors(part)
     assert {"rng", "carry.running", "env.rng", "env.state.position", "carry.env.agents.observation"} <= snap.keys()
-    resumed = tm.resume_mappo(part, progress=False, tensorboard=False)
+    resumed = resume(part, progress=False, tensorboard=False)
     _assert_same_run(tmp_path / "full", part, full.state, resumed.state, 4)
     assert resumed.evaluation == full.evaluation
     assert json.loads((part / "eval.json").read_text()) == full.evaluation
@@ -115,19 +116,19 @@ def test_mappo_resume_extends_with_total_steps(tmp_path, small_warehouse):
     tm = small_warehouse
     full_config = _mappo_config("ppo", 4, anneal_lr=False, critic="mean")
     short_config = _mappo_config("ppo", 2, anneal_lr=False, critic="mean")
-    full = tm.train_mappo(full_config, tmp_path / "full", progress=False, tensorboard=False)
-    short = tm.train_mappo(short_config, tmp_path / "part", progress=False, tensorboard=False)
+    full = train(full_config, tmp_path / "full", progress=False, tensorboard=False)
+    short = train(short_config, tmp_path / "part", progress=False, tensorboard=False)
     assert int(short.state["iteration"]) == 2
     with pytest.raises(ConfigError, match="total_steps"):
-        tm.resume_mappo(tmp_path / "part", total_steps=0)
+        resume(tmp_path / "part", total_steps=0)
     with pytest.raises(ConfigError, match="fewer than the 2"):
-        tm.resume_mappo(tmp_path / "part", total_steps=short_config.steps_per_iteration)
-    resumed = tm.resume_mappo(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
+        resume(tmp_path / "part", total_steps=short_config.steps_per_iteration)
+    resumed = resume(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
     assert int(resumed.state["env_steps"]) == full_config.total_steps
     _assert_same_run(tmp_path / "full", tmp_path / "part", full.state, resumed.state, 4)
     assert json.loads((tmp_path / "part" / "config.json").read_text())["total_steps"] == full_config.total_steps
     # a finished run resumed without a new budget trains nothing more and evaluates again
-    again = tm.resume_mappo(tmp_path / "part", progress=False, tensorboard=False)
+    again = resume(tmp_path / "part", progress=False, tensorboard=False)
     assert int(again.state["iteration"]) == 4 and again.evaluation == resumed.evaluation
 
 
@@ -140,12 +141,12 @@ def test_mappo_rollback_to_a_version_resumes_exactly(tmp_path, small_warehouse, 
     tm = small_warehouse
     config = _mappo_config(loss, 4, version_every=1, critic="mean")
     run = tmp_path / "run"
-    full = tm.train_mappo(config, run, progress=False, tensorboard=False)  # the uninterrupted run
+    full = train(config, run, progress=False, tensorboard=False)  # the uninterrupted run
     assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
     assert len(list((run / "checkpoints").glob("step_*"))) == 1  # checkpoint_every=0: the final snapshot only (versions have their own cadence)
     before = _metrics(run)
     assert versions.rollback(run, "v000002", branch="retry") == "retry"
-    resumed = tm.resume_mappo(run, progress=False, tensorboard=False)
+    resumed = resume(run, progress=False, tensorboard=False)
     assert int(resumed.state["iteration"]) == 4
     a, b = dict(full.state.items(True, True)), dict(resumed.state.items(True, True))
     assert a.keys() == b.keys()
@@ -161,67 +162,64 @@ def test_mappo_rollback_to_a_version_resumes_exactly(tmp_path, small_warehouse, 
 
 @pytest.mark.parametrize("env,loss", [("PointReach-v0", "grpo"), ("Pendulum-v1", "gspo")])
 def test_grpo_resume_after_a_crash_is_exact(tmp_path, env, loss):
-    from rlfunc.run.grpo import resume_grpo, train_grpo
+    from rlfunc import resume, train
 
     config = _grpo_config(env, 4, loss=loss, checkpoint_every=2)
-    full = train_grpo(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
     part = _crash_copy(tmp_path / "full", tmp_path / "part", 2 * config.steps_per_iteration)
     assert ("env.rng" in _snapshot_tensors(part)) == config.use_torch_env
-    resumed = resume_grpo(part, progress=False, tensorboard=False)
+    resumed = resume(part, progress=False, tensorboard=False)
     _assert_same_run(tmp_path / "full", part, full.state, resumed.state, 4)
     assert resumed.evaluation == full.evaluation
 
 
 def test_grpo_resume_extends_with_total_steps(tmp_path):
-    from rlfunc.run.grpo import resume_grpo, train_grpo
+    from rlfunc import resume, train
 
     full_config = _grpo_config("PointReach-v0", 4, anneal_lr=False, checkpoint_every=0)
     short_config = _grpo_config("PointReach-v0", 2, anneal_lr=False, checkpoint_every=0)
-    full = train_grpo(full_config, tmp_path / "full", progress=False, tensorboard=False)
-    train_grpo(short_config, tmp_path / "part", progress=False, tensorboard=False)
-    resumed = resume_grpo(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
+    full = train(full_config, tmp_path / "full", progress=False, tensorboard=False)
+    train(short_config, tmp_path / "part", progress=False, tensorboard=False)
+    resumed = resume(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
     _assert_same_run(tmp_path / "full", tmp_path / "part", full.state, resumed.state, 4)
 
 
 def test_resume_without_a_snapshot_names_the_run_dir(tmp_path, small_warehouse):
-    from rlfunc.run.grpo import resume_grpo, train_grpo
+    from rlfunc import resume, train
 
     empty = tmp_path / "empty-run"
     empty.mkdir()
-    for resume in (small_warehouse.resume_mappo, resume_grpo):
-        with pytest.raises(CheckpointError, match="empty-run: no snapshot"):
-            resume(empty)
-        with pytest.raises(CheckpointError, match="missing-run: no snapshot"):
-            resume(tmp_path / "missing-run")
+    with pytest.raises(CheckpointError, match="empty-run: no snapshot"):
+        resume(empty)
+    with pytest.raises(CheckpointError, match="missing-run: no snapshot"):
+        resume(tmp_path / "missing-run")
     with pytest.raises(ConfigError, match="total_steps"):
-        train_grpo(_grpo_config("PointReach-v0", 1), tmp_path / "new", total_steps=100)
-    # a grpo run is no mappo run; a corrupt snapshot is refused by its checksum
-    train_grpo(_grpo_config("PointReach-v0", 1), tmp_path / "g", progress=False, tensorboard=False)
-    with pytest.raises(CheckpointError, match="expected 'mappo'"):
-        small_warehouse.resume_mappo(tmp_path / "g")
+        train(_grpo_config("PointReach-v0", 1), tmp_path / "new", total_steps=100)
+    # a corrupt snapshot is refused by its checksum
+    train(_grpo_config("PointReach-v0", 1), tmp_path / "g", progress=False, tensorboard=False)
     # a snapshot from before resume support (no resume_format in its meta) is refused by name
     snap = checkpoint.latest_snapshot(tmp_path / "g")
     state, meta = checkpoint.load_snapshot(snap)
     checkpoint.save_snapshot(snap, state, {k: v for k, v in meta.items() if k != "resume_format"})
     with pytest.raises(CheckpointError, match="before grpo runs were resumable"):
-        resume_grpo(tmp_path / "g")
+        resume(tmp_path / "g")
     checkpoint.save_snapshot(snap, state, meta)
     state_file = snap / "state.safetensors"
     state_file.write_bytes(state_file.read_bytes()[:-8])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        resume_grpo(tmp_path / "g", total_steps=10_000)
+        resume(tmp_path / "g", total_steps=10_000)
 
 
 def test_mappo_rware_resume_warns_and_starts_new_episodes(tmp_path):
     pytest.importorskip("rware")
-    from rlfunc.run.mappo import resume_mappo, train_mappo
+    from rlfunc import resume, train
 
     config = replace(MAPPOConfig(), env="rware-tiny-2ag-v2", loss="ppo", num_envs=1, rollout_steps=5, total_steps=10, hidden=(8,),
                          num_epochs=1, num_minibatches=1, eval_episodes=1, eval_seeds=(0,), device="cpu")
-    train_mappo(config, tmp_path / "run", progress=False, tensorboard=False)
+    train(config, tmp_path / "run", progress=False, tensorboard=False)
     assert checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "run"))["rware_resets"] == 1
     with pytest.warns(UserWarning, match="new episodes"):
-        resumed = resume_mappo(tmp_path / "run", total_steps=20, progress=False, tensorboard=False)
+        resumed = resume(tmp_path / "run", total_steps=20, progress=False, tensorboard=False)
     assert int(resumed.state["iteration"]) == 4
     assert checkpoint.load_meta(checkpoint.latest_snapshot(tmp_path / "run"))["rware_resets"] == 2
     assert len(_metrics(tmp_path / "run")) == 4
@@ -231,15 +229,15 @@ def test_grpo_versions_rollback_and_resume_continue_exactly(tmp_path):
     # the one run loop writes versions for every algorithm: after a rollback to v2 of 4, resuming
     # re-runs iterations 3-4 on a new branch and ends equal to the uninterrupted run
     from rlfunc.run import versions
-    from rlfunc.run.grpo import resume_grpo, train_grpo
+    from rlfunc import resume, train
 
     config = _grpo_config("PointReach-v0", 4, version_every=1)
     run = tmp_path / "run"
-    full = train_grpo(config, run, progress=False, tensorboard=False)
+    full = train(config, run, progress=False, tensorboard=False)
     assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
     assert [m["iteration"] for m in versions.list_versions(run)] == [1, 2, 3, 4]
     versions.rollback(run, "v000002", branch="retry")
-    resumed = resume_grpo(run)
+    resumed = resume(run)
     assert int(resumed.state["iteration"]) == 4 and resumed.evaluation == full.evaluation
     for key, value in full.state.items(True, True):
         assert torch.equal(value, resumed.state.get(key)), key
@@ -259,6 +257,6 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path):
             with hold_run_dir(tmp_path):
                 pass
         with pytest.raises(ConfigError, match="another process is running this run"):  # before anything is read
-            train(None, None, None, tmp_path, config_type=object, resume=True)
+            train(None, tmp_path, resume=True)
     with hold_run_dir(tmp_path):  # released at the end of the block
         pass

@@ -85,10 +85,6 @@ def _snapshot(run_dir, meta: dict) -> None:
     checkpoint.save_run_snapshot(run_dir, state, {"algo": "toy", "config": {"total_steps": 40}, **meta}, step=20)
 
 
-def _from_meta(meta, snap):
-    return _Config(**meta["config"])
-
-
 class _ToyRun:
     """The smallest run the loop drives (rlfunc.run.Run's protocol): one tensor, no env."""
 
@@ -121,19 +117,31 @@ class _ToyRun:
         self.run.state = TensorDict({"x": torch.zeros(1), "iteration": torch.tensor(0)}, batch_size=[])
 
 
-def _train(run_dir, config=None, *, resume_=True, total_steps=None, requires_format=True, built=None):
-    """rlfunc.run.train of a _ToyRun, stopped before any iteration; returns the config it built."""
+_TOY = {"requires_format": True, "built": []}
+
+
+def _build_toy(config, device, *, dist=None, resumed=False):
+    _TOY["built"].append(config)
+    return _ToyRun(config, device, requires_format=_TOY["requires_format"]).run
+
+
+def _train(run_dir, config=None, *, resume_=True, total_steps=None, requires_format=True):
+    """rlfunc.run.train of a _ToyRun (registered as "toy" for the call), stopped before any iteration;
+    returns the config it built."""
+    from rlfunc.algos import registry
     from rlfunc.run import train
 
-    built = [] if built is None else built
-
-    def build(config, device):
-        built.append(config)
-        return _ToyRun(config, device, requires_format=requires_format).run
-
-    train(build, _from_meta, config, run_dir, config_type=_Config, resume=resume_, total_steps=total_steps,
-          max_iterations=0, progress=False, tensorboard=False)
-    return built[-1]
+    registry.names()  # the built-in entries, loaded before the copy
+    saved = dict(registry._ENTRIES)
+    registry.register("toy", registry.AlgorithmEntry(config=f"{__name__}:_Config", run=f"{__name__}:_build_toy", command="",
+                                                     evaluate="", needs="nothing", usage=""))
+    _TOY.update(requires_format=requires_format, built=[])
+    try:
+        train(config, run_dir, resume=resume_, total_steps=total_steps, max_iterations=0, progress=False, tensorboard=False)
+    finally:
+        registry._ENTRIES.clear()
+        registry._ENTRIES.update(saved)
+    return _TOY["built"][-1]
 
 
 def test_resume_sets_the_budget_and_refuses_bad_ones(tmp_path):
@@ -159,7 +167,7 @@ def test_resume_sets_the_budget_and_refuses_bad_ones(tmp_path):
     # a new run: no budget override, and a config of the expected type
     with pytest.raises(ConfigError, match="resume=True"):
         _train(tmp_path / "new", _Config(), resume_=False, total_steps=5)
-    with pytest.raises(ConfigError, match="config=None: expected a _Config"):
+    with pytest.raises(ConfigError, match="config=None: expected a registered algorithm's config"):
         _train(tmp_path / "new", None, resume_=False)
     with pytest.raises(ConfigError, match="already holds a run"):
         _train(tmp_path, _Config(), resume_=False)

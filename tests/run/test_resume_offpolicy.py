@@ -13,13 +13,14 @@ from rlfunc.config import replace
 from rlfunc.errors import CheckpointError
 from rlfunc.run import checkpoint
 from rlfunc.run import offpolicy
+from rlfunc import resume, train
 
 QUIET = dict(progress=False, tensorboard=False)
 # 2 envs x 50 steps = 100 env steps per iteration, 4 iterations; updates from env step 60; the buffer (150) wraps in
 # iteration 2; each env's first episode (200 steps) ends in iteration 4
 SMALL = dict(env="Pendulum-v1", total_steps=400, num_envs=2, num_steps=50, learning_starts=60, buffer_size=150,
              batch_size=16, hidden=(16, 16), checkpoint_every=0, eval_episodes=2, device="cpu")
-ALGOS = [("sac", SACConfig, offpolicy.train_sac), ("td3", TD3Config, offpolicy.train_td3)]
+ALGOS = [("sac", SACConfig, train), ("td3", TD3Config, train)]
 
 
 def _snapshot(run_dir):
@@ -40,7 +41,7 @@ def test_two_stop_resume_two_equals_four(tmp_path, name, cls, train):
     state, meta = _snapshot(tmp_path / "split")
     assert meta["buffer"]["length"] == 150 and meta["buffer"]["writer"]["_cursor"] == 50  # 200 rows into 150
     assert state["buffer", "next", "reward"].shape == (150, 1)
-    resumed = offpolicy.resume(tmp_path / "split", **QUIET)
+    resumed = resume(tmp_path / "split", **QUIET)
     assert int(resumed.state["iteration"]) == 4 and int(resumed.state["env_steps"]) == 400
     (sa, ma), (sb, mb) = _snapshot(tmp_path / "whole"), _snapshot(tmp_path / "split")
     keys = sorted(sa.keys(include_nested=True, leaves_only=True), key=str)
@@ -57,15 +58,22 @@ def test_two_stop_resume_two_equals_four(tmp_path, name, cls, train):
 
 def test_without_the_buffer_in_snapshots_a_resume_warns(tmp_path):
     config = replace(SACConfig(), **{**SMALL, "checkpoint_buffer": False, "total_steps": 200})
-    offpolicy.train_sac(config, tmp_path / "run", max_iterations=1, **QUIET)
+    train(config, tmp_path / "run", max_iterations=1, **QUIET)
     state, meta = _snapshot(tmp_path / "run")
     assert meta["buffer"] is None and "buffer" not in state.keys()
     with pytest.warns(UserWarning, match="empty buffer"):
-        resumed = offpolicy.resume(tmp_path / "run", **QUIET)
+        resumed = resume(tmp_path / "run", **QUIET)
     assert int(resumed.state["iteration"]) == 2
 
 
-def test_a_snapshot_of_another_algorithm_is_refused(tmp_path):
-    offpolicy.train_td3(replace(TD3Config(), **{**SMALL, "total_steps": 100}), tmp_path / "td3", **QUIET)
-    with pytest.raises(CheckpointError, match="algo='td3': expected a sac snapshot"):
-        offpolicy.train_sac(None, tmp_path / "td3", resume=True, **QUIET)
+def test_a_snapshot_of_no_registered_algorithm_is_refused(tmp_path):
+    # the snapshot's "algo" picks the run a resume builds: td3's continues as td3; one naming an algorithm
+    # no entry is registered as is refused in one line, and nothing is written
+    train(replace(TD3Config(), **{**SMALL, "total_steps": 100, "version_every": 0}), tmp_path / "td3", max_iterations=1, **QUIET)
+    snap = checkpoint.latest_snapshot(tmp_path / "td3")
+    state, meta = checkpoint.load_snapshot(snap)
+    checkpoint.save_snapshot(snap, state, {**meta, "algo": "redq"})
+    with pytest.raises(CheckpointError, match="snapshot algo='redq': expected one of ppo, .*, sac, td3"):
+        train(None, tmp_path / "td3", resume=True, **QUIET)
+    checkpoint.save_snapshot(snap, state, meta)
+    assert resume(tmp_path / "td3", **QUIET).evaluation["algo"] == "td3"

@@ -9,7 +9,8 @@ import torch
 from rlfunc.algos.ppo import preset
 from rlfunc.core import func
 from rlfunc.run import checkpoint
-from rlfunc.run.ppo import evaluate, train
+from rlfunc.run import train
+from rlfunc.run.ppo import evaluate
 
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, checkpoint_every=1, device="cpu")
 
@@ -21,10 +22,10 @@ def _leaves(state):
 def test_resume_is_exact(tmp_path):
     # 2N iterations in one go == N iterations, stop, resume for N more: parameter for parameter.
     config = preset("Pendulum-v1", total_steps=4 * 128, **TINY)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
-    part = train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    part = train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
     assert int(part.state["iteration"]) == 2
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     assert int(resumed.state["iteration"]) == 4
     a, b = _leaves(full.state), _leaves(resumed.state)
     assert a.keys() == b.keys()
@@ -39,10 +40,10 @@ def test_resume_is_exact(tmp_path):
 
 def test_resume_refuses_existing_run_without_resume(tmp_path):
     config = preset("Pendulum-v1", total_steps=128, **TINY)
-    train(config, tmp_path / "r", progress=False, tensorboard=False)
+    train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     with pytest.raises(Exception, match="already holds a run"):
-        train(config, tmp_path / "r", progress=False, tensorboard=False)
+        train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
@@ -50,10 +51,10 @@ def test_seeds_as_a_batch_equal_separate_runs(tmp_path):
     # Seeds s0, s0+1 trained together give the same parameters as each trained alone (loop path
     # exactly; the vmap path to float tolerance).
     base = dict(TINY, total_steps=2 * 128)
-    together = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "t", progress=False, tensorboard=False)
-    vmapped = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="vmap", **base), tmp_path / "v", progress=False, tensorboard=False)
+    together = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="loop", **base), tmp_path / "t", progress=False, tensorboard=False, evaluate=False)
+    vmapped = train(preset("Pendulum-v1", seed=3, num_seeds=2, vmap="vmap", **base), tmp_path / "v", progress=False, tensorboard=False, evaluate=False)
     for i, seed in enumerate((3, 4)):
-        alone = train(preset("Pendulum-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False)
+        alone = train(preset("Pendulum-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False, evaluate=False)
         for key, value in _leaves(alone.state["params"]).items():
             torch.testing.assert_close(together.state["params"].get(key)[i], value[0], atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(vmapped.state["params"].get(key)[i], value[0], atol=1e-5, rtol=1e-4)
@@ -77,7 +78,7 @@ def test_non_finite_reward_skips_update_and_is_logged(tmp_path, monkeypatch):
     snapshots = []
     real_save = checkpoint.save_run_snapshot
     monkeypatch.setattr(checkpoint, "save_run_snapshot", lambda run_dir, state, meta, step, **kw: (snapshots.append(_leaves(state["learner", "params"])), real_save(run_dir, state, meta, step, **kw))[1])
-    result = train(config, tmp_path / "r", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     records = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert records[1]["skipped_data"] > 0 and records[0]["skipped_data"] == 0 and records[2]["skipped_data"] == 0
     # the poisoned iteration left the parameters untouched, and they stayed finite
@@ -94,7 +95,7 @@ def test_short_pendulum_run_improves(tmp_path):
     config = preset("Pendulum-v1", total_steps=40_960, checkpoint_every=0, device="cpu", exploration="gaussian",
                     num_envs=8, num_steps=256, minibatch_size=256, lr=1e-3, anneal_lr=True,
                     normalize_observations=True, normalize_rewards=True)
-    result = train(config, tmp_path / "r", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     assert result.interrupted is None and int(result.state["env_steps"]) == 40_960
     records = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     first = np.mean([r["episode_return"] for r in records[:2]])
@@ -167,11 +168,11 @@ def test_resume_after_a_crash_drops_metrics_written_after_the_snapshot(tmp_path)
     import shutil
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, checkpoint_every=2), keep_checkpoints=0)
-    train(config, tmp_path / "r", max_iterations=3, progress=False, tensorboard=False)
+    train(config, tmp_path / "r", max_iterations=3, progress=False, tensorboard=False, evaluate=False)
     ckpt = tmp_path / "r" / "checkpoints"
     shutil.rmtree(ckpt / "step_000000000384")  # the snapshot the crash never wrote
     (ckpt / "latest").write_text("step_000000000256\n")
-    train(config, tmp_path / "r", resume=True, progress=False, tensorboard=False)
+    train(config, tmp_path / "r", resume=True, progress=False, tensorboard=False, evaluate=False)
     records = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     times = [r["time"] for r in records]
@@ -185,7 +186,7 @@ def test_pendulum_preset_final_policy_holds_up(tmp_path):
     # more training) and must have learned (a random policy scores about -1200).
     config = preset("Pendulum-v1", checkpoint_every=4, keep_checkpoints=0, version_every=0, device="cpu")
     assert config.total_steps == 100_000 and config.anneal_lr  # the preset as the quick start runs it
-    train(config, tmp_path / "r", progress=False, tensorboard=False)
+    train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     snaps = sorted((tmp_path / "r" / "checkpoints").glob("step_*"))
     curve = [evaluate(tmp_path / "r", episodes=20, device="cpu", snapshot=s)["mean"] for s in snaps]
     assert len(curve) >= 6 and int(snaps[-1].name.split("_")[1]) == config.num_iterations * config.batch_size
@@ -243,16 +244,16 @@ def test_a_run_that_fails_before_its_first_iteration_leaves_no_run_dir(tmp_path,
     with monkeypatch.context() as m:
         m.setattr(collect, "rollout", broken)
         with pytest.raises(ConfigError, match="compile"):
-            train(config, tmp_path / "r", progress=False, tensorboard=False)
+            train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     assert not (tmp_path / "r").exists()
-    result = train(config, tmp_path / "r", progress=False, tensorboard=False)  # the same dir takes the run now
+    result = train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)  # the same dir takes the run now
     assert int(result.state["iteration"]) == 2
     # a dir that existed before (made by the user) is left in place
     (tmp_path / "mine").mkdir()
     with monkeypatch.context() as m:
         m.setattr(collect, "rollout", broken)
         with pytest.raises(ConfigError):
-            train(config, tmp_path / "mine", progress=False, tensorboard=False)
+            train(config, tmp_path / "mine", progress=False, tensorboard=False, evaluate=False)
     assert (tmp_path / "mine").is_dir()
 
 
@@ -260,6 +261,6 @@ def test_the_progress_bar_keeps_the_last_return_instead_of_nan(tmp_path, capsys)
     # Regression (new-user pass): every iteration in which no episode ended showed episode_return=nan
     # (Pendulum's episodes are 200 steps: 2 envs x 64 steps end none in the first iterations)
     config = preset("Pendulum-v1", total_steps=8 * 128, **{**TINY, "checkpoint_every": 0})
-    train(config, tmp_path / "r", progress=True, tensorboard=False)
+    train(config, tmp_path / "r", progress=True, tensorboard=False, evaluate=False)
     err = capsys.readouterr().err
     assert "steps_per_s=" in err and "episode_return=" in err and "nan" not in err

@@ -22,7 +22,8 @@ from rlfunc.cli import commands as cli
 from rlfunc.core import func
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import versions
-from rlfunc.run.ppo import init_freeze, train, update_freeze
+from rlfunc.run import train
+from rlfunc.run.ppo import init_freeze, update_freeze
 
 TINY = dict(num_envs=2, num_steps=64, minibatch_size=64, num_epochs=2, device="cpu", checkpoint_every=0)
 
@@ -131,11 +132,11 @@ def test_list_show_diff_on_a_hand_built_run(tmp_path, capsys):
 def test_rollback_branches_and_resume_continues_exactly_from_the_version(tmp_path):
     config = preset("Pendulum-v1", total_steps=4 * 128, **TINY)
     run = tmp_path / "run"
-    full = train(config, run, progress=False, tensorboard=False)  # the uninterrupted run through v000002
+    full = train(config, run, progress=False, tensorboard=False, evaluate=False)  # the uninterrupted run through v000002
     assert [m["id"] for m in versions.list_versions(run)] == ["v000001", "v000002", "v000003", "v000004"]
     assert cli.main(["versions", "rollback", str(run), "v000002", "--branch", "retry"]) == 0
     assert versions.current_branch(run) == "retry" and versions.branch_heads(run)["retry"] == "v000002"
-    resumed = train(config, run, resume=True, progress=False, tensorboard=False)
+    resumed = train(config, run, resume=True, progress=False, tensorboard=False, evaluate=False)
     assert int(resumed.state["iteration"]) == 4
     a, b = _leaves(full.state), _leaves(resumed.state)
     assert a.keys() == b.keys()
@@ -161,11 +162,11 @@ def test_resume_takes_a_version_newer_than_the_latest_snapshot(tmp_path):
 
     config = preset("Pendulum-v1", total_steps=4 * 128, **dict(TINY, checkpoint_every=2))
     run = tmp_path / "run"
-    part = train(config, run, max_iterations=3, progress=False, tensorboard=False)
+    part = train(config, run, max_iterations=3, progress=False, tensorboard=False, evaluate=False)
     shutil.rmtree(run / "checkpoints" / "step_000000000384")  # the snapshot the kill prevented
     (run / "checkpoints" / "latest").write_text("step_000000000256\n")
     assert resume_source(run) == ("version", "v000003")
-    loaded = train(config, run, resume=True, max_iterations=0, progress=False, tensorboard=False)
+    loaded = train(config, run, resume=True, max_iterations=0, progress=False, tensorboard=False, evaluate=False)
     for key, value in _leaves(part.state).items():
         assert torch.equal(value, loaded.state.get(key)), key
 
@@ -287,14 +288,14 @@ def test_sigkill_during_training_then_resume(tmp_path):
     # a fresh interpreter, not a fork: once this process has run a backward pass on an accelerator
     # (a GPU machine's test session, device auto), autograd refuses to run in a forked child
     # (https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork); the child's traceback goes to stderr
-    code = ("from rlfunc.algos.ppo import preset; from rlfunc.run.ppo import train; "
+    code = ("from rlfunc.algos.ppo import preset; from rlfunc.run import train; "
             f"train(preset('Pendulum-v1', **{overrides!r}), {str(run)!r}, progress=False, tensorboard=False)")
     pid = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                            env={**os.environ, "OMP_NUM_THREADS": "1"}).pid
     _kill_when(pid, run / "versions" / "manifests", 4, random.Random(1).uniform(0.0, 0.1))
     listed = _check_store(run)
     assert len(listed) >= 4
-    resumed = train(config, run, resume=True, max_iterations=1, progress=False, tensorboard=False)
+    resumed = train(config, run, resume=True, max_iterations=1, progress=False, tensorboard=False, evaluate=False)
     assert int(resumed.state["iteration"]) == listed[-1]["iteration"] + 1
     assert versions.list_versions(run)[-1]["parent"] == listed[-1]["id"]
 
@@ -383,7 +384,7 @@ def test_update_freeze_by_hand():
 
 def test_freeze_mode_skips_updates_of_frozen_leaves_and_resumes_exactly(tmp_path):
     config = preset("Pendulum-v1", total_steps=4 * 128, freeze_threshold=10.0, freeze_window=2, **TINY)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
     listed = versions.list_versions(tmp_path / "full")
     records = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     # 13 leaves; the 6 weights freeze; the biases and log_std started at 0, so their change is inf
@@ -395,9 +396,9 @@ def test_freeze_mode_skips_updates_of_frozen_leaves_and_resumes_exactly(tmp_path
     params = func.leaves(full.state["params"])
     frozen = [p.numel() for p, u in zip(params, tracker["freeze", "frozen_until"].tolist()) if u == 4]
     assert len(frozen) == 6 and records[2]["frozen_fraction"] == pytest.approx(sum(frozen) / sum(p.numel() for p in params))
-    part = train(config, tmp_path / "part", max_iterations=3, progress=False, tensorboard=False)
+    part = train(config, tmp_path / "part", max_iterations=3, progress=False, tensorboard=False, evaluate=False)
     assert int(part.state["iteration"]) == 3
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     for key, value in _leaves(full.state).items():
         assert torch.equal(value, resumed.state.get(key)), key
 
@@ -411,10 +412,10 @@ def test_freeze_mode_runs_eager_under_compile_auto_and_is_refused_under_compile_
 
     with pytest.raises(ConfigError, match="freeze_threshold"):
         train(preset("Pendulum-v1", total_steps=2 * 128, freeze_threshold=10.0, compile="on", **TINY), tmp_path / "on",
-              progress=False, tensorboard=False)
+              progress=False, tensorboard=False, evaluate=False)
     monkeypatch.setattr(ppo_algo, "AUTO_COMPILE_STEPS", 1)  # auto compiles any run now
     config = preset("Pendulum-v1", total_steps=3 * 128, freeze_threshold=10.0, freeze_window=1, compile="auto", **TINY)
-    result = train(config, tmp_path / "auto", progress=False, tensorboard=False)
+    result = train(config, tmp_path / "auto", progress=False, tensorboard=False, evaluate=False)
     records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["frozen_leaves"] == 0 and all(r["frozen_leaves"] >= 6 for r in records[1:])
     assert "compile_s" not in records[0]
@@ -426,11 +427,11 @@ def test_freeze_with_the_adaptive_clip_keeps_the_snapshot_structure_and_resumes_
     leaves saved a shaping state that no fresh run has: eval, resume and the final evaluation refused
     it ("key 'learner.shaping.transform.0.actor/0/weight.anchor' ... not in the snapshot")."""
     config = preset("Pendulum-v1", total_steps=4 * 128, freeze_threshold=10.0, freeze_window=2, adaptive_clip=True, **TINY)
-    full = train(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
     records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["frozen_leaves"] > 0
-    train(config, tmp_path / "part", max_iterations=3, progress=False, tensorboard=False)
-    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False)
+    train(config, tmp_path / "part", max_iterations=3, progress=False, tensorboard=False, evaluate=False)
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
     for key, value in _leaves(full.state).items():
         assert torch.equal(value, resumed.state.get(key)), key
 
@@ -442,7 +443,7 @@ def test_resume_with_a_snapshot_of_another_branch_is_refused_in_one_line(tmp_pat
 
     run = tmp_path / "run"
     config = preset("Pendulum-v1", total_steps=3 * 128, version_every=1, **{**TINY, "checkpoint_every": 1})
-    train(config, run, progress=False, tensorboard=False)
+    train(config, run, progress=False, tensorboard=False, evaluate=False)
     latest = checkpoint.latest_snapshot(run)
     versions.rollback(run, "v000001")
     capsys.readouterr()
