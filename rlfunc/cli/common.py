@@ -1,6 +1,6 @@
-"""What every ``rlfunc train ALGO`` command does around its training function: the flags of its
-config (:func:`parse_config`, tyro over the library's own config dataclasses), the default run
-directory and the report at the end (run dir on stderr, the evaluation as one JSON line on stdout,
+"""What every ``rlfunc train ALGO`` command does (:func:`train_command`): the flags of its config
+(:func:`parse_config`, tyro over the library's own config dataclasses), the default run directory,
+the launch of N ranks under torchrun (:func:`launch`) and the report at the end (run dir on stderr, the evaluation as one JSON line on stdout,
 or the signal that stopped the run with its exit code 128 + signal number); and the argument parser
 of the plain argparse subcommands, whose errors are one line."""
 
@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 T = TypeVar("T")
@@ -141,6 +142,55 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
         raise ConfigError(f"data-parallel run: rank {rank} of {nproc} failed ({how})"
                           + (f"; ranks {others} stopped with it" if others else "") + f"; {after}") from None
     return 0
+
+
+def train_command(name: str, argv: list[str], *, description: str, default: Callable[..., Any] | None = None,
+                  extra_flags: tuple[str, ...] = (), check_env: bool = True, tag: Callable[[Any], str] | None = None,
+                  launch_as: str | None = None, rewrite: Callable[[str], str] | None = None,
+                  check: Callable[[Any], None] | None = None, also: str = "") -> int:
+    """``rlfunc train NAME ARGV...`` of ``name``'s registry entry: parse ``argv`` into its config, train
+    it with :func:`rlfunc.run.train` and report the run (:func:`report_run`).
+
+    The flags (``rewrite`` applied to each) are the config's fields (:func:`parse_config`), from
+    ``default(env, **extras)``: ``env`` the ``--env`` given (the config's own by default; an unknown
+    id is refused first, with ``check_env``), ``extras`` the values of ``extra_flags`` (e.g.
+    ``--shaping``, read here, not config fields); None: the config class's defaults. ``check(config)``
+    may refuse the parsed config. Besides: ``--run-dir DIR`` (default :func:`default_run_dir` of
+    ``tag(config)``, else of ``name``) and, through the config, ``--nproc N``: N ranks under torchrun
+    (:func:`launch` of ``rlfunc train LAUNCH_AS ARGV...``, ``launch_as`` defaulting to ``name``).
+    ``also``: what else to do with a finished run, ``{run_dir}`` filled in.
+
+    Returns:
+        The exit code: 0; 130 / 143 when SIGINT / SIGTERM stopped the run (a snapshot saved).
+    """
+    from rlfunc.algos import registry
+    from rlfunc.envs.collect import check_env_id
+    from rlfunc.run import train
+
+    cls = registry.resolve(registry.lookup(name).config)
+    command = launch_as or name
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env", default=cls.env)
+    pre.add_argument("--run-dir", default=None)
+    for flag in extra_flags:
+        pre.add_argument(flag, default=None)
+    known, rest = pre.parse_known_args([rewrite(a) for a in argv] if rewrite else argv)
+    if check_env and "-h" not in rest and "--help" not in rest:
+        check_env_id(known.env)
+    extras = {flag.lstrip("-").replace("-", "_"): getattr(known, flag.lstrip("-").replace("-", "_")) for flag in extra_flags}
+    config = parse_config(
+        cls, args=["--env", known.env, *rest], default=cls() if default is None else default(known.env, **extras),
+        prog=f"rlfunc train {command}",
+        description=f"{description} Also: --run-dir DIR, the output directory (default runs/ENV-{name}-sSEED-TIME).",
+    )
+    if check is not None:
+        check(config)
+    run_dir = known.run_dir or default_run_dir(config.env, name if tag is None else tag(config), config.run.seed)
+    launched = launch(["train", command, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
+    if launched is not None:
+        return launched
+    result = train(config, run_dir)
+    return report_run(result, also.format(run_dir=result.run_dir))
 
 
 def report_run(result, also: str = "") -> int:

@@ -4,10 +4,7 @@ included, as ``--actor.FIELD``) is a flag; ``--demos N`` and ``--init RUN_DIR`` 
 
 from __future__ import annotations
 
-import argparse
-
-from rlfunc.algos import registry
-from rlfunc.cli.common import default_run_dir, launch, parse_config, report_run
+from rlfunc.cli.common import train_command
 
 
 # Short forms of two diffusion flags: `rlfunc train bc --demos N`, `rlfunc train dppo --init RUN_DIR`.
@@ -21,27 +18,9 @@ def _alias(arg: str) -> str:
 
 
 def _train(name: str, argv: list[str], what: str) -> int:
-    """Parse ``argv`` into the config of ``name``'s entry, train it and print the evaluation
-    as one JSON line (exit 0), or 130/143 when SIGINT/SIGTERM stopped it."""
-    entry = registry.lookup(name)
-    from rlfunc.run import train as fn
-
-    cls = registry.resolve(entry.config)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--run-dir", default=None)
-    known, rest = pre.parse_known_args(argv)
-    rest = [_alias(a) for a in rest]
-    config = parse_config(
-        cls, args=rest, default=cls(),
-        prog=f"rlfunc train {name}", description=f"Train {what}. Also: --run-dir DIR (default runs/ENV-{name}-sSEED-TIME).",
-    )
-    run_dir = known.run_dir or default_run_dir(config.env, name, config.run.seed)
-    launched = launch(["train", name, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
-    if launched is not None:
-        return launched
-    result = fn(config, run_dir)
-    return report_run(result, f"evaluate it with `rlfunc eval {result.run_dir}` or start a new run from it with "
-                              f"`--init-from {result.run_dir}`")
+    """``rlfunc train NAME ARGV...`` (:func:`rlfunc.cli.common.train_command`) from the config's defaults."""
+    return train_command(name, argv, rewrite=_alias, check_env=False, description=f"Train {what}.",
+                         also="evaluate it with `rlfunc eval {run_dir}` or start a new run from it with `--init-from {run_dir}`")
 
 
 def train_bc(name: str, argv: list[str]) -> int:
