@@ -18,7 +18,7 @@ plus what each run carries between iterations (env state, collection carry, ...)
   :func:`optim_from_layout_1`; the diffusion runs: :meth:`rlfunc.run.diffusion.DiffusionRun.upgrade`);
 - 1 (no "state_layout"; bc, dppo and td3-diffusion up to 8a7709f; ppo-encoder up to aaf3139): "optim_<name>" /
   "optim" is torch.optim.Adam's state of the leaves that have had a gradient, keyed by their index
-  in the optimizer (:func:`optimizer_like` gives the structure to check it against).
+  in the optimizer (meta "optim_leaves": which).
 """
 
 from __future__ import annotations
@@ -153,32 +153,6 @@ def set_generator_state(generator: torch.Generator, saved: torch.Tensor) -> torc
 def generator_from_state(saved: torch.Tensor, device: torch.device) -> torch.Generator:
     """A new generator on ``device`` in state ``saved`` (see :func:`set_generator_state`)."""
     return set_generator_state(torch.Generator(device=device), saved)
-
-
-def optimizer_leaves(optimizer: torch.optim.Optimizer) -> list[int]:
-    """Indices (in ``optimizer``'s parameter order) of the parameters it holds state for: those that
-    have had a gradient (none before the first step, and never an unused head's)."""
-    return sorted(int(i) for i in optimizer.state_dict()["state"])
-
-
-def optimizer_like(optimizer: torch.optim.Optimizer, indices: list[int], path) -> TensorDict:
-    """The structure :func:`rlfunc.optim.optimizer_state` has for Adam state on the parameters
-    ``indices`` of ``optimizer`` ({"<i>": {"step", "exp_avg", "exp_avg_sq"}}), to validate a snapshot.
-
-    Raises:
-        CheckpointError: naming ``path``, when ``indices`` is not a list of parameter indices.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(params) for i in indices):
-        raise CheckpointError(f"{path}: meta optim_leaves={indices!r}: expected indices of the {len(params)} parameter leaves")
-    return TensorDict(
-        {str(i): {"step": torch.zeros(()), "exp_avg": torch.zeros_like(params[i]), "exp_avg_sq": torch.zeros_like(params[i])}
-         for i in indices},
-        batch_size=[],
-    )
-
-
-# ------------------------------------------------- learner states that own their optimizer (layout 2)
 
 
 def state_layout(name: str, meta: dict, algo: str) -> int:

@@ -173,19 +173,6 @@ def test_resume_sets_the_budget_and_refuses_bad_ones(tmp_path):
         _train(tmp_path, _Config(), resume_=False)
 
 
-def test_optimizer_like_and_leaves_follow_the_optimizer():
-    a, b = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)
-    opt = torch.optim.Adam([a, b], lr=0.1)
-    assert resume.optimizer_leaves(opt) == []
-    b.sum().backward()
-    opt.step()
-    assert resume.optimizer_leaves(opt) == [1]
-    like = resume.optimizer_like(opt, [1], "snap")
-    assert like["1", "exp_avg"].shape == (3,) and list(like.keys()) == ["1"]
-    with pytest.raises(CheckpointError, match="snap: meta optim_leaves=\\[2\\]"):
-        resume.optimizer_like(opt, [2], "snap")
-
-
 def test_truncate_metrics_drops_lines_past_the_snapshot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "time": 1.5 * i}) + "\n" for i in (1, 2, 3)))
     assert resume.truncate_metrics(tmp_path, 2) == 3.0
