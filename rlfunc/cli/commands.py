@@ -52,15 +52,13 @@ def _eval(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from rlfunc.run import checkpoint
 
-    snap = checkpoint.latest_snapshot(a.run_dir)
-    if snap is None and (Path(a.run_dir) / "meta.json").is_file():
-        snap = Path(a.run_dir)  # a snapshot directory
-    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo") if snap is not None else None)
+    snap = checkpoint.snapshot_to_read(a.run_dir)  # a run dir's latest snapshot, or a snapshot directory
+    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo"))
     try:
         result = registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
     except SnapshotCorruptError as e:  # name the older snapshots, as resume does
-        older = [p for p in checkpoint.run_snapshots(a.run_dir) if snap is not None and p.name < snap.name]
-        if snap is None or str(snap) not in str(e) or not older:
+        older = [p for p in checkpoint.run_snapshots(a.run_dir) if p.name < snap.name]
+        if str(snap) not in str(e) or not older:
             raise
         raise SnapshotCorruptError(f"{e}. Older snapshots: {', '.join(p.name for p in older)}; to evaluate the newest "
                                    f"of them: rlfunc eval {older[0]}") from e

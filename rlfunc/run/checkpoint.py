@@ -388,6 +388,22 @@ def latest_snapshot(run_dir: str | os.PathLike) -> Path | None:
     return None
 
 
+def snapshot_to_read(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is a snapshot directory (it holds meta.json), else the latest complete
+    snapshot of the run dir ``path`` (:func:`latest_snapshot`): what ``rlfunc eval`` reads.
+
+    Raises:
+        CheckpointError: neither; the message names ``path``.
+    """
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return path
+    snap = latest_snapshot(path)
+    if snap is None:
+        raise CheckpointError(f"{path}: holds no complete snapshot (train first)")
+    return snap
+
+
 def run_snapshots(run_dir: str | os.PathLike) -> list[Path]:
     """The complete ``step_<N>`` snapshots in ``RUN_DIR/checkpoints``, newest (largest N) first.
     Checks that each has its two files, not their contents."""

@@ -126,10 +126,7 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     Raises:
         CheckpointError: no snapshot, not a diffusion snapshot, or a schedule that does not match.
     """
-    path = Path(path)
-    snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
-    if snap is None:
-        raise CheckpointError(f"{path}: holds no complete snapshot")
+    snap = checkpoint.snapshot_to_read(path)
     meta = checkpoint.load_meta(snap)
     family = algorithms.names(family="diffusion", commands=False)
     if meta.get("algo") not in family:

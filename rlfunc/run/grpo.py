@@ -36,7 +36,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
-from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.errors import ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
 from rlfunc.run import Run
@@ -229,10 +229,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
         CheckpointError: no snapshot, not a grpo/gspo one, or a learner state that does not match its
             config (a missing, extra or reshaped key). ConfigError: ``episodes < 1``.
     """
-    path = Path(run_dir)
-    snap = path if (path / "meta.json").is_file() else checkpoint.latest_snapshot(path)
-    if snap is None:
-        raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
+    snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
     config = algorithms.config_from_meta(meta, snap, of=GRPOConfig)
     state_layout(str(snap), meta, "grpo/gspo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)

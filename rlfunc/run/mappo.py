@@ -166,10 +166,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
         CheckpointError: no snapshot, not a mappo one, or a learner state that does not match its config.
         ConfigError: ``episodes`` < 1, ``seed`` outside [0, 2**31), or a device this machine lacks.
     """
-    path = Path(run_dir)
-    snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
-    if snap is None or not (Path(snap) / checkpoint.META_FILE).is_file():
-        raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
+    snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
     config = algorithms.config_from_meta(meta, snap, of=MAPPOConfig)
     state_layout(str(snap), meta, "mappo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)

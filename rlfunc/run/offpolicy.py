@@ -50,7 +50,7 @@ from rlfunc.core.stats import success_interval, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs.async_collect import AsyncCollector
-from rlfunc.errors import CheckpointError, ConfigError, EnvError
+from rlfunc.errors import ConfigError, EnvError
 from rlfunc.run import Run, checkpoint
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
 from rlfunc.run.resume import ResumePoint, buffer_snapshot, restore_buffer, set_generator_state, state_meta
@@ -325,9 +325,7 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
         CheckpointError: no snapshot, not a sac / td3 one, or one that does not fit its config.
         ConfigError: ``episodes`` < 1 or ``seed`` outside [0, 2**31).
     """
-    path = Path(run_dir) if (Path(run_dir) / checkpoint.META_FILE).is_file() else checkpoint.latest_snapshot(run_dir)
-    if path is None:
-        raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
+    path = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(path)
     config = algorithms.config_from_meta(meta, path, of="offpolicy")
     episodes = config.run.eval_episodes if episodes is None else episodes

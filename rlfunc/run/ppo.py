@@ -387,11 +387,7 @@ def evaluate(
     """
     if episodes is not None and episodes < 1:
         raise ConfigError(f"episodes={episodes}: expected >= 1")
-    if snapshot is None and (Path(run_dir) / checkpoint.META_FILE).is_file():
-        snapshot = run_dir  # a snapshot directory, as `rlfunc eval` accepts for every algorithm
-    path = Path(snapshot) if snapshot is not None else checkpoint.latest_snapshot(run_dir)
-    if path is None:
-        raise CheckpointError(f"{run_dir}: no snapshot found (train first)")
+    path = checkpoint.snapshot_to_read(run_dir if snapshot is None else snapshot)
     trained = algorithms.config_from_meta(checkpoint.load_meta(path), path, of=PPOConfig)
     episodes = trained.run.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)

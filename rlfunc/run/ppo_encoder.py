@@ -246,10 +246,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
             weights that do not match its config.
         ConfigError: ``episodes < 1``. EnvError: no episode ended within the env's time limit.
     """
-    path = Path(run_dir)
-    snap = checkpoint.latest_snapshot(path) if (path / checkpoint.CHECKPOINTS_DIR).is_dir() else path
-    if snap is None or not (Path(snap) / "meta.json").is_file():
-        raise CheckpointError(f"{run_dir}: holds no complete snapshot (train first)")
+    snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
     config = algorithms.config_from_meta(meta, snap, of=PPOEncoderConfig)
     state_layout(str(snap), meta, ALGO)  # layouts 1 and 2 keep the same "learner" (the optimizer aside)
