@@ -92,6 +92,13 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", wor
         raise EnvError(f"env={env_id!r} could not be built: {type(e).__name__}: {first}") from e
 
 
+def eval_workers(workers: int, num_envs: int) -> int:
+    """The worker processes an evaluation of ``num_envs`` envs steps in: the most, at most ``workers``
+    (a run's ``env_workers``), that divide ``num_envs``; 0 (this process) for ``workers`` 0. The
+    episodes are the same for any count (:func:`make_vec_env`)."""
+    return max((k for k in range(1, min(workers, num_envs) + 1) if num_envs % k == 0), default=0)
+
+
 def env_seeds(seed: int, num_envs: int) -> list[int]:
     """Per-env reset seeds derived from one run seed (numpy SeedSequence, so they never collide)."""
     return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(num_envs)]

@@ -197,14 +197,16 @@ class GRPORun(Run):
 
 
 def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device: torch.device, episodes: int, seed: int) -> dict:
-    """Deterministic-action returns of ``state``'s actor on ``episodes`` gymnasium envs per seed.
+    """Deterministic-action returns of ``state``'s actor on ``episodes`` gymnasium envs per seed (in up to
+    ``config.run.env_workers`` worker processes, :func:`rlfunc.envs.collect.eval_workers`).
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"} (env reward units):
         :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed.
     """
     algo = make_grpo(config, spec, device)
-    venv = collect.make_vec_env(config.env, config.run.num_seeds * episodes)
+    n = config.run.num_seeds * episodes
+    venv = collect.make_vec_env(config.env, n, workers=collect.eval_workers(config.run.env_workers, n))
     try:
         seeds = [s for i in range(config.run.num_seeds) for s in collect.env_seeds(seed + EVAL_SEED_OFFSET + i, episodes)]
         returns = collect.episode_returns(venv, algo.policy(state, [], deterministic=True), seeds, device=device)

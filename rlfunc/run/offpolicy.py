@@ -78,9 +78,10 @@ def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
 
 def evaluate_policy(algo: OffPolicy, state: TensorDict, config, episodes: int, seed: int, device: torch.device) -> dict:
     """Deterministic-action returns of ``state``'s actor on ``episodes`` episodes of ``config.env``
-    (reset seeds from ``seed + EVAL_SEED_OFFSET``): {"env", "mean", "std", "episodes", "ci95",
+    (reset seeds from ``seed + EVAL_SEED_OFFSET``; in up to ``config.run.env_workers`` worker
+    processes, :func:`rlfunc.envs.collect.eval_workers`): {"env", "mean", "std", "episodes", "ci95",
     "env_steps"[, "success_rate", "success_ci95"]}."""
-    venv = collect.make_vec_env(config.env, episodes)
+    venv = collect.make_vec_env(config.env, episodes, workers=collect.eval_workers(config.run.env_workers, episodes))
     try:
         seeds = collect.env_seeds(seed + EVAL_SEED_OFFSET, episodes)
         returns, success = collect.episode_outcomes(venv, algo.policy(state, None, deterministic=True), seeds, device=device)

@@ -371,7 +371,8 @@ def evaluate(
 ) -> dict:
     """Deterministic-action returns of the latest snapshot in ``run_dir`` (or of ``snapshot``, or of
     ``run_dir`` itself when it is a snapshot directory) on ``episodes`` episodes per seed (None: the
-    run's ``eval_episodes``).
+    run's ``eval_episodes``), in up to the run's ``env_workers`` worker processes
+    (:func:`rlfunc.envs.collect.eval_workers`; the same episodes for any count).
 
     Returns:
         {"algo", "env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
@@ -391,9 +392,10 @@ def evaluate(
     trained = algorithms.config_from_meta(checkpoint.load_meta(path), path, of=PPOConfig)
     episodes = trained.run.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
-    # the evaluation's envs step in this process, whatever the run's workers (K need not divide the episodes)
+    # up to the run's env workers, as many as divide the episodes (the same episodes for any count)
+    n = trained.run.num_seeds * episodes
     config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev), env_workers=0)
-    venv = collect.make_vec_env(config.env, config.run.num_seeds * episodes)
+    venv = collect.make_vec_env(config.env, n, workers=collect.eval_workers(trained.run.env_workers, n))
     try:
         spec = env_spec(venv)
         like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot

@@ -131,7 +131,7 @@ def _leaves(state) -> dict:
     return dict(state.items(include_nested=True, leaves_only=True))
 
 
-def test_a_ppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
+def test_a_ppo_run_in_workers_resumes_to_the_in_process_run(tmp_path, monkeypatch):
     """Pendulum-v1, 2 envs in 2 workers: 2 iterations, stop, resume to 4 equal 4 iterations in one go
     of the in-process envs, tensor for tensor (the envs' physics, RNG and time limits come from the
     workers' snapshot; the episodes end at their step 200, in the 4th iteration)."""
@@ -149,7 +149,20 @@ def test_a_ppo_run_in_workers_resumes_to_the_in_process_run(tmp_path):
     # so an odd episode count (the final evaluation's, `rlfunc eval`'s) failed after training
     from rlfunc.run.ppo import evaluate
 
-    assert evaluate(tmp_path / "part", episodes=3)["episodes"] == 3
+    assert evaluate(tmp_path / "part", episodes=3)["episodes"] == 3  # 3 episodes: in 1 worker
+    # the evaluation steps in the run's workers (as many as divide the episodes): the same episodes
+    from rlfunc.envs import collect
+
+    made, real = [], collect.make_vec_env
+    monkeypatch.setattr(collect, "make_vec_env", lambda *a, **k: (made.append(k.get("workers", 0)), real(*a, **k))[1])
+    assert evaluate(tmp_path / "part", episodes=4) == evaluate(tmp_path / "inline", episodes=4)
+    assert made == [2, 0]
+
+
+def test_an_evaluation_takes_the_most_workers_that_divide_its_episodes():
+    from rlfunc.envs.collect import eval_workers
+
+    assert [eval_workers(0, 5), eval_workers(2, 3), eval_workers(4, 6), eval_workers(8, 100), eval_workers(3, 2)] == [0, 1, 3, 5, 2]
 
 
 def test_a_killed_worker_is_one_error_naming_it():
