@@ -5,7 +5,7 @@ Each algorithm registers itself in the module under rlfunc/algos/ that holds its
 (``register("bc", AlgorithmEntry(...))`` in :mod:`rlfunc.algos.bc`); the registry imports every
 module of rlfunc/algos/ when first read. The entry's callables are "module:attribute" strings,
 imported only when used (:func:`resolve`): reading the registry (the usage text of ``rlfunc --help``,
-an unknown name's error) imports no run code (train_*, cli_*) and makes no env.
+an unknown name's error) imports no run or CLI code and makes no env.
 
 The name is also the ``"algo"`` a snapshot's meta.json records. Adding an algorithm = its files
 under algos/ (and losses/) + one ``register`` call.

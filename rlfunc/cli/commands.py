@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.cli.common import Parser
-from rlfunc.errors import ConfigError, RLFuncError, SnapshotCorruptError
+from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, SnapshotCorruptError
 
 _HEAD = "The ``rlfunc`` command.\n\n"
 _TAIL = """
@@ -53,7 +53,10 @@ def _eval(argv: list[str]) -> int:
     from rlfunc.run import checkpoint
 
     snap = checkpoint.snapshot_to_read(a.run_dir)  # a run dir's latest snapshot, or a snapshot directory
-    entry = registry.for_snapshot(checkpoint.load_meta(snap).get("algo"))
+    algo = checkpoint.load_meta(snap).get("algo")
+    if algo not in registry.names(commands=False):
+        raise CheckpointError(f"{snap}: snapshot algo={algo!r}: expected one of {', '.join(registry.names(commands=False))}")
+    entry = registry.lookup(algo)
     try:
         result = registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
     except SnapshotCorruptError as e:  # name the older snapshots, as resume does

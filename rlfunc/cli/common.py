@@ -68,7 +68,8 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
 
     @registry.struct_rule
     def unbuilt(info):
-        if _default_rules.get() or not (dataclasses.is_dataclass(info.type) and info.type.__module__.startswith("rlfunc.")):
+        ours = info.type is cls or getattr(info.type, "__module__", "").startswith("rlfunc.")  # a plugin's config too
+        if _default_rules.get() or not (dataclasses.is_dataclass(info.type) and ours):
             return None
         token = _default_rules.set(True)  # tyro's own rule for the dataclass: fields, defaults, help
         try:
@@ -169,7 +170,7 @@ def train_command(name: str, argv: list[str], *, description: str, default: Call
 
     cls = registry.resolve(registry.lookup(name).config)
     command = launch_as or name
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(prog=f"rlfunc train {command}", add_help=False)  # a bad one of these flags: one line
     pre.add_argument("--env", default=cls.env)
     pre.add_argument("--run-dir", default=None)
     for flag in extra_flags:

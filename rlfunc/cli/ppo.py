@@ -5,12 +5,11 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.algos.ppo import PPOConfig
-from rlfunc.cli.common import train_command
+from rlfunc.cli.common import Parser, train_command
 from rlfunc.errors import ConfigError
 
 
@@ -21,7 +20,7 @@ def train(name: str, argv: list[str]) -> int:
     from rlfunc.algos.ppo import preset
     from rlfunc.envs.collect import check_env_id
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(prog=f"rlfunc train {name}", add_help=False)  # a bad --env: one line
     pre.add_argument("--env", default=PPOConfig.env)
     known, rest = pre.parse_known_args(argv)
     if "-h" not in rest and "--help" not in rest:

@@ -240,7 +240,6 @@ class DiffusionRun(Run):
     generator of ``state["rng"]``), ``env`` and ``total``, and overrides :meth:`step`.
     """
 
-    requires_format = False  # diffusion snapshots never had meta "resume_format"
     data_parallel = True
     curve = "success_rate"
     carry: tuple[str, ...] = ()  # the top-level snapshot entries of the run's own carry

@@ -129,6 +129,7 @@ class GRPORun(Run):
     backend, the env's generator and state ("env")."""
 
     data_parallel = True
+    requires_format = True  # its snapshots from before it was resumable lack meta "resume_format"
 
     def __init__(self, config: GRPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         collect.check_env_id(config.env)

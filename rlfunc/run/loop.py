@@ -1,7 +1,7 @@
 """The one run loop every algorithm uses: build -> (restore) -> iterations -> snapshots, versions,
 metrics -> final evaluation.
 
-An algorithm's run is a :class:`Run`: built from its config (by the ``build`` of its registry entry,
+An algorithm's run is a :class:`Run`: built from its config (the ``run`` of its registry entry,
 :func:`rlfunc.algos.registry.lookup`), it does one iteration per :meth:`Run.step`, says what a
 snapshot holds (:meth:`Run.saved`) and takes it back (:meth:`Run.restore`). Everything around that is
 here, once, for every algorithm:
@@ -88,7 +88,8 @@ class Run:
     name: str = "train"
     curve: str = "episode_return"
     data_parallel: bool = False  # trains under torchrun (its constructor uses ``dist``)
-    requires_format: bool = True  # refuse snapshots without meta "resume_format" (written before the kind was resumable)
+    # refuse snapshots without meta "resume_format" (a kind whose early snapshots lacked the RNG / env state)
+    requires_format: bool = False
     # top-level snapshot entries whose structure depends on how far the run got (a replay buffer's
     # filled rows ...): left out of the check against the fresh run's; restore checks them
     variable: tuple[str, ...] = ()
@@ -250,13 +251,14 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         ``run.evaluate()`` gives one.
     """
     main = dist is None or dist.is_main
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
-        run.open(run_dir)
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard) if main else None
     start = min(run.done(), run.total)
     end = run.total if max_iterations is None else min(run.total, start + max_iterations)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if end > start or not (run_dir / "config.json").exists():  # a new budget is the run's once an iteration has it
+            (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
+        run.open(run_dir)
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard) if main else None
     branch = versions.current_branch(run_dir)
     clock = time.perf_counter() - time_offset
     last_record: dict | None = None
@@ -381,6 +383,12 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
             cannot train. CheckpointError: on resume, no snapshot or version, or one that is corrupt,
             of no registered algorithm or does not fit its config. Nothing is written then.
     """
+    if not isinstance(run_dir, (str, os.PathLike)):
+        raise ConfigError(f"run_dir={run_dir!r}: expected a path")
+    if max_iterations is not None and (isinstance(max_iterations, bool) or not isinstance(max_iterations, int)
+                                       or max_iterations < (0 if resume else 1)):
+        raise ConfigError(f"max_iterations={max_iterations!r}: expected None or an int >= {0 if resume else 1}"
+                          + ("" if resume else " (a new run runs at least one iteration)"))
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
     # one process at a time resumes a run (rank 0 of a data-parallel one holds it for all)
@@ -436,6 +444,10 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
         if config is None:
             raise ConfigError("config=None: expected a registered algorithm's config (None only with resume=True)")
         entry = registry.lookup(registry.name_of(config))
+        nproc = getattr(getattr(config, "run", None), "nproc", 1)
+        if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+            raise ConfigError(f"run.nproc={nproc}: this call trains in one process; start {nproc} ranks with "
+                              f"`rlfunc train ALGO --nproc {nproc} ...` or torchrun (README: data-parallel training)")
     build = registry.resolve(entry.run)
     dist = None
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:

@@ -217,6 +217,7 @@ class MAPPORun(Run):
     """
 
     data_parallel = True
+    requires_format = True  # its snapshots from before it was resumable lack meta "resume_format"
 
     def __init__(self, config: MAPPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         if config.run.torch_threads:

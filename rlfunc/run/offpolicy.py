@@ -124,6 +124,7 @@ class OffPolicyRun(Run):
     variable = ("buffer",)  # its rows depend on how far the run got; restore checks them
 
     data_parallel = True
+    requires_format = True  # its snapshots from before it was resumable lack meta "resume_format"
 
     def __init__(self, config, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         from torchrl.data import LazyTensorStorage, ReplayBuffer

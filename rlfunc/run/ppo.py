@@ -229,9 +229,6 @@ class PPORun(Run):
     """
 
     name = "ppo"
-    # PPO snapshots never had meta "resume_format": every one holds the RNG states and the rollout
-    # carry (the structure check refuses one that does not), so there is nothing for it to mark
-    requires_format = False
     data_parallel = True
 
     def __init__(self, config: PPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:

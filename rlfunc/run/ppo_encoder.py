@@ -120,6 +120,7 @@ class EncoderRun(Run):
 
     name = ALGO
     data_parallel = True
+    requires_format = True  # its snapshots from before it was resumable lack meta "resume_format"
 
     def __init__(self, config: PPOEncoderConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         check_env(config.env)

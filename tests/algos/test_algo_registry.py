@@ -14,8 +14,8 @@ from rlfunc.algos.registry import AlgorithmEntry
 from rlfunc.cli.commands import main
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.config import RunConfig
-from rlfunc.run import Run, checkpoint
-from rlfunc.run.resume import RESUME_FORMAT, STATE_LAYOUT
+from rlfunc.run import Run
+from rlfunc.run.resume import STATE_LAYOUT
 
 CLI_NAMES = ("ppo", "bc", "dppo", "td3-diffusion", "sac-diffusion", "sac", "td3", "grpo", "gspo", "mappo")
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ class ToyRun(Run):
 
     def saved(self):
         meta = {"algo": "toy", "config": dataclasses.asdict(self.config), "iteration": int(self.state["iteration"]),
-                "env_steps": int(self.state["iteration"]), "state_layout": STATE_LAYOUT, "resume_format": RESUME_FORMAT}
+                "env_steps": int(self.state["iteration"]), "state_layout": STATE_LAYOUT}  # what Run.saved asks, no more
         return self.state.clone(), meta
 
     def restore(self, loaded, meta):
@@ -150,6 +150,16 @@ def test_a_registered_entry_is_dispatched_by_train_eval_and_resume(toy, tmp_path
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"algo": "toy", "x": 15.0}  # 1 + ... + 5
     assert registry.config_from_meta({"algo": "toy", "config": {"steps": 2}}) == ToyConfig(2)
     assert resume(run, 6, progress=False, tensorboard=False).evaluation == {"algo": "toy", "x": 21.0}
+
+
+def test_a_plugin_config_parses_with_the_run_flags_flat():
+    # the bug: a config class defined outside rlfunc was left to tyro, which handed its nested RunConfig
+    # over unbuilt ("run=<_Unbuilt ...>: expected a RunConfig") and showed --run.seed instead of --seed
+    from rlfunc.cli.common import parse_config
+
+    parsed = parse_config(ToyConfig, args=["--steps", "4", "--seed", "3"], default=ToyConfig(), prog="rlfunc train toy",
+                          description="toy")
+    assert parsed == ToyConfig(4, RunConfig(eval_episodes=2, seed=3))
 
 
 def _algorithm_name_literals(path: Path) -> list[str]:

@@ -126,7 +126,8 @@ def _build_toy(config, device, *, dist=None, resumed=False):
 
 
 def _train(run_dir, config=None, *, resume_=True, total_steps=None, requires_format=True):
-    """rlfunc.run.train of a _ToyRun (registered as "toy" for the call), stopped before any iteration;
+    """rlfunc.run.train of a _ToyRun (registered as "toy" for the call), stopped before any iteration (a
+    resume) or after one;
     returns the config it built."""
     from rlfunc.algos import registry
     from rlfunc.run import train
@@ -137,7 +138,8 @@ def _train(run_dir, config=None, *, resume_=True, total_steps=None, requires_for
                                                      evaluate="", needs="nothing", usage=""))
     _TOY.update(requires_format=requires_format, built=[])
     try:
-        train(config, run_dir, resume=resume_, total_steps=total_steps, max_iterations=0, progress=False, tensorboard=False)
+        train(config, run_dir, resume=resume_, total_steps=total_steps, max_iterations=0 if resume_ else 1, progress=False,
+              tensorboard=False)
     finally:
         registry._ENTRIES.clear()
         registry._ENTRIES.update(saved)
