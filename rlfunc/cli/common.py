@@ -1,8 +1,9 @@
 """What every ``rlfunc train ALGO`` command does (:func:`train_command`): the flags of its config
 (:func:`parse_config`, tyro over the library's own config dataclasses), the default run directory,
-the launch of N ranks under torchrun (:func:`launch`) and the report at the end (run dir on stderr, the evaluation as one JSON line on stdout,
-or the signal that stopped the run with its exit code 128 + signal number); and the argument parser
-of the plain argparse subcommands, whose errors are one line."""
+the launch of N ranks under torchrun (:func:`launch`) and the report at the end (run dir on stderr,
+the evaluation as one JSON line on stdout, or the signal that stopped the run with its exit code
+128 + signal number); and the argument parser of the plain argparse subcommands, whose errors are
+one line."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 T = TypeVar("T")
@@ -178,7 +179,7 @@ def train_command(name: str, argv: list[str], *, description: str, default: Call
     known, rest = pre.parse_known_args([rewrite(a) for a in argv] if rewrite else argv)
     if check_env and "-h" not in rest and "--help" not in rest:
         check_env_id(known.env)
-    extras = {flag.lstrip("-").replace("-", "_"): getattr(known, flag.lstrip("-").replace("-", "_")) for flag in extra_flags}
+    extras = {dest: getattr(known, dest) for dest in (flag.lstrip("-").replace("-", "_") for flag in extra_flags)}
     config = parse_config(
         cls, args=["--env", known.env, *rest], default=cls() if default is None else default(known.env, **extras),
         prog=f"rlfunc train {command}",

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from rlfunc.algos import registry as algorithms
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.core.stats import summarize_returns
-from rlfunc.algos import registry as algorithms
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry

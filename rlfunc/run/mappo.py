@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
 from rlfunc.algos import registry as algorithms
+from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
 from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import registry

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
+from rlfunc.algos import registry as algorithms
 from rlfunc.algos.diffusion_actor import EnvInfo, check_env, dones_of_split, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
 from rlfunc.core import func
-from rlfunc.algos import registry as algorithms
 from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
