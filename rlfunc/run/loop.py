@@ -422,6 +422,7 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
     """:func:`train` after its run-dir checks."""
     from rlfunc.algos import registry
 
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # > 1 under torchrun
     source = None
     if resume:
         source = resume_source(run_dir)
@@ -445,14 +446,14 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
             raise ConfigError("config=None: expected a registered algorithm's config (None only with resume=True)")
         entry = registry.lookup(registry.name_of(config))
         nproc = getattr(getattr(config, "run", None), "nproc", 1)
-        if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        if nproc > 1 and world == 1:
             raise ConfigError(f"run.nproc={nproc}: this call trains in one process; start {nproc} ranks with "
                               f"`rlfunc train ALGO --nproc {nproc} ...` or torchrun (README: data-parallel training)")
     build = registry.resolve(entry.run)
     dist = None
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if world > 1:
         if not getattr(build, "data_parallel", False):
-            raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {getattr(config, 'name', type(config).__name__)} "
+            raise ConfigError(f"WORLD_SIZE={world}: {getattr(config, 'name', type(config).__name__)} "
                               "is not data-parallel yet (every other algorithm is): run it in one process")
         from rlfunc.run.distributed import Distributed
 
