@@ -8,13 +8,17 @@ imported only when used (:func:`resolve`): reading the registry (the usage text 
 an unknown name's error) imports no run or CLI code and makes no env.
 
 The name is also the ``"algo"`` a snapshot's meta.json records. Adding an algorithm = its files
-under algos/ (and losses/) + one ``register`` call.
+under algos/ (and losses/) + one ``register`` call. An algorithm of another package registers from a
+module that an entry point of the group ``"rlfunc.algorithms"`` names (in its pyproject.toml:
+``[project.entry-points."rlfunc.algorithms"] my_algo = "my_package.my_algo"``); the registry imports
+those modules after its own, so ``rlfunc train|eval|resume`` reach it with no edit of rlfunc.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import pkgutil
 from typing import Any
 
@@ -38,6 +42,8 @@ ORDER = (
 # The entry a run is given whose snapshot names no registered algorithm (or that has no snapshot: a
 # ppo run can continue from a version); its loaders refuse a snapshot that is not theirs with one line.
 FALLBACK = "ppo"
+
+PLUGIN_GROUP = "rlfunc.algorithms"  # entry points naming other packages' modules that call register()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +110,12 @@ def _load() -> None:
         found = sorted(f"{__package__}.{m.name}" for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
         for module in (*ORDER, *found):
             importlib.import_module(module)
+        for plugin in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+            try:
+                plugin.load()
+            except Exception as e:  # noqa: BLE001  a broken plugin is named, in one line
+                raise ConfigError(f"algorithm plugin {plugin.name!r} ({plugin.value}, entry point group {PLUGIN_GROUP!r}) "
+                                  f"failed to load: {type(e).__name__}: {e}") from e
 
 
 def _ordered() -> list[tuple[str, AlgorithmEntry]]:

@@ -152,6 +152,43 @@ def test_a_registered_entry_is_dispatched_by_train_eval_and_resume(toy, tmp_path
     assert resume(run, 6, progress=False, tensorboard=False).evaluation == {"algo": "toy", "x": 21.0}
 
 
+def test_a_package_plugs_its_algorithm_in_through_the_rlfunc_algorithms_entry_point_group(monkeypatch, tmp_path, capsys):
+    """An algorithm of another package registers from the module its "rlfunc.algorithms" entry point
+    names: `rlfunc train NAME` and `rlfunc --help` reach it with no edit of rlfunc; a plugin that fails
+    to import is named in one line (exit 2)."""
+    import importlib.metadata
+    import sys
+
+    here = __name__
+    (tmp_path / "my_algo_entries.py").write_text(
+        "from rlfunc.algos.registry import AlgorithmEntry, register\n"
+        f"register('plugged', AlgorithmEntry(config='{here}:ToyConfig', run='{here}:ToyRun', command='{here}:_toy_command',\n"
+        f"    evaluate='{here}:_toy_evaluate', needs='anything', usage='    rlfunc train plugged [--steps N]'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_algo_entries", raising=False)
+    good = importlib.metadata.EntryPoint("my_algo", "my_algo_entries", registry.PLUGIN_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [good] if group == registry.PLUGIN_GROUP else [])
+    registry.names()  # the built-in entries (their modules register once, on import), kept in the copy
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    monkeypatch.setattr(registry, "_loaded", False)
+    CALLS.clear()
+    assert registry.names()[-1] == "plugged" and "ppo" in registry.names()
+    run = tmp_path / "run"
+    assert main(["train", "plugged", "--steps", "2", "--run-dir", str(run)]) == 0
+    assert CALLS == [("command", "plugged", ["--steps", "2", "--run-dir", str(run)]), ("build", 2, False)]
+    assert main(["--help"]) == 0
+    assert "    rlfunc train plugged [--steps N]" in capsys.readouterr().out
+    bad = importlib.metadata.EntryPoint("broken", "no_such_module_xyz", registry.PLUGIN_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [bad] if group == registry.PLUGIN_GROUP else [])
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(ConfigError, match=r"algorithm plugin 'broken' \(no_such_module_xyz.*ModuleNotFoundError"):
+        registry.names()
+    monkeypatch.setattr(registry, "_loaded", False)
+    assert main(["train", "ppo", "--help"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "algorithm plugin 'broken'" in err and len(err.splitlines()) == 1
+
+
 def test_a_plugin_config_parses_with_the_run_flags_flat():
     # the bug: a config class defined outside rlfunc was left to tyro, which handed its nested RunConfig
     # over unbuilt ("run=<_Unbuilt ...>: expected a RunConfig") and showed --run.seed instead of --seed
