@@ -1,86 +1,71 @@
-"""ppo's rollout action function, eager vs torch.compile (the issue's "the policy's action function for
-rollouts compiled too"): is there anything to gain on a CPU?
+"""The rollout policy's forward compiled vs eager on this device (issue 18, item 1): microseconds per
+call of PPO's acting function (HalfCheetah-v5 sizes: 17 observations, 6 actions, 64x64 tanh actor,
+observation normalisation, Gaussian noise from the seed's generator), one env and 16 envs per call,
+eager and compiled (``rlfunc.device.compile_policy`` forced onto this device) alternating in every
+repeat, one intra-op thread. This measurement is why ``POLICY_COMPILE_DEVICES`` holds CUDA only.
 
-Pendulum-v1, the default PPOConfig (8 envs, 64x64 tanh MLP). Per call, medians over 5 rounds of 5,000
-calls: the trainer's policy (``algo.policy(state, gens, log_prob=False)``), a hand-fused pure
-``act(obs, noise)`` with the same math (normalise, clamp, three addmm, addcmul), and that function through
-torch.compile (fullgraph, static shapes). Then the share of an iteration the policy can be: the
-rollout's time per vector step and the eager update's per vector step.
-
-    OMP_NUM_THREADS=1 python -m bench.compiled_act
+    OMP_NUM_THREADS=1 python -m bench.compiled_act --repeats 5
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
 
-from rlfunc.algos.ppo import PPOConfig, make_ppo
+from rlfunc import device as devices
+from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.config import replace
-from rlfunc.envs import collect
-from rlfunc.run.ppo import env_spec
+
+SPEC = EnvSpec(17, 6, [-1.0] * 6, [1.0] * 6)
 
 
-def pure(x, noise, ws, mean, inv_std, std):
-    x = ((x - mean) * inv_std).clamp(-10.0, 10.0)
-    (w0, b0), (w1, b1), (w2, b2) = ws
-    h = torch.tanh(torch.addmm(b0, x, w0))
-    h = torch.tanh(torch.addmm(b1, h, w1))
-    return torch.addcmul(torch.addmm(b2, h, w2), std, noise)
+def acting(compile: str, num_envs: int, dev: torch.device):
+    config = replace(PPOConfig(), env="HalfCheetah-v5", num_envs=num_envs, num_steps=64, minibatch_size=64,
+                     hidden=(64, 64), activation="tanh", normalize_observations=True, compile=compile, device=str(dev))
+    algo = make_ppo(config, SPEC, dev)
+    state = algo.init()
+    return algo.policy(state, [torch.Generator(device=dev).manual_seed(0)], log_prob=False)
 
 
-def per_call_us(f, n: int = 5000) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n * 1e6
+def per_call_us(act, x: torch.Tensor, calls: int) -> float:
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            act(x)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
     torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    config = replace(PPOConfig(), device="cpu", compile="off")
-    venv = collect.make_vec_env(config.env, config.num_envs)
-    spec = env_spec(venv)
-    algo = make_ppo(config, spec, cpu)
-    state = algo.init()
-    g = torch.Generator().manual_seed(0)
-    act = algo.policy(state, [g], log_prob=False)
-    obs = torch.randn(config.num_envs, spec.obs_dim)
-    p = state["params", "actor"][0]
-    ws = [(p[k, "weight"].detach().t(), p[k, "bias"].detach()) for k in ("0", "2", "4")]
-    stats = state["obs_stats"][0]
-    mean, inv_std = stats["mean"], torch.rsqrt(stats["var"] + 1e-8)
-    std = state["params", "log_std"][0].detach().exp()
-    compiled = torch.compile(pure, fullgraph=True, dynamic=False)
-    t = time.perf_counter()
-    compiled(obs, torch.randn(config.num_envs, spec.act_dim), ws, mean, inv_std, std)
-    print(f"compile {time.perf_counter() - t:.1f} s")
-    noise = lambda: torch.randn((config.num_envs, spec.act_dim), generator=g)  # noqa: E731
-    res = {"policy (eager, the trainer's)": [], "pure act (eager)": [], "pure act (compiled)": []}
-    for _ in range(5):
-        res["policy (eager, the trainer's)"].append(per_call_us(lambda: act(obs)))
-        res["pure act (eager)"].append(per_call_us(lambda: pure(obs, noise(), ws, mean, inv_std, std)))
-        res["pure act (compiled)"].append(per_call_us(lambda: compiled(obs, noise(), ws, mean, inv_std, std)))
-    for k, v in res.items():
-        print(f"{k}: {statistics.median(v):.0f} us/call (rounds {', '.join(f'{x:.0f}' for x in v)})")
-    carry = collect.reset(venv, list(range(config.num_envs)))
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        batch, carry = collect.rollout(venv, algo.policy(state, [g], log_prob=False), carry, config.num_steps, device=cpu)
-        ts.append((time.perf_counter() - t) / config.num_steps * 1e6)
-    print(f"rollout: {statistics.median(ts):.0f} us per vector step")
-    batch = batch.reshape(1, config.num_envs, config.num_steps)
-    ts = []
-    for _ in range(2):
-        t = time.perf_counter()
-        state, _ = algo.iteration(state, batch, [g])
-        ts.append(time.perf_counter() - t)
-    print(f"update (eager): {statistics.median(ts) / config.num_steps * 1e6:.0f} us per vector step")
-    venv.close()
+    dev = torch.device(a.device)
+    devices.POLICY_COMPILE_DEVICES = (*devices.POLICY_COMPILE_DEVICES, dev.type)
+    print(f"device {dev}, torch {torch.__version__}, {a.calls} calls per timing")
+    print("| envs per call | eager us/call | compiled us/call | compiled / eager | first compiled call s |")
+    print("|---|--:|--:|--:|--:|")
+    for n in (1, 16):
+        x = torch.randn(n, SPEC.obs_dim, device=dev)
+        eager, compiled = acting("off", n, dev), acting("on", n, dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            compiled(x)
+        first = time.perf_counter() - t0
+        per_call_us(eager, x, 200), per_call_us(compiled, x, 200)  # warm
+        e, c = [], []
+        for _ in range(a.repeats):
+            e.append(per_call_us(eager, x, a.calls))
+            c.append(per_call_us(compiled, x, a.calls))
+        me, mc = statistics.median(e), statistics.median(c)
+        print(f"| {n} | {me:.1f} ({min(e):.1f}-{max(e):.1f}) | {mc:.1f} ({min(c):.1f}-{max(c):.1f}) | {mc / me:.2f} | {first:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -254,3 +254,26 @@ def compile_step(fn, device: torch.device, mode: str, what: str, *, static_args:
     call.compile_s = None  # seconds of the first call (warm-up, trace, compile and one step); None before it
     call.eager = False  # True once compiling failed under "auto" (warned): every call runs fn
     return call
+
+
+# The device types on which a rollout policy's forward is compiled. CUDA: CUDA graphs replay the
+# forward's kernels in one launch, where a small MLP at rollout batch sizes is all launch overhead
+# (a PPO HalfCheetah-v5 iteration on an H200 spent 146 ms of its 528 ms rollout in the policy's
+# forward, bench/RESULTS.md "GPU rows"). Not the CPU: there the compiled call took 2.35-2.7x the eager
+# one per env step (dynamo's guards and the call wrapper cost more than the forward's ~6 small ops;
+# bench/compiled_act.py, bench/RESULTS.md).
+POLICY_COMPILE_DEVICES = ("cuda",)
+
+
+def compile_policy(fn, device: torch.device, mode: str, what: str, *, static_args: tuple[int, ...] = ()):
+    """A rollout policy's pure forward ``fn`` through :func:`compile_step` where that pays off, else
+    ``fn`` itself.
+
+    Compiled when ``mode`` is not "off" and ``device``'s type is in :data:`POLICY_COMPILE_DEVICES`
+    (the caller decides "auto" as for its update); the arguments named by ``static_args`` are the
+    weights (static addresses under CUDA graphs). Same numbers as ``fn`` up to float rounding; a
+    compiler failure behaves as :func:`compile_step`'s.
+    """
+    if mode == "off" or device.type not in POLICY_COMPILE_DEVICES:
+        return fn
+    return compile_step(fn, device, mode, what, static_args=static_args)

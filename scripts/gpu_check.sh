@@ -2,7 +2,8 @@
 # The device checks for a lent CUDA GPU (issues 16 and 18), as one prepared script. Run from the repo
 # root on the GPU machine with the machine's own torch and our pins carried as wheels in .whl/
 # (see bench/RESULTS.md "GPU"); every result goes to $OUT (default ./gpu_out).
-#   compiled == eager under CUDA graphs and per-step times (bench.gpu_check), end-to-end env steps/s
+#   compiled == eager under CUDA graphs and per-step times (bench.gpu_check), the compiled rollout
+#   policy's us per call (bench.compiled_act), end-to-end env steps/s
 #   of ppo (HalfCheetah-v5) and sac (Pendulum-v1) with --compile off / on, nccl with world size 1
 #   under torchrun, --nproc 2 on one GPU, and a profiler trace.
 set -u
@@ -97,6 +98,8 @@ CPUJOB=${SKIP_CPU:+}$!
 
 # A, in the foreground (the timing claims)
 timeout 300 $PY -m bench.gpu_check --device $DEV --repeats 5 ${CASES:+--cases $CASES} 2>&1 | grep -v "INFO" | tee "$OUT/gpu_check.jsonl"
+# the rollout policy's forward compiled (CUDA graphs) vs eager, us per call (device.POLICY_COMPILE_DEVICES)
+timeout 150 $PY -m bench.compiled_act --device $DEV --repeats 5 2>&1 | grep -v "INFO" | tee "$OUT/compiled_act.txt"
 for mode in off on; do
   timeout 120 $PY -m rlfunc train ppo --env HalfCheetah-v5 --device $DEV --compile $mode --total-steps $HC_STEPS --eval-episodes 1 \
     --run-dir $R/hc_$mode > "$OUT/hc_$mode.log" 2>&1

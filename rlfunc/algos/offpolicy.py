@@ -74,6 +74,28 @@ class QEnsemble(NamedTuple):
     value: Callable[[TensorDict, Tensor, Tensor], Tensor]
 
 
+def acting_forward(actor: nn.Sequential, config, device: torch.device, what: str) -> Callable[[TensorDict], Callable[[Tensor], Tensor]]:
+    """``forward_of(actor_params) -> (observation [B, obs_dim] -> actor output [B, out])``, the acting
+    policy's network (:func:`rlfunc.core.func.sequential_apply`): one function of the weights, compiled
+    where the run compiles (``--compile on``, or ``auto`` on a run of >= AUTO_COMPILE_UPDATES updates) on
+    a device of :func:`rlfunc.device.compile_policy` (CUDA graphs; eager on the CPU). ``forward_of.compiled``:
+    the compiled function (its ``compile_s``), or None."""
+    from rlfunc.device import compile_policy
+
+    weights_of, apply = func.sequential_apply(actor, stacked=False)
+    updates = max(0, config.total_steps - config.learning_starts) * config.updates_per_step
+    run = apply
+    if config.run.compile == "on" or (config.run.compile == "auto" and updates >= AUTO_COMPILE_UPDATES):
+        run = compile_policy(apply, device, config.run.compile, what, static_args=(0,))
+
+    def forward_of(params: TensorDict) -> Callable[[Tensor], Tensor]:
+        weights = weights_of(params)
+        return lambda x: run(weights, x)
+
+    forward_of.compiled = None if run is apply else run
+    return forward_of
+
+
 def q_ensemble(obs_dim: int, act_dim: int, hidden: Sequence[int], seeds: Sequence[int], device: torch.device, *,
                activation: str = "relu", use_loop: bool | None = None) -> QEnsemble:
     """The critic ensemble of ``len(seeds)`` MLPs ``obs_dim + act_dim -> hidden -> 1`` (orthogonal

@@ -37,7 +37,7 @@ from rlfunc.core.normalize import init_running_stats, normalize, scale_reward, u
 from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.core.sde import EPSILON as SDE_EPSILON
 from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
-from rlfunc.device import compile_step, span
+from rlfunc.device import compile_policy, compile_step, span
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import normalize_advantage, ppo_loss
 from rlfunc.nets.actor_critic import CategoricalActorCritic, GaussianActorCritic, actor_critic_apply, sequential_apply
@@ -396,6 +396,22 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         compiled_grads = compile_step(grads_of, device, config.run.compile, "ppo", static_args=(0,))
         compiled_apply = compile_step(apply_grads, device, config.run.compile, "ppo", static_args=(0, 2))
 
+    # the rollout policy's network part (normalisation, the actor or gSDE's features) as one pure function of
+    # its weights, compiled where that pays (rlfunc.device.compile_policy: CUDA graphs; eager on the CPU)
+    actor_weights, actor_apply = func.sequential_apply(body if gsde else net.actor, stacked=True)
+
+    def actor_forward(weights: list[Tensor], mean: Tensor, inv_std: Tensor, x: Tensor) -> Tensor:
+        """x [S, N', obs_dim] float32 -> the actor's output [S, N', out] (features with gSDE)."""
+        if config.normalize_observations:
+            x = ((x - mean) * inv_std).clamp(-config.obs_clip, config.obs_clip)
+        return actor_apply(weights, x)
+
+    long_run = config.num_iterations * config.num_epochs * (config.batch_size // config.minibatch_size) >= AUTO_COMPILE_STEPS
+    compiled_actor = None
+    if config.run.compile == "on" or (config.run.compile == "auto" and long_run):
+        compiled_actor = compile_policy(actor_forward, device, config.run.compile, "ppo's rollout policy", static_args=(0,))
+        compiled_actor = None if compiled_actor is actor_forward else compiled_actor
+
     def norm_obs(stats: TensorDict, obs: Tensor) -> Tensor:
         if not config.normalize_observations:
             return obs
@@ -411,7 +427,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         which takes about ten small ops out of every env step.
 
         The actor runs through ``func.sequential_forward`` (weights resolved once as views; all
-        seeds in one batched matmul per layer). The normaliser is (mean, 1/sqrt(var + eps))
+        seeds in one batched matmul per layer); where the run compiles (``--compile`` on CUDA,
+        :func:`rlfunc.device.compile_policy`) the normalisation and the actor are one compiled
+        function of the weights, replayed as CUDA graphs. The normaliser is (mean, 1/sqrt(var + eps))
         computed once, as ``rlfunc.core.normalize.normalize`` does. Gaussian exploration: the
         log-probability uses the drawn noise directly, log N(a; mu, sigma) with (a - mu) / sigma =
         noise. gSDE: each seed draws one exploration matrix per env at the first call and every
@@ -431,7 +449,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         stats = state["obs_stats"]
         mean, inv_std = stats["mean"].unsqueeze(1), torch.rsqrt(stats["var"] + 1e-8).unsqueeze(1)  # [S, 1, obs]
         actor = body if gsde else net.actor
-        if S == 1:  # weights resolved once, as views that see the optimizer's in-place steps
+        if compiled_actor is not None:  # normalisation inside, all members stacked
+            weights = actor_weights(params["actor"])
+            forward = lambda x: compiled_actor(weights, mean, inv_std, x)  # noqa: E731
+        elif S == 1:  # weights resolved once, as views that see the optimizer's in-place steps
             single = func.sequential_forward(actor, params["actor"][0], stacked=False)
             forward = lambda x: single(x[0]).unsqueeze(0)  # noqa: E731
         else:  # all members in one batched matmul per layer
@@ -449,7 +470,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
 
         def act(observation: Tensor) -> tuple[Tensor, Tensor | None]:
             x = observation.to(torch.float32).reshape(S, -1, spec.obs_dim)  # TorchRL may pass 64-bit floats
-            if config.normalize_observations:
+            if config.normalize_observations and compiled_actor is None:
                 x = ((x - mean) * inv_std).clamp_(-config.obs_clip, config.obs_clip)
             if gsde:
                 latent = forward(x)  # [S, N', L]
@@ -764,7 +785,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         metrics["updates"] = torch.full((S,), updates, device=device)
         if W > 1:
             metrics["allreduce_s"] = torch.full((S,), comm_s, device=device)
-        compile_s = [f.compile_s for f in (compiled_step, compiled_grads, compiled_apply) if f is not None and f.compile_s is not None]
+        compile_s = [f.compile_s for f in (compiled_step, compiled_grads, compiled_apply, compiled_actor)
+                     if f is not None and f.compile_s is not None]
         if compile_s and int(state["iteration"]) == 0:
             metrics["compile_s"] = torch.full((S,), sum(compile_s), device=device)  # the first iteration's metrics line
         metrics["value_target_mean"] = flat["value_target"].mean((1, 2))

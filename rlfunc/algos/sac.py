@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos import data_parallel
-from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample,
+from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
                                    stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
@@ -144,8 +144,10 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
         state["optim_alpha"] = alpha_opt.init(params.select("log_alpha"))
         return state
 
+    forward_of = acting_forward(actor, config, device, "sac's acting policy")
+
     def policy(state: TensorDict, generator: torch.Generator | None, deterministic: bool = False):
-        forward = func.sequential_forward(actor, state["params", "actor"], stacked=False)
+        forward = forward_of(state["params", "actor"])
 
         def act(observation: Tensor) -> tuple[Tensor, None]:
             loc, log_std = forward(observation).chunk(2, -1)
@@ -270,7 +272,8 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
             return state, TensorDict({}, batch_size=[])
         metrics = TensorDict({k: v / num_updates for k, v in metric_sum.items()}, batch_size=[])
         if compiled_step is not None and compiled_step.compile_s is not None and not reported:
-            metrics["compile_s"] = torch.tensor(compiled_step.compile_s)  # in the first metrics line with updates
+            acting = forward_of.compiled.compile_s if forward_of.compiled is not None else None  # the acting policy's
+            metrics["compile_s"] = torch.tensor(compiled_step.compile_s + (acting or 0.0))  # in the first metrics line with updates
             reported.append(True)
         return state, metrics
 

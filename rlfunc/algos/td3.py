@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos import data_parallel
-from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, action_scale, q_ensemble, sample,
+from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
                                    stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
@@ -131,8 +131,10 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
         state["optim_critic"] = critic_opt.init(state["params", "critic"])
         return state
 
+    forward_of = acting_forward(actor, config, device, "td3's acting policy")
+
     def policy(state: TensorDict, generator: torch.Generator | None, deterministic: bool = False):
-        forward = func.sequential_forward(actor, state["params", "actor"], stacked=False)
+        forward = forward_of(state["params", "actor"])
 
         def act(observation: Tensor) -> tuple[Tensor, None]:
             action = forward(observation)
@@ -234,7 +236,8 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
         if actor_sum is not None:
             metrics.update({k: v / n_actor for k, v in actor_sum.items()})
         if compiled and critic_fn.compile_s is not None and not reported:
-            metrics["compile_s"] = torch.tensor(critic_fn.compile_s + (actor_fn.compile_s or 0.0))
+            acting = forward_of.compiled.compile_s if forward_of.compiled is not None else None  # the acting policy's
+            metrics["compile_s"] = torch.tensor(critic_fn.compile_s + (actor_fn.compile_s or 0.0) + (acting or 0.0))
             reported.append(True)
         return state, metrics
 

@@ -179,13 +179,64 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 _FUNCTIONAL: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {nn.Tanh: torch.tanh, nn.ReLU: torch.relu, nn.Sigmoid: torch.sigmoid}
 
 
+def sequential_apply(module: nn.Sequential, *, stacked: bool) -> tuple[
+        Callable[[TensorDictBase], list[torch.Tensor]], Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]]:
+    """The forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers as a pure function
+    of its weights: ``(weights_of, apply)``.
+
+    ``weights_of(params)`` lists each Linear layer's (weight^T, bias) as detached views, so in-place
+    optimizer steps are seen; ``apply(weights, x)`` runs the layers with ``torch.addmm`` (one member)
+    or ``torch.baddbmm`` (``stacked``: all members in one batched matmul per layer), Tanh, ReLU and
+    Sigmoid as torch functions (module hooks do not run). ``apply`` is one function for the network's
+    life, the form torch.compile takes once (the rollout policy's compiled forward).
+
+    Args:
+        module: the skeleton; its layers are ``nn.Linear`` or have no parameters (activations).
+        stacked: the params carry a leading member dim M.
+
+    Returns:
+        ``weights_of``: params -> list of tensors (2 per Linear); ``apply``: (weights, x [B, in] or,
+        ``stacked``, [M, B, in]) -> y [B, out] / [M, B, out]. Not differentiable.
+
+    Raises:
+        ShapeError: a layer with parameters is not ``nn.Linear``.
+    """
+    plan: list[Any] = []  # per layer: the Linear's name, or the parameter-free function
+    for name, layer in module._modules.items():  # as nn.Sequential.forward: a layer used twice runs twice
+        if isinstance(layer, nn.Linear):
+            plan.append(name)
+        elif next(layer.parameters(), None) is None:
+            plan.append(_FUNCTIONAL.get(type(layer), layer))  # a module call costs ~3x the op itself
+        else:
+            raise ShapeError(f"sequential_forward: layer {name!r} ({type(layer).__name__}) has parameters and is not nn.Linear")
+    matmul = torch.baddbmm if stacked else torch.addmm
+
+    def weights_of(params: TensorDictBase) -> list[torch.Tensor]:
+        out = []
+        for step in plan:
+            if isinstance(step, str):
+                weight, bias = params[step, "weight"].detach(), params[step, "bias"].detach()
+                out += [weight.transpose(-1, -2), bias.unsqueeze(-2)] if stacked else [weight.t(), bias]
+        return out
+
+    def apply(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        i = 0
+        for step in plan:
+            if isinstance(step, str):
+                x = matmul(weights[i + 1], x, weights[i])
+                i += 2
+            else:
+                x = step(x)
+        return x
+
+    return weights_of, apply
+
+
 def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """A fast forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers over ``params``.
 
     For a small network applied once per env step (a rollout policy), module-call and key-lookup
-    overheads dominate; this resolves the layers once and returns ``x -> y`` built from
-    ``torch.addmm`` (one member) or ``torch.baddbmm`` (``stacked``: all members in one batched
-    matmul per layer); Tanh, ReLU and Sigmoid run as torch functions, so module hooks do not run.
+    overheads dominate; this resolves the layers once (:func:`sequential_apply`) and returns ``x -> y``.
     The weights are read as views, so in-place optimizer steps are seen. Equal to
     ``apply(module, params, x)`` (per member) up to float rounding. Not differentiable.
 
@@ -199,23 +250,6 @@ def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked
     Raises:
         ShapeError: a layer with parameters is not ``nn.Linear``.
     """
-    layers: list[Any] = []
-    for name, layer in module._modules.items():  # as nn.Sequential.forward: a layer used twice runs twice
-        if isinstance(layer, nn.Linear):
-            weight, bias = params[name, "weight"].detach(), params[name, "bias"].detach()
-            if stacked:
-                layers.append((weight.transpose(-1, -2), bias.unsqueeze(-2)))
-            else:
-                layers.append((weight.t(), bias))
-        elif next(layer.parameters(), None) is None:
-            layers.append(_FUNCTIONAL.get(type(layer), layer))  # a module call costs ~3x the op itself
-        else:
-            raise ShapeError(f"sequential_forward: layer {name!r} ({type(layer).__name__}) has parameters and is not nn.Linear")
-    matmul = torch.baddbmm if stacked else torch.addmm
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        for layer in layers:
-            x = matmul(layer[1], x, layer[0]) if isinstance(layer, tuple) else layer(x)
-        return x
-
-    return forward
+    weights_of, apply = sequential_apply(module, stacked=stacked)
+    weights = weights_of(params)
+    return lambda x: apply(weights, x)

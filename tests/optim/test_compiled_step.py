@@ -642,3 +642,86 @@ def test_ppo_encoder_compile_on_refuses_what_it_does_not_compile():
         with pytest.raises(ConfigError, match="run.compile='on': ppo-encoder compiles its float32 gradient step"):
             replace(PPOEncoderConfig(), compile="on", **kw)
         assert not replace(PPOEncoderConfig(), compile="auto", **kw).compilable
+
+
+@needs_inductor
+@pytest.mark.parametrize("kw", [dict(num_seeds=2), dict(num_seeds=1, exploration="gsde", sde_sample_freq=2)], ids=["gaussian-2-seeds", "gsde"])
+def test_compiled_rollout_policy_equals_eager_and_compiles_once(kw, monkeypatch):
+    """The rollout policy's forward through rlfunc.device.compile_policy (CUDA's path, forced on the CPU
+    here): the same actions and log-probabilities as eager, with observation normalisation, over two
+    rollouts (policies rebuilt from the state, as the trainer does) and one graph for both; the CPU's
+    default (POLICY_COMPILE_DEVICES) keeps it eager."""
+    import torch._dynamo
+
+    from rlfunc import device as devices
+
+    config = replace(PPOConfig(), num_envs=4, num_steps=8, minibatch_size=32, normalize_observations=True, **kw)
+
+    def rollouts(compile: str):
+        algo = make_ppo(replace(config, compile=compile), SPEC, torch.device("cpu"))
+        state = algo.init()
+        state["obs_stats", "mean"] += 0.5  # a normaliser that changes the numbers
+        state["obs_stats", "var"] *= 4.0
+        gens = [torch.Generator().manual_seed(s) for s in config.seeds]
+        obs = torch.randn(2, 3, config.run.num_seeds * 4, 3, generator=torch.Generator().manual_seed(1))
+        out = []
+        for r in range(2):  # two rollouts, each of 3 steps, a fresh policy per rollout
+            with torch.inference_mode():
+                act = algo.policy(state, gens)
+                out += [act(obs[r, t]) for t in range(3)]
+            with torch.no_grad():
+                state["params", "actor"].apply_(lambda p: p.mul_(1.01))  # an optimizer step, in place
+        return out
+
+    eager = rollouts("off")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rollouts("on")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # the CPU's default: the policy stays eager
+    monkeypatch.setattr(devices, "POLICY_COMPILE_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = rollouts("on")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for (a, lp), (b, lq) in zip(eager, compiled):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6) and torch.allclose(lp, lq, atol=1e-5, rtol=1e-6)
+    assert not torch.allclose(eager[0][0], eager[3][0])  # the second rollout saw the stepped weights
+
+
+@needs_inductor
+@pytest.mark.parametrize("name", ["sac", "td3"])
+def test_compiled_acting_policy_equals_eager(name, monkeypatch):
+    """sac's and td3's acting policy (rlfunc.algos.offpolicy.acting_forward) compiled (CUDA's path,
+    forced on the CPU) gives the eager actions, stochastic and deterministic, for two policies built
+    from the state with an optimizer step between them, from one graph."""
+    import torch._dynamo
+
+    from rlfunc import device as devices
+    from rlfunc.algos.registry import lookup, resolve
+    from tests.algos.test_sac import SPEC as SAC_SPEC
+
+    make = {"sac": "rlfunc.algos.sac:make_sac", "td3": "rlfunc.algos.td3:make_td3"}[name]
+    config = replace(resolve(lookup(name).config)(), hidden=(16, 16), batch_size=32, device="cpu")
+    obs = torch.randn(2, 5, SAC_SPEC.obs_dim, generator=torch.Generator().manual_seed(3))
+
+    def actions(compile: str):
+        algo = resolve(make)(replace(config, compile=compile), SAC_SPEC, torch.device("cpu"))
+        state = algo.init()
+        gen = torch.Generator().manual_seed(0)
+        out = []
+        for r in range(2):
+            with torch.inference_mode():
+                out += [algo.policy(state, gen)(obs[r])[0], algo.policy(state, gen, deterministic=True)(obs[r])[0]]
+            with torch.no_grad():
+                state["params", "actor"].apply_(lambda p: p.mul_(1.05))
+        return out
+
+    eager = actions("off")
+    monkeypatch.setattr(devices, "POLICY_COMPILE_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = actions("on")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(eager[1], eager[3])  # the second policy acts with the stepped weights
