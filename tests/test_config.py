@@ -62,7 +62,8 @@ def test_each_algorithm_keeps_its_run_defaults():
     (GRPOConfig, dict(log_every=5), "run.log_every=5: grpo logs every iteration"),
     (DPPOConfig, dict(num_seeds=3), "run.num_seeds=3: dppo trains one seed per run"),
     (PPOEncoderConfig, dict(vmap="vmap"), "run.vmap='vmap': ppo-encoder trains one seed per run"),
-    (GRPOConfig, dict(env_workers=2), "run.env_workers=2: grpo's grouped envs step in the learner's process"),
+    (GRPOConfig, dict(env_workers=2), "run.env_workers=2: env='PointReach-v0' is a torch-batched env, stepped on the device; "
+                                      "backend='gym' steps gymnasium envs, which can run in worker processes"),
 ])
 def test_an_algorithm_refuses_a_run_field_it_cannot_honour(cls, change, message):
     with pytest.raises(ConfigError, match=f"^{message}$"):

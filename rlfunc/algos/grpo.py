@@ -36,7 +36,7 @@ from rlfunc.algos import data_parallel, shaped
 from rlfunc.algos.ppo_parallel import local_share
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, replace, require_default
+from rlfunc.config import RunConfig, check_env_workers, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_log_prob
 from rlfunc.core.normalize import normalize, update_running_stats
@@ -138,7 +138,14 @@ class GRPOConfig:
         if self.run.compile == "on" and not self.compilable:
             raise ConfigError(f"run.compile='on': {self.loss} compiles its plain gradient step only; expected no step transform "
                               "(oscillation_damping) and adaptive_clip=False with it (or --compile off)")
-        require_default(self.run, env_workers=f"{self.loss}'s grouped envs step in the learner's process", precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
+        require_default(self.run, precision=f"{self.loss} has no mixed precision", log_every=f"{self.loss} logs every iteration")
+        if self.use_torch_env:
+            require_default(self.run, env_workers=f"env={self.env!r} is a torch-batched env, stepped on the device; backend='gym' "
+                                                  "steps gymnasium envs, which can run in worker processes")
+        else:  # each process's S * n * G / W gymnasium envs, split over its workers
+            check_env_workers(self.run, self.run.num_seeds * self.episodes_per_iteration // self.run.nproc,
+                              f"num_groups={self.num_groups} x group_size={self.group_size} x num_seeds={self.run.num_seeds}"
+                              + (f" / nproc={self.run.nproc}" if self.run.nproc > 1 else ""))
         self.check_data_parallel()  # before torchrun starts the ranks
         shaped.check_config(self)
         # actor settings are validated by PPOConfig, whose actor and policy GRPO reuses

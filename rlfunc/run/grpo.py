@@ -93,7 +93,7 @@ def _rollout_env(config: GRPOConfig, device: torch.device, dist=None) -> Rollout
             env.set_state(state[rank * (N // W) : (rank + 1) * (N // W)])  # this rank's rows (all of them at W = 1)
 
         return RolloutEnv(rollout, lambda: None, capture, restore)
-    venv = collect.make_vec_env(config.env, N // W)
+    venv = collect.make_vec_env(config.env, N // W, workers=config.run.env_workers)  # each iteration resets them: no state to carry
 
     def rollout(policy, iteration: int) -> TensorDict:
         seeds = group_seeds(config.run.seed, iteration, S * n)

@@ -557,3 +557,29 @@ def test_train_grpo_gym_backend_and_seeds(tmp_path):
     result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     assert result.evaluation["episodes"] == 2 and len(result.evaluation["per_seed_mean"]) == 2
     assert int(result.state["env_steps"]) == 2 * 6 * 5
+
+
+def test_grpo_gym_backend_in_env_workers_equals_in_process(tmp_path, capsys):
+    """gspo on Pendulum-v1's gymnasium envs, 2 seeds x 2 groups x 2 members in 2 worker processes: the
+    learner state after 2 iterations equals the in-process run's, tensor for tensor (every iteration
+    resets the envs with its group seeds, so there is no env state to carry); the final evaluation
+    too. A count that does not divide, or workers on the torch-batched env, is one line."""
+    from rlfunc.algos.grpo import GRPOConfig
+    from rlfunc.cli.commands import main
+    from rlfunc.run import train
+
+    config = replace(GRPOConfig(), env="Pendulum-v1", loss="gspo", num_groups=2, group_size=2, minibatch_size=2,
+                     max_episode_steps=6, total_steps=2 * 24, num_seeds=2, checkpoint_every=0, eval_episodes=2, device="cpu")
+    inline = train(config, tmp_path / "inline", progress=False, tensorboard=False)
+    workers = train(replace(config, env_workers=2), tmp_path / "workers", progress=False, tensorboard=False)
+    a, b = (dict(r.state.items(include_nested=True, leaves_only=True)) for r in (inline, workers))
+    assert int(inline.state["iteration"]) == 2 and a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert inline.evaluation == workers.evaluation
+    with pytest.raises(ConfigError, match=r"run.env_workers=3: num_envs=8 \(num_groups=2 x group_size=2 x num_seeds=2\) is not divisible"):
+        replace(config, env_workers=3)
+    with pytest.raises(ConfigError, match="run.env_workers=2: env='PointReach-v0' is a torch-batched env"):
+        replace(config, env="PointReach-v0", env_workers=2)
+    code = main(["train", "gspo", "--env", "PointReach-v0", "--env-workers", "2", "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "torch-batched" in err[0]
