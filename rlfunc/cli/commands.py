@@ -80,8 +80,8 @@ def _resume(argv: list[str]) -> int:
                    help="run on this device (auto | cpu | cuda | npu) instead of the run's own, from now on (later snapshots "
                         "record it); a run continues exactly only on the device type it ran on")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="continue on N data-parallel ranks on this node (default: as many as the run had; 1: in this process); "
-                        "N must divide the run's envs")
+                   help="continue on N data-parallel ranks on this node (default: as many as the run last trained on, "
+                        "which its snapshots record; 1: in this process); N must divide the run's envs")
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         raise ConfigError(f"nproc={a.nproc}: expected >= 1")
@@ -132,6 +132,10 @@ def _resume_from(a, snap) -> int:
     nproc = run.get("nproc", 1) if isinstance(run, dict) else 1
     nproc = nproc if a.nproc is None else a.nproc
     if isinstance(nproc, int) and nproc > 1:  # a data-parallel run continues on as many ranks, under torchrun
+        if snap is not None:  # a count the run cannot split over is one line here, not one per rank
+            from rlfunc.config import replace
+
+            replace(registry.config_from_meta(meta, snap), nproc=nproc)
         flags = [*(["--total-steps", str(a.total_steps)] if a.total_steps is not None else []),
                  *(["--device", a.device] if a.device is not None else [])]
         launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir))

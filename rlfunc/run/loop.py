@@ -449,6 +449,9 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
         if nproc > 1 and world == 1:
             raise ConfigError(f"run.nproc={nproc}: this call trains in one process; start {nproc} ranks with "
                               f"`rlfunc train ALGO --nproc {nproc} ...` or torchrun (README: data-parallel training)")
+    if getattr(getattr(config, "run", None), "nproc", world) != world and (resume or world > 1):
+        # the ranks it trains on now (torchrun's, or `rlfunc resume --nproc N`'s): a later `rlfunc resume` starts as many
+        config = replace(config, nproc=world)
     build = registry.resolve(entry.run)
     dist = None
     if world > 1:

@@ -391,7 +391,8 @@ def evaluate(
     dev = resolve_device(device)
     # up to the run's env workers, as many as divide the episodes (the same episodes for any count)
     n = trained.run.num_seeds * episodes
-    config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev), env_workers=0)
+    # one process, whatever the run had (the bug: a run of --nproc 3 kept nproc=3, which 100 episodes do not divide)
+    config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev), env_workers=0, nproc=1)
     venv = collect.make_vec_env(config.env, n, workers=collect.eval_workers(trained.run.env_workers, n))
     try:
         spec = env_spec(venv)

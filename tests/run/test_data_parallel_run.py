@@ -75,6 +75,9 @@ def test_two_ranks_equal_one_process_stepping_all_the_envs_and_rank_0_alone_writ
     assert json.loads((run / "eval.json").read_text())["episodes"] == 2
     meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
     assert meta["world_size"] == 2 and len(meta["env_state"]) == 4
+    # the bug: the evaluation kept the run's nproc=2, so an odd episode count (and 100 episodes on 3 or 8 ranks) was refused
+    out = _rlfunc("eval", str(run), "--episodes", "3")
+    assert out.returncode == 0 and json.loads(out.stdout)["episodes"] == 3, out.stderr[-2000:]
 
 
 def test_a_two_rank_snapshot_resumes_in_one_process_as_the_uninterrupted_run(single, tmp_path):
@@ -85,10 +88,17 @@ def test_a_two_rank_snapshot_resumes_in_one_process_as_the_uninterrupted_run(sin
     out = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "--no-python", PY, "-c", script], env=_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert checkpoint.load_meta(checkpoint.latest_snapshot(run))["iteration"] == 2
-    out = _rlfunc("resume", str(run))  # one process: each rank's envs are back in the single process's order
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
+    assert meta["iteration"] == 2 and meta["config"]["run"]["nproc"] == 2  # torchrun's ranks, recorded for `rlfunc resume`
+    out = _rlfunc("resume", str(run), "--nproc", "3")  # 3 ranks for 4 envs: one line before any rank starts
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("rlfunc: error:") \
+        and out.stderr.count("divide") == 1, out.stderr[-2000:]
+    out = _rlfunc("resume", str(run), "--nproc", "1")  # one process: each rank's envs are back in the single process's order
     assert out.returncode == 0, out.stderr[-2000:]
     _assert_same_run(single, run)
+    # the bug: the resumed run's snapshots still said nproc=2, so the next `rlfunc resume` went back to 2 ranks
+    meta = checkpoint.load_meta(checkpoint.latest_snapshot(run))
+    assert meta["world_size"] == 1 and meta["config"]["run"]["nproc"] == 1
 
 
 def test_two_torchrun_nodes_on_one_machine_equal_one_process(single, tmp_path):
