@@ -11,6 +11,7 @@ it would be an upward import.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import types
 import typing
 from dataclasses import dataclass
@@ -130,9 +131,34 @@ def replace(config: T, **changes: Any) -> T:
         also = " nor of RunConfig" if nested else ""
         raise ConfigError(f"{unknown[0]}: not a field of {type(config).__name__}{also}")
     run_changes = {k: changes.pop(k) for k in list(changes) if k not in names}
+    for owner, given in ((config, changes), (getattr(config, "run", None), run_changes)):
+        for name, value in given.items():
+            given[name] = _check_kind(name, value, getattr(owner, name))
     if run_changes:
         changes["run"] = dataclasses.replace(changes.get("run", config.run), **run_changes)
     return dataclasses.replace(config, **changes)
+
+
+def _check_kind(name: str, value: Any, current: Any) -> Any:
+    """``value`` (a list as a tuple where the field holds a tuple); ConfigError when it is not of the
+    kind of the field's ``current`` value (a number, a bool, a str, a tuple), so ``replace(config,
+    lr="fast")`` names lr instead of failing in a comparison. None, and fields whose value is None or
+    another kind, are left to the config's own checks."""
+    if value is None or current is None:
+        return value
+    if isinstance(current, bool):
+        kind, ok = "a bool", isinstance(value, bool)
+    elif isinstance(current, numbers.Real):
+        kind, ok = "a number", isinstance(value, numbers.Real) and not isinstance(value, bool)
+    elif isinstance(current, str):
+        kind, ok = "a str", isinstance(value, str)
+    elif isinstance(current, tuple):
+        kind, ok = "a tuple", isinstance(value, (tuple, list))
+    else:
+        return value
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: expected {kind}")
+    return tuple(value) if isinstance(value, list) else value
 
 
 def from_dict(config_type: type[T], raw: Any, path: Any = "config", *, algo: str | None = None) -> T:

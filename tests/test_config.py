@@ -72,6 +72,21 @@ def test_an_algorithm_refuses_a_run_field_it_cannot_honour(cls, change, message)
         replace(cls(), **change)
 
 
+def test_replace_names_a_value_of_the_wrong_kind():
+    # the bug: replace(preset("Pendulum-v1"), lr="fast") was "TypeError: '>' not supported ..." from the config's check
+    with pytest.raises(ConfigError, match="^lr='fast': expected a number$"):
+        replace(preset("Pendulum-v1"), lr="fast")
+    with pytest.raises(ConfigError, match="^seed='3': expected a number$"):
+        replace(PPOConfig(), seed="3")
+    with pytest.raises(ConfigError, match="^hidden='64': expected a tuple$"):
+        replace(PPOConfig(), hidden="64")
+    with pytest.raises(ConfigError, match="^anneal_lr=1: expected a bool$"):
+        replace(PPOConfig(), anneal_lr=1)
+    with pytest.raises(ConfigError, match="^device=0: expected a str$"):
+        replace(PPOConfig(), device=0)
+    assert replace(PPOConfig(), hidden=[32, 32], lr=1, total_steps=4096).hidden == (32, 32)  # a list, an int for a float: fine
+
+
 def test_replace_routes_run_fields_into_run():
     config = replace(PPOConfig(), seed=3, lr=1e-3, device="cpu")
     assert config.run == replace(PPOConfig().run, seed=3, device="cpu") and config.lr == 1e-3

@@ -155,11 +155,12 @@ def _time_index(t: Tensor, time_dim: int, name: str) -> int:
     return time_dim % t.ndim
 
 
-def _compute_dtype(*ts: Tensor) -> torch.dtype:
+def _compute_dtype(*ts: Tensor, names: tuple[str, ...] = ()) -> torch.dtype:
     dtype = torch.float32
-    for t in ts:
+    for i, t in enumerate(ts):
         if not t.is_floating_point():
-            raise ShapeError(f"expected a floating-point tensor, got dtype {t.dtype}")
+            name = names[i] if i < len(names) else "the input"
+            raise ShapeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
 
@@ -181,6 +182,9 @@ def _check_unit(name: str, value) -> None:
 
 
 def _check_same(ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    for name, t in ((ref_name, ref), *others.items()):  # a numpy array or a list fails here, named
+        if not isinstance(t, Tensor):
+            raise ShapeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     for name, t in others.items():
         if t.shape != ref.shape:
             raise ShapeError(
@@ -297,7 +301,7 @@ def forward_discounted_sum(
     if x.shape[dim] == 0:
         return x.clone()
     # fold the carry into the first term: z_0 = x_0 + discount_0 * initial
-    dtype = _compute_dtype(x, initial)
+    dtype = _compute_dtype(x, initial, names=("x", "initial"))
     a = _discount_tensor(discount, x, dtype)
     first = a.expand_as(x).narrow(dim, 0, 1) if isinstance(a, Tensor) else a
     xc = x.to(dtype, copy=True)
@@ -308,7 +312,7 @@ def forward_discounted_sum(
 def _run(x: Tensor, discount, dim: int, block: int | None, reverse: bool) -> Tensor:
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 2):
         raise ConfigError(f"block must be an integer >= 2 or None, got {block!r}")
-    dtype = _compute_dtype(x)
+    dtype = _compute_dtype(x, names=("x",))
     a = _discount_tensor(discount, x, dtype)
     xc = x.to(dtype)
     if block is not None and x.shape[dim] > block:
@@ -342,7 +346,7 @@ def discounted_returns(reward: Tensor, done: Tensor, gamma: float | Tensor, *, t
     _check_unit("gamma", gamma)
     _check_same("reward", reward, done=done)
     dim = _time_index(reward, time_dim, "reward")
-    dtype = _compute_dtype(reward)
+    dtype = _compute_dtype(reward, names=("reward",))
     done = _as_bool("done", done)
     g = _discount_tensor(gamma, reward, dtype, "gamma")
     return _scan_cut(reward.to(dtype), g, done, dim).to(reward.dtype)
@@ -414,7 +418,7 @@ def generalized_advantage_estimate(
         next_state_value=next_state_value, reward=reward, done=done, terminated=terminated,
     )
     dim = _time_index(state_value, time_dim, "state_value")
-    dtype = _compute_dtype(state_value, next_state_value, reward)
+    dtype = _compute_dtype(state_value, next_state_value, reward, names=("state_value", "next_state_value", "reward"))
     done, terminated = _as_bool("done", done), _as_bool("terminated", terminated)
     g = _discount_tensor(gamma, state_value, dtype, "gamma")
     lm = _discount_tensor(lmbda, state_value, dtype, "lmbda")
@@ -492,7 +496,7 @@ def group_relative_advantage(
     if not -reward.ndim <= group_dim < reward.ndim:
         raise ShapeError(f"group_dim={group_dim} is outside the dims of reward with shape {tuple(reward.shape)}")
     dim = group_dim % reward.ndim
-    dtype = _compute_dtype(reward)
+    dtype = _compute_dtype(reward, names=("reward",))
     if std not in _GROUP_STD:
         raise ConfigError(f"std={std!r}: expected one of {', '.join(map(repr, _GROUP_STD))}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= float(eps) < float("inf"):

@@ -7,6 +7,8 @@ normalisation follow Huang et al. (2022), "The 37 implementation details of PPO"
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from tensordict import TensorDict
 from torch import Tensor
@@ -83,13 +85,23 @@ def ppo_loss(
         explained_variance).
 
     Raises:
-        ShapeError: the inputs do not share one shape.
-        ConfigError: clip_epsilon <= 0, negative coefficients, or value clipping without old values.
+        ShapeError: an input is not a floating-point tensor, or the inputs do not share one shape.
+        ConfigError: clip_epsilon <= 0, a coefficient that is not a number or is negative, or value
+            clipping without old values.
     """
+    named = (("log_prob", log_prob), ("sample_log_prob", sample_log_prob), ("advantage", advantage), ("state_value", state_value),
+             ("value_target", value_target))
+    for name, t in named:  # a list, a numpy array or an integer tensor fails here, named
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            raise ShapeError(f"ppo_loss: {name}: expected a floating-point torch.Tensor, got {got}")
     shape = log_prob.shape
-    for name, t in (("sample_log_prob", sample_log_prob), ("advantage", advantage), ("state_value", state_value), ("value_target", value_target)):
+    for name, t in named[1:]:
         if t.shape != shape:
             raise ShapeError(f"ppo_loss: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_prob")
+    for name, value in (("clip_epsilon", clip_epsilon), ("entropy_coef", entropy_coef), ("value_coef", value_coef)):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
+            raise ConfigError(f"ppo_loss: {name}={value!r}: expected a number")
     if not clip_epsilon > 0:
         raise ConfigError(f"clip_epsilon={clip_epsilon}: expected > 0")
     if entropy_coef < 0 or value_coef < 0:

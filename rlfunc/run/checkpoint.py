@@ -396,6 +396,8 @@ def snapshot_to_read(path: str | os.PathLike) -> Path:
         CheckpointError: neither; the message names ``path``.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory (expected a run dir or a snapshot dir)")
     if (path / META_FILE).is_file():
         return path
     snap = latest_snapshot(path)

@@ -417,6 +417,13 @@ def test_resume_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
     assert len(err) == 1 and "no such directory" in err[0]
 
 
+def test_eval_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
+    # the bug: "holds no complete snapshot (train first)", as if the run existed
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("nope: no such directory (expected a run dir or a snapshot dir)")
+
+
 def test_launch_inside_torchrun_of_one_rank_runs_in_this_process(monkeypatch, tmp_path):
     # Regression (new-user pass): `torchrun --nproc-per-node 1 -m rlfunc resume RUN_DIR` of a 2-rank run
     # started a second torchrun of 2 ranks inside it (WORLD_SIZE was 1, so the launcher did not see torchrun)

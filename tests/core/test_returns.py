@@ -189,6 +189,14 @@ def test_gae_rejects_bad_inputs():
         generalized_advantage_estimate(0.99, 0.95, v, nv, r, done, term, time_dim=3)
     with pytest.raises(ShapeError, match="floating"):
         generalized_advantage_estimate(0.99, 0.95, v.long(), nv, r, done, term)
+    # the bugs: an integer reward was "expected a floating-point tensor" naming no argument; a numpy
+    # reward was "reward is on cpu but state_value is on cpu"; a list an AttributeError
+    with pytest.raises(ShapeError, match="^reward: expected a floating-point tensor, got dtype torch.int64$"):
+        generalized_advantage_estimate(0.99, 0.95, v, nv, r.long(), done, term)
+    with pytest.raises(ShapeError, match="^reward: expected a torch.Tensor, got ndarray$"):
+        generalized_advantage_estimate(0.99, 0.95, v, nv, r.numpy(), done, term)
+    with pytest.raises(ShapeError, match="^state_value: expected a torch.Tensor, got list$"):
+        generalized_advantage_estimate(0.99, 0.95, v.tolist(), nv, r, done, term)
     # both are ValueErrors too, for callers that catch those
     with pytest.raises(ValueError):
         generalized_advantage_estimate(0.99, 2.0, v, nv, r, done, term)

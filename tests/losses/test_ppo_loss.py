@@ -226,6 +226,20 @@ def test_bad_clip_epsilon_raises(clip_epsilon):
         ppo_loss(z, z, z, z, z, clip_epsilon=clip_epsilon)
 
 
+def test_inputs_of_the_wrong_kind_are_named():
+    # the bugs: clip_epsilon="0.2" was a TypeError from a comparison, an int64 advantage a deep
+    # "mean(): could not infer output dtype", a list an AttributeError
+    z = torch.zeros(3, 1)
+    with pytest.raises(ConfigError, match="^ppo_loss: clip_epsilon='0.2': expected a number$"):
+        ppo_loss(z, z, z, z, z, clip_epsilon="0.2")
+    with pytest.raises(ConfigError, match="^ppo_loss: value_coef=None: expected a number$"):
+        ppo_loss(z, z, z, z, z, value_coef=None)
+    with pytest.raises(ShapeError, match="^ppo_loss: advantage: expected a floating-point torch.Tensor, got dtype torch.int64$"):
+        ppo_loss(z, z, z.long(), z, z)
+    with pytest.raises(ShapeError, match="^ppo_loss: log_prob: expected a floating-point torch.Tensor, got list$"):
+        ppo_loss([0.0, 0.0, 0.0], z, z, z, z)
+
+
 @pytest.mark.parametrize("kwargs", [{"entropy_coef": -0.01}, {"value_coef": -0.5}])
 def test_negative_coefficients_raise(kwargs):
     z = torch.zeros(3, 1)
