@@ -15,9 +15,11 @@ from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, SnapshotCor
 
 _HEAD = "The ``rlfunc`` command.\n\n"
 _TAIL = """
-    rlfunc eval RUN_DIR [--episodes N]      one JSON line: mean, std, episodes and 95% CI of the return (ppo),
+    rlfunc eval RUN_DIR [--episodes N] [--version ID]
+                                            one JSON line: mean, std, episodes and 95% CI of the return (ppo),
                                             success rate with its CI and goal shares (bc, dppo, td3-diffusion),
-                                            eval.json's rates (mappo)
+                                            eval.json's rates (mappo); of the latest snapshot, or of what the
+                                            run continues from after a rollback, or of version ID
     rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME] [--nproc N]
                                             continue a run from its latest snapshot (N: a new budget; NAME: an older snapshot;
                                             --nproc: ranks, default the run's)
@@ -43,15 +45,26 @@ def _train(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    p = Parser(prog="rlfunc eval", description="Evaluate a run's latest snapshot.")
+    p = Parser(prog="rlfunc eval", description="Evaluate what a run continues from: its latest snapshot, or after a "
+                                               "rollback its branch's head version.")
     p.add_argument("run_dir")
     p.add_argument("--episodes", type=int, default=None,
                    help="episodes to run (default: the run's eval_episodes; per eval seed for mappo)")
     p.add_argument("--seed", type=int, default=None, help="evaluation seed (default: derived from the run's seed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
+    p.add_argument("--version", default=None, metavar="ID",
+                   help="evaluate this version of the run (rlfunc versions list RUN_DIR) instead")
     a = p.parse_args(argv)
     from rlfunc.run import checkpoint
 
+    version = a.version
+    if version is None and not (Path(a.run_dir) / checkpoint.META_FILE).is_file() and Path(a.run_dir).is_dir():
+        from rlfunc.run.loop import resume_source
+
+        source = resume_source(a.run_dir)  # after a rollback: the head version, which `rlfunc resume` continues
+        version = source[1] if source is not None and source[0] == "version" else None
+    if version is not None:
+        return _eval_version(a, version)
     snap = checkpoint.snapshot_to_read(a.run_dir)  # a run dir's latest snapshot, or a snapshot directory
     algo = checkpoint.load_meta(snap).get("algo")
     if algo not in registry.names(commands=False):
@@ -66,6 +79,25 @@ def _eval(argv: list[str]) -> int:
         raise SnapshotCorruptError(f"{e}. Older snapshots: {', '.join(p.name for p in older)}; to evaluate the newest "
                                    f"of them: rlfunc eval {older[0]}") from e
     print(json.dumps(result))
+    return 0
+
+
+def _eval_version(a, version: str) -> int:
+    """``rlfunc eval RUN_DIR`` of a version: its state and meta written as a snapshot in a temporary
+    directory (the same tensors and meta a snapshot of that iteration holds), evaluated as one; the
+    JSON line says which version."""
+    import tempfile
+
+    from rlfunc.run import checkpoint, versions
+
+    state, manifest = versions.load_version(a.run_dir, version)
+    algo = manifest["meta"].get("algo")
+    if algo not in registry.names(commands=False):
+        raise CheckpointError(f"{a.run_dir} version {version}: algo={algo!r}: expected one of {', '.join(registry.names(commands=False))}")
+    with tempfile.TemporaryDirectory(prefix="rlfunc-eval-") as tmp:
+        snap = checkpoint.save_snapshot(Path(tmp) / version, state, manifest["meta"])
+        result = registry.resolve(registry.lookup(algo).evaluate)(snap, a.episodes, seed=a.seed, device=a.device)
+    print(json.dumps({**result, "version": version}))
     return 0
 
 

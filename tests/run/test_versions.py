@@ -451,3 +451,28 @@ def test_resume_with_a_snapshot_of_another_branch_is_refused_in_one_line(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--snapshot {latest.name}" in err[0] and "v000001" in err[0], err
     assert checkpoint.latest_snapshot(run) == latest  # 'latest' names what it named
+
+
+def test_eval_of_a_version_and_after_a_rollback(tmp_path, capsys):
+    """`rlfunc eval RUN --version ID` evaluates that version: what a run stopped at that iteration
+    evaluates (the same deterministic episodes); after a rollback a plain `rlfunc eval RUN` evaluates
+    the head version `rlfunc resume` would continue from (the bug: it evaluated the abandoned branch's
+    latest snapshot, without a word)."""
+    config = preset("Pendulum-v1", total_steps=3 * 128, eval_episodes=3, **TINY)
+    train(config, tmp_path / "run", progress=False, tensorboard=False, evaluate=False)
+    once = train(preset("Pendulum-v1", total_steps=128, eval_episodes=3, **TINY), tmp_path / "once",
+                 progress=False, tensorboard=False).evaluation
+
+    def evaluate(*argv):
+        assert cli.main(["eval", str(tmp_path / "run"), *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    latest = evaluate()
+    assert latest["env_steps"] == 3 * 128 and "version" not in latest
+    v1 = evaluate("--version", "v000001")
+    assert v1 == {**once, "version": "v000001"} and v1 != {**latest, "version": "v000001"}
+    assert cli.main(["versions", "rollback", str(tmp_path / "run"), "v000001"]) == 0
+    capsys.readouterr()
+    assert evaluate() == v1
+    assert cli.main(["eval", str(tmp_path / "run"), "--version", "v000009"]) == 2
+    assert "v000009" in capsys.readouterr().err
