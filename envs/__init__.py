@@ -2,6 +2,8 @@
 
 import gymnasium as gym
 
+RLFUNC_ENVS = True  # what rlfunc.envs.registry checks: this `envs` is rlfunc's, not another package of that name
+
 # The entry point is a string so `import envs` stays light (envs.point_reach imports torchrl);
 # 30 is envs.point_reach.MAX_STEPS (a test checks they agree).
 if "PointReach-v0" not in gym.registry:

@@ -199,7 +199,10 @@ def _denoise(
     clip_sample: float | None,
 ) -> Tensor:
     """One denoising step of :func:`sample`: apply, then the DDIM update with the step's noise."""
-    mean = _mean(apply(params, x, t, cond), x, coefs, prediction, clip_sample)
+    out = apply(params, x, t, cond)
+    if out.shape != x.shape:  # the bug: a denoiser of the wrong action dim or batch was broadcast, silently
+        raise ShapeError(f"apply returned shape {tuple(out.shape)}, expected {tuple(x.shape)} (the sample's)")
+    mean = _mean(out, x, coefs, prediction, clip_sample)
     return mean + coefs[4] * noise
 
 

@@ -82,10 +82,17 @@ def ensure_loaded() -> None:
         return
     _loaded = True  # first: an env that looks an id up while it registers must not import envs again
     try:
-        import envs  # noqa: F401  (envs/registry_entries.py registers our environments)
+        import envs  # (envs/registry_entries.py registers our environments)
     except ModuleNotFoundError as e:
         if e.name != "envs":
             raise
+    else:
+        if not getattr(envs, "RLFUNC_ENVS", False):  # the bug: a user's own top-level `envs` hid ours, silently
+            import warnings
+
+            warnings.warn(f"the package 'envs' imported from {getattr(envs, '__file__', None) or envs.__path__} is not rlfunc's: "
+                          "rlfunc's own environments are not registered (run from another directory, or rename that package)",
+                          stacklevel=2)
     for plugin in importlib.metadata.entry_points(group=PLUGIN_GROUP):  # other packages' envs
         try:
             plugin.load()

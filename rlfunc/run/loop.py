@@ -391,12 +391,26 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
                           + ("" if resume else " (a new run runs at least one iteration)"))
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
-    # one process at a time resumes a run (rank 0 of a data-parallel one holds it for all)
+    # one process at a time trains or resumes a run (rank 0 of a data-parallel one holds it for all): a new run's
+    # dir is made and locked first, then checked again under the lock (the bug: two `rlfunc train` into one
+    # new run dir both ran, their metrics, config and snapshots mixed)
     rank0 = int(os.environ.get("RANK", "0") or 0) == 0
-    held = hold_run_dir(run_dir) if resume and run_dir.is_dir() and rank0 else contextlib.nullcontext()
-    made = not resume and not run_dir.exists() and rank0  # this call creates the run dir
+    made = False  # this call created the run dir (and removes it again if it fails before keeping anything)
+    if rank0 and not resume:
+        try:
+            run_dir.mkdir(parents=True)
+            made = True
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"run_dir={str(run_dir)!r}: cannot create it ({e.strerror or e})") from None
+    if rank0 and run_dir.is_dir() and not os.access(run_dir, os.W_OK):  # a read-only file system or directory
+        raise ConfigError(f"run_dir={str(run_dir)!r}: not writable")
+    held = hold_run_dir(run_dir) if run_dir.is_dir() and rank0 else contextlib.nullcontext()
     try:
         with held:
+            if not resume and rank0:
+                check_run_dir(run_dir, resume)  # another process may have written it before we held it
             return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard)
     except BaseException:
         if made and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left behind

@@ -488,6 +488,10 @@ def test_sample_errors():
         sample(apply, params, cond, noise, schedule, 5, spacing="trailing")
     with pytest.raises(ConfigError, match="schedule"):
         sample(apply, params, cond, noise, {"alphas_cumprod": schedule["alphas_cumprod"]}, 5)
+    # the bug: a denoiser output of the wrong action dim or batch was broadcast into the sample, silently
+    for bad in (lambda p, x, t, c: apply(p, x, t, c)[..., :1], lambda p, x, t, c: apply(p, x, t, c)[:1]):
+        with pytest.raises(ShapeError, match=rf"apply returned shape \(\d+, {H}, 1\)|apply returned shape \(1, {H}, {A}\)"):
+            sample(bad, params, cond, noise, schedule, 5)
 
 
 def test_chain_log_prob_errors():

@@ -148,3 +148,19 @@ def test_a_single_agent_algorithm_on_a_multi_agent_registry_env_is_told_to_use_m
     assert multi
     with pytest.raises(EnvError, match=rf"a multi-agent env of rlfunc's env registry.*rlfunc train mappo --env {re.escape(multi[0])}"):
         check_env_id(multi[0])
+
+
+def test_a_package_of_another_project_named_envs_is_warned_about(monkeypatch, tmp_path):
+    """The bug: a user's own top-level `envs` package (a common folder name in RL projects), first on
+    sys.path, was imported in place of rlfunc's and the registry stayed empty with no word."""
+    import sys
+
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "envs")
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_ENTRIES", {})
+    with pytest.warns(UserWarning, match=r"the package 'envs' imported from .*envs/__init__.py is not rlfunc's"):
+        registry.ensure_loaded()
+    assert registry.ids() == ()

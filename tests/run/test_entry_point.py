@@ -61,3 +61,38 @@ def test_cli_bad_pre_flags_and_unknown_snapshots_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "snapshot algo='nope': expected one of ppo, ppo-encoder, bc" in err[0], err
     assert json.loads((tmp_path / "run" / "config.json").read_text())["env"] == "Pendulum-v1"
+
+
+def test_a_second_train_into_a_run_dir_in_use_is_refused_and_leaves_it_alone(tmp_path):
+    """The bug: two `rlfunc train` into one new run dir both ran to the end, their metrics.jsonl lines
+    interleaved and config.json of one beside the other's snapshots. A new run's dir is now made and
+    locked (the lock `rlfunc resume` takes) before anything is built."""
+    from rlfunc.run.resume import hold_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with hold_run_dir(run):  # another process's run, before it wrote anything
+        with pytest.raises(ConfigError, match="another process is running this run"):
+            train(preset("Pendulum-v1", **TINY), run, **QUIET)
+        assert run.is_dir()  # not removed under the other run's feet
+    with hold_run_dir(run):  # a lock on one run dir leaves the others alone
+        train(preset("Pendulum-v1", **TINY), tmp_path / "other", evaluate=False, **QUIET)
+    (run / "note.txt").write_text("written by the other run before this one held the lock")
+    with pytest.raises(ConfigError, match="is not empty"):
+        train(preset("Pendulum-v1", **TINY), run, **QUIET)
+
+
+def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys):
+    """The bug: a read-only run dir (a read-only mount) ended a resume in an OSError traceback from
+    truncating metrics.jsonl, and a new run's in one from mkdir after every env and net was built."""
+    import os
+
+    train(preset("Pendulum-v1", **TINY), tmp_path / "run", evaluate=False, **QUIET)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"run_dir='.*file/run': cannot create it \(Not a directory\)"):
+        train(preset("Pendulum-v1", **TINY), tmp_path / "file" / "run", **QUIET)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if mode == os.W_OK else real(path, mode, **kw))
+    assert main(["resume", str(tmp_path / "run"), "--total-steps", str(2 * TINY["total_steps"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("run': not writable")
