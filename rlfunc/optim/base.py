@@ -168,12 +168,15 @@ def _unflatten(treedef: tuple, it, device) -> TensorDict:
     return node(d, device)
 
 
-def check_shapes(got: Sequence[Tensor], want: Sequence[Tensor], treedef: tuple, what: str) -> None:
-    """ShapeError naming the first leaf whose shape differs between ``got`` (the gradients) and ``want``."""
+def check_shapes(got: Sequence[Tensor], want: Sequence[Tensor], treedef: tuple, what: str, *, dtypes: bool = False) -> None:
+    """ShapeError naming the first leaf whose shape (and, with ``dtypes``, dtype) differs between
+    ``got`` (the gradients) and ``want``."""
     for i, (g, w) in enumerate(zip(got, want)):
         if g.shape != w.shape:
             raise ShapeError(f"{what}: {_key(treedef, i)!r} has shape {list(g.shape)} in the gradients, "
                              f"{list(w.shape)} in the state")
+        if dtypes and g.dtype != w.dtype:
+            raise ShapeError(f"{what}: {_key(treedef, i)!r} has dtype {g.dtype} in the gradients, {w.dtype} in the state")
 
 
 def tree_keys(treedef: tuple) -> list[tuple]:

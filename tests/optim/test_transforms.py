@@ -246,6 +246,11 @@ def test_gradients_of_another_shape_are_named():
         update.update(grads, state, params)
     with pytest.raises(ShapeError, match="nope"):
         update.update(TensorDict({"nope": torch.zeros(3)}, batch_size=[]), state, params)
+    # the bug: float64 (or integer) gradients for float32 state were a RuntimeError from inside torch's adam
+    grads = as_td(params, random_grads(params, 0))
+    grads["log_std"] = grads["log_std"].double()
+    with pytest.raises(ShapeError, match=r"^adam: \('log_std',\) has dtype torch.float64 in the gradients, torch.float32 in the state$"):
+        update.update(grads, state, params)
 
 
 def test_torch_optim_state_converts_and_continues_identically():
