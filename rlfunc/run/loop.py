@@ -407,13 +407,15 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
     if rank0 and run_dir.is_dir() and not os.access(run_dir, os.W_OK):  # a read-only file system or directory
         raise ConfigError(f"run_dir={str(run_dir)!r}: not writable")
     held = hold_run_dir(run_dir) if run_dir.is_dir() and rank0 else contextlib.nullcontext()
+    holding = False  # a call that made the dir but lost the lock to another leaves the dir to that one
     try:
         with held:
+            holding = True
             if not resume and rank0:
                 check_run_dir(run_dir, resume)  # another process may have written it before we held it
             return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard)
     except BaseException:
-        if made and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left behind
+        if made and holding and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
