@@ -87,7 +87,7 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
                       lr: float | Tensor | None = None, mask: Tensor | None = None, **extra):
         parts = _dict(state)
         m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
-        # v and the steps come with m from init (or a checked snapshot); the bug: float64 or integer gradients
+        # v and the steps come with m from init (or a checked snapshot); the bug: double or integer gradients
         # for float32 moments were a RuntimeError from inside torch's adam
         check_shapes(g, m, treedef, "adam", dtypes=True)
         kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,

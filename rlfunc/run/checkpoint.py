@@ -397,7 +397,8 @@ def snapshot_to_read(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such directory (expected a run dir or a snapshot dir)")
+        what = "not a directory" if path.exists() else "no such directory"
+        raise CheckpointError(f"{path}: {what} (expected a run dir or a snapshot dir)")
     if (path / META_FILE).is_file():
         return path
     snap = latest_snapshot(path)
