@@ -70,6 +70,9 @@ class ReplayDiffusionConfig:
     num_critics: int = 2  # ensemble size (min over members in the target)
     gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
     max_grad_norm: float = 10.0  # global grad-norm clip (actor and critics separately)
+    async_collection: bool = False  # roll out in a worker process while the learner updates (rlfunc.envs.async_collect): faster, not reproducible, a resume starts new episodes
+    sync_weights_every: int = 1  # with async_collection: gradient steps between two publishes of the acting weights to the worker
+    async_queue: int = 1  # with async_collection: rollouts (of num_steps chunk steps) the worker may run ahead of the learner
     run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes
 
     def __post_init__(self) -> None:
@@ -101,6 +104,19 @@ class ReplayDiffusionConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
         check_env_workers(self.run, self.num_envs)
+        for name in ("sync_weights_every", "async_queue"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected a positive integer")
+        asked = [f"{k}={getattr(self, k)}" for k, v in (("sync_weights_every", 1), ("async_queue", 1)) if getattr(self, k) != v]
+        if asked and not self.async_collection:
+            raise ConfigError(f"{', '.join(asked)}: these set the asynchronous collector; expected them with async_collection "
+                              "(--async-collection) or not at all")
+        if self.async_collection and self.run.nproc > 1:
+            raise ConfigError(f"async_collection with nproc={self.run.nproc}: the asynchronous collector serves one learner "
+                              "process; expected nproc=1 with it")
+        if self.async_collection and self.run.env_workers:
+            raise ConfigError(f"async_collection with run.env_workers={self.run.env_workers}: the asynchronous collector steps "
+                              "every env in its one worker process; expected env_workers=0 with it")
         if self.actor.horizon != self.actor.act_steps and self.init_from is None:  # else init_from's spec replaces it, checked then
             raise ConfigError(
                 f"actor.horizon={self.actor.horizon}, actor.act_steps={self.actor.act_steps}: {n}'s critic "

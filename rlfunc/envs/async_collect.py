@@ -1,9 +1,10 @@
 """Collection in a worker process while the learner updates: the asynchronous mode of the
 replay-buffer algorithms (issue 16, item 2; TorchRL's ``MultiaSyncDataCollector`` in spirit).
 
-One process (:class:`AsyncCollector`) holds the vector env and a copy of the acting policy's
-weights. It steps the envs with :func:`rlfunc.envs.collect.rollout`, ``steps_per_item`` steps at a
-time, and puts each ``[N, T]`` batch in a bounded queue; the learner takes them with
+One process (:class:`AsyncCollector`) holds the envs and a copy of the acting policy's weights.
+It steps them - sac's and td3's gymnasium vector env with :func:`rlfunc.envs.collect.rollout`,
+``steps_per_item`` steps at a time (:class:`GymSteps`); sac-/td3-diffusion's chunk env one rollout
+at a time (:class:`rlfunc.run.diffusion.ReplayRollouts`) - and puts each ``[N, T]`` batch in a bounded queue; the learner takes them with
 :meth:`AsyncCollector.next`, adds them to its replay buffer and updates, while the worker already
 steps the next ones. The learner publishes its weights with :meth:`AsyncCollector.publish` (into
 one shared-memory copy, under a lock, with a version counter); the worker reads them before its
@@ -46,31 +47,54 @@ from rlfunc.errors import ConfigError, EnvError
 MakePolicy = Callable[[TensorDictBase, torch.Generator, bool], collect.Policy]
 
 
-def _collect(env_id: str, num_envs: int, seeds: list[int], make_policy: MakePolicy, weights: TensorDictBase, version,
-             lock, items, stop, steps_per_item: int, warm_steps: int, start_steps: int, seed: int) -> None:
-    """The worker: step, put, repeat until ``stop`` is set; an error goes into the queue as
-    ("error", message, traceback)."""
+class GymSteps:
+    """What the worker steps for sac and td3: ``env_id``'s ``num_envs`` gymnasium envs (reset with
+    ``seeds``), ``steps_per_item`` vector-env steps per item through :func:`rlfunc.envs.collect.rollout`
+    (the episodes run on across items), acting with ``make_policy(weights, generator, warm)``, rebuilt
+    when the weights' version or ``warm`` (the env steps so far, from ``start_steps``, below
+    ``warm_steps``) changes. Picklable; :meth:`open` makes the envs in the worker."""
+
+    def __init__(self, env_id: str, num_envs: int, seeds: Sequence[int], make_policy: MakePolicy, *, steps_per_item: int = 1,
+                 warm_steps: int = 0, start_steps: int = 0) -> None:
+        self.env_id, self.num_envs, self.seeds, self.make_policy = env_id, num_envs, list(seeds), make_policy
+        self.steps_per_item, self.warm_steps, self.steps = steps_per_item, warm_steps, start_steps
+        self.venv = self.carry = self.policy = self.warm = None
+
+    def open(self) -> None:
+        self.venv = collect.make_vec_env(self.env_id, self.num_envs)
+        self.carry = collect.reset(self.venv, self.seeds)
+
+    def collect(self, weights: TensorDictBase, generator: torch.Generator, fresh: bool) -> TensorDict:
+        warm = self.steps < self.warm_steps
+        if fresh or warm != self.warm or self.policy is None:
+            self.policy, self.warm = self.make_policy(weights, generator, warm), warm
+        batch, self.carry = collect.rollout(self.venv, self.policy, self.carry, self.steps_per_item, device=torch.device("cpu"))
+        self.steps += self.num_envs * self.steps_per_item
+        return batch
+
+    def close(self) -> None:
+        if self.venv is not None:
+            self.venv.close()
+
+
+def _collect(source, weights: TensorDictBase, version, lock, items, stop, seed: int) -> None:
+    """The worker: ``source.open()``, then collect, put, repeat until ``stop`` is set; an error goes
+    into the queue as ("error", message, traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner stops on Ctrl-C and closes the worker
     torch.set_num_threads(1)
-    venv = None
     try:
-        venv = collect.make_vec_env(env_id, num_envs)
-        carry = collect.reset(venv, seeds)
+        source.open()
         generator = torch.Generator().manual_seed(seed)
         local = weights.clone()  # the worker's own copy: the learner may publish while it acts
-        seen, warm, policy = -1, None, None
-        steps = start_steps
+        seen = -1
         while not stop.is_set():
-            now_warm = steps < warm_steps
-            if version.value != seen or now_warm != warm:
+            fresh = version.value != seen
+            if fresh:
                 with lock:
                     local.update_(weights)
                     seen = version.value
-                warm = now_warm
-                policy = make_policy(local, generator, warm)
-            batch, carry = collect.rollout(venv, policy, carry, steps_per_item, device=torch.device("cpu"))
-            steps += num_envs * steps_per_item
-            item = ("batch", batch.numpy(), seen)
+            batch = source.collect(local, generator, fresh)
+            item = ("batch", batch.numpy(), tuple(batch.batch_size), seen)
             while not stop.is_set():
                 try:
                     items.put(item, timeout=0.1)
@@ -82,8 +106,8 @@ def _collect(env_id: str, num_envs: int, seeds: list[int], make_policy: MakePoli
         with contextlib.suppress(Exception):
             items.put(("error", f"{type(e).__name__}: {message}", traceback.format_exc()), timeout=5)
     finally:
-        if venv is not None:
-            venv.close()
+        with contextlib.suppress(Exception):
+            source.close()
 
 
 class AsyncCollector:
@@ -120,12 +144,32 @@ class AsyncCollector:
             raise ConfigError(f"seeds: {len(seeds)} given, expected num_envs={num_envs}")
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s}: expected > 0")
+        self._start(GymSteps(env_id, num_envs, seeds, make_policy, steps_per_item=steps_per_item, warm_steps=warm_steps,
+                             start_steps=start_steps), weights, seed, queue_size, timeout_s)
+
+    @classmethod
+    def of_source(cls, source, weights: TensorDictBase, *, seed: int = 0, queue_size: int = 2,
+                  timeout_s: float = 120.0) -> "AsyncCollector":
+        """A collector whose worker steps ``source`` (picklable; in the worker ``source.open()``, then
+        ``source.collect(weights, generator, fresh) -> TensorDict`` of any batch size per item, with
+        ``fresh`` True when the weights changed since the last item; ``source.close()`` at the end),
+        as :class:`GymSteps` does for gymnasium vector envs. sac-/td3-diffusion's rollouts of chunk
+        envs are one (:class:`rlfunc.run.diffusion.ReplayRollouts`)."""
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigError(f"queue_size={queue_size!r}: expected an integer >= 1")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s}: expected > 0")
+        collector = cls.__new__(cls)
+        collector._start(source, weights, seed, queue_size, timeout_s)
+        return collector
+
+    def _start(self, source, weights: TensorDictBase, seed: int, queue_size: int, timeout_s: float) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         _start_forkserver_ignoring_sigint()
-        self.num_envs, self.steps_per_item, self.timeout_s = num_envs, steps_per_item, timeout_s
+        self.timeout_s = timeout_s
         self.weights = weights.detach().to("cpu").clone().share_memory_()
         self.version = ctx.Value("q", 0)
         self.lock = ctx.Lock()
@@ -133,14 +177,13 @@ class AsyncCollector:
         self.stop = ctx.Event()
         self.closed = False
         self.process = ctx.Process(target=_collect, name="rlfunc-collector", daemon=True,
-                                   args=(env_id, num_envs, list(seeds), make_policy, self.weights, self.version, self.lock,
-                                         self.items, self.stop, steps_per_item, warm_steps, start_steps, seed))
+                                   args=(source, self.weights, self.version, self.lock, self.items, self.stop, seed))
         with _without_main():
             self.process.start()
 
     def next(self) -> tuple[TensorDict, int]:
-        """The next ``[N, T]`` batch (CPU; :func:`rlfunc.envs.collect.rollout`'s keys) and the
-        version of the weights that acted in it (0: the initial ones; each :meth:`publish` adds 1).
+        """The next ``[N, T]`` batch (CPU; :func:`rlfunc.envs.collect.rollout`'s keys, or those of the
+        source's batches) and the version of the weights that acted in it (0: the initial ones; each :meth:`publish` adds 1).
 
         Raises:
             EnvError: the worker raised (its message; its traceback as a note), ended (its exit
@@ -162,8 +205,8 @@ class AsyncCollector:
             e = EnvError(f"the collector process: {item[1]}")
             e.add_note(f"in the collector process:\n{item[2]}")
             raise e
-        _, payload, version = item
-        return TensorDict(payload, batch_size=[self.num_envs, self.steps_per_item]), version
+        _, payload, batch_size, version = item
+        return TensorDict(payload, batch_size=list(batch_size)), version
 
     def publish(self, weights: TensorDictBase) -> int:
         """Copy ``weights`` (the structure given at construction, any device) into the shared copy

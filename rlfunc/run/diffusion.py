@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -61,6 +62,7 @@ from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
+from rlfunc.envs.async_collect import AsyncCollector
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import Run
@@ -266,10 +268,13 @@ class DiffusionRun(Run):
         self.state = self.algo.init(params, obs_stats, encoder)
         if self.dist is not None:  # the same init on every rank, by seed; made certain
             self.dist.broadcast_state(self.state)
-        self.env = make_env(config.env, config.num_envs // W, config.actor.act_steps, self.device, config.run.seed,
-                            split=(self.rank, W) if W > 1 else None, workers=config.run.env_workers,
-                            any_done_of_split=self.dist.any_rank if W > 1 else None,  # the ranks reset when one of them would
-                            dones_of_split=dones_of_split(self.dist) if W > 1 else None)  # a gymnasium id's: every rank's done flags
+        if getattr(config, "async_collection", False):  # the collector's worker makes and steps the envs
+            self.env = None
+        else:
+            self.env = make_env(config.env, config.num_envs // W, config.actor.act_steps, self.device, config.run.seed,
+                                split=(self.rank, W) if W > 1 else None, workers=config.run.env_workers,
+                                any_done_of_split=self.dist.any_rank if W > 1 else None,  # the ranks reset when one of them would
+                                dones_of_split=dones_of_split(self.dist) if W > 1 else None)  # a gymnasium id's: every rank's done flags
         self.gen = torch.Generator(device=self.device).manual_seed(config.run.seed)
 
     @property
@@ -494,6 +499,45 @@ class DPPORun(DiffusionRun):
 
 # the algorithm each replay-buffer config builds (the registry entry names the config type)
 REPLAY_MAKERS = {TD3DiffusionConfig: make_td3_diffusion, SACDiffusionConfig: make_sac_diffusion}
+# what a replay-diffusion rollout reads of the learner state (its algorithm's ``rollout``), published to the collector
+ACTING_KEYS = (("params", "actor"), ("params", "log_alpha"), "obs_stats", "schedule", "encoder")
+
+
+def acting_state(state: TensorDict) -> TensorDict:
+    """The entries of a td3-/sac-diffusion learner state its rollout reads (:data:`ACTING_KEYS`, those it has)."""
+    return state.select(*ACTING_KEYS, strict=False).detach()
+
+
+class ReplayRollouts:
+    """td3-/sac-diffusion's rollouts in an asynchronous collector's worker
+    (:meth:`rlfunc.envs.async_collect.AsyncCollector.of_source`): the algorithm of ``config`` built on
+    the CPU, ``config.num_envs`` envs of :func:`~rlfunc.algos.diffusion_actor.make_env` seeded with
+    ``env_seed``, and per item one rollout (``num_steps`` chunk steps from a reset, the algorithm's
+    ``rollout``: uniform chunks while the env steps so far, from ``start_steps``, are below
+    ``warmup_steps``) acting with the published :func:`acting_state`. Picklable (a config and an EnvInfo)."""
+
+    def __init__(self, config, info: EnvInfo, env_seed: int, start_steps: int) -> None:
+        self.config, self.info, self.env_seed, self.steps = config, info, env_seed, start_steps
+        self.algo = self.env = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "algo": None, "env": None}
+
+    def open(self) -> None:
+        config, cpu = self.config, torch.device("cpu")
+        self.algo = REPLAY_MAKERS[type(config)](config, config.actor, self.info, self.info.act_dim, cpu)
+        self.env = make_env(config.env, config.num_envs, config.actor.act_steps, cpu, self.env_seed)
+
+    def collect(self, weights: TensorDict, generator: torch.Generator, fresh: bool) -> TensorDict:
+        state = weights.clone(False)  # the published entries, with the env steps that decide the warm-up
+        state["env_steps"] = torch.tensor(self.steps)
+        batch = self.algo.rollout(state, self.env, generator)
+        self.steps += batch.numel() * self.config.actor.act_steps
+        return batch
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
 
 
 class ReplayDiffusionRun(DiffusionRun):
@@ -521,6 +565,7 @@ class ReplayDiffusionRun(DiffusionRun):
         config = self.config
         self.optim_keys = self.algo.optim_keys
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+        self.collector: AsyncCollector | None = None  # async_collection: started by the first step
         self.total = config.num_iterations()
         if config.num_updates() == 0:
             warnings.warn(f"{self.name}: warmup_steps={config.warmup_steps} covers the whole budget (total_steps={config.total_steps}), so the "
@@ -539,24 +584,65 @@ class ReplayDiffusionRun(DiffusionRun):
     def restore(self, loaded: TensorDict, meta: dict) -> None:
         super().restore(loaded, meta)
         restore_buffer(self.buffer, loaded, self._point(meta))
+        if self.config.async_collection:
+            warnings.warn(f"{self._point(meta).snapshot}: async_collection: the collector's envs are not in snapshots, so the "
+                          "resumed run starts new episodes", stacklevel=3)
 
     def step(self, i: int, stopping: bool) -> dict:
         state, act_steps = self.state, self.config.actor.act_steps
-        with span("rollout"):
-            batch = self.algo.rollout(state, self.env, self.gen)
-            if self.dist is not None and self.dist.active:  # every rank's envs, in the single process's order
-                batch = self.dist.all_gather_batch(batch, dim=0)
-            self.buffer.extend(self.algo.transitions(state, batch))
+        extra = {}
+        if self.config.async_collection:
+            batch, extra = self._next_rollout()
+            with span("rollout"):
+                self.buffer.extend(self.algo.transitions(state, batch))
+        else:
+            with span("rollout"):
+                batch = self.algo.rollout(state, self.env, self.gen)
+                if self.dist is not None and self.dist.active:  # every rank's envs, in the single process's order
+                    batch = self.dist.all_gather_batch(batch, dim=0)
+                self.buffer.extend(self.algo.transitions(state, batch))
         state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
-        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env)}
+        record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env), **extra}
         if int(state["env_steps"]) >= self.config.warmup_steps:
             with span("update"):
                 self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
             record.update(metrics.to_dict())
+            if self.config.async_collection:
+                self._publish(self.config.updates_per_iteration)
         else:
             state["iteration"] = state["iteration"] + 1
             state["rng"] = self.gen.get_state()  # the warm-up actions drew from it
         return record
+
+
+    def _next_rollout(self) -> tuple[TensorDict, dict]:
+        """The collector's next rollout [N, T] on the learner's device (the collector started at the
+        first call: a resumed run's envs are seeded afresh, its worker's generator too), and the
+        metrics of the wait: "env_wait_s" (s) and "policy_lag" (publishes the acting weights were
+        behind the learner's latest)."""
+        if self.collector is None:
+            config, it = self.config, int(self.state["iteration"])
+            stride = 1_000_003  # the seeds of the worker's envs and generator, distinct per (re)start
+            source = ReplayRollouts(config, self.info, config.run.seed + stride * it, int(self.state["env_steps"]))
+            self.collector = AsyncCollector.of_source(source, acting_state(self.state), seed=config.run.seed + stride * (it + 1),
+                                                      queue_size=config.async_queue)
+            self.publishes = self.since_publish = 0
+        t0 = time.perf_counter()
+        with span("env_wait"):
+            batch, version = self.collector.next()
+        return batch.to(self.device), {"env_wait_s": time.perf_counter() - t0, "policy_lag": self.publishes - version}
+
+    def _publish(self, updates: int) -> None:
+        """Count ``updates`` gradient steps; publish the acting weights once ``sync_weights_every`` have passed."""
+        self.since_publish += updates
+        if self.since_publish >= self.config.sync_weights_every:
+            self.publishes = self.collector.publish(acting_state(self.state))
+            self.since_publish = 0
+
+    def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
+        super().close()
 
 
 def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
