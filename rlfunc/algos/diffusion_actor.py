@@ -393,6 +393,7 @@ def evaluate_chunks(
     generator: torch.Generator,
     *,
     eta: float = 0.0,
+    success: bool = True,
     max_chunks: int | None = None,
     encoder_params: TensorDict | None = None,
     episode_metrics: Callable[[TensorDictBase], TensorDictBase] | None = None,
@@ -407,8 +408,9 @@ def evaluate_chunks(
     Returns:
         "episode_return" (mean over envs of their first episode's return), "returns" ([n] float,
         the return of each first episode that ended); with ``episode_metrics``, its statistics of
-        the first episodes (as floats), else "success_rate" (share of first episodes that ended in
-        success: ("next", "success") at their end) and "num_episodes".
+        the first episodes (as floats), else "num_episodes" and, with ``success`` (an env that reports
+        one: :func:`reports_success`), "success_rate" (share of first episodes that ended in success:
+        ("next", "success") at their end).
     """
     chunks = max_chunks or episode_chunks(env, actor.spec.act_steps)
 
@@ -429,8 +431,21 @@ def evaluate_chunks(
         out.update({k: float(v) for k, v in episode_metrics(firsts).items()})
     else:
         out["num_episodes"] = float(ended.sum())
-        out["success_rate"] = float(td["next", "success"].squeeze(-1)[first].float().mean()) if bool(ended.any()) else float("nan")
+        if success:
+            out["success_rate"] = float(td["next", "success"].squeeze(-1)[first].float().mean()) if bool(ended.any()) else float("nan")
     return out
+
+
+def reports_success(env_id: str) -> bool:
+    """Whether ``env_id``'s episodes carry a success flag: a torch-batched env's always do ("success"
+    in its step output), a gymnasium env's when its info has "is_success"
+    (:func:`rlfunc.envs.collect.reports_success`; Pendulum-v1's does not, so no success rate is
+    reported for it)."""
+    if registry.torch_builder(env_id) is not None:
+        return True
+    from rlfunc.envs.collect import reports_success as gym_reports_success
+
+    return gym_reports_success(env_id)
 
 
 def evaluate_episodes(
@@ -451,10 +466,12 @@ def evaluate_episodes(
     which step on the host and may hold a renderer each); round r seeds its env and noise with
     ``seed + r``. Returns the episode-weighted means of :func:`evaluate_chunks`' numbers, with the
     evaluation protocol's spread, as floats: "episode_return_std", "episode_return_ci95_low" /
-    "_high" (Student-t 95% interval of the mean return, :func:`rlfunc.core.stats.summarize_returns`) and
-    "success_ci95_low" / "_high" (Wilson interval of the success rate)."""
+    "_high" (Student-t 95% interval of the mean return, :func:`rlfunc.core.stats.summarize_returns`) and,
+    for an env that reports success (:func:`reports_success`), "success_ci95_low" / "_high" (Wilson
+    interval of the success rate)."""
     entry = registry.find(env_id)
     metrics = None if entry is None else entry.episode_metrics
+    success = metrics is None and reports_success(env_id)
     if max_envs is None:
         max_envs = episodes if registry.torch_builder(env_id) is not None else 50
     totals: dict[str, float] = {}
@@ -464,7 +481,7 @@ def evaluate_episodes(
         env = make_env(env_id, n, actor.spec.act_steps, actor.device, seed + r)
         try:
             gen = torch.Generator(device=actor.device).manual_seed(seed + r)
-            out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params,
+            out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params, success=success,
                                   episode_metrics=metrics)
         finally:
             env.close()

@@ -18,6 +18,7 @@ Batch keys (TorchRL conventions), all ``[N, T, ...]``: "observation", "action", 
 from __future__ import annotations
 
 import difflib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +91,23 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", wor
     except Exception as e:  # gymnasium raises many types here (DependencyNotInstalled, ImportError, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise EnvError(f"env={env_id!r} could not be built: {type(e).__name__}: {first}") from e
+
+
+@functools.lru_cache(maxsize=None)
+def reports_success(env_id: str) -> bool:
+    """Whether the gymnasium env ``env_id`` puts "is_success" in its step info (one env is made,
+    reset and stepped once with the mid-range action, then closed; the answer is cached per id);
+    Pusher-v5 and Pendulum-v1, for two, do not. Runs and evaluations report a success rate only for
+    envs that do."""
+    env = gym.make(env_id)
+    try:
+        env.reset(seed=0)
+        space = env.action_space
+        action = ((space.low + space.high) / 2).astype(space.dtype) if isinstance(space, gym.spaces.Box) else space.sample()
+        info = env.step(np.asarray(action))[-1]
+        return "is_success" in info
+    finally:
+        env.close()
 
 
 def eval_workers(workers: int, num_envs: int) -> int:

@@ -54,7 +54,8 @@ from rlfunc.algos.bc import BCConfig, make_bc
 from rlfunc.core import func
 from rlfunc.run import checkpoint
 from rlfunc.algos.diffusion_actor import (
-    POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, dones_of_split, env_info, evaluate_episodes, make_env, schedule_for,
+    POINT_REACH_INFO, ActorSpec, DiffusionActor, EnvInfo, check_env, dones_of_split, env_info, evaluate_episodes, make_env,
+    reports_success, schedule_for,
 )
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.sac_diffusion import SACDiffusionConfig, make_sac_diffusion
@@ -254,6 +255,8 @@ class DiffusionRun(Run):
         self.config, self.device, self.name, self.dist = config, device, name, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         self.prec = precision(device, config.run.precision)
+        if self.curve == "success_rate" and registry.find(config.env) is None and not reports_success(config.env):
+            self.curve = "episode_return"  # e.g. Pendulum-v1: no success to plot
 
     def _finetune(self, make, config, resumed: bool) -> None:
         """dppo's and td3-diffusion's start: the actor of ``config.init_from`` (not read when
@@ -647,7 +650,8 @@ class ReplayDiffusionRun(DiffusionRun):
 
 def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
     """Episodes that ended in ``batch`` [N, T]: their count and the env's own statistics of them
-    (its registry entry's ``episode_metrics``), else their success rate and mean return."""
+    (its registry entry's ``episode_metrics``), else their mean return and, for an env that reports
+    success (:func:`~rlfunc.algos.diffusion_actor.reports_success`), their success rate."""
     done = batch["next", "done"]
     ended = int(done.sum())
     if not ended:
@@ -655,11 +659,10 @@ def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
     entry = registry.find(env_id)
     if entry is not None and entry.episode_metrics is not None:
         return {"episodes": ended, **entry.episode_metrics(batch)}
-    return {
-        "episodes": ended,
-        "success_rate": float(batch["next", "success"][done].float().mean()),
-        "episode_return": float(batch["next", "episode_return"][done].mean()),
-    }
+    out = {"episodes": ended, "episode_return": float(batch["next", "episode_return"][done].mean())}
+    if reports_success(env_id):
+        out["success_rate"] = float(batch["next", "success"][done].float().mean())
+    return out
 
 
 # --------------------------------------------------------------------------------------- the calls

@@ -43,6 +43,7 @@ from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, ev
 from rlfunc.core import func
 from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
+from rlfunc.envs.collect import reports_success
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.optim.amp import precision, without_loss_scale
@@ -64,23 +65,6 @@ def is_dict_env(env_id: str) -> bool:
     env = gym.make(env_id)
     try:
         return isinstance(env.observation_space, gym.spaces.Dict)
-    finally:
-        env.close()
-
-
-def reports_success(env_id: str) -> bool:
-    """Whether ``env_id`` puts "is_success" in its step info (one env is made, reset and stepped once
-    with the mid-range action, then closed); Pusher-v5, for one, does not."""
-    import gymnasium as gym
-    import numpy as np
-
-    env = gym.make(env_id)
-    try:
-        env.reset(seed=0)
-        space = env.action_space
-        action = ((space.low + space.high) / 2).astype(space.dtype) if isinstance(space, gym.spaces.Box) else space.sample()
-        info = env.step(np.asarray(action))[-1]
-        return "is_success" in info
     finally:
         env.close()
 

@@ -248,6 +248,22 @@ def test_diffusion_envs_torch_batched_or_gymnasium_chunked():
         make_env("NoSuchEnv-v9", 2, 1, CPU, 0)
 
 
+def test_an_env_without_a_success_flag_reports_no_success_rate(tmp_path):
+    """Found by a new user: td3-diffusion on Pendulum-v1 (whose info has no "is_success") reported
+    "success_rate": 0.0 in every metrics line and in eval.json. Now only envs that report success
+    get a success rate; Pendulum's learning curve plots the return."""
+    from rlfunc.algos.diffusion_actor import reports_success
+
+    assert not reports_success("Pendulum-v1") and reports_success("PointReach-v0") and reports_success("PushState-v0")
+    config = replace(TD3DiffusionConfig(), env="Pendulum-v1", total_steps=800, num_envs=2, num_steps=200, warmup_steps=400,
+                     updates_per_iteration=2, batch_size=8, buffer_size=200, eval_episodes=2, checkpoint_every=0, device="cpu")
+    result = train(config, tmp_path / "run", progress=False, tensorboard=False)
+    assert "success_rate" not in result.evaluation and result.evaluation["episode_return"] < 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episodes"] for r in records] == [2, 2] and not any("success_rate" in r for r in records)  # whole episodes
+    assert "success_rate" not in evaluate_run(tmp_path / "run")
+
+
 def test_q_gradient_reaches_every_unet_parameter_through_the_chain():
     """A loss on the final action of a 4-step DDIM chain (eta = 0) gives every U-Net parameter a
     finite, non-zero gradient; per-step checkpointing gives the same gradients."""
