@@ -152,7 +152,8 @@ def ddim_step(
         promotion with ``alphas_cumprod``. Differentiable in model_output and x.
 
     Raises:
-        ConfigError: eta < 0, std_floor < 0, clip_sample <= 0, or unknown ``prediction``.
+        ConfigError: eta < 0, std_floor < 0, clip_sample <= 0, unknown ``prediction``, a ``t`` outside
+            [0, T) or a ``t_prev`` outside [-1, t).
         ShapeError: model_output / x / noise are not float [*B, H, A] of one shape, or t / t_prev are
             not int64 of shape *B (or 0-d).
 
@@ -173,6 +174,13 @@ def ddim_step(
             raise ShapeError(f"{name}: expected an int64 tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
         if tensor.ndim != 0 and tensor.shape != batch:
             raise ShapeError(f"{name}: shape {tuple(tensor.shape)}, expected the batch shape {tuple(batch)} of x (or 0-d)")
+    if not torch.compiler.is_compiling():  # values: one host read, eager calls only
+        T = alphas_cumprod.shape[-1]
+        if bool(((t < 0) | (t >= T)).any()):
+            raise ConfigError(f"t: expected timesteps in [0, {T}) (the schedule's length), got {t.tolist()}")
+        if bool(((t_prev < -1) | (t_prev >= t)).any()):
+            raise ConfigError(f"t_prev: expected -1 <= t_prev < t (a step towards the clean sample), got t_prev {t_prev.tolist()} "
+                              f"for t {t.tolist()}")
     a_t = alpha_prod(alphas_cumprod, t)[..., None, None]
     a_prev = alpha_prod(alphas_cumprod, t_prev)[..., None, None]
     coefs = _coefficients(a_t, a_prev, eta, std_floor)

@@ -283,6 +283,15 @@ def test_ddim_step_errors():
         ddim_step(x, x, t.int(), t - 1, ac, eta=0.0)
     with pytest.raises(ShapeError, match="t_prev"):
         ddim_step(x, x, t, torch.tensor([1, 2, 3]), ac, eta=0.0)
+    # found by a new user: a step away from the clean sample (t_prev >= t) or off the schedule gave numbers
+    with pytest.raises(ConfigError, match=r"t_prev: expected -1 <= t_prev < t .* got t_prev \[5, 6\] for t \[5, 5\]"):
+        ddim_step(x, x, t, torch.tensor([5, 6]), ac, eta=0.0)
+    with pytest.raises(ConfigError, match=r"t_prev: expected -1 <= t_prev < t"):
+        ddim_step(x, x, t, torch.tensor([-2, 4]), ac, eta=0.0)
+    with pytest.raises(ConfigError, match=r"t: expected timesteps in \[0, 10\)"):
+        ddim_step(x, x, torch.tensor([10, 5]), t - 1, ac, eta=0.0)
+    x_prev, _, _ = ddim_step(x, x, t, torch.tensor([-1, 0]), ac, eta=0.0)  # the edges are fine
+    assert x_prev.isfinite().all()
 
 
 class TinyDenoiser(nn.Module):
