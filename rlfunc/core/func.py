@@ -26,7 +26,12 @@ def params_from_module(module: nn.Module) -> TensorDict:
 
     The copy owns its storage so the module stays a skeleton and never aliases the learner's
     parameters. Parameters require grad; buffers (e.g. BatchNorm running statistics) do not.
+
+    Raises:
+        ShapeError: ``module`` is not a ``torch.nn.Module`` (a TensorDict of parameters is one already).
     """
+    if not isinstance(module, nn.Module):
+        raise ShapeError(f"params_from_module: module: expected a torch.nn.Module, got {type(module).__name__}")
     params = TensorDict.from_module(module, as_module=False).clone()
     trainable = {tuple(name.split(".")) for name, _ in module.named_parameters()}
     return as_leaves(params, trainable)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
@@ -48,11 +50,13 @@ def clip_by_global_norm(max_norm: float, stacked: bool = False) -> GradientTrans
 
     Reference: Pascanu et al. (2013) "On the difficulty of training recurrent neural networks".
     """
-    if not max_norm > 0:
-        raise ConfigError(f"max_norm={max_norm}: expected > 0")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+        raise ConfigError(f"max_norm={max_norm!r}: expected > 0")
 
     def init(params: TensorDictBase) -> TensorDict:
         leaves = tree_leaves(params)
+        if not leaves:
+            raise ShapeError("clip_by_global_norm: params has no tensors to clip (an empty TensorDict)")
         if stacked:
             _check_stacked(leaves)
         first = leaves[0]

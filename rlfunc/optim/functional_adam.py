@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 
 import torch
@@ -60,15 +62,18 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
             given with a ``weight_decay``.
         ShapeError (update): a key of ``grads`` not in the state (or in ``params``), or of another shape.
     """
-    if not lr > 0:
-        raise ConfigError(f"lr={lr}: expected a positive learning rate")
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731  (numpy scalars are; "1e-3" is not)
+    if not real(lr) or not lr > 0:
+        raise ConfigError(f"lr={lr!r}: expected a positive learning rate")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(real(b) for b in betas):
+        raise ConfigError(f"betas={betas!r}: expected two values in [0, 1)")
     b1, b2 = betas
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ConfigError(f"betas={betas}: expected two values in [0, 1)")
-    if not eps >= 0:
-        raise ConfigError(f"eps={eps}: expected >= 0")
-    if not weight_decay >= 0:
-        raise ConfigError(f"weight_decay={weight_decay}: expected >= 0")
+    if not real(eps) or not eps >= 0:
+        raise ConfigError(f"eps={eps!r}: expected >= 0")
+    if not real(weight_decay) or not weight_decay >= 0:
+        raise ConfigError(f"weight_decay={weight_decay!r}: expected >= 0")
     base_lr = lr
 
     def init(params: TensorDictBase) -> TensorDict:

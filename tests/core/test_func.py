@@ -46,6 +46,12 @@ def test_params_from_module_are_leaves_that_do_not_alias_the_module():
     assert torch.equal(params.get(("2", "bias")), bias_before)
 
 
+def test_params_from_module_of_a_tensordict_is_named():
+    # found by a new user: a TensorDict of parameters raised AttributeError '_parameters' from tensordict
+    with pytest.raises(ShapeError, match="params_from_module: module: expected a torch.nn.Module, got TensorDict"):
+        params_from_module(TensorDict({"w": torch.zeros(2)}, batch_size=[]))
+
+
 def test_params_from_module_keeps_integer_buffers_without_grad():
     module = nn.BatchNorm1d(4)
     params = params_from_module(module)

@@ -236,6 +236,19 @@ def test_bad_hyperparameters_raise(make):
         make()
 
 
+def test_hyperparameters_of_the_wrong_type_and_an_empty_params_are_named():
+    # found by a new user: adam("1e-3") raised TypeError from a comparison inside adam, and
+    # clip_by_global_norm's init of an empty TensorDict an IndexError
+    with pytest.raises(ConfigError, match=r"^lr='1e-3': expected a positive learning rate$"):
+        adam("1e-3")
+    with pytest.raises(ConfigError, match=r"^betas=0.9: expected two values in \[0, 1\)$"):
+        adam(1e-3, betas=0.9)
+    with pytest.raises(ConfigError, match=r"^max_norm='1': expected > 0$"):
+        clip_by_global_norm("1")
+    with pytest.raises(ShapeError, match="clip_by_global_norm: params has no tensors to clip"):
+        clip_by_global_norm(1.0).init(TensorDict({}, batch_size=[]))
+
+
 def test_gradients_of_another_shape_are_named():
     params = stacked_params()
     update = adam(LR)
