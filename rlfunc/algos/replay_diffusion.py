@@ -66,6 +66,7 @@ class ReplayDiffusionConfig:
     gamma: float = 0.99  # discount per chunk step, in [0, 1]
     tau: float = 0.005  # Polyak rate of the target networks
     policy_delay: int = 2  # critic updates per actor (and target) update
+    critic_warmup_updates: int = 0  # first gradient steps with the actor held (critics and their targets step): a fine-tuned actor (init_from) waits for a critic of its own data, as DPPO's critic warm-up
     critic_hidden: tuple[int, ...] = (256, 256)  # critic MLP widths
     num_critics: int = 2  # ensemble size (min over members in the target)
     gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
@@ -124,6 +125,8 @@ class ReplayDiffusionConfig:
             )
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps}: expected >= 0")
+        if isinstance(self.critic_warmup_updates, bool) or not isinstance(self.critic_warmup_updates, int) or self.critic_warmup_updates < 0:
+            raise ConfigError(f"critic_warmup_updates={self.critic_warmup_updates!r}: expected an integer >= 0")
         if not self.actor_lr > 0 or not self.critic_lr > 0 or not self.max_grad_norm > 0:
             raise ConfigError("actor_lr, critic_lr and max_grad_norm must be > 0")
 

@@ -307,7 +307,8 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
         """``updates_per_iteration`` steps on minibatches drawn from ``buffer`` (a TorchRL replay
         buffer of :func:`~rlfunc.algos.replay_diffusion.replay_transitions`): a critic step; every
         ``entropy_every``-th (the first included) an entropy estimate and an alpha step; every
-        ``policy_delay``-th an actor step and the Polyak update of the target critics. Each side's
+        ``policy_delay``-th an actor step and the Polyak update of the target critics (within the
+        first ``critic_warmup_updates`` gradient steps the Polyak update alone: the actor is held). Each side's
         gradient goes through its update chain (whose state it advances); params step in place.
         Compiled (:func:`~rlfunc.algos.replay_diffusion.compiles`), the critic and actor sides are
         the compiled steps, with the same draws from ``generator`` in the same order."""
@@ -327,7 +328,9 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
             if updates % config.entropy_every == 0:
                 alpha_update(state, mb, generator, opt)
             updates += 1
-            if updates % config.policy_delay == 0:
+            if updates % config.policy_delay == 0 and updates <= config.critic_warmup_updates:  # the actor held
+                func.polyak_update_(state["target", "critic"], state["params", "critic"], config.tau)
+            elif updates % config.policy_delay == 0:
                 am = actor_side(mb)
                 actor_sum = am if actor_sum is None else actor_sum + am
                 n_actor += 1

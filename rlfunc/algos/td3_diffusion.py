@@ -250,7 +250,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
 
     def iteration(state: TensorDict, buffer, generator: torch.Generator, prec: Precision):
         """``updates_per_iteration`` TD3 steps on minibatches drawn from ``buffer`` (a TorchRL
-        replay buffer of flat transitions, see :func:`transitions`), each gradient through its side's
+        replay buffer of flat transitions, see :func:`transitions`; within the first
+        ``critic_warmup_updates`` gradient steps the actor is held and only the target critics
+        follow on its turns), each gradient through its side's
         update chain (whose state, "optim_critic" / "optim_actor", it advances); the params are
         stepped in place. Compiled (:func:`~rlfunc.algos.replay_diffusion.compiles`), the two sides
         are the compiled steps, with the same draws from ``generator`` in the same order."""
@@ -268,7 +270,9 @@ def make_td3_diffusion(config: TD3DiffusionConfig, spec: ActorSpec, obs_dim, act
             m = critic_side(mb)
             metric_sum = m if metric_sum is None else metric_sum + m
             updates += 1
-            if updates % config.policy_delay == 0:
+            if updates % config.policy_delay == 0 and updates <= config.critic_warmup_updates:  # the actor held
+                func.polyak_update_(state["target", "critic"], state["params", "critic"], config.tau)
+            elif updates % config.policy_delay == 0:
                 am = actor_side(mb)
                 actor_sum = am if actor_sum is None else actor_sum + am
                 n_actor += 1

@@ -110,6 +110,37 @@ def test_autotune_off_keeps_alpha_and_entropy_every_sets_the_estimates():
     assert int(state["optim_alpha", "0", "step", "log_alpha"]) == 0
 
 
+@pytest.mark.parametrize("algo_name", ["sac-diffusion", "td3-diffusion"])
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_critic_warmup_holds_the_actor_while_the_critics_and_their_targets_step(algo_name, compile_mode):
+    """critic_warmup_updates=4, policy_delay=2, 4 updates per iteration: the first iteration leaves the
+    actor (and its Adam state) bit for bit while the critics and the target critics move; the second
+    steps the actor twice (updates 6 and 8)."""
+    from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
+
+    kw = dict(critic_warmup_updates=4, policy_delay=2, updates_per_iteration=4, compile=compile_mode)
+    if algo_name == "sac-diffusion":
+        config, algo = _algo(**kw)
+    else:
+        config = replace(TD3DiffusionConfig(), **{"actor": ACTOR, "critic_hidden": (32,), "batch_size": 32, "device": "cpu", **kw})
+        info = env_info(config.env)
+        algo = make_td3_diffusion(config, config.actor, info, info.act_dim, CPU)
+    state = algo.init()
+    actor0, critic0 = state["params", "actor"].clone(), state["params", "critic"].clone()
+    target0 = state["target", "critic"].clone()
+    generator, buffer = torch.Generator().manual_seed(0), _buffer(algo)
+    state, metrics = algo.iteration(state, buffer, generator, _prec())
+    assert (state["params", "actor"] == actor0).all() and "actor_grad_norm" not in metrics.keys()
+    adam_actor = state["optim_actor", "1"]  # chain(clip, adam): Adam's state, untouched
+    assert all(float(v) == 0 for v in adam_actor["step"].values(True, True))
+    assert all(bool((v == 0).all()) for v in adam_actor["exp_avg"].values(True, True))
+    assert not (state["params", "critic"] == critic0).all() and not (state["target", "critic"] == target0).all()
+    state, metrics = algo.iteration(state, buffer, generator, _prec())
+    assert not (state["params", "actor"] == actor0).all() and "actor_grad_norm" in metrics.keys()
+    with pytest.raises(ConfigError, match="critic_warmup_updates=-1: expected an integer >= 0"):
+        replace(config, critic_warmup_updates=-1)
+
+
 def test_the_entropy_estimate_of_a_known_gaussian_policy():
     """A denoiser predicting x0 = 0 (prediction "sample", all weights zero) ends every chain at 0, so
     the noisy actions are N(0, sigma^2 I), sigma = noise_scale * alpha. DACER's estimate (the
