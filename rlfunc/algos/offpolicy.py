@@ -234,7 +234,7 @@ class OffPolicyConfig:
     max_grad_norm: float | None = None  # global grad-norm clip per network (None or 0: off)
     async_collection: bool = False  # step the envs in a worker process while the learner updates (rlfunc.envs.async_collect): faster, not reproducible, a resume starts new episodes
     sync_weights_every: int = 1  # with async_collection: gradient steps between two publishes of the actor's weights to the worker
-    async_queue: int = 2  # with async_collection: items (of async_steps vector-env steps) the worker may run ahead of the learner
+    async_queue: int = 2  # with async_collection: items (of async_steps vector-env steps) the worker may keep queued; the acting weights lag by up to async_queue + 1
     async_steps: int = 1  # with async_collection: vector-env steps per item the worker sends (their updates follow together); divides num_steps
     run: RunConfig = field(default_factory=lambda: RunConfig(checkpoint_every=5, eval_episodes=100))  # seed, device, snapshots (rlfunc.config.RunConfig); 100 evaluation episodes (deterministic actions)
 

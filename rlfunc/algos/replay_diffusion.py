@@ -72,8 +72,8 @@ class ReplayDiffusionConfig:
     gradient_checkpointing: bool = False  # checkpoint each denoising step of the actor's chain
     max_grad_norm: float = 10.0  # global grad-norm clip (actor and critics separately)
     async_collection: bool = False  # roll out in a worker process while the learner updates (rlfunc.envs.async_collect): faster, not reproducible, a resume starts new episodes
-    sync_weights_every: int = 1  # with async_collection: gradient steps between two publishes of the acting weights to the worker
-    async_queue: int = 1  # with async_collection: rollouts (of num_steps chunk steps) the worker may run ahead of the learner
+    sync_weights_every: int = 1  # with async_collection: gradient steps between two publishes of the acting weights to the worker (at most one per iteration, after its updates)
+    async_queue: int = 1  # with async_collection: finished rollouts (of num_steps chunk steps) the worker may keep queued; the acting weights lag by up to async_queue + 1
     run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes
 
     def __post_init__(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextvars
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -81,7 +80,11 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
             return spec
         fields = tuple(dataclasses.replace(f, type=Annotated[f.type, tyro.conf.OmitArgPrefixes])
                        if f.type is RunConfig else f for f in spec.fields)  # --seed, not --run.seed
-        return dataclasses.replace(spec, fields=fields, instantiate=functools.partial(_Unbuilt, info.type))
+        def unbuilt_of(**values: Any) -> _Unbuilt:
+            return _Unbuilt(info.type, **values)
+
+        unbuilt_of.__doc__ = info.type.__doc__  # what --help shows for the group: the config's docstring, not ours
+        return dataclasses.replace(spec, fields=fields, instantiate=unbuilt_of)
 
     parsed = tyro.cli(cls, args=args, default=default, prog=prog, description=description, registry=registry)
     return parsed.build() if isinstance(parsed, _Unbuilt) else parsed

@@ -43,6 +43,19 @@ from rlfunc.envs import collect
 from rlfunc.envs.workers import PRELOAD, _start_forkserver_ignoring_sigint, _without_main
 from rlfunc.errors import ConfigError, EnvError
 
+# a collector (re)started at iteration ``it`` of a run of seed s seeds its envs from s + RESTART_STRIDE * it and its
+# generator from s + RESTART_STRIDE * (it + 1): a prime above the evaluations' offset (s + 1,000,003 + a few rounds),
+# so a resumed run's collector never resets with the seeds its evaluation scores (found by a new user: at it = 1 the
+# stride 1,000,003 gave exactly the evaluation's seeds)
+RESTART_STRIDE = 2_000_029
+
+
+def restart_seed(seed: int, iteration: int) -> int:
+    """The seed a collector started at ``iteration`` of a run of ``seed`` derives from (its envs';
+    ``iteration + 1``: its generator's): :data:`RESTART_STRIDE` apart, never an evaluation's."""
+    return seed + RESTART_STRIDE * iteration
+
+
 # make_policy(weights [CPU TensorDict], generator, warm) -> policy; warm: the env steps so far are < warm_steps
 MakePolicy = Callable[[TensorDictBase, torch.Generator, bool], collect.Policy]
 

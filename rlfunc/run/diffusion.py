@@ -63,7 +63,7 @@ from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
 from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
-from rlfunc.envs.async_collect import AsyncCollector
+from rlfunc.envs.async_collect import AsyncCollector, restart_seed
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import Run
@@ -625,9 +625,8 @@ class ReplayDiffusionRun(DiffusionRun):
         behind the learner's latest)."""
         if self.collector is None:
             config, it = self.config, int(self.state["iteration"])
-            stride = 1_000_003  # the seeds of the worker's envs and generator, distinct per (re)start
-            source = ReplayRollouts(config, self.info, config.run.seed + stride * it, int(self.state["env_steps"]))
-            self.collector = AsyncCollector.of_source(source, acting_state(self.state), seed=config.run.seed + stride * (it + 1),
+            source = ReplayRollouts(config, self.info, restart_seed(config.run.seed, it), int(self.state["env_steps"]))
+            self.collector = AsyncCollector.of_source(source, acting_state(self.state), seed=restart_seed(config.run.seed, it + 1),
                                                       queue_size=config.async_queue)
             self.publishes = self.since_publish = 0
         t0 = time.perf_counter()

@@ -49,7 +49,7 @@ from rlfunc.algos.td3 import TD3Config, make_td3
 from rlfunc.core.stats import success_interval, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
-from rlfunc.envs.async_collect import AsyncCollector
+from rlfunc.envs.async_collect import AsyncCollector, restart_seed
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.run import Run, checkpoint
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
@@ -221,9 +221,9 @@ class OffPolicyRun(Run):
         if self.collector is None:  # a resumed run starts new episodes (the worker's are not in snapshots)
             it = int(state["iteration"])
             self.collector = AsyncCollector(
-                config.env, N, self.seeds if it == 0 else collect.env_seeds(config.run.seed + 1_000_003 * it, N),
+                config.env, N, self.seeds if it == 0 else collect.env_seeds(restart_seed(config.run.seed, it), N),
                 ActingPolicy(config, self.spec), state["params"].select("actor"), warm_steps=config.learning_starts,
-                start_steps=steps, seed=config.run.seed + 1_000_003 * (it + 1), queue_size=config.async_queue,
+                start_steps=steps, seed=restart_seed(config.run.seed, it + 1), queue_size=config.async_queue,
                 steps_per_item=config.async_steps)
             self.publishes, self.since_publish = 0, 0
         K = config.async_steps

@@ -98,6 +98,24 @@ def test_an_async_resume_warns_and_continues_with_new_episodes(tmp_path):
     assert [r["step"] for r in _records(tmp_path / "run")] == [240 * k for k in range(1, 7)]
 
 
+def test_a_restarted_collector_never_resets_with_the_evaluation_seeds():
+    """Found by a new user: a collector restarted at iteration 1 (a resume of a run stopped in its first
+    iteration) seeded its envs with run seed + 1,000,003, the evaluation's own seed (round 0 of the
+    diffusion runs' evaluation; the first reset seeds of sac's and td3's)."""
+    from rlfunc.envs import collect
+    from rlfunc.envs.async_collect import restart_seed
+    from rlfunc.run.diffusion import EVAL_SEED_OFFSET
+    from rlfunc.run.ppo import EVAL_SEED_OFFSET as OFFPOLICY_EVAL_OFFSET
+
+    for seed in (0, 1, 12345):
+        evaluation = {seed + EVAL_SEED_OFFSET + r for r in range(100)}  # evaluate_episodes' rounds
+        eval_resets = set(collect.env_seeds(seed + OFFPOLICY_EVAL_OFFSET, 1000))  # sac's / td3's evaluation
+        for it in range(1, 6):
+            assert restart_seed(seed, it) not in evaluation and restart_seed(seed, it + 1) not in evaluation
+            assert not set(collect.env_seeds(restart_seed(seed, it), 64)) & eval_resets
+        assert restart_seed(seed, 0) == seed  # a first collector keeps the run's own env seed
+
+
 def test_async_collection_with_ranks_or_env_workers_is_a_config_error():
     with pytest.raises(ConfigError, match="async_collection with nproc=2"):
         replace(SACDiffusionConfig(), **SMALL, **SAC_SMALL, nproc=2)
