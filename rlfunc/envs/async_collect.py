@@ -150,13 +150,11 @@ class AsyncCollector:
     def __init__(self, env_id: str, num_envs: int, seeds: Sequence[int], make_policy: MakePolicy, weights: TensorDictBase,
                  *, steps_per_item: int = 1, warm_steps: int = 0, start_steps: int = 0, seed: int = 0,
                  queue_size: int = 2, timeout_s: float = 120.0) -> None:
-        for name, value, low in (("num_envs", num_envs, 1), ("steps_per_item", steps_per_item, 1), ("queue_size", queue_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name}={value!r}: expected an integer >= {low}")
+        for name, value in (("num_envs", num_envs), ("steps_per_item", steps_per_item)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: expected an integer >= 1")
         if len(seeds) != num_envs:
             raise ConfigError(f"seeds: {len(seeds)} given, expected num_envs={num_envs}")
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s={timeout_s}: expected > 0")
         self._start(GymSteps(env_id, num_envs, seeds, make_policy, steps_per_item=steps_per_item, warm_steps=warm_steps,
                              start_steps=start_steps), weights, seed, queue_size, timeout_s)
 
@@ -168,15 +166,16 @@ class AsyncCollector:
         ``fresh`` True when the weights changed since the last item; ``source.close()`` at the end),
         as :class:`GymSteps` does for gymnasium vector envs. sac-/td3-diffusion's rollouts of chunk
         envs are one (:class:`rlfunc.run.diffusion.ReplayRollouts`)."""
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise ConfigError(f"queue_size={queue_size!r}: expected an integer >= 1")
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s={timeout_s}: expected > 0")
         collector = cls.__new__(cls)
         collector._start(source, weights, seed, queue_size, timeout_s)
         return collector
 
     def _start(self, source, weights: TensorDictBase, seed: int, queue_size: int, timeout_s: float) -> None:
+        """Check the queue's size and the timeout (ConfigError), then start the worker on ``source``."""
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigError(f"queue_size={queue_size!r}: expected an integer >= 1")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s}: expected > 0")
         import multiprocessing as mp
 
         ctx = mp.get_context("forkserver")
