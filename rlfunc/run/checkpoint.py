@@ -191,24 +191,8 @@ def load_snapshot(
     if generators not in ("exact", "fresh"):
         raise ConfigError(f"generators={generators!r}: expected 'exact' or 'fresh'")
     path = Path(path)
-    record = _read_record(path)
+    record = verify_snapshot(path)
     state_path = path / STATE_FILE
-    if not state_path.is_file():
-        raise SnapshotCorruptError(f"{state_path}: missing; not a complete snapshot")
-    try:
-        digest, size = _sha256(state_path)
-    except OSError as e:
-        raise SnapshotCorruptError(f"{state_path}: unreadable ({_one_line(e)})") from e
-    want = record["state_file"]
-    if size != want["bytes"]:
-        raise SnapshotCorruptError(
-            f"{state_path}: {size} bytes where meta.json records {want['bytes']}; the file is truncated or corrupt"
-        )
-    if digest != want["sha256"]:
-        raise SnapshotCorruptError(
-            f"{state_path}: sha256 mismatch ({digest[:16]}... where meta.json records {want['sha256'][:16]}...); "
-            "the file is corrupt or was changed after saving"
-        )
     try:
         tensors = load_file(str(state_path), device="cpu")
     except Exception as e:  # SafetensorError, OSError ...: one line, never a deep traceback
@@ -228,6 +212,35 @@ def load_snapshot(
     for name in sorted(tensors):
         state.set(tuple(name.split(".")), tensors[name].to(target))
     return state, record["meta"]
+
+
+def verify_snapshot(path: str | os.PathLike) -> dict:
+    """Check a snapshot's files without loading its tensors: meta.json parses and has a known
+    format version, and state.safetensors has the recorded size and sha256. Returns meta.json's record.
+
+    Raises:
+        CheckpointError: as :func:`load_snapshot`, for these checks.
+    """
+    path = Path(path)
+    record = _read_record(path)
+    state_path = path / STATE_FILE
+    if not state_path.is_file():
+        raise SnapshotCorruptError(f"{state_path}: missing; not a complete snapshot")
+    try:
+        digest, size = _sha256(state_path)
+    except OSError as e:
+        raise SnapshotCorruptError(f"{state_path}: unreadable ({_one_line(e)})") from e
+    want = record["state_file"]
+    if size != want["bytes"]:
+        raise SnapshotCorruptError(
+            f"{state_path}: {size} bytes where meta.json records {want['bytes']}; the file is truncated or corrupt"
+        )
+    if digest != want["sha256"]:
+        raise SnapshotCorruptError(
+            f"{state_path}: sha256 mismatch ({digest[:16]}... where meta.json records {want['sha256'][:16]}...); "
+            "the file is corrupt or was changed after saving"
+        )
+    return record
 
 
 def is_generator_state(name: str) -> bool:
@@ -423,12 +436,13 @@ def use_snapshot(run_dir: str | os.PathLike, name: str) -> Path:
 
     Raises:
         CheckpointError: ``name`` is not a complete snapshot of the run (the message lists those there),
-            or ``latest`` could not be written.
+            fails :func:`verify_snapshot`, or ``latest`` could not be written.
     """
     ckpt = Path(run_dir) / CHECKPOINTS_DIR
     if not (_STEP_DIR.fullmatch(name) and _is_complete(ckpt / name)):
         there = ", ".join(p.name for p in run_snapshots(run_dir)) or "none"
         raise CheckpointError(f"snapshot={name!r}: not a complete snapshot in {ckpt} (there: {there})")
+    verify_snapshot(ckpt / name)  # a corrupt one is refused here, not passed over for a version further along
     _write_latest(ckpt, name)
     return ckpt / name
 

@@ -353,10 +353,11 @@ class PPORun(Run):
         self.run_dir = run_dir
 
     def evaluate(self) -> dict:
-        """:func:`evaluate` of the run's latest snapshot (the one the loop wrote at the end of the
-        budget) on ``config.run.eval_episodes`` episodes per seed, so eval.json is what ``rlfunc eval
-        RUN_DIR`` repeats."""
-        return evaluate(self.run_dir, self.config.run.eval_episodes, device=self.config.run.device)
+        """:func:`evaluate_state` of the state the run ended with (what its last snapshot or version
+        holds) on ``config.run.eval_episodes`` episodes per seed, so eval.json is what ``rlfunc eval
+        RUN_DIR`` repeats. (It read the newest snapshot on disk, which after ``rlfunc versions
+        rollback`` is the abandoned branch's, not the head version the run continued from.)"""
+        return evaluate_state(self.config, self.state, self.config.run.eval_episodes, device=self.device)
 
     def close(self) -> None:
         self.venv.close()
@@ -387,6 +388,34 @@ def evaluate(
         raise ConfigError(f"episodes={episodes}: expected >= 1")
     path = checkpoint.snapshot_to_read(run_dir if snapshot is None else snapshot)
     trained = algorithms.config_from_meta(checkpoint.load_meta(path), path, of=PPOConfig)
+
+    def snapshot_learner(spec: EnvSpec, dev: torch.device) -> TensorDict:
+        like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
+        carry = collect.empty_carry(trained.run.num_seeds * trained.num_envs, spec.obs_dim)
+        freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
+        # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
+        return _load_snapshot(path, _saved_state(like, carry, freeze), dev)["learner"]
+
+    return _evaluate(trained, snapshot_learner, episodes, seed, device)
+
+
+def evaluate_state(
+    trained: PPOConfig, state: TensorDict, episodes: int | None = None, *, seed: int | None = None,
+    device: str | torch.device = "auto",
+) -> dict:
+    """:func:`evaluate` of a learner state in memory (``state``: :meth:`PPO.init`'s structure for
+    ``trained``; its "params", "obs_stats" and "env_steps" are read) - the final evaluation of a run.
+
+    Raises:
+        ConfigError: ``episodes < 1``.
+    """
+    if episodes is not None and episodes < 1:
+        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    return _evaluate(trained, lambda spec, dev: state, episodes, seed, device)
+
+
+def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | None, device) -> dict:
+    """The episodes of :func:`evaluate`; ``learner_of(spec, device)`` gives the learner state."""
     episodes = trained.run.eval_episodes if episodes is None else episodes
     dev = resolve_device(device)
     # up to the run's env workers, as many as divide the episodes (the same episodes for any count)
@@ -396,19 +425,15 @@ def evaluate(
     venv = collect.make_vec_env(config.env, n, workers=collect.eval_workers(trained.run.env_workers, n))
     try:
         spec = env_spec(venv)
-        like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
-        carry = collect.empty_carry(trained.run.num_seeds * trained.num_envs, spec.obs_dim)
-        freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None
-        # generators="fresh": evaluation draws no randomness, so a run trained on another device type loads
-        loaded = _load_snapshot(path, _saved_state(like, carry, freeze), dev)
+        state = learner_of(spec, dev)
         algo = make_ppo(config, spec, dev)
-        state = algo.init()
+        acting = algo.init()
         with torch.no_grad():
-            state["params"].update_(loaded["learner", "params"])
-            state["obs_stats"].update_(loaded["learner", "obs_stats"])
+            acting["params"].update_(state["params"])
+            acting["obs_stats"].update_(state["obs_stats"])
         base = (config.run.seed if seed is None else seed) + EVAL_SEED_OFFSET
         seeds = [s for i in range(config.run.num_seeds) for s in collect.env_seeds(base + i, episodes)]
-        returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=dev)
+        returns, success = collect.episode_outcomes(venv, algo.policy(acting, [], deterministic=True), seeds, device=dev)
     finally:
         venv.close()
     per_seed = returns.view(config.run.num_seeds, episodes)
@@ -418,7 +443,7 @@ def evaluate(
         **summarize_returns(returns),
         "episodes": episodes,
         "per_seed_mean": per_seed.mean(1).tolist(),
-        "env_steps": int(loaded["learner", "env_steps"]),
+        "env_steps": int(state["env_steps"]),
     }
     if config.run.num_seeds > 1:
         out["per_seed_ci95"] = [list(mean_interval(r)) if episodes > 1 else None for r in per_seed]

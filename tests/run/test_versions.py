@@ -476,3 +476,21 @@ def test_eval_of_a_version_and_after_a_rollback(tmp_path, capsys):
     assert evaluate() == v1
     assert cli.main(["eval", str(tmp_path / "run"), "--version", "v000009"]) == 2
     assert "v000009" in capsys.readouterr().err
+
+
+def test_final_evaluation_after_a_rollback_is_of_the_state_the_run_continued_from(tmp_path, capsys):
+    """Regression: after ``versions rollback RUN V`` to a version whose budget is done, a plain
+    ``rlfunc resume RUN`` has nothing to run and evaluates; eval.json was the newest snapshot on disk
+    (the abandoned branch's, 5 iterations in), not V's state (3 iterations in) the run continues from."""
+    run = tmp_path / "run"
+    config = preset("Pendulum-v1", total_steps=3 * 128, eval_episodes=3, version_every=1, **TINY)
+    train(config, run, progress=False, tensorboard=False, evaluate=False)
+    train(config, run, resume=True, total_steps=5 * 128, progress=False, tensorboard=False, evaluate=False)
+    assert cli.main(["eval", str(run), "--version", "v000003"]) == 0
+    v3 = json.loads(capsys.readouterr().out)
+    assert cli.main(["versions", "rollback", str(run), "v000003"]) == 0
+    assert cli.main(["resume", str(run)]) == 0
+    capsys.readouterr()
+    final = json.loads((run / "eval.json").read_text())
+    assert final["env_steps"] == 3 * 128
+    assert {**final, "version": "v000003"} == v3
