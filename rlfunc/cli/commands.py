@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from rlfunc.algos import registry
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         got = f"unknown command {argv[0]!r}" if argv else "no command"
         print(f"rlfunc: error: {got}; expected one of: {', '.join(COMMANDS)} (rlfunc --help)", file=sys.stderr)
         return 2
+    default_format = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning(default_format)
     try:
         return COMMANDS[argv[0]](argv[1:])
     except RLFuncError as e:
@@ -230,6 +233,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlfunc: rank {os.environ.get('RANK', '?')}: a collective failed, another rank has stopped ({first[:200]})",
               file=sys.stderr)
         return 1
+    finally:
+        warnings.formatwarning = default_format
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _one_line_warning(default_format):
+    """rlfunc's own warnings (UserWarning: a resume that starts new episodes, a damaged version passed
+    over ...) as one line "rlfunc: warning: ..."; other libraries' warnings keep Python's format."""
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if category is UserWarning and str(filename).startswith(_PACKAGE_DIR):
+            return f"rlfunc: warning: {message}\n"
+        return default_format(message, category, filename, lineno, line)
+
+    return format_warning
 
 
 def _lost_a_peer(e: Exception) -> bool:

@@ -44,6 +44,7 @@ import math
 import os
 import re
 import secrets
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def save_version(
     for sub in ("packs", "manifests"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     _clean_temps(root)
-    manifests = _manifests(root, cached=True)
+    manifests = _manifests(root, cached=True, skip_bad=[])
     stored = {spec["blob"]: spec["pack"] for m in manifests.values() for spec in m["tensors"].values()}
     present = {pack for pack in set(stored.values()) if _pack_path(root, pack).is_file()}
     stored = {blob: pack for blob, pack in stored.items() if pack in present}
@@ -178,7 +179,7 @@ def save_version(
         previous = _read_blobs(root, {n: old[n] for n in tracked if old[n]["blob"] != table[n]["blob"]}, parent)
         for name in tracked:
             layer_change[name] = relative_change(previous[name], tensors[name]) if name in previous else 0.0
-    number = max((_id_number(v) for v in manifests), default=0) + 1
+    number = max((_id_number(v) for v in _version_ids(root)), default=0) + 1  # a damaged manifest's id is never reused
     vid = f"v{number:06d}"
     record = {
         "format": FORMAT,
@@ -217,11 +218,14 @@ def rollback(run_dir: str | os.PathLike, version: str, *, branch: str | None = N
         The new branch's name.
 
     Raises:
-        CheckpointError: no version store or no such version (the message lists the ids there are).
+        CheckpointError: no version store or no such version (the message lists the ids there are),
+            or one whose tensors fail their check (a missing, truncated or corrupt pack: the resume
+            would fail).
         ConfigError: ``branch`` is malformed or already exists.
     """
     root = _existing_root(run_dir)
     manifest = read_manifest(run_dir, version)
+    _read_blobs(root, manifest["tensors"], version)  # every blob readable, before anything changes
     branches = _branch_records(root)
     if branch is None:
         base, branch, n = f"from-{version}", f"from-{version}", 1
@@ -263,12 +267,14 @@ def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_e
     a multiple of ``keep_every`` (0: none by this rule); pinned versions; the base of every branch and
     every version a version of another branch descends from (branch points). Each manifest is
     unlinked before any pack, so a crash leaves only unreferenced packs, removed by the next call.
+    A manifest that fails its check is kept (with a warning), and no pack is deleted while one is there.
 
     Returns:
         The ids deleted, oldest first.
     """
     root = _existing_root(run_dir)
-    manifests = _manifests(root, cached=True)
+    bad: list[str] = []
+    manifests = _manifests(root, cached=True, skip_bad=bad)
     keep = _protected(root, manifests)
     by_branch: dict[str, list[str]] = {}
     for vid, m in manifests.items():
@@ -282,7 +288,8 @@ def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_e
         (root / "manifests" / f"{vid}.json").unlink(missing_ok=True)
     if doomed:
         _fsync_dir(root / "manifests")
-    collect_garbage(run_dir)
+    if not bad:  # the packs a damaged manifest names are unknown: delete none while one is there
+        collect_garbage(run_dir)
     return doomed
 
 
@@ -414,13 +421,14 @@ def branch_heads(run_dir: str | os.PathLike) -> dict[str, str | None]:
 
 
 def head(run_dir: str | os.PathLike) -> dict | None:
-    """The manifest training resumes from on the current branch (None: no store or no version yet)."""
+    """The manifest training resumes from on the current branch (None: no store or no version yet).
+    A manifest that fails its check is passed over with a warning naming it."""
     root = _root(run_dir)
     if not (root / "manifests").is_dir():
         return None
-    manifests = _manifests(root)
+    manifests = _manifests(root, skip_bad=[])  # a damaged version warns; the others (and snapshots) still resume
     vid = _head(root, current_branch(run_dir), manifests)
-    return None if vid is None else manifests[vid]
+    return None if vid is None or vid not in manifests else manifests[vid]
 
 
 def has_versions(run_dir: str | os.PathLike) -> bool:
@@ -554,13 +562,27 @@ def _well_formed(record: dict, vid: str) -> bool:
     )
 
 
-def _manifests(root: Path, *, cached: bool = False) -> dict[str, dict]:
+def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None) -> dict[str, dict]:
+    """{id: verified manifest} of the store. A manifest that fails its check raises, or with
+    ``skip_bad`` (a list) is left out, its id appended to the list and a warning naming the file
+    given: one damaged version then blocks neither a resume from an intact snapshot nor new versions."""
     out = {}
     for entry in os.scandir(root / "manifests"):
         m = re.fullmatch(r"(v\d{6,})\.json", entry.name)
         if m:
-            out[m.group(1)] = _read_manifest(Path(entry.path), cached=cached)
+            try:
+                out[m.group(1)] = _read_manifest(Path(entry.path), cached=cached)
+            except CheckpointError as e:
+                if skip_bad is None:
+                    raise
+                skip_bad.append(m.group(1))
+                warnings.warn(f"{e}: version {m.group(1)} skipped (rlfunc versions list names it)", stacklevel=3)
     return out
+
+
+def _version_ids(root: Path) -> list[str]:
+    """Every version id with a manifest file, readable or not."""
+    return [m.group(1) for e in os.scandir(root / "manifests") if (m := re.fullmatch(r"(v\d{6,})\.json", e.name))]
 
 
 def _read_blobs(root: Path, table: Mapping[str, dict], version: str) -> dict[str, torch.Tensor]:

@@ -437,3 +437,15 @@ def test_launch_inside_torchrun_of_one_rank_runs_in_this_process(monkeypatch, tm
     assert under_torchrun() and launch(["resume", "x"], 2, "x") is None
     # and `rlfunc resume --nproc N` takes the rank count from the user (N >= 1)
     assert main(["resume", str(tmp_path), "--nproc", "0"]) == 2
+
+
+def test_rlfunc_warnings_are_one_line(capsys):
+    import warnings
+
+    from rlfunc.cli import commands
+
+    fmt = commands._one_line_warning(warnings.formatwarning)
+    ours = fmt("a damaged version skipped", UserWarning, f"{commands._PACKAGE_DIR}/run/loop.py", 168, "head = x")
+    assert ours == "rlfunc: warning: a damaged version skipped\n"
+    theirs = fmt("deprecated", UserWarning, "/site-packages/gymnasium/core.py", 3, "x = 1")
+    assert "rlfunc" not in theirs and "gymnasium/core.py:3: UserWarning: deprecated" in theirs

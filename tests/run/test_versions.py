@@ -494,3 +494,42 @@ def test_final_evaluation_after_a_rollback_is_of_the_state_the_run_continued_fro
     final = json.loads((run / "eval.json").read_text())
     assert final["env_steps"] == 3 * 128
     assert {**final, "version": "v000003"} == v3
+
+
+def test_a_damaged_manifest_blocks_neither_resume_nor_new_versions(tmp_path):
+    """Regression: one edited manifest made every resume, eval and new version fail (the head was
+    looked up over all manifests, each verified). Now it is passed over with a warning naming it; the
+    run resumes from its intact snapshot to the uninterrupted result, new versions never reuse its
+    id, and retention deletes no pack while it is there."""
+    config = preset("Pendulum-v1", total_steps=4 * 128, version_every=1, **TINY)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    run = tmp_path / "run"
+    train(config, run, max_iterations=3, progress=False, tensorboard=False, evaluate=False)
+    damaged = run / "versions" / "manifests" / "v000003.json"
+    damaged.write_text(damaged.read_text().replace('"iteration": 3', '"iteration": 9'))
+    before = damaged.read_bytes()
+    with pytest.warns(UserWarning, match="v000003.json: sha256 mismatch.*skipped"):
+        resumed = train(None, run, resume=True, progress=False, tensorboard=False, evaluate=False)
+    for key, value in _leaves(full.state).items():
+        assert torch.equal(value, resumed.state.get(key)), key
+    assert damaged.read_bytes() == before
+    ids = sorted(p.name for p in (run / "versions" / "manifests").iterdir())
+    assert ids == ["v000001.json", "v000002.json", "v000003.json", "v000004.json"]
+    packs = set((run / "versions" / "packs").iterdir())
+    with pytest.warns(UserWarning, match="v000003.json"):
+        assert versions.apply_retention(run, keep_last=1) == ["v000001", "v000002"]
+    assert set((run / "versions" / "packs").iterdir()) == packs  # v000003's packs are unknown: none deleted
+    with pytest.raises(CheckpointError, match="v000003.json: sha256 mismatch"):
+        versions.list_versions(run)  # the listing names it
+
+
+def test_rollback_to_a_version_with_a_damaged_pack_is_refused(tmp_path):
+    """Regression: rollback to a version whose pack was truncated succeeded, and the next resume failed."""
+    versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
+    m = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {}, iteration=2, step=2)
+    pack = tmp_path / "versions" / "packs" / f"{m['tensors']['learner.params.w']['pack']}.safetensors"
+    pack.write_bytes(pack.read_bytes()[:-3])
+    with pytest.raises(CheckpointError, match="of v000002, key 'learner.params.w'"):
+        versions.rollback(tmp_path, "v000002")
+    assert versions.current_branch(tmp_path) == "main" and not (tmp_path / "versions" / "branches").exists()
+    assert versions.rollback(tmp_path, "v000001") == "from-v000001"
