@@ -197,7 +197,7 @@ def save_version(
         "written": {"blobs": len(new), "bytes": written_bytes},
     }
     record["manifest_sha256"] = _record_hash(record)
-    _atomic_write(root / "manifests" / f"{vid}.json", (json.dumps(record, indent=1) + "\n").encode())
+    _atomic_write(root / "manifests" / f"{vid}.json", (json.dumps(record) + "\n").encode())
     if keep_last is not None or keep_every:
         apply_retention(run_dir, keep_last=keep_last, keep_every=keep_every)
     return record
