@@ -24,3 +24,14 @@ class CheckpointError(RLFuncError):
 class SnapshotCorruptError(CheckpointError):
     """A snapshot's files are missing, unreadable, or fail their integrity check (size, sha256,
     JSON, tensor table): its bytes are damaged, as opposed to a sound snapshot of another run."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM stopped a run at once, without the snapshot the first one asks for.
+    ``run_dir``: the run's directory; ``resumable``: whether it holds a snapshot or version that
+    ``rlfunc resume`` continues from (False: stopped before the first one; its metrics lines are all
+    there is)."""
+
+    def __init__(self, run_dir, resumable: bool) -> None:
+        super().__init__(str(run_dir))
+        self.run_dir, self.resumable = run_dir, resumable

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlfunc.algos import registry
 from rlfunc.cli.common import Parser
-from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, SnapshotCorruptError
+from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrupted, SnapshotCorruptError
 
 _HEAD = "The ``rlfunc`` command.\n\n"
 _TAIL = """
@@ -219,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     except RLFuncError as e:
         print(f"rlfunc: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before training started or during the final evaluation
+    except KeyboardInterrupt as e:  # before training started, a second signal, or during the final evaluation
+        if isinstance(e, RunInterrupted) and not e.resumable:
+            print(f"rlfunc: interrupted before the run's first snapshot: {e.run_dir} holds its metrics but nothing "
+                  "to resume; remove it to train anew", file=sys.stderr)
+            return 130
         print("rlfunc: interrupted; a run's snapshots are kept (a run stopped during its final evaluation: "
               "`rlfunc eval RUN_DIR` evaluates its last snapshot, `rlfunc resume RUN_DIR` writes eval.json)", file=sys.stderr)
         return 130

@@ -36,7 +36,7 @@ from tensordict import TensorDict
 
 from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrupted
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
@@ -414,9 +414,12 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
             if not resume and rank0:
                 check_run_dir(run_dir, resume)  # another process may have written it before we held it
             return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard)
-    except BaseException:
+    except BaseException as e:
         if made and holding and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left
             shutil.rmtree(run_dir, ignore_errors=True)
+        elif isinstance(e, KeyboardInterrupt) and not isinstance(e, RunInterrupted) and holding and rank0:
+            # a second signal: say whether anything is there to resume (the CLI said "snapshots are kept" of a run with none)
+            raise RunInterrupted(run_dir, _resumable(run_dir)) from e
         raise
 
 
@@ -425,6 +428,14 @@ def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str |
     (``kwargs``: its ``max_iterations``, ``evaluate``, ``progress``, ``tensorboard``). A run that had
     already done its budget runs no iteration and is evaluated again. Raises as :func:`train`."""
     return train(None, run_dir, resume=True, total_steps=total_steps, device=device, **kwargs)
+
+
+def _resumable(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a snapshot or a version to resume from."""
+    try:
+        return checkpoint.latest_snapshot(run_dir) is not None or versions.head(run_dir) is not None
+    except RLFuncError:
+        return True  # one there, damaged: `rlfunc resume` names it
 
 
 def _nothing_kept(run_dir: Path) -> bool:

@@ -449,3 +449,25 @@ def test_rlfunc_warnings_are_one_line(capsys):
     assert ours == "rlfunc: warning: a damaged version skipped\n"
     theirs = fmt("deprecated", UserWarning, "/site-packages/gymnasium/core.py", 3, "x = 1")
     assert "rlfunc" not in theirs and "gymnasium/core.py:3: UserWarning: deprecated" in theirs
+
+
+@pytest.mark.parametrize("checkpoint_every, says", [("10", "before the run's first snapshot"), ("1", "snapshots are kept")])
+def test_a_second_signal_says_whether_anything_is_there_to_resume(tmp_path, capsys, monkeypatch, checkpoint_every, says):
+    # Regression: a run stopped at once (a second Ctrl-C) before its first snapshot printed "a run's snapshots
+    # are kept", of a run dir with metrics lines and nothing to resume (which `rlfunc train` then refuses)
+    from rlfunc.run.ppo import PPORun
+
+    step = PPORun.step
+
+    def second_signal_in_iteration_2(self, i, stopping):
+        if i == 2:
+            raise KeyboardInterrupt
+        return step(self, i, stopping)
+
+    monkeypatch.setattr(PPORun, "step", second_signal_in_iteration_2)
+    run = tmp_path / "run"
+    argv = ["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY, "--version-every", "0"]
+    argv[argv.index("--checkpoint-every") + 1] = checkpoint_every
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and len((run / "metrics.jsonl").read_text().splitlines()) == 1
