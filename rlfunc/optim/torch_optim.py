@@ -44,8 +44,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def member_grad_norms(grads: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
     """Global L2 norm of the gradients, per member: ``[M]`` when ``stacked`` else ``[1]``."""
-    if stacked:
-        sq = [g.pow(2).reshape(g.shape[0], -1).sum(1) for g in grads]
+    if stacked:  # a sum over the trailing dims, not over a reshape: a transposed gradient (a weight's, from bmm's
+        # backward) then reduces in its memory order, which inductor vectorises (it ran a scalar loop over the reshape)
+        sq = [g.pow(2).sum(dim=tuple(range(1, g.dim()))) if g.dim() > 1 else g.pow(2) for g in grads]
     else:
         sq = [g.pow(2).sum().reshape(1) for g in grads]
     return torch.stack(sq).sum(0).sqrt()
