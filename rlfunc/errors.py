@@ -27,11 +27,12 @@ class SnapshotCorruptError(CheckpointError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM stopped a run at once, without the snapshot the first one asks for.
-    ``run_dir``: the run's directory; ``resumable``: whether it holds a snapshot or version that
-    ``rlfunc resume`` continues from (False: stopped before the first one; its metrics lines are all
-    there is)."""
+    """A run stopped by a signal where it could not save first: a second SIGINT/SIGTERM during an
+    iteration, or one during the final evaluation (``evaluating``; the run is done and its snapshots
+    kept, eval.json is not written). ``run_dir``: the run's directory; ``resumable``: whether it holds
+    a snapshot or version that ``rlfunc resume`` continues from (False: stopped before the first one;
+    its metrics lines are all there is); ``signal``: "SIGINT" or "SIGTERM" when known."""
 
-    def __init__(self, run_dir, resumable: bool) -> None:
+    def __init__(self, run_dir, resumable: bool, *, evaluating: bool = False, signal: str | None = None) -> None:
         super().__init__(str(run_dir))
-        self.run_dir, self.resumable = run_dir, resumable
+        self.run_dir, self.resumable, self.evaluating, self.signal = run_dir, resumable, evaluating, signal

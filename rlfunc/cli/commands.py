@@ -219,14 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     except RLFuncError as e:
         print(f"rlfunc: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # before training started, a second signal, or during the final evaluation
-        if isinstance(e, RunInterrupted) and not e.resumable:
+    except KeyboardInterrupt as e:  # a second signal, one during the final evaluation, or before a run began
+        code = 143 if getattr(e, "signal", None) == "SIGTERM" else 130
+        if not isinstance(e, RunInterrupted):
+            print("rlfunc: interrupted", file=sys.stderr)
+        elif e.evaluating:
+            print(f"rlfunc: interrupted during the final evaluation: {e.run_dir} keeps its snapshots; `rlfunc resume "
+                  f"{e.run_dir}` evaluates it and writes eval.json", file=sys.stderr)
+        elif e.resumable:
+            print(f"rlfunc: interrupted; {e.run_dir} keeps its snapshots: continue with `rlfunc resume {e.run_dir}`",
+                  file=sys.stderr)
+        else:
             print(f"rlfunc: interrupted before the run's first snapshot: {e.run_dir} holds its metrics but nothing "
                   "to resume; remove it to train anew", file=sys.stderr)
-            return 130
-        print("rlfunc: interrupted; a run's snapshots are kept (a run stopped during its final evaluation: "
-              "`rlfunc eval RUN_DIR` evaluates its last snapshot, `rlfunc resume RUN_DIR` writes eval.json)", file=sys.stderr)
-        return 130
+        return code
     except BrokenPipeError:  # `rlfunc versions list RUN_DIR | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

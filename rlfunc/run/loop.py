@@ -40,7 +40,7 @@ from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrup
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
-from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, StopOnSignal, check_budget, check_budget_covers, check_run_dir, hold_run_dir,
+from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, InterruptOnSignal, StopOnSignal, check_budget, check_budget_covers, check_run_dir, hold_run_dir,
                                has_loss_scale, has_shaping_link, truncate_metrics, with_loss_scales, with_shaping_in_chain)
 
 # the record keys the progress bar shows, when the record has them
@@ -327,7 +327,13 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         return RunResult(run.state, run_dir, None, interrupted)
     plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", key=run.curve)
     if evaluate and interrupted is None and run.done() >= run.total:
-        evaluation = run.evaluate()
+        with InterruptOnSignal() as stop:  # a signal here stops the evaluation: the run is done, its snapshots kept
+            try:
+                evaluation = run.evaluate()
+            except KeyboardInterrupt as e:
+                raise RunInterrupted(run_dir, True, evaluating=True, signal=stop.signal) from e
+        if stop.signal is not None:  # raised where Python could only print it (the bug: eval.json written, exit 0, or 130)
+            raise RunInterrupted(run_dir, True, evaluating=True, signal=stop.signal)
         if evaluation is not None:
             (run_dir / "eval.json").write_text(json.dumps(to_jsonable(evaluation)) + "\n")
     return RunResult(run.state, run_dir, evaluation, interrupted)

@@ -451,7 +451,7 @@ def test_rlfunc_warnings_are_one_line(capsys):
     assert "rlfunc" not in theirs and "gymnasium/core.py:3: UserWarning: deprecated" in theirs
 
 
-@pytest.mark.parametrize("checkpoint_every, says", [("10", "before the run's first snapshot"), ("1", "snapshots are kept")])
+@pytest.mark.parametrize("checkpoint_every, says", [("10", "before the run's first snapshot"), ("1", "keeps its snapshots: continue with")])
 def test_a_second_signal_says_whether_anything_is_there_to_resume(tmp_path, capsys, monkeypatch, checkpoint_every, says):
     # Regression: a run stopped at once (a second Ctrl-C) before its first snapshot printed "a run's snapshots
     # are kept", of a run dir with metrics lines and nothing to resume (which `rlfunc train` then refuses)
@@ -471,3 +471,33 @@ def test_a_second_signal_says_whether_anything_is_there_to_resume(tmp_path, caps
     assert main(argv) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("swallowed", [False, True])
+def test_a_signal_during_the_final_evaluation_always_ends_it_without_eval_json(tmp_path, capsys, monkeypatch, swallowed):
+    # Regression (new-user pass): SIGINT during the final evaluation was racy: where Python could only print the
+    # KeyboardInterrupt (a weakref callback: "Exception ignored in ..."), the evaluation ran on, wrote eval.json and
+    # exited 0. Now the signal is remembered: exit 130, no eval.json, and `rlfunc resume` evaluates
+    import os
+    import signal
+
+    from rlfunc.run.ppo import PPORun
+
+    evaluate = PPORun.evaluate
+
+    def interrupted(self):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            if not swallowed:
+                raise
+        return evaluate(self)
+
+    monkeypatch.setattr(PPORun, "evaluate", interrupted)
+    run = tmp_path / "run"
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY]) == 130
+    assert "during the final evaluation" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (run / "eval.json").exists()
+    monkeypatch.setattr(PPORun, "evaluate", evaluate)
+    assert main(["resume", str(run)]) == 0
+    assert json.loads((run / "eval.json").read_text())["env_steps"] == 256
