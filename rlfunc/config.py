@@ -154,6 +154,10 @@ def _check_kind(name: str, value: Any, current: Any) -> Any:
         kind, ok = "a str", isinstance(value, str)
     elif isinstance(current, tuple):
         kind, ok = "a tuple", isinstance(value, (tuple, list))
+        if ok and current and all(isinstance(c, int) and not isinstance(c, bool) for c in current):
+            # widths and the like: the bug was hidden=(8.5,) failing inside torch, (8, "a") in a comparison
+            kind, ok = "a tuple of ints", all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+            value = tuple(int(v) for v in value) if ok else value
     else:
         return value
     if not ok:

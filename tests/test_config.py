@@ -85,6 +85,15 @@ def test_replace_names_a_value_of_the_wrong_kind():
     with pytest.raises(ConfigError, match="^device=0: expected a str$"):
         replace(PPOConfig(), device=0)
     assert replace(PPOConfig(), hidden=[32, 32], lr=1, total_steps=4096).hidden == (32, 32)  # a list, an int for a float: fine
+    # the bug (new-user pass): hidden=(8.5,) failed inside torch's Linear, (8, "a") in a comparison
+    from rlfunc.algos.sac import SACConfig
+
+    for bad in ((8.5,), (8, "a"), (True, 8)):
+        with pytest.raises(ConfigError, match=r"^hidden=.*: expected a tuple of ints$"):
+            replace(SACConfig(), hidden=bad)
+    import numpy as np
+
+    assert replace(SACConfig(), hidden=(np.int64(16), 16)).hidden == (16, 16)
 
 
 def test_replace_routes_run_fields_into_run():
