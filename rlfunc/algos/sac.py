@@ -69,8 +69,9 @@ class SACConfig(OffPolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.alpha_lr > 0 or not self.init_alpha > 0:
-            raise ConfigError(f"alpha_lr={self.alpha_lr}, init_alpha={self.init_alpha}: expected > 0")
+        for name in ("alpha_lr", "init_alpha"):  # one named at a time (both were named of either); nan, inf refused
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a finite number > 0")
         if self.target_entropy is not None and not math.isfinite(self.target_entropy):
             raise ConfigError(f"target_entropy={self.target_entropy}: expected a finite number or None")
         if self.redq_subset is not None and not 1 <= self.redq_subset <= self.num_critics:

@@ -87,10 +87,11 @@ class SACDiffusionConfig(ReplayDiffusionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("eta", "eval_eta", "noise_scale", "reward_scale"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
-        if not self.alpha_lr > 0 or not self.init_alpha > 0:
-            raise ConfigError(f"alpha_lr={self.alpha_lr}, init_alpha={self.init_alpha}: expected > 0")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a finite number >= 0")
+        for name in ("alpha_lr", "init_alpha"):  # one named at a time (both were named of either); nan, inf refused
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a finite number > 0")
         if self.target_entropy is not None and not math.isfinite(self.target_entropy):
             raise ConfigError(f"target_entropy={self.target_entropy}: expected a finite number or None")
         for name in ("entropy_every", "entropy_states", "entropy_components"):

@@ -122,6 +122,8 @@ def test_redq_takes_a_subset_min_in_the_target():
     (dict(n_step=3), "n_step=3"), (dict(redq_subset=3), "redq_subset=3"), (dict(tau=0.0), "tau=0.0"),
     (dict(num_seeds=2), "run.num_seeds=2"), (dict(init_alpha=0.0), "init_alpha=0.0"), (dict(hidden=()), "hidden"),
     (dict(learning_starts=-1), "learning_starts=-1"), (dict(activation="gelu"), "activation"),
+    # new-user pass: nan was "alpha_lr=0.001, init_alpha=nan" (both named), inf passed
+    (dict(init_alpha=float("nan")), "^init_alpha=nan: expected a finite number > 0$"), (dict(init_alpha=float("inf")), "init_alpha=inf"),
 ])
 def test_bad_config_is_refused(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -175,6 +175,8 @@ def _prec():
         (dict(entropy_samples=2), "entropy_samples=2: expected >= entropy_components=3"),
         (dict(entropy_states=999), "entropy_states=999: expected <= batch_size=256"),
         (dict(noise_scale=-0.1), "noise_scale=-0.1"),
+        (dict(noise_scale=float("nan")), "noise_scale=nan: expected a finite number >= 0"),
+        (dict(alpha_lr=float("inf")), "alpha_lr=inf: expected a finite number > 0"),
         (dict(init_alpha=0.0), "init_alpha=0.0"),
         (dict(entropy_every=0), "entropy_every=0"),
         (dict(actor=ActorSpec(horizon=4, act_steps=2)), "sac-diffusion's critic scores the executed chunk"),
