@@ -67,12 +67,11 @@ def _eval(argv: list[str]) -> int:
     if version is not None:
         return _eval_version(a, version)
     snap = checkpoint.snapshot_to_read(a.run_dir)  # a run dir's latest snapshot, or a snapshot directory
-    algo = checkpoint.load_meta(snap).get("algo")
-    if algo not in registry.names(commands=False):
-        raise CheckpointError(f"{snap}: snapshot algo={algo!r}: expected one of {', '.join(registry.names(commands=False))}")
-    entry = registry.lookup(algo)
     try:
-        result = registry.resolve(entry.evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
+        algo = checkpoint.load_meta(snap).get("algo")
+        if algo not in registry.names(commands=False):
+            raise CheckpointError(f"{snap}: snapshot algo={algo!r}: expected one of {', '.join(registry.names(commands=False))}")
+        result = registry.resolve(registry.lookup(algo).evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
     except SnapshotCorruptError as e:  # name the older snapshots, as resume does
         older = [p for p in checkpoint.run_snapshots(a.run_dir) if p.name < snap.name]
         if str(snap) not in str(e) or not older:
@@ -149,14 +148,16 @@ def _resume(argv: list[str]) -> int:
 def _resume_from(a, snap) -> int:
     from rlfunc.cli.common import launch
     from rlfunc.run import checkpoint
-    from rlfunc.run.loop import resume_source
+    from rlfunc.run.loop import resume_source, source_meta
 
-    meta = checkpoint.load_meta(snap) if snap is not None else {}
+    source = resume_source(a.run_dir)
+    # what the resume continues from (a snapshot, or a version: after a rollback, or past an unreadable meta.json)
+    meta, where = source_meta(Path(a.run_dir), source) if source is not None else ({}, str(a.run_dir))
     if a.snapshot is not None and snap is not None:  # after a rollback the run continues on its new branch: say so
         from rlfunc.run import versions
 
-        source, branch = resume_source(a.run_dir), versions.current_branch(a.run_dir)
-        on = meta.get("branch", versions.MAIN)
+        branch = versions.current_branch(a.run_dir)
+        on = checkpoint.load_meta(snap).get("branch", versions.MAIN)
         if source is not None and source[0] == "version" and on != branch:
             raise ConfigError(f"--snapshot {a.snapshot}: the snapshot is on branch {on!r}, the run on {branch!r} (a rollback) "
                               f"and continues from its head version {source[1]}; resume without --snapshot, or roll back "
@@ -165,10 +166,10 @@ def _resume_from(a, snap) -> int:
     nproc = run.get("nproc", 1) if isinstance(run, dict) else 1
     nproc = nproc if a.nproc is None else a.nproc
     if isinstance(nproc, int) and nproc > 1:  # a data-parallel run continues on as many ranks, under torchrun
-        if snap is not None:  # a count the run cannot split over is one line here, not one per rank
+        if source is not None:  # a count the run cannot split over is one line here, not one per rank
             from rlfunc.config import replace
 
-            replace(registry.config_from_meta(meta, snap), nproc=nproc)
+            replace(registry.config_from_meta(meta, where), nproc=nproc)
         flags = [*(["--total-steps", str(a.total_steps)] if a.total_steps is not None else []),
                  *(["--device", a.device] if a.device is not None else [])]
         launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir))
@@ -177,7 +178,7 @@ def _resume_from(a, snap) -> int:
     from rlfunc.run.loop import resume
 
     result = resume(a.run_dir, a.total_steps, device=a.device)
-    return registry.resolve(registry.for_snapshot(meta.get("algo") if snap is not None else None).report)(result)
+    return registry.resolve(registry.for_snapshot(meta.get("algo") if source is not None else None).report)(result)
 
 
 def _versions(argv: list[str]) -> int:

@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ from tensordict import TensorDict
 
 from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
-from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrupted
+from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrupted, SnapshotCorruptError
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
@@ -161,6 +162,8 @@ def resume_source(run_dir: str | Path) -> tuple[str, Path | str] | None:
     latest snapshot is on the current branch and at least as far along (a snapshot without a
     "branch" is on "main").
 
+    A latest snapshot whose meta.json cannot be read gives way to the head version, with a warning.
+
     Raises:
         CheckpointError: a version manifest fails its check.
     """
@@ -169,7 +172,11 @@ def resume_source(run_dir: str | Path) -> tuple[str, Path | str] | None:
     if head is None:
         return None if snap is None else ("snapshot", snap)
     if snap is not None:
-        meta = checkpoint.load_meta(snap)
+        try:
+            meta = checkpoint.load_meta(snap)
+        except SnapshotCorruptError as e:  # its meta.json unreadable: which is further along is unknown; the version loads
+            warnings.warn(f"{e}: continuing from version {head['id']} (step {head['step']}), the branch's head", stacklevel=2)
+            return "version", head["id"]
         same_branch = meta.get("branch", versions.MAIN) == versions.current_branch(run_dir)
         if same_branch and meta.get("env_steps", -1) >= head["step"]:
             return "snapshot", snap

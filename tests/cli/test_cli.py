@@ -501,3 +501,26 @@ def test_a_signal_during_the_final_evaluation_always_ends_it_without_eval_json(t
     monkeypatch.setattr(PPORun, "evaluate", evaluate)
     assert main(["resume", str(run)]) == 0
     assert json.loads((run / "eval.json").read_text())["env_steps"] == 256
+
+
+def test_an_unreadable_latest_meta_json_gives_way_to_the_head_version_or_names_older_snapshots(tmp_path, capsys):
+    # Regression (new-user pass): a truncated meta.json of the latest snapshot blocked `rlfunc resume` though the
+    # head version holds the same state, and `rlfunc eval` named no older snapshot (a corrupt state file's error does)
+    for versioned in (True, False):
+        run = tmp_path / f"run{versioned}"
+        assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY,
+                     "--version-every", "1" if versioned else "0"]) == 0
+        meta = run / "checkpoints" / "step_000000000256" / "meta.json"
+        meta.write_text(meta.read_text()[:100])
+        capsys.readouterr()
+        if versioned:
+            with pytest.warns(UserWarning, match="meta.json: not valid JSON.*continuing from version v000002"):
+                assert main(["eval", str(run), "--episodes", "2"]) == 0
+            assert json.loads(capsys.readouterr().out)["env_steps"] == 256
+            with pytest.warns(UserWarning, match="continuing from version v000002"):
+                assert main(["resume", str(run), "--total-steps", "384"]) == 0
+            assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [128, 256, 384]
+        else:
+            assert main(["eval", str(run), "--episodes", "2"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "not valid JSON" in err[0] and "Older snapshots: step_000000000128" in err[0]
