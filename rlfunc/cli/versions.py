@@ -50,7 +50,7 @@ def _list(argv: list[str]) -> int:
     p = _parser("list", "List the run's versions, oldest first; * marks branch heads, > the current branch.")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     a = p.parse_args(argv)
-    manifests = versions.list_versions(a.run_dir)
+    manifests = versions.list_versions(a.run_dir, skip_bad=True)  # a damaged manifest: a warning line, the rest listed
     heads = versions.branch_heads(a.run_dir)
     current = versions.current_branch(a.run_dir)
     if a.json:

@@ -315,14 +315,16 @@ def collect_garbage(run_dir: str | os.PathLike) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------ reading
 
 
-def list_versions(run_dir: str | os.PathLike) -> list[dict]:
+def list_versions(run_dir: str | os.PathLike, *, skip_bad: bool = False) -> list[dict]:
     """Every version's manifest, oldest first (each verified against its own sha256).
 
     Raises:
-        CheckpointError: no run directory or version store, or a manifest that fails its check.
+        CheckpointError: no run directory or version store, or a manifest that fails its check
+            (with ``skip_bad``: that one is left out, with a warning naming it).
     """
     root = _existing_root(run_dir)
-    return [m for _, m in sorted(_manifests(root).items(), key=lambda kv: _id_number(kv[0]))]
+    manifests = _manifests(root, skip_bad=[] if skip_bad else None)
+    return [m for _, m in sorted(manifests.items(), key=lambda kv: _id_number(kv[0]))]
 
 
 def read_manifest(run_dir: str | os.PathLike, version: str) -> dict:
@@ -377,11 +379,12 @@ def diff_versions(run_dir: str | os.PathLike, a: str, b: str) -> dict:
         "hyperparameters": {name: [value_a, value_b]} for config fields that differ}.
 
     Raises:
-        CheckpointError: as ``load_version``.
+        CheckpointError: as ``load_version``, for the manifests and the parameters' blobs.
     """
-    sa, ma = load_version(run_dir, a)
-    sb, mb = load_version(run_dir, b)
-    fa, fb = _flatten(sa, "a"), _flatten(sb, "b")
+    root = _existing_root(run_dir)
+    ma, mb = read_manifest(run_dir, a), read_manifest(run_dir, b)
+    # the parameters' blobs only: a damaged replay-buffer blob does not stop a diff of the weights
+    fa, fb = (_read_blobs(root, {k: v for k, v in m["tensors"].items() if k.startswith(PARAMS_PREFIX)}, m["id"]) for m in (ma, mb))
     layers = {
         name: relative_change(fa[name], fb[name])
         for name in sorted(fa)
@@ -413,9 +416,9 @@ def current_branch(run_dir: str | os.PathLike) -> str:
 
 
 def branch_heads(run_dir: str | os.PathLike) -> dict[str, str | None]:
-    """{branch: id of its newest version, or its base when it has none yet}, "main" first."""
+    """{branch: id of its newest readable version, or its base when it has none yet}, "main" first."""
     root = _existing_root(run_dir)
-    manifests = _manifests(root)
+    manifests = _manifests(root, skip_bad=[])
     names = [MAIN, *sorted(_branch_records(root))]
     return {name: _head(root, name, manifests) for name in names}
 

@@ -533,3 +533,26 @@ def test_rollback_to_a_version_with_a_damaged_pack_is_refused(tmp_path):
         versions.rollback(tmp_path, "v000002")
     assert versions.current_branch(tmp_path) == "main" and not (tmp_path / "versions" / "branches").exists()
     assert versions.rollback(tmp_path, "v000001") == "from-v000001"
+
+
+def test_list_and_diff_get_past_damage_that_is_not_theirs(tmp_path, capsys):
+    """Regression (new-user pass): `versions list` failed on one damaged manifest, and `versions diff`
+    on a damaged non-parameter blob (a replay buffer's) though it compares the weights only."""
+    versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
+    versions.save_version(tmp_path, _state([3.0, 5.0], [0.0], extra=torch.ones(3)), {}, iteration=2, step=2)
+    m = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0], extra=torch.zeros(3)), {}, iteration=3, step=3)
+    pack = tmp_path / "versions" / "packs" / f"{m['tensors']['extra']['pack']}.safetensors"
+    assert all(spec["pack"] != m["tensors"]["extra"]["pack"] for k, spec in m["tensors"].items() if k != "extra")
+    data = pack.read_bytes()
+    pack.write_bytes(data[:-1] + bytes([data[-1] ^ 0x40]))  # the buffer's blob is corrupt
+    with pytest.raises(CheckpointError, match="key 'extra'.*hash mismatch"):
+        versions.load_version(tmp_path, "v000003")
+    d = versions.diff_versions(tmp_path, "v000001", "v000003")
+    assert d["layers"]["learner.params.w"] == pytest.approx(1.0 / 5.0) and d["layers"]["learner.params.b"] == 0.0
+    manifest = tmp_path / "versions" / "manifests" / "v000001.json"
+    manifest.write_text(manifest.read_text()[:200])
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="v000001.json: unreadable manifest"):
+        assert cli.main(["versions", "list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0].strip("*>") for line in out.splitlines()[1:]] == ["v000002", "v000003"]
