@@ -12,13 +12,14 @@ appendix C (denoising discount, clip-range schedule over denoising steps, std fl
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.ppo import explained_variance, normalize_advantage
+from rlfunc.losses.ppo import check_coefficient, explained_variance, normalize_advantage
 
 
 def clip_schedule(num_steps: int, clip_min: float, clip_max: float, rate: float = 3.0, *, device=None) -> Tensor:
@@ -72,12 +73,16 @@ def dppo_loss(
         sample_log_prob: [B, K'] float, the same at collection.
         advantage: [B, 1] float, environment-level advantage (e.g. GAE).
         state_value: [B, 1] float, V_phi(s) now; value_target: [B, 1] float.
-        clip_epsilon: float or [K'] per-step clip ranges (:func:`clip_schedule`), > 0.
+        clip_epsilon: float or [K'] per-step clip ranges (:func:`clip_schedule`), finite and > 0.
         denoising_discount: gamma_denoise in (0, 1].
         total_steps: K, the chain length (default K').
-        old_state_value, value_clip_epsilon, value_coef, normalize_advantages: as in
-            :func:`rlfunc.losses.ppo.ppo_loss`.
+        old_state_value: [B, 1] float, V at collection; needed when ``value_clip_epsilon`` is set.
+        value_clip_epsilon: finite and >= 0 (0 pins the clipped branch at ``old_state_value``), or
+            None for the plain squared error; as in :func:`rlfunc.losses.ppo.ppo_loss`.
+        value_coef: weight of the value loss, finite and >= 0.
+        normalize_advantages: as in :func:`rlfunc.losses.ppo.ppo_loss`.
         entropy: optional [B, 1] entropy estimate for a bonus weighted by ``entropy_coef``.
+        entropy_coef: finite and >= 0.
 
     Returns:
         (loss 0-dim, metrics TensorDict of 0-dim floats: loss_objective, loss_critic, approx_kl
@@ -85,7 +90,10 @@ def dppo_loss(
         ratio_max, explained_variance).
 
     Raises:
-        ShapeError: mismatched shapes. ConfigError: ranges.
+        ShapeError: mismatched shapes (``old_state_value`` included, when given), or no
+            sample (B = 0) or no denoising step (K' = 0).
+        ConfigError: a hyperparameter that is not a number, not finite (NaN, inf) or outside its
+            range above; value clipping without old values.
     """
     if log_prob.ndim != 2 or sample_log_prob.shape != log_prob.shape:
         raise ShapeError(
@@ -93,17 +101,27 @@ def dppo_loss(
             "expected equal shapes [B, K']"
         )
     b, k_ft = log_prob.shape
-    for name, t in (("advantage", advantage), ("state_value", state_value), ("value_target", value_target)):
-        if t.shape != (b, 1):
+    if b == 0 or k_ft == 0:  # the means below would be NaN
+        raise ShapeError(f"dppo_loss: log_prob has shape {tuple(log_prob.shape)}: expected at least one sample and one denoising step")
+    for name, t in (("advantage", advantage), ("state_value", state_value), ("value_target", value_target),
+                    ("old_state_value", old_state_value)):
+        if t is not None and t.shape != (b, 1):  # a [B] old_state_value against a [B, 1] state_value broadcast to [B, B]
             raise ShapeError(f"dppo_loss: {name} has shape {tuple(t.shape)}, expected {(b, 1)}")
     total = k_ft if total_steps is None else total_steps
     if total < k_ft:
         raise ConfigError(f"total_steps={total}: expected >= the {k_ft} steps in log_prob")
-    if not 0 < denoising_discount <= 1:
+    if not 0 < denoising_discount <= 1:  # NaN and inf fail it too
         raise ConfigError(f"denoising_discount={denoising_discount}: expected a value in (0, 1]")
+    check_coefficient("dppo_loss", "value_coef", value_coef)
+    check_coefficient("dppo_loss", "entropy_coef", entropy_coef)
+    if value_clip_epsilon is not None:
+        check_coefficient("dppo_loss", "value_clip_epsilon", value_clip_epsilon)
+    if isinstance(clip_epsilon, bool) or not isinstance(clip_epsilon, (numbers.Real, Tensor)):
+        raise ConfigError(f"dppo_loss: clip_epsilon={clip_epsilon!r}: expected a number or a tensor of them")
     eps = torch.as_tensor(clip_epsilon, dtype=log_prob.dtype, device=log_prob.device)
-    if not torch.compiler.is_compiling() and not bool((eps > 0).all()):  # a traced step was checked at its eager first call
-        raise ConfigError(f"clip_epsilon={clip_epsilon}: expected > 0")
+    # a traced step was checked at its eager first call
+    if not torch.compiler.is_compiling() and not bool((torch.isfinite(eps) & (eps > 0)).all()):
+        raise ConfigError(f"dppo_loss: clip_epsilon={clip_epsilon}: expected finite values > 0")
     if value_clip_epsilon is not None and old_state_value is None:
         raise ConfigError("value_clip_epsilon is set but old_state_value was not given")
 

@@ -7,6 +7,7 @@ normalisation follow Huang et al. (2022), "The 37 implementation details of PPO"
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -14,6 +15,19 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
+
+
+def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> None:
+    """ConfigError naming ``name`` unless ``value`` is a finite real number (or tensor of them) that is
+    >= 0 (> 0 with ``positive``); NaN passes ``value < 0``, so it is refused here explicitly."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
+        raise ConfigError(f"{fn}: {name}={value!r}: expected a number")
+    if isinstance(value, Tensor):
+        ok = bool((torch.isfinite(value) & ((value > 0) if positive else (value >= 0))).all())
+    else:
+        ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ConfigError(f"{fn}: {name}={value}: expected a finite number {'> 0' if positive else '>= 0'}")
 
 
 def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
@@ -69,12 +83,14 @@ def ppo_loss(
         state_value: [*B, 1] float, V_theta(s) under the current parameters.
         value_target: [*B, 1] float, regression target for V.
         entropy: [*B, 1] float policy entropy (or an estimate); None disables the bonus.
-        old_state_value: [*B, 1] float, V at collection; needed when ``value_clip_epsilon`` is set.
-        clip_epsilon: surrogate clip range, > 0.
-        value_clip_epsilon: clip range of V around ``old_state_value`` (max of clipped/unclipped
-            squared errors); None for the plain squared error.
-        entropy_coef: weight of the entropy bonus, >= 0.
-        value_coef: weight of the value loss, >= 0.
+        old_state_value: [*B, 1] float (the shape of ``state_value``), V at collection; needed when
+            ``value_clip_epsilon`` is set.
+        clip_epsilon: surrogate clip range, finite and > 0.
+        value_clip_epsilon: clip range of V around ``old_state_value``, finite and >= 0 (max of the
+            clipped and unclipped squared errors; 0 pins the clipped branch at ``old_state_value``);
+            None for the plain squared error.
+        entropy_coef: weight of the entropy bonus, finite and >= 0.
+        value_coef: weight of the value loss, finite and >= 0.
         normalize_advantages: normalise ``advantage`` over this minibatch first (finite for one sample).
         sample_weight: [*B, 1] float >= 0, per-sample weight of the surrogate and value terms (the
             importance weights of prioritised sampling, Schaul et al. 2016); None: all 1.
@@ -85,13 +101,16 @@ def ppo_loss(
         explained_variance).
 
     Raises:
-        ShapeError: an input is not a floating-point tensor, or the inputs do not share one shape.
-        ConfigError: clip_epsilon <= 0, a coefficient that is not a number or is negative, or value
-            clipping without old values.
+        ShapeError: an input (``old_state_value`` and ``sample_weight`` included, when given) is not a
+            floating-point tensor, the inputs do not share one shape, or the minibatch is empty.
+        ConfigError: ``clip_epsilon``, ``value_clip_epsilon``, ``entropy_coef`` or ``value_coef`` is
+            not a number, is not finite (NaN, inf) or is out of its range above, or value clipping
+            is asked for without old values.
     """
     named = (("log_prob", log_prob), ("sample_log_prob", sample_log_prob), ("advantage", advantage), ("state_value", state_value),
              ("value_target", value_target))
-    for name, t in named:  # a list, a numpy array or an integer tensor fails here, named
+    optional = (("old_state_value", old_state_value), ("sample_weight", sample_weight))
+    for name, t in named + tuple((n, t) for n, t in optional if t is not None):  # a list, a numpy array or an integer tensor fails here, named
         if not isinstance(t, Tensor) or not t.is_floating_point():
             got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
             raise ShapeError(f"ppo_loss: {name}: expected a floating-point torch.Tensor, got {got}")
@@ -99,21 +118,22 @@ def ppo_loss(
     for name, t in named[1:]:
         if t.shape != shape:
             raise ShapeError(f"ppo_loss: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_prob")
-    for name, value in (("clip_epsilon", clip_epsilon), ("entropy_coef", entropy_coef), ("value_coef", value_coef)):
-        if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
-            raise ConfigError(f"ppo_loss: {name}={value!r}: expected a number")
-    if not clip_epsilon > 0:
-        raise ConfigError(f"clip_epsilon={clip_epsilon}: expected > 0")
-    if entropy_coef < 0 or value_coef < 0:
-        raise ConfigError(f"entropy_coef={entropy_coef}, value_coef={value_coef}: expected >= 0")
+    for name, t in optional:  # a [B] old_state_value against a [B, 1] state_value broadcast to [B, B]
+        if t is not None and t.shape != shape:
+            raise ShapeError(f"ppo_loss: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_prob")
+    if log_prob.numel() == 0:  # the means below would be NaN
+        raise ShapeError(f"ppo_loss: log_prob has shape {tuple(shape)}, an empty minibatch: expected at least one sample")
+    check_coefficient("ppo_loss", "clip_epsilon", clip_epsilon, positive=True)
+    check_coefficient("ppo_loss", "entropy_coef", entropy_coef)
+    check_coefficient("ppo_loss", "value_coef", value_coef)
+    if value_clip_epsilon is not None:
+        check_coefficient("ppo_loss", "value_clip_epsilon", value_clip_epsilon)
     if value_clip_epsilon is not None and old_state_value is None:
         raise ConfigError("value_clip_epsilon is set but old_state_value was not given")
 
     adv = normalize_advantage(advantage) if normalize_advantages else advantage
     objective, ratio = clipped_surrogate(log_prob, sample_log_prob, adv, clip_epsilon)
     if sample_weight is not None:
-        if sample_weight.shape != shape:
-            raise ShapeError(f"ppo_loss: sample_weight has shape {tuple(sample_weight.shape)}, expected {tuple(shape)}")
         objective = objective * sample_weight
     loss_objective = -objective.mean()
 

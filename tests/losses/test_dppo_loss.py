@@ -68,6 +68,48 @@ def test_dppo_loss_errors():
         dppo_loss(torch.zeros(4, 2), torch.zeros(4, 2), z, z, z, clip_epsilon=0.1, total_steps=1)
 
 
+def test_dppo_loss_old_state_value_of_another_shape_is_refused():
+    # the bug: a [B] old_state_value against a [B, 1] state_value broadcast to [B, B], silently
+    z = torch.zeros(4, 1)
+    with pytest.raises(ShapeError, match=r"^dppo_loss: old_state_value has shape \(4,\), expected \(4, 1\)$"):
+        dppo_loss(torch.zeros(4, 2), torch.zeros(4, 2), z, z, z, clip_epsilon=0.1,
+                  old_state_value=torch.zeros(4), value_clip_epsilon=0.2)
+
+
+def test_dppo_loss_empty_minibatch_is_refused():
+    # the bug: B = 0 returned a NaN loss with torch's "mean of empty tensor" warnings
+    z = torch.zeros(0, 1)
+    with pytest.raises(ShapeError, match=r"^dppo_loss: log_prob has shape \(0, 2\): expected at least one sample"):
+        dppo_loss(torch.zeros(0, 2), torch.zeros(0, 2), z, z, z, clip_epsilon=0.1)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"value_clip_epsilon": -0.1, "old_state_value": torch.zeros(4, 1)}, "value_clip_epsilon"),
+    ({"value_clip_epsilon": float("nan"), "old_state_value": torch.zeros(4, 1)}, "value_clip_epsilon"),
+    ({"entropy_coef": float("nan"), "entropy": torch.zeros(4, 1)}, "entropy_coef"),
+    ({"entropy_coef": -0.01}, "entropy_coef"),
+    ({"value_coef": float("inf")}, "value_coef"),
+    ({"value_coef": -0.5}, "value_coef"),
+    ({"clip_epsilon": float("nan")}, "clip_epsilon"),
+    ({"clip_epsilon": torch.tensor([0.1, float("inf")])}, "clip_epsilon"),
+    ({"denoising_discount": float("nan")}, "denoising_discount"),
+])
+def test_dppo_loss_bad_hyperparameters_raise(kwargs, name):
+    z = torch.zeros(4, 1)
+    kwargs = {"clip_epsilon": 0.1, **kwargs}
+    with pytest.raises(ConfigError, match=name):
+        dppo_loss(torch.zeros(4, 2), torch.zeros(4, 2), z, z, z, **kwargs)
+
+
+def test_dppo_loss_value_clip_epsilon_zero_pins_the_clipped_branch_at_the_old_value():
+    # V = [1, 2], V_old = [0, 2.5], V_target = [1.5, 1]: max((V - Vt)^2, (V_old - Vt)^2) = [2.25, 2.25]
+    # loss_critic = 0.5 * 0.5 * 2.25 = 0.5625
+    _, m = dppo_loss(torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1), torch.tensor([[1.0], [2.0]]),
+                     torch.tensor([[1.5], [1.0]]), clip_epsilon=0.1, old_state_value=torch.tensor([[0.0], [2.5]]),
+                     value_clip_epsilon=0.0)
+    assert float(m["loss_critic"]) == pytest.approx(0.5625, abs=1e-7)
+
+
 def test_td3_target_and_losses():
     next_q = torch.tensor([[[1.0], [2.0]], [[0.5], [3.0]]])  # [E=2, B=2, 1]
     reward = torch.tensor([[1.0], [0.0]])

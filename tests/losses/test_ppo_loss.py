@@ -245,3 +245,45 @@ def test_negative_coefficients_raise(kwargs):
     z = torch.zeros(3, 1)
     with pytest.raises(ConfigError):
         ppo_loss(z, z, z, z, z, **kwargs)
+
+
+def test_old_state_value_of_another_shape_is_refused():
+    # the bug: a [B] old_state_value against a [B, 1] state_value broadcast to [B, B] in the clipped
+    # value error and gave a wrong loss, silently
+    z = torch.zeros(4, 1)
+    with pytest.raises(ShapeError, match=r"^ppo_loss: old_state_value has shape \(4,\), expected \(4, 1\) like log_prob$"):
+        ppo_loss(z, z, z, z, z, old_state_value=torch.zeros(4), value_clip_epsilon=0.2)
+    with pytest.raises(ShapeError, match="^ppo_loss: old_state_value: expected a floating-point torch.Tensor, got dtype torch.int64$"):
+        ppo_loss(z, z, z, z, z, old_state_value=torch.zeros(4, 1, dtype=torch.int64), value_clip_epsilon=0.2)
+
+
+def test_empty_minibatch_is_refused():
+    # the bug: B = 0 returned a NaN loss with torch's "mean of empty tensor" warnings
+    z = torch.zeros(0, 1)
+    with pytest.raises(ShapeError, match=r"^ppo_loss: log_prob has shape \(0, 1\), an empty minibatch: expected at least one sample$"):
+        ppo_loss(z, z, z, z, z)
+
+
+@pytest.mark.parametrize("value_clip_epsilon", [-0.1, float("nan"), float("inf")])
+def test_bad_value_clip_epsilon_raises(value_clip_epsilon):
+    z = torch.zeros(3, 1)
+    with pytest.raises(ConfigError, match=f"^ppo_loss: value_clip_epsilon={value_clip_epsilon}: expected a finite number >= 0$"):
+        ppo_loss(z, z, z, z, z, old_state_value=z, value_clip_epsilon=value_clip_epsilon)
+
+
+def test_value_clip_epsilon_zero_pins_the_clipped_branch_at_the_old_value():
+    # V = [1, 2], V_old = [0, 2.5], V_target = [1.5, 1], eps_v = 0: the clipped value is V_old:
+    #   s0: max((1-1.5)^2, (0-1.5)^2) = max(0.25, 2.25) = 2.25; s1: max((2-1)^2, (2.5-1)^2) = 2.25
+    # loss_critic = 0.5 * 0.5 * 2.25 = 0.5625
+    z = col(0.0, 0.0)
+    _, metrics = ppo_loss(z, z, z, col(1.0, 2.0), col(1.5, 1.0), old_state_value=col(0.0, 2.5), value_clip_epsilon=0.0)
+    assert float(metrics["loss_critic"]) == pytest.approx(0.5625, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["clip_epsilon", "entropy_coef", "value_coef"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_coefficients_raise(name, value):
+    # the bug: entropy_coef=nan passed the "< 0" check and made the loss NaN
+    z = torch.zeros(3, 1)
+    with pytest.raises(ConfigError, match=f"^ppo_loss: {name}={value}: expected a finite number"):
+        ppo_loss(z, z, z, z, z, entropy=z, **{name: value})
