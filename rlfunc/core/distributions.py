@@ -344,7 +344,8 @@ def categorical_log_prob(
     """log pi(a) = sum_h [l_{h, a_h} - logsumexp_k l_{h, k}] over the (masked) heads' logits.
 
     Args:
-        logits: [*B, K] float, unnormalised log-probabilities (K = sum(nvec) with ``nvec``).
+        logits: [*B, K] float, unnormalised log-probabilities (K = sum(nvec) with ``nvec``); a -inf
+            logit gives its action log-probability -inf and a finite gradient.
         action: int64 [*B] (Discrete), or [*B, H] with ``nvec`` of length H (MultiDiscrete).
         action_mask: optional [*B, K] bool, True where allowed (per head, see ``masked_logits``). A
             masked action's log-probability is about the dtype's lowest value (finite, not -inf).
@@ -374,7 +375,8 @@ def categorical_entropy(logits: Tensor, *, action_mask: Tensor | None = None, nv
     """H = -sum_h sum_k p_{h,k} log p_{h,k} over the (masked) heads; masked actions add exactly 0.
 
     Args:
-        logits: [*B, K] float (K = sum(nvec) with ``nvec``).
+        logits: [*B, K] float (K = sum(nvec) with ``nvec``). A logit may be -inf (probability 0):
+            the entropy and its gradient stay finite, equal to ``torch.distributions.Categorical``'s.
         action_mask: optional [*B, K] bool, True where allowed.
         nvec: optional MultiDiscrete head sizes.
 
@@ -389,7 +391,10 @@ def categorical_entropy(logits: Tensor, *, action_mask: Tensor | None = None, nv
     for x in _heads(logits, action_mask, heads):
         logp = torch.log_softmax(x, -1)
         p = logp.exp()
-        total = total - (torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1, keepdim=True)
+        # p log p -> 0 as p -> 0: log p floored at the lowest finite value, so a -inf logit adds
+        # 0 * finite = 0 and its gradient 0 (a torch.where around p * log p still back-propagated
+        # 0 * -inf = NaN into every logit); torch.distributions.Categorical.entropy does the same
+        total = total - (p * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1, keepdim=True)
     return total
 
 

@@ -54,6 +54,31 @@ def test_masked_log_prob_and_entropy_match_torch():
     assert torch.isfinite(lp_bad).all() and (lp_bad < -1e30).all()
 
 
+def test_minus_inf_logit_gradient_is_finite_and_matches_torch():
+    # the bug: a -inf logit (masking by -inf) gave the right entropy but an all-NaN gradient
+    # (0 * -inf in the untaken branch of torch.where)
+    lg = torch.tensor([[0.0, -float("inf"), 1.0]], requires_grad=True)
+    h = categorical_entropy(lg)
+    h.sum().backward()
+    ref_lg = lg.detach().clone().requires_grad_(True)
+    ref = Categorical(logits=ref_lg).entropy()
+    ref.sum().backward()
+    torch.testing.assert_close(h.squeeze(-1), ref.detach())
+    # dH/dl = -p (log p + H): p = [0.2689, 0, 0.7311], H = 0.5822 -> [0.1966, 0, -0.1966]
+    torch.testing.assert_close(lg.grad, torch.tensor([[0.1966, 0.0, -0.1966]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(lg.grad, ref_lg.grad)
+    # the log_prob path: finite gradients equal to torch's, -inf for the action of probability 0
+    for a in range(3):
+        lg.grad = ref_lg.grad = None
+        lp = categorical_log_prob(lg, torch.tensor([a]))
+        lp.sum().backward()
+        ref_lp = Categorical(logits=ref_lg).log_prob(torch.tensor([a]))
+        ref_lp.sum().backward()
+        torch.testing.assert_close(lp.squeeze(-1), ref_lp.detach())
+        assert torch.isfinite(lg.grad).all()
+        torch.testing.assert_close(lg.grad, ref_lg.grad)
+
+
 def test_multidiscrete_is_a_sum_over_independent_heads():
     logits = _logits(4, batch=(7,), k=sum(NVEC))
     g = torch.Generator().manual_seed(5)
