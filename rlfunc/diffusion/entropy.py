@@ -5,8 +5,10 @@ per state, fitting a K-component Gaussian mixture (full covariances) to them and
 of the mixture; the estimate drives the temperature alpha (:func:`rlfunc.losses.sac.temperature_loss`
 with ``log_prob = -entropy``), which scales the noise added to the actions. The fit here is a small
 batched EM over every state at once, on the samples' device, with a fixed number of iterations (no
-data-dependent stopping, so no host synchronisation): a k-means++ draw of K centres, a hard
-assignment, then ``iters`` EM steps. No gradient flows through it.
+data-dependent stopping; the one host synchronisation is the check that the samples are finite): a
+k-means++ draw of K centres, a hard assignment, then ``iters`` EM steps. No gradient flows through
+it. float16 and bfloat16 samples are fitted in float32 (half precision has no Cholesky
+factorisation on the CPU, and its resolution near 1, ~1e-3, is coarser than the ``reg_covar`` floor).
 
 Shapes: samples [*B, M, A] (batch dims, samples per state, action dim); a mixture is
 ``GaussianMixture(weights [*B, K], means [*B, K, A], scale_tril [*B, K, A, A])`` with
@@ -42,10 +44,18 @@ class GaussianMixture(NamedTuple):
     scale_tril: Tensor  # [*B, K, A, A] float, lower Cholesky factors L_k
 
 
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the fit computes in: float32 for float16 / bfloat16, else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _check_samples(samples: Tensor, num_components: int) -> None:
     if not isinstance(samples, Tensor) or samples.ndim < 2 or not samples.is_floating_point():
         raise ShapeError(f"samples: expected a float tensor [*B, M, A], got "
                          f"{getattr(samples, 'shape', type(samples).__name__)} {getattr(samples, 'dtype', '')}")
+    bad = int((~torch.isfinite(samples)).sum())  # one host sync; NaN/inf failed deep in cholesky or multinomial
+    if bad:
+        raise ShapeError(f"samples: {bad} of {samples.numel()} values are NaN or inf; expected finite values")
     if isinstance(num_components, bool) or not isinstance(num_components, int) or num_components < 1:
         raise ConfigError(f"num_components={num_components!r}: expected an int >= 1")
     if samples.shape[-2] < num_components:
@@ -118,10 +128,11 @@ def fit_gmm(
             device's default generator.
 
     Returns:
-        ``GaussianMixture`` with batch shape *B, in ``samples``' dtype, without gradient.
+        ``GaussianMixture`` with batch shape *B, without gradient, in ``samples``' dtype; in float32
+        for float16 / bfloat16 samples, which are fitted in float32.
 
     Raises:
-        ShapeError: ``samples`` is not a float tensor with at least two dims.
+        ShapeError: ``samples`` is not a float tensor with at least two dims, or holds NaN or inf.
         ConfigError: ``num_components`` < 1 or > M, ``iters`` < 0, ``reg_covar`` <= 0.
     """
     _check_samples(samples, num_components)
@@ -130,7 +141,7 @@ def fit_gmm(
     if not reg_covar > 0:
         raise ConfigError(f"reg_covar={reg_covar}: expected a value > 0")
     batch, (m, a) = samples.shape[:-2], samples.shape[-2:]
-    x = samples.detach().reshape(-1, m, a)
+    x = samples.detach().reshape(-1, m, a).to(_work_dtype(samples.dtype))
     labels = _kmeans_pp_labels(x, num_components, generator)
     resp = torch.nn.functional.one_hot(labels, num_components).to(x.dtype)
     mixture = _m_step(x, resp, reg_covar)
@@ -152,7 +163,8 @@ def gmm_log_prob(x: Tensor, mixture: GaussianMixture) -> Tensor:
         mixture: batch shape *B, K components over A dims.
 
     Returns:
-        [*B, N] float.
+        [*B, N] float, in the promoted dtype of ``x`` and the mixture; float32 where that is float16
+        or bfloat16 (computed in float32, as :func:`fit_gmm`).
 
     Raises:
         ShapeError: ``x``'s batch or action dims differ from the mixture's.
@@ -161,9 +173,10 @@ def gmm_log_prob(x: Tensor, mixture: GaussianMixture) -> Tensor:
         raise ShapeError(f"x: shape {getattr(x, 'shape', type(x).__name__)}, expected [*B, N, A] with "
                          f"*B, A = {tuple(mixture.means.shape[:-2])}, {mixture.means.shape[-1]} (the mixture's)")
     batch, (n, a), k = x.shape[:-2], x.shape[-2:], mixture.weights.shape[-1]
-    flat = GaussianMixture(mixture.weights.reshape(-1, k), mixture.means.reshape(-1, k, a),
-                           mixture.scale_tril.reshape(-1, k, a, a))
-    return _joint_log_pdf(x.reshape(-1, n, a), flat).logsumexp(1).reshape(*batch, n)
+    dtype = _work_dtype(torch.promote_types(x.dtype, mixture.means.dtype))
+    flat = GaussianMixture(mixture.weights.reshape(-1, k).to(dtype), mixture.means.reshape(-1, k, a).to(dtype),
+                           mixture.scale_tril.reshape(-1, k, a, a).to(dtype))
+    return _joint_log_pdf(x.reshape(-1, n, a).to(dtype), flat).logsumexp(1).reshape(*batch, n)
 
 
 def gmm_sample(mixture: GaussianMixture, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
@@ -213,10 +226,12 @@ def gmm_entropy(
         mc_samples: draws per state of the ``"mixture"`` estimate, >= 1.
 
     Returns:
-        [*B, 1] float in ``samples``' dtype, in nats, without gradient.
+        [*B, 1] float in ``samples``' dtype, in nats, without gradient (float16 / bfloat16 samples
+        are fitted and evaluated in float32, the result rounded to their dtype).
 
     Raises:
-        ShapeError / ConfigError: as :func:`fit_gmm`; ``estimate`` unknown; ``mc_samples`` < 1.
+        ShapeError / ConfigError: as :func:`fit_gmm` (NaN or inf in ``samples`` included);
+            ``estimate`` unknown; ``mc_samples`` < 1.
     """
     if estimate not in _ESTIMATES:
         raise ConfigError(f"estimate={estimate!r}: expected one of {_ESTIMATES}")
@@ -227,6 +242,6 @@ def gmm_entropy(
         a = samples.shape[-1]
         log_det = 2.0 * mixture.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # [*B, K]
         h_k = 0.5 * (a * (1.0 + _LOG_2PI) + log_det)
-        return (mixture.weights * (h_k - mixture.weights.log())).sum(-1, keepdim=True)
+        return (mixture.weights * (h_k - mixture.weights.log())).sum(-1, keepdim=True).to(samples.dtype)
     points = samples if estimate == "samples" else gmm_sample(mixture, mc_samples, generator)
-    return -gmm_log_prob(points.detach(), mixture).mean(-1, keepdim=True)
+    return -gmm_log_prob(points.detach(), mixture).mean(-1, keepdim=True).to(samples.dtype)

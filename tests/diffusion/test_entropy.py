@@ -131,3 +131,34 @@ def test_errors_name_the_argument():
         fit_gmm(x, 2, iters=-1)
     with pytest.raises(ShapeError, match="x"):
         gmm_log_prob(torch.randn(2, 5, 3), fit_gmm(x, 2))
+
+
+def test_non_finite_samples_are_named():
+    # the bug: a NaN sample failed deep in linalg.cholesky, an inf one in multinomial
+    x = torch.randn(2, 50, 2, generator=torch.Generator().manual_seed(4))
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 7, 0] = bad
+        with pytest.raises(ShapeError, match=r"^samples: 1 of 200 values are NaN or inf; expected finite values$"):
+            gmm_entropy(y, 3)
+        with pytest.raises(ShapeError, match="^samples: "):
+            fit_gmm(y, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_samples_are_fitted_in_float32(dtype):
+    # the bug: float16 samples raised NotImplementedError in linalg.cholesky
+    x = torch.randn(2, 200, 3, generator=torch.Generator().manual_seed(5)).to(dtype)
+    mixture = fit_gmm(x, 2, iters=ITERS, generator=torch.Generator().manual_seed(0))
+    want = fit_gmm(x.float(), 2, iters=ITERS, generator=torch.Generator().manual_seed(0))
+    assert all(t.dtype == torch.float32 for t in mixture)
+    for got, ref in zip(mixture, want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    lp = gmm_log_prob(x, mixture)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, gmm_log_prob(x.float(), want), rtol=0, atol=0)
+    for est in ("samples", "mixture", "bound"):
+        h = gmm_entropy(x, 2, iters=ITERS, estimate=est, generator=torch.Generator().manual_seed(0))
+        ref = gmm_entropy(x.float(), 2, iters=ITERS, estimate=est, generator=torch.Generator().manual_seed(0))
+        assert h.dtype == dtype and h.shape == (2, 1)
+        torch.testing.assert_close(h, ref.to(dtype), rtol=0, atol=0)
