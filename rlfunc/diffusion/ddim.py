@@ -330,20 +330,38 @@ def gaussian_chain_log_prob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor
     Args:
         x_next: [*B, H, A] float, the sample x'.
         mean: [*B, H, A] float.
-        std: float > 0 broadcasting to [*B, H, A], typically [*B, 1, 1] (one std per sample and step).
+        std: finite and > 0, a Python float or a float tensor broadcasting to [*B, H, A], typically
+            [*B, 1, 1] (one std per sample and step).
 
     Returns:
         [*B] float, summed over H and A.
 
     Raises:
-        ShapeError: ``x_next`` and ``mean`` differ in shape or are below 2-d, or ``std`` does not broadcast.
+        ShapeError: ``x_next`` and ``mean`` differ in shape or are below 2-d, or ``std`` is not a
+            float / float tensor or does not broadcast.
+        ConfigError: a ``std`` that is <= 0, NaN or inf (not checked inside torch.compile: a host sync).
     """
     if x_next.ndim < 2 or x_next.shape != mean.shape:
         raise ShapeError(f"x_next {tuple(x_next.shape)} and mean {tuple(mean.shape)}: expected one shape [*B, H, A]")
+    if isinstance(std, numbers.Real) and not isinstance(std, bool):
+        if not (math.isfinite(std) and std > 0):
+            raise ConfigError(f"std={std}: expected a finite number > 0")
+        std = torch.tensor(float(std), dtype=x_next.dtype, device=x_next.device)
+    elif not isinstance(std, Tensor) or not std.is_floating_point():
+        raise ShapeError(f"std: expected a float or a float tensor, got "
+                         f"{std.dtype if isinstance(std, Tensor) else type(std).__name__}")
     try:
         torch.broadcast_shapes(std.shape, x_next.shape)
     except RuntimeError as err:
         raise ShapeError(f"std: shape {tuple(std.shape)} does not broadcast to {tuple(x_next.shape)}") from err
+    if not torch.compiler.is_compiling() and not bool((torch.isfinite(std) & (std > 0)).all()):  # std 0 gave NaN, silently
+        raise ConfigError(f"std: {int((~(torch.isfinite(std) & (std > 0))).sum())} of {std.numel()} values are <= 0, "
+                          "NaN or inf; expected finite values > 0")
+    return _gaussian_log_density(x_next, mean, std)
+
+
+def _gaussian_log_density(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """:func:`gaussian_chain_log_prob` without its checks (``chain_log_prob``'s std >= std_floor)."""
     z = (x_next - mean) / std
     return (-0.5 * z.square() - std.log() - _HALF_LOG_2PI).sum(dim=(-2, -1))
 
@@ -429,4 +447,4 @@ def chain_log_prob(
     a_prev = alpha_prod(alphas_cumprod, prev)[:, None, None]
     coefs = _coefficients(a_t, a_prev, eta, std_floor)
     mean = _mean(out.reshape(x.shape), x, coefs, prediction, clip_sample)
-    return gaussian_chain_log_prob(x_next, mean, coefs[4])
+    return _gaussian_log_density(x_next, mean, coefs[4])  # no host sync on the PPO update's hot path

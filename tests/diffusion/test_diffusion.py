@@ -410,6 +410,24 @@ def test_gaussian_chain_log_prob():
         gaussian_chain_log_prob(x, m[:2], std)
 
 
+def test_gaussian_chain_log_prob_float_std_and_bad_std():
+    g = torch.Generator().manual_seed(6)
+    x, m = torch.randn(3, H, A, generator=g), torch.randn(3, H, A, generator=g)
+    # the bug: a Python float std (as documented) raised AttributeError ('float' has no 'shape')
+    torch.testing.assert_close(gaussian_chain_log_prob(x, m, 0.5), Normal(m, 0.5).log_prob(x).sum((-2, -1)))
+    torch.testing.assert_close(gaussian_chain_log_prob(x, m, 2), Normal(m, 2.0).log_prob(x).sum((-2, -1)))
+    # the bug: std = tensor(0.) returned NaN, silently
+    with pytest.raises(ConfigError, match="^std: 1 of 1 values are <= 0, NaN or inf; expected finite values > 0$"):
+        gaussian_chain_log_prob(x, m, torch.tensor(0.0))
+    with pytest.raises(ConfigError, match="^std: 1 of 3 values"):
+        gaussian_chain_log_prob(x, m, torch.tensor([0.1, -0.5, 2.0])[:, None, None])
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=f"^std={bad}: expected a finite number > 0$"):
+            gaussian_chain_log_prob(x, m, bad)
+    with pytest.raises(ShapeError, match="^std: expected a float or a float tensor, got str$"):
+        gaussian_chain_log_prob(x, m, "0.5")
+
+
 def _grads(params, loss, retain_graph=False):
     leaves = func.leaves(params)
     return torch.autograd.grad(loss, leaves, allow_unused=True, retain_graph=retain_graph)
