@@ -482,9 +482,29 @@ def sample_prioritized(probs: Tensor, num_samples: int, generator: Generators) -
 
 def importance_weights(probs: Tensor, beta: float) -> Tensor:
     """``w_i = (N p_i)^-beta / max_j (N p_j)^-beta`` over the last dim (N entries): in (0, 1], 1 at
-    the least likely sample. ``beta`` in [0, 1] (1: full correction of the sampling bias)."""
+    the least likely sample (Schaul et al. 2016, sec. 3.4).
+
+    Args:
+        probs: ``[*M, N]`` float, the sampling probabilities p_i (e.g. :func:`priorities`); finite,
+            and > 0 when ``beta`` > 0.
+        beta: in [0, 1]; 0 is no correction (all weights 1), 1 the full correction of the sampling bias.
+
+    Raises:
+        ConfigError: ``beta`` outside [0, 1].
+        ShapeError: ``probs`` is not a float tensor, holds a negative, NaN or inf value, or a 0 with
+            ``beta`` > 0: (N p_i)^-beta is then infinite and the max-normalised weights are 0 for
+            every sample that can be drawn (NaN for the impossible one), and no finite weight
+            corrects for a sample that is never drawn. Keep every p_i > 0, as :func:`priorities`'
+            ``eps`` does (Schaul et al.'s epsilon).
+    """
     if not 0 <= beta <= 1:
         raise ConfigError(f"beta={beta}: expected a value in [0, 1]")
+    if not isinstance(probs, Tensor) or probs.ndim == 0 or not probs.is_floating_point():
+        raise ShapeError(f"importance_weights: probs: expected a float tensor [*M, N], got "
+                         f"{getattr(probs, 'shape', type(probs).__name__)} {getattr(probs, 'dtype', '')}")
+    if not bool((torch.isfinite(probs) & ((probs > 0) if beta > 0 else (probs >= 0))).all()):
+        raise ShapeError(f"importance_weights: probs: expected finite probabilities {'> 0 (beta > 0)' if beta > 0 else '>= 0'}, "
+                         f"got min {float(probs.min())}, max {float(probs.max())}")
     n = probs.shape[-1]
     w = (n * probs).pow(-beta)
     return w / w.amax(-1, keepdim=True)

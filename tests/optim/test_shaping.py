@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from rlfunc.config import replace
 from rlfunc.algos.ppo import PPOConfig, EnvSpec, SHAPING_PRESETS, make_ppo, preset
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.optim import shaping
 
 td = lambda **kw: TensorDict(kw, batch_size=[])  # noqa: E731
@@ -186,6 +186,26 @@ def test_priorities_sampling_frequencies_and_weights():
         shaping.importance_weights(p, beta=1.5)
     with pytest.raises(ConfigError, match="alpha"):
         shaping.priorities(m, alpha=-1)
+
+
+def test_importance_weights_of_a_zero_probability_are_refused():
+    # the bug: one p_i = 0 made (N p_i)^-beta infinite and every weight 0 or NaN: [0., 0., nan]
+    p = torch.tensor([0.5, 0.5, 0.0])
+    with pytest.raises(ShapeError, match=r"^importance_weights: probs: expected finite probabilities > 0 \(beta > 0\), got min 0.0, max 0.5$"):
+        shaping.importance_weights(p, 0.4)
+    for bad in (torch.tensor([0.5, 0.7, -0.2]), torch.tensor([0.5, float("nan"), 0.5]), torch.tensor([0.5, float("inf"), 0.5])):
+        for beta in (0.0, 0.4):
+            with pytest.raises(ShapeError, match="^importance_weights: probs: expected finite probabilities"):
+                shaping.importance_weights(bad, beta)
+    with pytest.raises(ShapeError, match="^importance_weights: probs: expected a float tensor"):
+        shaping.importance_weights(torch.tensor([1, 1]), 0.4)
+    # beta = 0 corrects nothing: every weight 1, a never-drawn sample included
+    assert torch.equal(shaping.importance_weights(p, 0.0), torch.ones(3))
+    # with priorities' eps every p_i > 0: finite weights, 1 at the least likely sample
+    q = shaping.priorities(torch.tensor([1.0, 1.0, 0.0]), alpha=1.0, eps=1e-6)
+    w = shaping.importance_weights(q, 0.4)
+    torch.testing.assert_close(w, (q / q[2]).pow(-0.4))
+    assert float(w[2]) == 1.0 and torch.isfinite(w).all()
 
 
 def test_sample_prioritized_members():
