@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from collections.abc import Sequence
@@ -11,8 +12,8 @@ from torch.optim.adam import adam as torch_adam  # the functional form torch.opt
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rlfunc.errors import ConfigError
-from rlfunc.optim.base import GradientTransform, _dict, check_shapes, from_leaves, leaves_at, leaves_at_each, tree_leaves, tree_like
+from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.optim.base import GradientTransform, _dict, _key, check_shapes, from_leaves, leaves_at, leaves_at_each, tree_leaves, tree_like
 
 
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, *,
@@ -48,19 +49,29 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
 
     ``update(grads, state, params=None, *, lr=None, mask=None)`` (and ``update_leaves``, the same over
     the leaf lists):
-        lr: this step's learning rate (a schedule's value); None: the ``lr`` above.
-        mask: [S] bool, the members (leading dim of every leaf) whose step is valid. A member with
-            False keeps its moments and gets a zero update, so its parameters stay bit for bit (its
-            non-finite gradients never reach them). The step count is one per leaf, shared by the
-            members, and still advances for a skipped member while another steps (its later bias
-            correction is that of one more step); with a single member (S = 1) a skipped step
-            leaves everything, the count included, untouched. The same rule as
-            :func:`rlfunc.optim.masked_step` over torch.optim.Adam.
+        lr: this step's learning rate (a schedule's value): a finite real number >= 0, or a
+            floating tensor of one element (0-dim in a compiled step; its value is not checked,
+            which would read it back to the host); None: the ``lr`` above.
+        mask: [S] bool on the leaves' device, the members (leading dim S of every leaf, S > 1) whose
+            step is valid; or one bool flag ([1] or 0-dim) for the whole step, the form for unstacked
+            params (one member). A member with False keeps its moments and gets a zero update, so its
+            parameters stay bit for bit (its non-finite gradients never reach them). The step count
+            is one per leaf, shared by the members, and still advances for a skipped member while
+            another steps (its later bias correction is that of one more step); with a single flag
+            a skipped step leaves everything, the count included, untouched. The same rule as
+            :func:`rlfunc.optim.masked_step` over torch.optim.Adam. An [S] mask cannot tell stacked
+            params from unstacked ones whose leaves all happen to lead with S rows: it is read as
+            per-member there.
 
     Raises:
         ConfigError: ``lr``, ``betas``, ``eps`` or ``weight_decay`` out of range; (update) no ``params``
-            given with a ``weight_decay``.
-        ShapeError (update): a key of ``grads`` not in the state (or in ``params``), or of another shape.
+            given with a ``weight_decay``; (update) a per-step ``lr`` that is not finite and >= 0, or
+            neither a number nor a tensor.
+        ShapeError (update): a key of ``grads`` not in the state (or in ``params``), or of another shape
+            or dtype; a tensor ``lr`` not floating or of more than one element; a ``mask`` that is not
+            a bool tensor of shape [S] (S the leading dim of every leaf) or [1] / [], or on another
+            device than the gradients. The ``lr`` and ``mask`` checks are Python-level (no host
+            read) and skipped while torch.compile traces the step.
     """
     real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731  (numpy scalars are; "1e-3" is not)
     if not real(lr) or not lr > 0:
@@ -95,6 +106,10 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         # v and the steps come with m from init (or a checked snapshot); the bug: double or integer gradients
         # for float32 moments were a RuntimeError from inside torch's adam
         check_shapes(g, m, treedef, "adam", dtypes=True)
+        if not torch.compiler.is_compiling():  # a traced step's arguments are the ones its eager first call checked
+            _check_lr(lr)
+            if mask is not None:
+                _check_mask(mask, g, treedef)
         kw = dict(foreach=True, capturable=steps[0].device.type != "cpu", amsgrad=False, beta1=b1, beta2=b2,
                   lr=base_lr if lr is None else (lr if isinstance(lr, Tensor) and torch.compiler.is_compiling() else float(lr)), weight_decay=weight_decay, eps=eps, maximize=False)
         if weight_decay:
@@ -131,6 +146,42 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         return updates, state
 
     return from_leaves(init, update_leaves)
+
+
+def _check_lr(lr) -> None:
+    """ConfigError / ShapeError for a per-step ``lr`` that :func:`adam`'s ``update`` does not accept.
+    Python-level: a tensor's value is not read (that would be a host sync on an accelerator)."""
+    if lr is None:
+        return
+    if isinstance(lr, Tensor):
+        if not lr.is_floating_point() or lr.numel() != 1:
+            raise ShapeError(f"adam.update: lr is a {lr.dtype} tensor of shape {list(lr.shape)}, "
+                             "expected a floating tensor of one element (0-dim)")
+        return
+    if not isinstance(lr, numbers.Real) or isinstance(lr, bool):
+        raise ConfigError(f"adam.update: lr={lr!r}: expected a finite number >= 0 or a 0-dim floating tensor")
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ConfigError(f"adam.update: lr={lr!r}: expected a finite learning rate >= 0")
+
+
+def _check_mask(mask, g: list[Tensor], treedef: tuple) -> None:
+    """ShapeError unless ``mask`` is a bool tensor on the gradients' device, of one element or of shape
+    [S] with S the leading dim of every gradient leaf (shapes and dtypes only: no host read)."""
+    if not isinstance(mask, Tensor):
+        raise ShapeError(f"adam.update: mask is a {type(mask).__name__}, expected a bool tensor of shape [S] (or [1])")
+    if mask.dtype != torch.bool:
+        raise ShapeError(f"adam.update: mask has dtype {mask.dtype}, expected torch.bool (one flag per member)")
+    if g and mask.device != g[0].device:
+        raise ShapeError(f"adam.update: mask is on {mask.device}, expected the gradients' device {g[0].device}")
+    if mask.dim() > 1:
+        raise ShapeError(f"adam.update: mask has shape {list(mask.shape)}, expected [S] (the members) or [1]")
+    if mask.numel() == 1:  # one flag for the whole step
+        return
+    for i, x in enumerate(g):
+        if x.dim() == 0 or x.shape[0] != mask.shape[0]:
+            raise ShapeError(f"adam.update: mask has shape {list(mask.shape)}, but leaf {_key(treedef, i)!r} has shape "
+                             f"{list(x.shape)}: expected [S] with S the leading (member) dim of every leaf, or [1] for "
+                             "unstacked params")
 
 
 def _traced_step(updates, g, m, v, steps, old, mask, kw, lr):

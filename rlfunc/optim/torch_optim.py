@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlfunc.core.func import leaves
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.errors import CheckpointError, ConfigError, ShapeError
 
 
 def make_adam(params: TensorDictBase, lr: float, *, eps: float = 1e-5, betas=(0.9, 0.999)) -> torch.optim.Adam:
@@ -83,8 +83,17 @@ def masked_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
     The common case (all ok) costs one host read of ``ok``; otherwise the skipped members' params and
     optimizer state are restored after the step, and their (non-finite) gradients never touch them.
     Adam's ``step`` counter is one scalar for all members, so it still advances for a skipped
-    member (its later bias correction is that of one more step).
+    member (its later bias correction is that of one more step). ``ok`` of one element ([1] or 0-dim)
+    is one flag for the whole step (unstacked params).
+
+    Raises:
+        ShapeError: ``ok`` is not a bool tensor, or has M > 1 entries while a param's leading dim is not M.
     """
+    if not isinstance(ok, torch.Tensor) or ok.dtype != torch.bool:
+        raise ShapeError(f"masked_step: ok is {_what(ok)}, expected a bool tensor [M] (one flag per member)")
+    if ok.dim() > 1 or (ok.numel() > 1 and any(p.dim() == 0 or p.shape[0] != ok.numel() for p in params)):
+        raise ShapeError(f"masked_step: ok has shape {list(ok.shape)}, expected [M] with M the leading (member) dim "
+                         f"of every param (shapes {[list(p.shape) for p in params]}), or [1] for unstacked params")
     if bool(ok.all()):
         optimizer.step()
         return
@@ -109,6 +118,10 @@ def masked_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
                         v.index_copy_(0, idx, old_state[k].index_select(0, idx))
                     else:  # state created by this (first) step: skipped members keep the initial zeros
                         v.index_fill_(0, idx, 0.0)
+
+
+def _what(x) -> str:
+    return f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> TensorDict:

@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.core.func import as_leaves, leaves
-from rlfunc.errors import ConfigError
+from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.optim import (
     clip_grads_,
     linear_lr,
@@ -223,6 +223,20 @@ def test_masked_step_single_member_not_ok_changes_nothing():
         assert set(opt.state[p]) == set(sb)
         for k, v in sb.items():
             assert torch.equal(opt.state[p][k], v), k
+
+
+def test_masked_step_refuses_an_ok_that_is_not_bool_of_the_members():
+    """An int ``ok`` [1, 0, 1] (~ of ints skips every member) or one of another length than the
+    members: a ShapeError before anything moves."""
+    params = stacked_params(members=3)
+    opt = make_adam(params, lr=0.1)
+    set_grads(params, seed=0)
+    before = [p.detach().clone() for p in leaves(params)]
+    with pytest.raises(ShapeError, match=r"^masked_step: ok is a torch.int64 tensor, expected a bool tensor \[M\]"):
+        masked_step(opt, leaves(params), torch.tensor([1, 0, 1]))
+    with pytest.raises(ShapeError, match=r"^masked_step: ok has shape \[2\], expected \[M\] with M the leading"):
+        masked_step(opt, leaves(params), torch.tensor([True, False]))
+    assert all(torch.equal(p, b) for p, b in zip(leaves(params), before)) and not opt.state
 
 
 def test_masked_step_all_ok_is_plain_step():

@@ -266,6 +266,60 @@ def test_gradients_of_another_shape_are_named():
         update.update(grads, state, params)
 
 
+def test_a_mask_that_is_not_bool_of_the_members_is_named():
+    """Found by a new user: an int mask [1, 0, 1] skipped every member (~ of ints is -2, -1, -2), a
+    mask of the wrong length skipped other members, a [True, False] mask on unstacked params froze
+    rows of every weight, and a float mask was a TypeError from inside. A ShapeError now."""
+    params = stacked_params()  # S = 3
+    update = adam(LR)
+    state = update.init(params)
+    grads = as_td(params, random_grads(params, 0))
+    for mask, match in [(torch.tensor([1, 0, 1]), r"^adam.update: mask has dtype torch.int64, expected torch.bool"),
+                        (torch.tensor([1.0, 0.0, 1.0]), r"^adam.update: mask has dtype torch.float32, expected torch.bool"),
+                        ([True, False, True], r"^adam.update: mask is a list, expected a bool tensor"),
+                        (torch.tensor([True, False]), r"^adam.update: mask has shape \[2\], but leaf .* has shape \[3, 4\]: expected \[S\]"),
+                        (torch.ones(3, 1, dtype=torch.bool), r"^adam.update: mask has shape \[3, 1\], expected \[S\]")]:
+        with pytest.raises(ShapeError, match=match):
+            update.update(grads, state, params, mask=mask)
+    assert all(not t.any() for t in tree_leaves(state))  # nothing moved before the error
+    unstacked = TensorDict({"0": {"weight": torch.randn(8, 4), "bias": torch.randn(8)},
+                            "1": {"weight": torch.randn(2, 8), "bias": torch.randn(2)}}, batch_size=[])
+    ustate = update.init(unstacked)
+    with pytest.raises(ShapeError, match=r"mask has shape \[2\], but leaf \('0', 'bias'\) has shape \[8\].*\[1\] for unstacked params"):
+        update.update(unstacked.clone(), ustate, unstacked, mask=torch.tensor([True, False]))
+    for flag in (torch.tensor([False]), torch.tensor(False)):  # one flag: the whole step skipped
+        updates, ustate = update.update(unstacked.clone(), ustate, unstacked, mask=flag)
+        assert all(not u.any() for u in tree_leaves(updates)) and all(not t.any() for t in tree_leaves(ustate))
+    updates, state = update.update(grads, state, params, mask=torch.tensor([True, False, True]))  # the valid form
+    assert all(not u[1].any() and u[0].all() for u in tree_leaves(updates))
+
+
+def test_a_per_step_lr_that_is_not_finite_and_non_negative_is_named():
+    """Found by a new user: update(..., lr=nan) made every parameter NaN and lr=-1e-2 ran gradient
+    ascent (the constructor checked its lr, the per-step one was not). lr=0 (a schedule's end) is a
+    zero step; a tensor lr is checked for dtype and size only (no host read)."""
+    params = stacked_params()
+    update = adam(LR)
+    state = update.init(params)
+    grads = as_td(params, random_grads(params, 0))
+    for lr in (float("nan"), float("inf"), -1e-2):
+        with pytest.raises(ConfigError, match=rf"^adam.update: lr={lr!r}: expected a finite learning rate >= 0$"):
+            update.update(grads, state, params, lr=lr)
+    with pytest.raises(ConfigError, match=r"^adam.update: lr='1e-3': expected a finite number >= 0"):
+        update.update(grads, state, params, lr="1e-3")
+    with pytest.raises(ShapeError, match=r"^adam.update: lr is a torch.int64 tensor of shape \[\], expected a floating tensor"):
+        update.update(grads, state, params, lr=torch.tensor(1))
+    with pytest.raises(ShapeError, match=r"lr is a torch.float32 tensor of shape \[3\]"):
+        update.update(grads, state, params, lr=torch.full((3,), LR))
+    assert all(not t.any() for t in tree_leaves(state))  # nothing moved before the errors
+    updates, _ = update.update(grads, state, params, lr=0.0)
+    assert all(not u.any() for u in tree_leaves(updates))
+    updates, _ = adam(LR).update(grads, adam(LR).init(params), params, lr=torch.tensor(LR))
+    expected, _ = adam(LR).update(grads, adam(LR).init(params), params)
+    for a, b in zip(tree_leaves(updates), tree_leaves(expected)):
+        assert torch.equal(a, b)
+
+
 def test_torch_optim_state_converts_and_continues_identically():
     from rlfunc.optim import adam_state_from_torch, optimizer_state
 
