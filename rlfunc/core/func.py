@@ -189,47 +189,59 @@ def sequential_apply(module: nn.Sequential, *, stacked: bool) -> tuple[
     """The forward of an ``nn.Sequential`` of ``nn.Linear`` and parameter-free layers as a pure function
     of its weights: ``(weights_of, apply)``.
 
-    ``weights_of(params)`` lists each Linear layer's (weight^T, bias) as detached views, so in-place
-    optimizer steps are seen; ``apply(weights, x)`` runs the layers with ``torch.addmm`` (one member)
-    or ``torch.baddbmm`` (``stacked``: all members in one batched matmul per layer), Tanh, ReLU and
+    ``weights_of(params)`` lists each Linear layer's weight^T and its bias (none for
+    ``nn.Linear(..., bias=False)``) as detached views, so in-place optimizer steps are seen;
+    ``apply(weights, x)`` runs the layers with ``torch.addmm`` (one member) or ``torch.baddbmm``
+    (``stacked``: all members in one batched matmul per layer; ``torch.mm`` / ``torch.bmm`` for a
+    Linear without bias), Tanh, ReLU and
     Sigmoid as torch functions (module hooks do not run). ``apply`` is one function for the network's
     life, the form torch.compile takes once (the rollout policy's compiled forward).
 
     Args:
-        module: the skeleton; its layers are ``nn.Linear`` or have no parameters (activations).
+        module: the skeleton; its layers are ``nn.Linear`` (with or without bias) or have no
+            parameters (activations).
         stacked: the params carry a leading member dim M.
 
     Returns:
-        ``weights_of``: params -> list of tensors (2 per Linear); ``apply``: (weights, x [B, in] or,
+        ``weights_of``: params -> list of tensors (2 per Linear, 1 per Linear without bias); ``apply``: (weights, x [B, in] or,
         ``stacked``, [M, B, in]) -> y [B, out] / [M, B, out]. Not differentiable.
 
     Raises:
         ShapeError: a layer with parameters is not ``nn.Linear``.
     """
-    plan: list[Any] = []  # per layer: the Linear's name, or the parameter-free function
+    plan: list[Any] = []  # per layer: (the Linear's name, whether it has a bias), or the parameter-free function
     for name, layer in module._modules.items():  # as nn.Sequential.forward: a layer used twice runs twice
         if isinstance(layer, nn.Linear):
-            plan.append(name)
+            plan.append((name, layer.bias is not None))
         elif next(layer.parameters(), None) is None:
             plan.append(_FUNCTIONAL.get(type(layer), layer))  # a module call costs ~3x the op itself
         else:
             raise ShapeError(f"sequential_forward: layer {name!r} ({type(layer).__name__}) has parameters and is not nn.Linear")
     matmul = torch.baddbmm if stacked else torch.addmm
+    matmul_no_bias = torch.bmm if stacked else torch.mm
 
     def weights_of(params: TensorDictBase) -> list[torch.Tensor]:
         out = []
         for step in plan:
-            if isinstance(step, str):
-                weight, bias = params[step, "weight"].detach(), params[step, "bias"].detach()
-                out += [weight.transpose(-1, -2), bias.unsqueeze(-2)] if stacked else [weight.t(), bias]
+            if isinstance(step, tuple):
+                name, has_bias = step
+                weight = params[name, "weight"].detach()
+                out.append(weight.transpose(-1, -2))
+                if has_bias:
+                    bias = params[name, "bias"].detach()
+                    out.append(bias.unsqueeze(-2) if stacked else bias)
         return out
 
     def apply(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         i = 0
         for step in plan:
-            if isinstance(step, str):
-                x = matmul(weights[i + 1], x, weights[i])
-                i += 2
+            if isinstance(step, tuple):
+                if step[1]:
+                    x = matmul(weights[i + 1], x, weights[i])
+                    i += 2
+                else:
+                    x = matmul_no_bias(x, weights[i])
+                    i += 1
             else:
                 x = step(x)
         return x
@@ -246,7 +258,8 @@ def sequential_forward(module: nn.Sequential, params: TensorDictBase, *, stacked
     ``apply(module, params, x)`` (per member) up to float rounding. Not differentiable.
 
     Args:
-        module: the skeleton; its layers are ``nn.Linear`` or have no parameters (activations).
+        module: the skeleton; its layers are ``nn.Linear`` (with or without bias) or have no
+            parameters (activations).
         params: its parameters, with a leading member dim M when ``stacked``.
 
     Returns:

@@ -83,7 +83,8 @@ def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *
     update step of a small MLP; works under ``torch.func.vmap`` and ``grad``.
 
     Args:
-        module: the skeleton (e.g. ``GaussianActorCritic.actor``), used for its layer order and activations.
+        module: the skeleton (e.g. ``GaussianActorCritic.actor``), used for its layer order, activations
+            and which ``nn.Linear`` layers have a bias.
         params: its parameters as a TensorDict keyed like ``module``'s children ("0", "2", ...).
         x: [*B, in] float input.
         return_hidden: also return the input of the last layer (the last hidden features).
@@ -93,9 +94,14 @@ def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *
     """
     *body, (last_name, last) = list(module._modules.items())  # a layer used twice runs twice, as in nn.Sequential
     for name, layer in body:
-        x = F.linear(x, params[name, "weight"], params[name, "bias"]) if isinstance(layer, nn.Linear) else layer(x)
-    out = F.linear(x, params[last_name, "weight"], params[last_name, "bias"]) if isinstance(last, nn.Linear) else last(x)
+        x = _linear(layer, params, name, x) if isinstance(layer, nn.Linear) else layer(x)
+    out = _linear(last, params, last_name, x) if isinstance(last, nn.Linear) else last(x)
     return (out, x) if return_hidden else out
+
+
+def _linear(layer: nn.Linear, params: TensorDictBase, name: str, x: Tensor) -> Tensor:
+    """``layer``'s F.linear with its weight (and bias, if the layer has one: ``bias=False`` has none) from ``params``."""
+    return F.linear(x, params[name, "weight"], params[name, "bias"] if layer.bias is not None else None)
 
 
 def actor_critic_apply(net: GaussianActorCritic, params: TensorDictBase, observation: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

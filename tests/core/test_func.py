@@ -299,6 +299,32 @@ def test_sequential_forward_and_apply_equal_func_apply_for_every_activation(acti
     torch.testing.assert_close(sequential_apply(net, params, x), func.apply(net, params, x))
 
 
+def test_sequential_forward_and_apply_take_a_linear_without_bias():
+    """Found by a new user: nn.Linear(4, 8, bias=False) was KeyError 'key "bias" not found'. Each
+    member's output equals the module's own forward, stacked and unstacked, through the fast
+    forward, its (weights_of, apply) pair and the differentiable sequential_apply."""
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
+    stacked = func.stack_params([func.params_from_module(n) for n in nets])
+    x = torch.randn(3, 5, 4)
+    with torch.no_grad():
+        expected = torch.stack([n(x[m]) for m, n in enumerate(nets)])
+    torch.testing.assert_close(func.sequential_forward(nets[0], stacked, stacked=True)(x), expected, atol=1e-6, rtol=1e-5)
+    weights_of, apply = func.sequential_apply(nets[0], stacked=True)
+    assert len(weights_of(stacked)) == 3  # W0^T, W2^T, b2
+    torch.testing.assert_close(apply(weights_of(stacked), x), expected, atol=1e-6, rtol=1e-5)
+    for m, n in enumerate(nets):
+        params = func.params_from_module(n)
+        torch.testing.assert_close(func.sequential_forward(n, params, stacked=False)(x[m]), expected[m], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(sequential_apply(n, params, x[m]), expected[m])
+    last_no_bias = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2, bias=False))
+    params = func.params_from_module(last_no_bias)
+    with torch.no_grad():
+        torch.testing.assert_close(func.sequential_forward(last_no_bias, params, stacked=False)(x[0]), last_no_bias(x[0]),
+                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(sequential_apply(last_no_bias, params, x[0]), last_no_bias(x[0]))
+
+
 def test_sequential_forward_equals_apply_and_sees_optimizer_steps():
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
     stacked = func.stack_params([func.params_from_module(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))) for _ in range(3)])
