@@ -9,19 +9,27 @@ import torch.nn.functional as F
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
+from rlfunc.errors import ConfigError
 from rlfunc.nets.mlp import MLP
+
+
+_EXPLORATIONS = ("gaussian", "gsde")
 
 
 class GaussianActorCritic(nn.Module):
     """Separate MLPs for the action mean and V(s), plus a state-independent log-std parameter.
 
     ``forward(observation [*B, obs_dim]) -> (loc [*B, act_dim], log_std, state_value [*B, 1])``, and
-    with ``return_latent=True`` also the actor's last hidden features [*B, hidden[-1]] (the z(s) of
-    gSDE, after the activation). ``log_std`` is [act_dim] with ``exploration="gaussian"`` (sigma of
-    the action noise) and [hidden[-1], act_dim] (``full_std``) or [hidden[-1], 1] with
-    ``exploration="gsde"`` (sigma of the exploration matrix, see rlfunc.core.sde).
-    Observations are expected already normalised; actions are in the env's units before clipping.
-    The last actor layer has gain 0.01 and the critic's gain 1 (Huang et al. 2022, detail 2).
+    with ``return_latent=True`` also the actor's last hidden features [*B, L] (the z(s) of gSDE, after
+    the activation; L = hidden[-1], or obs_dim with ``hidden=()``: the input of the single linear
+    layer). ``log_std`` is [act_dim] with ``exploration="gaussian"`` (sigma of the action noise) and
+    [L, act_dim] (``full_std``) or [L, 1] with ``exploration="gsde"`` (sigma of the exploration
+    matrix, see rlfunc.core.sde). Observations are expected already normalised; actions are in the
+    env's units before clipping. The last actor layer has gain 0.01 and the critic's gain 1
+    (Huang et al. 2022, detail 2).
+
+    Raises:
+        ConfigError: ``exploration`` is not "gaussian" or "gsde"; ``activation`` unknown (:class:`MLP`).
     """
 
     def __init__(
@@ -34,10 +42,14 @@ class GaussianActorCritic(nn.Module):
         exploration: str = "gaussian",
         full_std: bool = True,
     ) -> None:
+        if exploration not in _EXPLORATIONS:
+            raise ConfigError(f"GaussianActorCritic: exploration={exploration!r}: expected one of "
+                              f"{', '.join(map(repr, _EXPLORATIONS))}")
         super().__init__()
         self.actor = MLP(obs_dim, act_dim, hidden, activation, out_gain=0.01)
         self.critic = MLP(obs_dim, 1, hidden, activation, out_gain=1.0)
-        shape = (act_dim,) if exploration == "gaussian" else (hidden[-1], act_dim if full_std else 1)
+        latent = hidden[-1] if len(hidden) else obs_dim  # the input of the actor's last layer
+        shape = (act_dim,) if exploration == "gaussian" else (latent, act_dim if full_std else 1)
         self.log_std = nn.Parameter(torch.full(shape, float(init_log_std)))
 
     def forward(self, observation: Tensor, return_latent: bool = False):

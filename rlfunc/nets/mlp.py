@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from rlfunc.errors import ConfigError
+
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU}
 
 
@@ -15,7 +17,11 @@ class MLP(nn.Sequential):
     """``in_features -> hidden... -> out_features`` with an activation between layers.
 
     Weights are orthogonally initialised (gain sqrt(2) for hidden layers, ``out_gain`` for the last),
-    biases at zero, as in the PPO implementation details (Huang et al. 2022, detail 2).
+    biases at zero, as in the PPO implementation details (Huang et al. 2022, detail 2). ``hidden``
+    may be empty (one linear layer). ``activation``: one of "tanh", "relu", "elu", "silu".
+
+    Raises:
+        ConfigError: ``activation`` is not one of those names.
     """
 
     def __init__(
@@ -26,6 +32,8 @@ class MLP(nn.Sequential):
         activation: str = "tanh",
         out_gain: float = 1.0,
     ) -> None:
+        if not isinstance(activation, str) or activation not in _ACTIVATIONS:
+            raise ConfigError(f"MLP: activation={activation!r}: expected one of {', '.join(map(repr, _ACTIVATIONS))}")
         layers: list[nn.Module] = []
         sizes = [in_features, *hidden]
         for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
