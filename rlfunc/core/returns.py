@@ -150,6 +150,9 @@ def _blocked_scan(x: Tensor, a: Tensor, dim: int, reverse: bool, block: int) -> 
 
 
 def _time_index(t: Tensor, time_dim: int, name: str) -> int:
+    if not isinstance(time_dim, numbers.Integral) or isinstance(time_dim, bool):  # 1.0 passed the range check, then failed deep inside
+        raise ConfigError(f"time_dim={time_dim!r}: expected an int, a dim of {name} with shape {tuple(t.shape)}")
+    time_dim = int(time_dim)
     if not -t.ndim <= time_dim < t.ndim:
         raise ShapeError(f"time_dim={time_dim} is outside the dims of {name} with shape {tuple(t.shape)}")
     return time_dim % t.ndim
@@ -254,7 +257,7 @@ def reverse_discounted_cumsum(
     Raises:
         ShapeError: ``x`` is not floating point, ``time_dim`` is not a dim of ``x``, or ``discount``
             does not broadcast to ``x``'s shape or lives on another device.
-        ConfigError: ``block`` is not an integer >= 2.
+        ConfigError: ``block`` is not an integer >= 2, or ``time_dim`` is not an int.
 
     Reference: Sutton & Barto (2018), eq. 3.9 (the return as a recursion).
     """
@@ -286,6 +289,7 @@ def forward_discounted_sum(
     Raises:
         ShapeError: as for :func:`reverse_discounted_cumsum`, or ``initial`` is not ``x``'s shape
             with size 1 along ``time_dim``.
+        ConfigError: ``time_dim`` is not an int.
     """
     dim = _time_index(x, time_dim, "x")
     if initial is None:
@@ -337,7 +341,7 @@ def discounted_returns(reward: Tensor, done: Tensor, gamma: float | Tensor, *, t
         [*B, T, *F] with ``reward``'s dtype and device.
 
     Raises:
-        ConfigError: ``gamma`` is outside [0, 1].
+        ConfigError: ``gamma`` is outside [0, 1], or ``time_dim`` is not an int.
         ShapeError: ``done`` and ``reward`` differ in shape or device, ``reward`` is not floating
             point, or ``time_dim`` is not one of their dims.
 
@@ -402,7 +406,7 @@ def generalized_advantage_estimate(
 
     Raises:
         ConfigError: ``gamma`` or ``lmbda`` is outside [0, 1] (a tensor is checked with one
-            device sync).
+            device sync), or ``time_dim`` is not an int.
         ShapeError: the five tensors differ in shape or device, the values are not floating
             point, or ``time_dim`` is not one of their dims.
 

@@ -200,6 +200,13 @@ def test_gae_rejects_bad_inputs():
     # both are ValueErrors too, for callers that catch those
     with pytest.raises(ValueError):
         generalized_advantage_estimate(0.99, 2.0, v, nv, r, done, term)
+    # found by a new user: a float time_dim passed the range check and was a TypeError deep inside
+    with pytest.raises(ConfigError, match=r"^time_dim=1.0: expected an int, a dim of state_value with shape \(2, 10, 1\)$"):
+        generalized_advantage_estimate(0.99, 0.95, v, nv, r, done, term, time_dim=1.0)
+    with pytest.raises(ConfigError, match=r"^time_dim=True: expected an int"):
+        generalized_advantage_estimate(0.99, 0.95, v, nv, r, done, term, time_dim=True)
+    with pytest.raises(ConfigError, match=r"^time_dim=-2.0: expected an int, a dim of x"):
+        reverse_discounted_cumsum(r, 0.9, time_dim=-2.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
