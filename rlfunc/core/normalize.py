@@ -17,7 +17,8 @@ a relative error of at most 6e-8, which is harmless for normalisation.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -67,13 +68,19 @@ def _check_sample(x: Tensor, shape: torch.Size, name: str) -> torch.Size:
     return x.shape[: x.ndim - k]
 
 
+def _check_device(x: Tensor, stats: TensorDict, name: str) -> None:
+    """ShapeError naming ``name`` when ``x`` is on another device than the statistics."""
+    if x.device != stats["mean"].device:
+        raise ShapeError(f"{name}: on device {x.device}, but stats are on {stats['mean'].device}")
+
+
 def _check_eps(eps: float) -> None:
     if not eps >= 0.0:
         raise ConfigError(f"eps={eps!r}: expected eps >= 0")
 
 
 def init_running_stats(
-    shape: Sequence[int] | torch.Size,
+    shape: int | Sequence[int] | torch.Size,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> TensorDict:
@@ -83,7 +90,8 @@ def init_running_stats(
     epsilon-count prior); var = 1 only makes ``normalize`` the identity before any data.
 
     Args:
-        shape: shape of one sample, e.g. (obs_dim,) for observations or () for scalar returns.
+        shape: shape of one sample, e.g. (obs_dim,) for observations or () for scalar returns; an
+            int n is the shape (n,), as in ``torch.zeros``.
         device: where the statistics live (keep them on the training device).
         dtype: floating dtype of "mean" and "var"; "count" is always float32.
 
@@ -91,9 +99,15 @@ def init_running_stats(
         TensorDict, batch_size [], keys "mean" [*shape], "var" [*shape] ``dtype``, "count" [] float32.
 
     Raises:
-        ConfigError: ``dtype`` is not floating, or ``shape`` has a negative entry.
+        ConfigError: ``shape`` is not an int or a sequence of ints, has a negative entry, or
+            ``dtype`` is not floating.
     """
-    shape = tuple(int(s) for s in shape)
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (shape,)
+    entries = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else None
+    if entries is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in entries):
+        raise ConfigError(f"shape={shape!r}: expected an int or a sequence of ints, the shape of one sample")
+    shape = tuple(int(s) for s in entries)
     if not dtype.is_floating_point:
         raise ConfigError(f"dtype={dtype}: expected a floating dtype")
     if any(s < 0 for s in shape):
@@ -178,9 +192,8 @@ def update_running_stats(stats: TensorDict, x: Tensor, mask: Tensor | None = Non
     """
     shape = _check_stats(stats, "stats")
     batch = _check_sample(x, shape, "x")
+    _check_device(x, stats, "x")
     mean_a = stats["mean"]
-    if x.device != mean_a.device:
-        raise ShapeError(f"x: on device {x.device}, but stats are on {mean_a.device}")
     rows = batch.numel()
     x = x.to(mean_a.dtype).reshape(rows, *shape)
     valid = torch.isfinite(x).reshape(rows, math.prod(shape)).all(-1)
@@ -213,11 +226,13 @@ def normalize(stats: TensorDict, x: Tensor, *, clip: float | None = None, eps: f
         [*batch, *shape] float, dtype by torch type promotion of x and the statistics.
 
     Raises:
-        ShapeError: ``stats`` is not running statistics, or ``x`` does not end with [*shape].
+        ShapeError: ``stats`` is not running statistics, or ``x`` does not end with [*shape] or is on
+            another device than the statistics.
         ConfigError: clip <= 0 or eps < 0.
     """
     shape = _check_stats(stats, "stats")
     _check_sample(x, shape, "x")
+    _check_device(x, stats, "x")
     _check_eps(eps)
     if clip is not None and not clip > 0:
         raise ConfigError(f"clip={clip!r}: expected clip > 0 or None")
@@ -237,11 +252,13 @@ def denormalize(stats: TensorDict, y: Tensor, *, eps: float = 1e-8) -> Tensor:
         [*batch, *shape] float.
 
     Raises:
-        ShapeError: ``stats`` is not running statistics, or ``y`` does not end with [*shape].
+        ShapeError: ``stats`` is not running statistics, or ``y`` does not end with [*shape] or is on
+            another device than the statistics.
         ConfigError: eps < 0.
     """
     shape = _check_stats(stats, "stats")
     _check_sample(y, shape, "y")
+    _check_device(y, stats, "y")
     _check_eps(eps)
     return y * torch.sqrt(stats["var"] + eps) + stats["mean"]
 

@@ -177,6 +177,27 @@ def test_scale_reward():
     torch.testing.assert_close(scale_reward(reward, s1), scale_reward(reward, s))
 
 
+def test_normalize_on_another_device_than_the_stats_is_one_line():
+    # found by a new user: normalize with stats on another device than x was a RuntimeError from inside
+    s = init_running_stats((3,), device="meta")
+    with pytest.raises(ShapeError, match=r"^x: on device cpu, but stats are on meta$"):
+        normalize(s, torch.zeros(2, 3))
+    with pytest.raises(ShapeError, match=r"^y: on device cpu, but stats are on meta$"):
+        denormalize(s, torch.zeros(2, 3))
+    with pytest.raises(ShapeError, match=r"^x: on device cpu, but stats are on meta$"):
+        update_running_stats(s, torch.zeros(2, 3))
+
+
+def test_init_running_stats_takes_an_int_shape_and_names_a_bad_one():
+    # found by a new user: init_running_stats(3) was TypeError: 'int' object is not iterable
+    s = init_running_stats(3)
+    assert s["mean"].shape == (3,) and s["var"].shape == (3,) and s["count"].shape == ()
+    assert init_running_stats(torch.Size([2, 4]))["mean"].shape == (2, 4)
+    for bad in ("3", 3.0, (3.0,), None, True):
+        with pytest.raises(ConfigError, match=rf"^shape={bad!r}: expected an int or a sequence of ints".replace("(", r"\(").replace(")", r"\)")):
+            init_running_stats(bad)
+
+
 def test_bad_inputs_raise():
     s = init_running_stats((3,))
     with pytest.raises(ShapeError, match="x"):
