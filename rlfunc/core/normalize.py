@@ -4,14 +4,20 @@ The statistics of a stream of samples x of shape [*shape] are a TensorDict with 
 
     "mean"   [*shape]  float   sample mean
     "var"    [*shape]  float   population variance M2 / count (1 before any sample)
-    "count"  []        float32 number of samples merged so far
+    "count"  []        float32 number of samples merged so far (exact up to 2^24, see below)
 
 Every function is pure (returns a new TensorDict, never mutates its inputs) and free of
 value-dependent Python control flow, so a stack of statistics (batch_size [S], one per seed or
 device) is handled with ``torch.func.vmap`` (or ``rlfunc.core.func.vmap``) over the leading dim.
 
-Counts are float32: exact up to 2^24 (about 1.7e7) samples; beyond that each merge's weights carry
-a relative error of at most 6e-8, which is harmless for normalisation.
+"count" is float32 (saved snapshots hold it so), which counts exactly up to 2^24 = 16777216
+samples. Past it, count + n_b is rounded to the nearest float32 (ties to even), whose spacing is 2
+in [2^24, 2^25), 4 in [2^25, 2^26), ...: a batch of fewer than half that spacing leaves the count
+unchanged, one of exactly half rounds to even (one sample at count 2^24: unchanged), a larger one
+advances it by n_b rounded to a multiple of the spacing. mean and var are still merged with the
+weight n_b / (count + n_b) of the stored count; where that count stays frozen (small batches), each
+update moves them by that fixed weight: an exponential moving average with a time constant of about
+count / n_b updates (2^24 samples), no longer the exact moments of every sample seen.
 """
 
 from __future__ import annotations
@@ -182,7 +188,9 @@ def update_running_stats(stats: TensorDict, x: Tensor, mask: Tensor | None = Non
         mask: optional [*batch] bool, True for rows to include (e.g. valid steps of a padded rollout).
 
     Returns:
-        New statistics TensorDict; ``stats`` is not modified.
+        New statistics TensorDict; ``stats`` is not modified. The float32 count stops being exact
+        at 2^24 samples; past it the count (nearly) freezes and the update is an exponential
+        moving average (module docstring).
 
     Raises:
         ShapeError: ``stats`` is not running statistics; ``x`` does not end with [*shape] or is on

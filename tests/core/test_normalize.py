@@ -177,6 +177,28 @@ def test_scale_reward():
     torch.testing.assert_close(scale_reward(reward, s1), scale_reward(reward, s))
 
 
+def test_count_past_2_24_freezes_and_the_update_becomes_an_exponential_average():
+    """The float32 count is exact up to 2^24 samples (the docstring used to promise a tiny relative
+    error beyond). At count 2^24 one more sample rounds count + 1 back to 2^24 (ties to even): the
+    count stays, and every update merges with the same weight 1 / (2^24 + 1) ~ 2^-24 of the frozen
+    count, an exponential moving average; larger batches advance it by n_b rounded to float32's
+    spacing (2 in [2^24, 2^25))."""
+    s = init_running_stats(())
+    s["count"] = torch.tensor(2.0**24)
+    assert s["count"].dtype == torch.float32  # the stored dtype snapshots hold
+    one = update_running_stats(s, torch.tensor([1.0]))
+    assert one["count"].item() == 2.0**24  # 16777216: frozen
+    assert one["mean"].item() == 2.0**-24 and one["var"].item() == 1.0
+    two = update_running_stats(one, torch.tensor([1.0]))
+    assert two["count"].item() == 2.0**24
+    # m_k = 1 - (1 - w)^k with the fixed weight w = 2^-24 (float32's n_b / fl(count + n_b))
+    assert two["mean"].item() == pytest.approx(1 - (1 - 2.0**-24) ** 2, rel=1e-6)
+    assert update_running_stats(s, torch.ones(3))["count"].item() == 2.0**24 + 4  # 2^24 + 3 rounds to even
+    assert update_running_stats(s, torch.ones(1000))["count"].item() == 2.0**24 + 1000  # a multiple of 2: exact
+    s["count"] = torch.tensor(2.0**25)  # spacing 4: batches of 1 and 2 leave it
+    assert update_running_stats(s, torch.ones(2))["count"].item() == 2.0**25
+
+
 def test_normalize_on_another_device_than_the_stats_is_one_line():
     # found by a new user: normalize with stats on another device than x was a RuntimeError from inside
     s = init_running_stats((3,), device="meta")
