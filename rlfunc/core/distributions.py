@@ -328,10 +328,14 @@ def masked_logits(logits: Tensor, action_mask: Tensor | None) -> Tensor:
         [*B, K], ``logits``' dtype; ``logits`` itself when ``action_mask`` is None.
 
     Raises:
-        ShapeError: the mask's shape differs from the logits'.
+        ShapeError: the mask is not a bool tensor (a 0/1 float or int mask included), or its shape
+            differs from the logits'.
     """
     if action_mask is None:
         return logits
+    if not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool:
+        got = f"dtype {action_mask.dtype}" if isinstance(action_mask, Tensor) else type(action_mask).__name__
+        raise ShapeError(f"action_mask: expected a bool tensor (True where the action is allowed), got {got}")
     if action_mask.shape != logits.shape:
         raise ShapeError(f"action_mask has shape {tuple(action_mask.shape)}, expected {tuple(logits.shape)} like the logits")
     mask = action_mask | ~action_mask.any(-1, keepdim=True)

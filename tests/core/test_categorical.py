@@ -186,5 +186,12 @@ def test_masked_categorical_never_picks_masked_actions():
     torch.testing.assert_close(categorical_entropy(ml).squeeze(-1).double(), h_ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ShapeError, match="action_mask"):
         masked_logits(logits, mask[:, :4])
+    # found by a new user: a 0/1 float mask was NotImplementedError "bitwise_or" from inside
+    with pytest.raises(ShapeError, match=r"^action_mask: expected a bool tensor \(True where the action is allowed\), got dtype torch.float32$"):
+        masked_logits(logits, mask.float())
+    with pytest.raises(ShapeError, match=r"^action_mask: expected a bool tensor .*got dtype torch.int64$"):
+        masked_logits(logits, mask.long())
+    with pytest.raises(ShapeError, match=r"^action_mask: expected a bool tensor .*got list$"):
+        masked_logits(logits[:1], mask[0].tolist())
 
 
