@@ -154,13 +154,19 @@ def ddim_step(
     Raises:
         ConfigError: eta < 0, std_floor < 0, clip_sample <= 0, unknown ``prediction``, a ``t`` outside
             [0, T) or a ``t_prev`` outside [-1, t).
-        ShapeError: model_output / x / noise are not float [*B, H, A] of one shape, or t / t_prev are
-            not int64 of shape *B (or 0-d).
+        ShapeError: model_output / x / noise are not float [*B, H, A] of one shape, t / t_prev are
+            not int64 of shape *B (or 0-d), or ``alphas_cumprod`` is not a float tensor [T] (the
+            schedule TensorDict itself included: pass ``schedule["alphas_cumprod"]``).
 
     References: Song, Meng & Ermon (2021), "Denoising Diffusion Implicit Models", eq. 12 and 16;
     Ren et al. (2024), "Diffusion Policy Policy Optimization", sec. 4.
     """
     _check_options(eta, prediction, clip_sample, std_floor)
+    if not isinstance(alphas_cumprod, Tensor) or alphas_cumprod.ndim != 1 or not alphas_cumprod.is_floating_point():
+        got = (f"a {type(alphas_cumprod).__name__}; pass schedule['alphas_cumprod']" if isinstance(alphas_cumprod, TensorDictBase)
+               else f"shape {tuple(alphas_cumprod.shape)} dtype {alphas_cumprod.dtype}" if isinstance(alphas_cumprod, Tensor)
+               else type(alphas_cumprod).__name__)
+        raise ShapeError(f"alphas_cumprod: expected the schedule's float tensor [T], got {got}")
     for name, tensor in (("x", x), ("model_output", model_output), ("noise", noise)):
         if tensor is None:
             continue

@@ -292,6 +292,12 @@ def test_ddim_step_errors():
         ddim_step(x, x, torch.tensor([10, 5]), t - 1, ac, eta=0.0)
     x_prev, _, _ = ddim_step(x, x, t, torch.tensor([-1, 0]), ac, eta=0.0)  # the edges are fine
     assert x_prev.isfinite().all()
+    # found by a new user: the schedule TensorDict in place of its alphas_cumprod was an IndexError from inside
+    with pytest.raises(ShapeError, match=r"^alphas_cumprod: expected the schedule's float tensor \[T\], got a TensorDict; "
+                                         r"pass schedule\['alphas_cumprod'\]$"):
+        ddim_step(x, x, t, t - 1, make_schedule("cosine", 10), eta=0.0)
+    with pytest.raises(ShapeError, match=r"^alphas_cumprod: expected .* got shape \(1, 10\) dtype torch.float32$"):
+        ddim_step(x, x, t, t - 1, ac.float()[None], eta=0.0)
 
 
 class TinyDenoiser(nn.Module):
