@@ -9,7 +9,7 @@ equivalent loop + ``torch.stack`` elsewhere (torch_npu has no vmap); both give t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,8 +48,19 @@ def as_leaves(params: TensorDictBase, trainable: set[tuple[str, ...]] | None = N
     return params
 
 
-def apply(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -> Any:
-    """Call ``module`` with ``params`` substituted for its weights (``torch.func.functional_call``)."""
+def apply(module: nn.Module, params: TensorDictBase | Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` with ``params`` substituted for its weights (``torch.func.functional_call``).
+
+    ``params``: a TensorDict as :func:`params_from_module` makes, or a (nested) dict of tensors with
+    the same keys (wrapped in a TensorDict; "0.weight"-style flat keys work too).
+
+    Raises:
+        ShapeError: ``params`` is neither a TensorDict nor a dict.
+    """
+    if not isinstance(params, TensorDictBase):
+        if not isinstance(params, Mapping):
+            raise ShapeError(f"apply: params: expected a TensorDict or a dict of tensors, got {type(params).__name__}")
+        params = TensorDict(params, batch_size=[])
     flat = dict(params.flatten_keys(".").items())
     return torch.func.functional_call(module, flat, args, kwargs, strict=True)
 

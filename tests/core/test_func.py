@@ -72,6 +72,23 @@ def test_apply_equals_module_forward():
     assert not torch.allclose(apply(module, other, x), module(x))
 
 
+def test_apply_takes_a_plain_dict_of_tensors():
+    # found by a new user: apply(net, dict) was AttributeError: 'dict' object has no attribute 'flatten_keys'
+    module = mlp(3)
+    x = torch.randn(5, 3)
+    nested = {"0": {"weight": module[0].weight.detach() * 2, "bias": module[0].bias.detach()},
+              "2": {"weight": module[2].weight.detach(), "bias": module[2].bias.detach()}}
+    expected = apply(module, TensorDict(nested, batch_size=[]), x)
+    torch.testing.assert_close(apply(module, nested, x), expected, rtol=0, atol=0)
+    assert not torch.allclose(expected, module(x))  # the doubled weight was used
+    torch.testing.assert_close(apply(module, module.state_dict(), x), module(x), rtol=0, atol=0)  # flat "0.weight" keys
+    w = module[2].bias.detach().clone().requires_grad_(True)
+    apply(module, {**module.state_dict(), "2.bias": w}, x).sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, torch.full_like(w, 5.0))
+    with pytest.raises(ShapeError, match=r"^apply: params: expected a TensorDict or a dict of tensors, got list$"):
+        apply(module, [module[0].weight], x)
+
+
 def test_apply_gradient_reaches_params_not_module():
     module = mlp()
     params = params_from_module(module)
