@@ -45,7 +45,8 @@ def _buffer(obs_dim: int, chunk: tuple[int, int]):
     return buffer
 
 
-def side(algo_name: str, compile: str, updates: int, entropy_every: int | None = None):
+def side(algo_name: str, compile: str, updates: int, entropy_every: int | None = None, env: str | None = None):
+    """A callable timing one ``iteration`` of ``updates`` gradient steps (its default env, or ``env``'s sizes)."""
     if algo_name == "sac-diffusion":
         from rlfunc.algos.sac_diffusion import SACDiffusionConfig as Config
         from rlfunc.algos.sac_diffusion import make_sac_diffusion as make
@@ -53,7 +54,8 @@ def side(algo_name: str, compile: str, updates: int, entropy_every: int | None =
         from rlfunc.algos.td3_diffusion import TD3DiffusionConfig as Config
         from rlfunc.algos.td3_diffusion import make_td3_diffusion as make
     extra = {"entropy_every": entropy_every} if entropy_every and algo_name == "sac-diffusion" else {}
-    config = replace(Config(), updates_per_iteration=updates, compile=compile, device="cpu", **extra)
+    config = replace(Config(), updates_per_iteration=updates, compile=compile, device="cpu", **extra,
+                     **({"env": env} if env is not None else {}))
     info = env_info(config.env)
     algo = make(config, config.actor, info, info.act_dim, CPU)
     state = algo.init()

@@ -23,7 +23,6 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.config import replace
-from rlfunc.optim.amp import precision
 
 CPU = torch.device("cpu")
 ENV = "HalfCheetah-v5"
@@ -60,23 +59,9 @@ def sac_side(updates: int):
 
 
 def diffusion_side(updates: int):
-    from bench.compiled_diffusion_offpolicy import _buffer
-    from rlfunc.algos.diffusion_actor import env_info
-    from rlfunc.algos.sac_diffusion import SACDiffusionConfig, make_sac_diffusion
+    from bench.compiled_diffusion_offpolicy import side
 
-    config = replace(SACDiffusionConfig(), env=ENV, updates_per_iteration=updates, compile="off", device="cpu")
-    info = env_info(config.env)
-    algo = make_sac_diffusion(config, config.actor, info, info.act_dim, CPU)
-    state = algo.init()
-    buffer = _buffer(algo.actor.obs_dim, (config.actor.horizon, info.act_dim))
-    gen, prec = torch.Generator().manual_seed(0), precision(CPU, "off")
-
-    def run() -> float:
-        t = time.perf_counter()
-        algo.iteration(state, buffer, gen, prec)
-        return time.perf_counter() - t
-
-    return run
+    return side("sac-diffusion", "off", updates, env=ENV)
 
 
 def main() -> None:

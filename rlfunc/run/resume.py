@@ -398,26 +398,13 @@ class StopOnSignal:
 
 
 
-class InterruptOnSignal:
+class InterruptOnSignal(StopOnSignal):
     """Within the block SIGINT/SIGTERM raise KeyboardInterrupt at once (Python's SIGINT, for both) and
     are remembered in ``signal`` (its name): a run's final evaluation, where a signal stops the work
     and no snapshot is due. An interrupt raised where Python can only print it (a weakref callback, a
     ``__del__``: "Exception ignored in ...") is still read from ``signal`` after the block, so the
     outcome does not depend on where the signal landed. Main thread only, as :class:`StopOnSignal`."""
 
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> InterruptOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
     def _handle(self, signum, _frame) -> None:
         self.signal = self.signal or signal.Signals(signum).name
         raise KeyboardInterrupt
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
