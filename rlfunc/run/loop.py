@@ -264,6 +264,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         run_dir.mkdir(parents=True, exist_ok=True)
         if end > start or not (run_dir / "config.json").exists():  # a new budget is the run's once an iteration has it
             (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
+        if end > start:  # the run goes past the policy an earlier eval.json scored (the bug: an interrupted
+            (run_dir / "eval.json").unlink(missing_ok=True)  # final evaluation left it, stale)
         run.open(run_dir)
     logger = MetricsLogger(run_dir, tensorboard=tensorboard) if main else None
     branch = versions.current_branch(run_dir)
@@ -432,7 +434,7 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
             shutil.rmtree(run_dir, ignore_errors=True)
         elif isinstance(e, KeyboardInterrupt) and not isinstance(e, RunInterrupted) and holding and rank0:
             # a second signal: say whether anything is there to resume (the CLI said "snapshots are kept" of a run with none)
-            raise RunInterrupted(run_dir, _resumable(run_dir)) from e
+            raise RunInterrupted(run_dir, _resumable(run_dir), signal=getattr(e, "signal", None)) from e
         raise
 
 

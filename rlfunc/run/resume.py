@@ -383,7 +383,7 @@ class StopOnSignal:
             # a second signal stops now, without the snapshot; but not a copy of the first that came
             # within REPEAT_S (`timeout` sends its signal to the command and then to its process group)
             if now - self._first_at >= self.REPEAT_S:
-                raise KeyboardInterrupt
+                raise _interrupt(signum)
             return
         self.signal, self._first_at = signal.Signals(signum).name, now
         try:
@@ -407,4 +407,11 @@ class InterruptOnSignal(StopOnSignal):
 
     def _handle(self, signum, _frame) -> None:
         self.signal = self.signal or signal.Signals(signum).name
-        raise KeyboardInterrupt
+        raise _interrupt(signum)
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    """A KeyboardInterrupt that names its signal (``.signal``: "SIGINT" / "SIGTERM"), for the exit code."""
+    e = KeyboardInterrupt()
+    e.signal = signal.Signals(signum).name
+    return e

@@ -152,8 +152,10 @@ def save_version(
     _clean_temps(root)
     manifests = _manifests(root, cached=True, skip_bad=[])
     stored = {spec["blob"]: spec["pack"] for m in manifests.values() for spec in m["tensors"].values()}
-    present = {pack for pack in set(stored.values()) if _pack_path(root, pack).is_file()}
-    stored = {blob: pack for blob, pack in stored.items() if pack in present}
+    # a blob is reused only from a pack that opens and holds it: a truncated pack (the bug) was reused by
+    # every later version, which then could not be loaded either; its blobs are stored anew instead
+    readable = {pack: _pack_keys(root, pack) for pack in set(stored.values())}
+    stored = {blob: pack for blob, pack in stored.items() if blob in readable[pack]}
 
     table, new = {}, {}
     for name, t in sorted(tensors.items()):
@@ -461,6 +463,27 @@ def _id_number(vid: str) -> int:
 
 def _pack_path(root: Path, digest: str) -> Path:
     return root / "packs" / f"{digest}.safetensors"
+
+
+_PACK_KEYS: dict[tuple, frozenset] = {}  # the blobs of a readable pack, by (path, inode, mtime, size): packs are written once
+
+
+def _pack_keys(root: Path, pack: str) -> frozenset:
+    """The blob names a pack holds, from its safetensors header (which safe_open checks against the
+    file's size: a truncated pack fails); empty for a missing or unreadable pack."""
+    path = _pack_path(root, pack)
+    try:
+        st = path.stat()
+        key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        if key not in _PACK_KEYS:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys = frozenset(f.keys())
+            if len(_PACK_KEYS) >= _MANIFEST_CACHE_SIZE:
+                _PACK_KEYS.clear()
+            _PACK_KEYS[key] = keys
+        return _PACK_KEYS[key]
+    except Exception:  # OSError, SafetensorError ...: not a pack to reuse
+        return frozenset()
 
 
 def _record_hash(record: dict) -> str:

@@ -332,6 +332,13 @@ def test_second_signal_quits_at_once(capsys):
             os.kill(os.getpid(), signal.SIGINT)
     assert "stopping after this iteration" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # the interrupt names its signal: two SIGTERMs exited with SIGINT's 130, not 143 (new-user pass)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            stop._first_at -= StopOnSignal.REPEAT_S
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert raised.value.signal == "SIGTERM"
 
 
 def test_eval_of_a_snapshot_with_an_edited_config_is_one_error(bc_run, tmp_path):

@@ -451,8 +451,9 @@ def test_rlfunc_warnings_are_one_line(capsys):
     assert "rlfunc" not in theirs and "gymnasium/core.py:3: UserWarning: deprecated" in theirs
 
 
-@pytest.mark.parametrize("checkpoint_every, says", [("10", "before the run's first snapshot"), ("1", "keeps its snapshots: continue with")])
-def test_a_second_signal_says_whether_anything_is_there_to_resume(tmp_path, capsys, monkeypatch, checkpoint_every, says):
+@pytest.mark.parametrize("checkpoint_every, says, signum", [("10", "before the run's first snapshot", 2),
+                                                           ("1", "keeps its snapshots: continue with", 15)])
+def test_a_second_signal_says_whether_anything_is_there_to_resume(tmp_path, capsys, monkeypatch, checkpoint_every, says, signum):
     # Regression: a run stopped at once (a second Ctrl-C) before its first snapshot printed "a run's snapshots
     # are kept", of a run dir with metrics lines and nothing to resume (which `rlfunc train` then refuses)
     from rlfunc.run.ppo import PPORun
@@ -461,14 +462,16 @@ def test_a_second_signal_says_whether_anything_is_there_to_resume(tmp_path, caps
 
     def second_signal_in_iteration_2(self, i, stopping):
         if i == 2:
-            raise KeyboardInterrupt
+            from rlfunc.run.resume import _interrupt
+
+            raise _interrupt(signum)
         return step(self, i, stopping)
 
     monkeypatch.setattr(PPORun, "step", second_signal_in_iteration_2)
     run = tmp_path / "run"
     argv = ["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY, "--version-every", "0"]
     argv[argv.index("--checkpoint-every") + 1] = checkpoint_every
-    assert main(argv) == 130
+    assert main(argv) == 128 + signum  # SIGTERM's 143 (two SIGTERMs gave 130)
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and len((run / "metrics.jsonl").read_text().splitlines()) == 1
 
@@ -501,6 +504,10 @@ def test_a_signal_during_the_final_evaluation_always_ends_it_without_eval_json(t
     monkeypatch.setattr(PPORun, "evaluate", evaluate)
     assert main(["resume", str(run)]) == 0
     assert json.loads((run / "eval.json").read_text())["env_steps"] == 256
+    # a longer budget interrupted in its evaluation leaves no eval.json of the shorter one (it did: stale)
+    monkeypatch.setattr(PPORun, "evaluate", interrupted)
+    assert main(["resume", str(run), "--total-steps", "384"]) == 130
+    assert not (run / "eval.json").exists()
 
 
 def test_an_unreadable_latest_meta_json_gives_way_to_the_head_version_or_names_older_snapshots(tmp_path, capsys):

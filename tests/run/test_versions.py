@@ -556,3 +556,18 @@ def test_list_and_diff_get_past_damage_that_is_not_theirs(tmp_path, capsys):
         assert cli.main(["versions", "list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0].strip("*>") for line in out.splitlines()[1:]] == ["v000002", "v000003"]
+
+
+def test_a_truncated_pack_is_not_reused_by_new_versions(tmp_path):
+    """Regression (new-user pass): versions reuse stored tensors by content hash, and a truncated pack
+    was reused by every version written after it, none of which could then be loaded."""
+    versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
+    m = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {}, iteration=2, step=2)
+    shared = m["tensors"]["const"]["pack"]  # const and b are v000001's, reused by v000002
+    assert shared == m["tensors"]["learner.params.b"]["pack"] != m["tensors"]["learner.params.w"]["pack"]
+    pack = tmp_path / "versions" / "packs" / f"{shared}.safetensors"
+    pack.write_bytes(pack.read_bytes()[:-8])
+    new = versions.save_version(tmp_path, _state([3.0, 6.0], [0.0]), {}, iteration=3, step=3)
+    assert new["tensors"]["const"]["pack"] != shared and new["written"]["blobs"] == 3
+    state, _ = versions.load_version(tmp_path, new["id"])
+    assert torch.equal(state["const"], torch.arange(6).reshape(2, 3)) and state["learner", "params", "w"].tolist() == [3.0, 6.0]
