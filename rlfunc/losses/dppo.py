@@ -90,11 +90,18 @@ def dppo_loss(
         ratio_max, explained_variance).
 
     Raises:
-        ShapeError: mismatched shapes (``old_state_value`` included, when given), or no
-            sample (B = 0) or no denoising step (K' = 0).
+        ShapeError: an input that is not a floating-point tensor, mismatched shapes
+            (``old_state_value``, ``entropy`` and a tensor ``clip_epsilon`` included), or no sample
+            (B = 0) or no denoising step (K' = 0).
         ConfigError: a hyperparameter that is not a number, not finite (NaN, inf) or outside its
             range above; value clipping without old values.
     """
+    tensors = (("log_prob", log_prob), ("sample_log_prob", sample_log_prob), ("advantage", advantage), ("state_value", state_value),
+               ("value_target", value_target), ("old_state_value", old_state_value), ("entropy", entropy))
+    for name, t in tensors:  # a list, a numpy array or an integer tensor fails here, named (an int log_prob blamed clip_epsilon)
+        if t is not None and (not isinstance(t, Tensor) or not t.is_floating_point()):
+            got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            raise ShapeError(f"dppo_loss: {name}: expected a floating-point torch.Tensor, got {got}")
     if log_prob.ndim != 2 or sample_log_prob.shape != log_prob.shape:
         raise ShapeError(
             f"dppo_loss: log_prob {tuple(log_prob.shape)} and sample_log_prob {tuple(sample_log_prob.shape)}: "
@@ -103,10 +110,13 @@ def dppo_loss(
     b, k_ft = log_prob.shape
     if b == 0 or k_ft == 0:  # the means below would be NaN
         raise ShapeError(f"dppo_loss: log_prob has shape {tuple(log_prob.shape)}: expected at least one sample and one denoising step")
-    for name, t in (("advantage", advantage), ("state_value", state_value), ("value_target", value_target),
-                    ("old_state_value", old_state_value)):
+    for name, t in tensors[2:]:  # entropy too: a per-dimension [B, A] one was averaged, silently
         if t is not None and t.shape != (b, 1):  # a [B] old_state_value against a [B, 1] state_value broadcast to [B, B]
             raise ShapeError(f"dppo_loss: {name} has shape {tuple(t.shape)}, expected {(b, 1)}")
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral)):
+        raise ConfigError(f"dppo_loss: total_steps={total_steps!r}: expected an int (the chain length K) or None")
+    if isinstance(denoising_discount, bool) or not isinstance(denoising_discount, numbers.Real):
+        raise ConfigError(f"dppo_loss: denoising_discount={denoising_discount!r}: expected a number in (0, 1]")
     total = k_ft if total_steps is None else total_steps
     if total < k_ft:
         raise ConfigError(f"total_steps={total}: expected >= the {k_ft} steps in log_prob")
@@ -119,6 +129,8 @@ def dppo_loss(
     if isinstance(clip_epsilon, bool) or not isinstance(clip_epsilon, (numbers.Real, Tensor)):
         raise ConfigError(f"dppo_loss: clip_epsilon={clip_epsilon!r}: expected a number or a tensor of them")
     eps = torch.as_tensor(clip_epsilon, dtype=log_prob.dtype, device=log_prob.device)
+    if eps.dim() > 1 or eps.numel() not in (1, k_ft):
+        raise ShapeError(f"dppo_loss: clip_epsilon has shape {tuple(eps.shape)}, expected a number or [K'] = [{k_ft}] (one per step)")
     # a traced step was checked at its eager first call
     if not torch.compiler.is_compiling() and not bool((torch.isfinite(eps) & (eps > 0)).all()):
         raise ConfigError(f"dppo_loss: clip_epsilon={clip_epsilon}: expected finite values > 0")

@@ -101,7 +101,7 @@ def ppo_loss(
         explained_variance).
 
     Raises:
-        ShapeError: an input (``old_state_value`` and ``sample_weight`` included, when given) is not a
+        ShapeError: an input (``old_state_value``, ``sample_weight`` and ``entropy`` included, when given) is not a
             floating-point tensor, the inputs do not share one shape, or the minibatch is empty.
         ConfigError: ``clip_epsilon``, ``value_clip_epsilon``, ``entropy_coef`` or ``value_coef`` is
             not a number, is not finite (NaN, inf) or is out of its range above, or value clipping
@@ -109,7 +109,7 @@ def ppo_loss(
     """
     named = (("log_prob", log_prob), ("sample_log_prob", sample_log_prob), ("advantage", advantage), ("state_value", state_value),
              ("value_target", value_target))
-    optional = (("old_state_value", old_state_value), ("sample_weight", sample_weight))
+    optional = (("old_state_value", old_state_value), ("sample_weight", sample_weight), ("entropy", entropy))
     for name, t in named + tuple((n, t) for n, t in optional if t is not None):  # a list, a numpy array or an integer tensor fails here, named
         if not isinstance(t, Tensor) or not t.is_floating_point():
             got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
@@ -118,7 +118,7 @@ def ppo_loss(
     for name, t in named[1:]:
         if t.shape != shape:
             raise ShapeError(f"ppo_loss: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_prob")
-    for name, t in optional:  # a [B] old_state_value against a [B, 1] state_value broadcast to [B, B]
+    for name, t in optional:  # a [B] old_state_value against a [B, 1] state_value broadcast to [B, B]; a per-dimension entropy was averaged
         if t is not None and t.shape != shape:
             raise ShapeError(f"ppo_loss: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_prob")
     if log_prob.numel() == 0:  # the means below would be NaN

@@ -129,3 +129,26 @@ def test_td3_target_and_losses():
         td3_target(next_q, reward, term, 1.5)
     with pytest.raises(ShapeError):
         td3_target(next_q, reward[:1], term[:1], 0.9)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(log_prob="int"), "ShapeError", "dppo_loss: log_prob: expected a floating-point torch.Tensor, got dtype torch.int64"),
+    (dict(advantage=[1.0] * 8), "ShapeError", "dppo_loss: advantage: expected a floating-point torch.Tensor, got list"),
+    (dict(entropy=torch.ones(8, 6)), "ShapeError", r"dppo_loss: entropy has shape \(8, 6\), expected \(8, 1\)"),
+    (dict(clip_epsilon=torch.full((3,), 0.1)), "ShapeError", r"clip_epsilon has shape \(3,\), expected a number or \[K'\] = \[5\]"),
+    (dict(denoising_discount="0.9"), "ConfigError", "denoising_discount='0.9': expected a number"),
+    (dict(total_steps="5"), "ConfigError", "total_steps='5': expected an int"),
+])
+def test_bad_inputs_are_named(change, error, message):
+    # new-user pass: an int log_prob was blamed on clip_epsilon (cast to 0); the others were raw torch/Python errors
+    import rlfunc.errors as errors
+
+    lp = torch.zeros(8, 5)
+    a, v = torch.ones(8, 1), torch.zeros(8, 1)
+    kw = dict(log_prob=lp, sample_log_prob=lp, advantage=a, state_value=v, value_target=v, clip_epsilon=0.1)
+    if change.get("log_prob") == "int":
+        change = dict(log_prob=lp.long(), sample_log_prob=lp.long())
+    kw.update(change)
+    args = [kw.pop(k) for k in ("log_prob", "sample_log_prob", "advantage", "state_value", "value_target")]
+    with pytest.raises(getattr(errors, error), match=message):
+        dppo_loss(*args, **kw)

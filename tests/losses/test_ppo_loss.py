@@ -287,3 +287,13 @@ def test_non_finite_coefficients_raise(name, value):
     z = torch.zeros(3, 1)
     with pytest.raises(ConfigError, match=f"^ppo_loss: {name}={value}: expected a finite number"):
         ppo_loss(z, z, z, z, z, entropy=z, **{name: value})
+
+
+def test_entropy_of_another_shape_is_refused():
+    # new-user pass: a per-dimension Gaussian entropy [B, A] was averaged (1/A of the bonus), silently
+    from rlfunc.errors import ShapeError
+
+    B = 8
+    x = torch.zeros(B, 1)
+    with pytest.raises(ShapeError, match=r"ppo_loss: entropy has shape \(8, 6\), expected \(8, 1\)"):
+        ppo_loss(x, x, x, x, x, entropy=torch.ones(B, 6), entropy_coef=0.01)
