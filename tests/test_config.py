@@ -94,6 +94,14 @@ def test_replace_names_a_value_of_the_wrong_kind():
     import numpy as np
 
     assert replace(SACConfig(), hidden=(np.int64(16), 16)).hidden == (16, 16)
+    # int fields take integers; fields that are not Optional refuse None (new-user pass: num_epochs=2.5 failed
+    # inside the run, num_envs=2.0 in the env's constructor, gamma=None in a comparison)
+    for field, bad in (("num_epochs", 2.5), ("num_envs", 2.0), ("minibatch_size", 256.0), ("seed", 1.5)):
+        with pytest.raises(ConfigError, match=rf"^{field}={bad!r}: expected an integer$"):
+            replace(preset("Pendulum-v1"), **{field: bad})
+    with pytest.raises(ConfigError, match="^gamma=None: expected a number$"):
+        replace(preset("Pendulum-v1"), gamma=None)
+    assert replace(preset("Pendulum-v1"), num_epochs=np.int64(3), target_kl=None).num_epochs == 3
 
 
 def test_replace_routes_run_fields_into_run():
