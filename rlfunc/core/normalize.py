@@ -179,8 +179,10 @@ def update_running_stats(stats: TensorDict, x: Tensor, mask: Tensor | None = Non
     The batch's own moments (count n_b, mean, population variance; two-pass, so no cancellation)
     are merged with ``merge_running_stats``. A row is one sample x[i] of shape [*shape]; it is
     counted only if ``mask[i]`` is True (when a mask is given) and every value in it is finite.
-    Rows with NaN or +-inf are skipped, never merged: one bad observation cannot poison the
-    statistics. If no row is counted the statistics come back unchanged.
+    Rows with NaN or +-inf, or with a value so large that the squared deviations could overflow
+    the dtype (|x| > sqrt(finfo.max / (4 rows)): about 9e16 in float32 for 10^4 rows), are skipped,
+    never merged: one bad observation cannot poison the statistics. If no row is counted, or the
+    merge itself is not finite, the statistics come back unchanged.
 
     Args:
         stats: running statistics with sample shape [*shape] (see module docstring).
@@ -204,7 +206,10 @@ def update_running_stats(stats: TensorDict, x: Tensor, mask: Tensor | None = Non
     mean_a = stats["mean"]
     rows = batch.numel()
     x = x.to(mean_a.dtype).reshape(rows, *shape)
-    valid = torch.isfinite(x).reshape(rows, math.prod(shape)).all(-1)
+    # finite, and small enough that the squared deviations' sum cannot overflow the dtype (the bug: one 1e20
+    # in float32 made the variance inf for good, and that feature normalised to 0 from then on)
+    bound = math.sqrt(torch.finfo(x.dtype).max / (4 * max(rows, 1)))
+    valid = (torch.isfinite(x) & (x.abs() <= bound)).reshape(rows, math.prod(shape)).all(-1)
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise ShapeError(f"mask: expected a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
@@ -218,6 +223,9 @@ def update_running_stats(stats: TensorDict, x: Tensor, mask: Tensor | None = Non
     mean_b = torch.where(keep, x, zero).sum(0) / denom
     var_b = torch.where(keep, x - mean_b, zero).square().sum(0) / denom
     mean, var, count = _merge(mean_a, stats["var"], stats["count"], mean_b, var_b, n_b)
+    # the merge itself overflowing (a huge batch mean against the running one): the statistics stay as they were
+    ok = torch.isfinite(mean).all() & torch.isfinite(var).all()
+    mean, var, count = torch.where(ok, mean, mean_a), torch.where(ok, var, stats["var"]), torch.where(ok, count, stats["count"])
     return TensorDict({"mean": mean, "var": var, "count": count}, batch_size=[], device=stats.device)
 
 

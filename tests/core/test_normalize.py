@@ -244,3 +244,18 @@ def test_bad_inputs_raise():
         normalize(s, torch.zeros(3), eps=-1.0)
     with pytest.raises(ConfigError, match="dtype"):
         init_running_stats((3,), dtype=torch.int64)
+
+
+def test_a_huge_finite_row_is_skipped_not_merged():
+    # new-user pass: one 1e20 observation (finite) overflowed the float32 variance to inf for good, and that
+    # feature normalised to 0 from then on
+    torch.manual_seed(0)
+    s = update_running_stats(init_running_stats(3), torch.randn(1000, 3))
+    b = torch.randn(16, 3)
+    b[0, 0] = 1e20
+    merged = update_running_stats(s, b)
+    reference = update_running_stats(s, b[1:])  # the row skipped, as a NaN row is
+    assert torch.equal(merged["var"], reference["var"]) and torch.equal(merged["count"], reference["count"])
+    for _ in range(3):
+        merged = update_running_stats(merged, torch.randn(64, 3))
+    assert torch.isfinite(merged["var"]).all() and normalize(merged, torch.ones(1, 3)).abs().min() > 0
