@@ -382,7 +382,8 @@ def latest_snapshot(run_dir: str | os.PathLike) -> Path | None:
     """The snapshot to resume ``run_dir`` from: ``RUN_DIR/checkpoints/<name in latest>``.
 
     Falls back to the complete ``step_<N>`` directory with the largest N when ``latest`` is missing,
-    unreadable or names a directory that is absent or lacks a snapshot's files. Cheap: checks that the
+    unreadable or names a directory that is absent or lacks a snapshot's files (that last with a
+    warning: the snapshot was whole when ``latest`` was written). Cheap: checks that the
     two files exist but not their contents (``load_snapshot`` does).
 
     Returns:
@@ -397,6 +398,9 @@ def latest_snapshot(run_dir: str | os.PathLike) -> Path | None:
         return ckpt / name
     for _, candidate in reversed(_step_dirs(ckpt)):
         if _is_complete(candidate):
+            if _STEP_DIR.fullmatch(name):  # 'latest' is written after its snapshot is whole: that one was damaged since
+                warnings.warn(f"{ckpt / LATEST_FILE} names {name}, which lacks {META_FILE} or {STATE_FILE} (deleted or "
+                              f"damaged); using {candidate.name}, the newest complete snapshot", stacklevel=2)
             return candidate
     return None
 

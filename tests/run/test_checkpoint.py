@@ -460,3 +460,14 @@ def test_check_generator_device_names_the_device_type_to_resume_on():
         ckpt.check_generator_device("snap", like, loaded)
     ckpt.check_generator_device("snap", like, _with_generators(5056))  # same device type: nothing to refuse
     assert ckpt.generators_of_another_device(_with_generators(16, seeds=3), like) == ["env_rng"]  # [3, 16] vs [2, 5056]
+
+
+def test_latest_naming_a_damaged_snapshot_warns_before_falling_back(tmp_path):
+    # new-user pass: a latest snapshot whose state.safetensors was deleted was passed over for the previous
+    # one without a word (resume then redid its iterations); 'latest' is written after its snapshot is whole
+    run = tmp_path / "run"
+    for step in (1, 2):
+        save_run_snapshot(run, _state(), {}, step, keep_last=None)
+    (run / "checkpoints" / "step_000000000002" / "state.safetensors").unlink()
+    with pytest.warns(UserWarning, match="names step_000000000002, which lacks .* using step_000000000001"):
+        assert latest_snapshot(run).name == "step_000000000001"
