@@ -150,7 +150,9 @@ def _resume_from(a, snap) -> int:
     from rlfunc.run import checkpoint
     from rlfunc.run.loop import resume_source, source_meta
 
-    source = resume_source(a.run_dir)
+    with warnings.catch_warnings():  # the resume below finds it again and gives its warnings once
+        warnings.simplefilter("ignore")
+        source = resume_source(a.run_dir)
     # what the resume continues from (a snapshot, or a version: after a rollback, or past an unreadable meta.json)
     meta, where = source_meta(Path(a.run_dir), source) if source is not None else ({}, str(a.run_dir))
     if a.snapshot is not None and snap is not None:  # after a rollback the run continues on its new branch: say so

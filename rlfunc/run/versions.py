@@ -593,16 +593,14 @@ def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None
     ``skip_bad`` (a list) is left out, its id appended to the list and a warning naming the file
     given: one damaged version then blocks neither a resume from an intact snapshot nor new versions."""
     out = {}
-    for entry in os.scandir(root / "manifests"):
-        m = re.fullmatch(r"(v\d{6,})\.json", entry.name)
-        if m:
-            try:
-                out[m.group(1)] = _read_manifest(Path(entry.path), cached=cached)
-            except CheckpointError as e:
-                if skip_bad is None:
-                    raise
-                skip_bad.append(m.group(1))
-                warnings.warn(f"{e}: version {m.group(1)} skipped (rlfunc versions list names it)", stacklevel=3)
+    for vid in _version_ids(root):
+        try:
+            out[vid] = _read_manifest(root / "manifests" / f"{vid}.json", cached=cached)
+        except CheckpointError as e:
+            if skip_bad is None:
+                raise
+            skip_bad.append(vid)
+            warnings.warn(f"{e}: version {vid} skipped (rlfunc versions list names it)", stacklevel=3)
     return out
 
 
