@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.halfcheetah_gsde import parse_overrides
 from rlfunc.algos import sac, td3
 from rlfunc.core.stats import summarize_returns
 from rlfunc.envs import collect
@@ -42,13 +43,13 @@ ZOO_TD3 = {
 PRESET = {"sac": sac.preset, "td3": td3.preset}
 
 
-def run_ours(algo: str, env: str, seed: int, steps: int, episodes: int, out: Path) -> dict:
+def run_ours(algo: str, env: str, seed: int, steps: int, episodes: int, out: Path, **overrides) -> dict:
     run_dir = out / (f"ours-{env}-s{seed}" if algo == "sac" else f"ours-{algo}-{env}-s{seed}")
     shutil.rmtree(run_dir, ignore_errors=True)
     preset = PRESET[algo]
     base = preset(env)  # a tiny budget keeps whole iterations of at most its steps, and learns from half of it
     config = preset(env, total_steps=steps, seed=seed, eval_episodes=episodes, device="cpu",
-                    num_steps=min(base.num_steps, steps), learning_starts=min(base.learning_starts, max(steps // 2, 1)))
+                    num_steps=min(base.num_steps, steps), learning_starts=min(base.learning_starts, max(steps // 2, 1)), **overrides)
     t0 = time.perf_counter()
     train(config, run_dir, progress=False, tensorboard=False)
     seconds = time.perf_counter() - t0
@@ -94,7 +95,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="env steps per side (default: RL-Zoo's n_timesteps)")
     p.add_argument("--eval-episodes", type=int, default=50)
     p.add_argument("--out", default="runs/bench-sac")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of our preset (python literals), e.g. hidden='(64, 64)'")
+    p.add_argument("--no-sb3", action="store_true", help="ours only (screening a preset variant)")
     a = p.parse_args()
+    overrides = parse_overrides(a.set)
     torch.set_num_threads(1)
     steps = a.steps or (ZOO if a.algo == "sac" else ZOO_TD3).get(a.env, {}).get("n_timesteps", 20_000)
     out = Path(a.out)
@@ -103,14 +108,17 @@ def main() -> None:
     print(f"{a.algo} on {a.env}, {steps} env steps, {a.eval_episodes} shared evaluation episodes per seed")
     print(f"{'seed':>4} {'ours mean [95% CI]':>32} {'s':>7} {'sb3 mean [95% CI]':>32} {'s':>7} {'ours-sb3':>9}")
     for seed in a.seeds:
-        ours = run_ours(a.algo, a.env, seed, steps, a.eval_episodes, out)
+        ours = run_ours(a.algo, a.env, seed, steps, a.eval_episodes, out, **overrides)
+        if a.no_sb3:
+            print(f"{seed:>4} ours {ours['mean']:9.1f} {ours['ci95']} {ours['seconds']:7.0f} s", flush=True)
+            continue
         sb3 = run_sb3(a.algo, a.env, seed, steps, a.eval_episodes)
         rows.append({"seed": seed, "ours": ours, "sb3": sb3})
         (out / (f"sac_vs_sb3-{a.env}.json" if a.algo == "sac" else f"{a.algo}_vs_sb3-{a.env}.json")).write_text(json.dumps(rows, indent=1))
         ci = lambda r: f"{r['mean']:9.1f} [{r['ci95'][0]:8.1f}, {r['ci95'][1]:8.1f}]" if r["ci95"] else f"{r['mean']:9.1f}"  # noqa: E731
         print(f"{seed:>4} {ci(ours):>32} {ours['seconds']:7.0f} {ci(sb3):>32} {sb3['seconds']:7.0f} "
               f"{ours['mean'] - sb3['mean']:9.1f}", flush=True)
-    for who in ("ours", "sb3"):
+    for who in ("ours", "sb3") if rows else ():
         print(f"median final return {who}: {statistics.median(r[who]['mean'] for r in rows):.1f}, "
               f"median seconds {statistics.median(r[who]['seconds'] for r in rows):.0f}")
 
