@@ -174,11 +174,10 @@ def env_info(env_id: str) -> EnvInfo:
             raise EnvError(f"env={env_id!r}: observation {tuple(obs_shape)}, action {tuple(act_shape)}: "
                            "expected [1, D] and [1, A] from a torch-batched env of one")
         return EnvInfo(obs_shape[-1], act_shape[-1], "observation", obs_shape[-1], ("observation",))
-    import gymnasium as gym
-
     from rlfunc.envs.chunk import ObservationCodec, action_bounds, env_instructions
+    from rlfunc.envs.collect import make_env
 
-    env = gym.make(env_id)
+    env = make_env(env_id)
     try:
         low, _ = action_bounds(env.action_space, env_id)
         codec = ObservationCodec(env.observation_space, env_id, env_instructions(env_id))

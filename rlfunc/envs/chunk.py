@@ -39,6 +39,7 @@ from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 from rlfunc.envs import registry
+from rlfunc.envs.collect import make_env
 from rlfunc.envs.workers import ChunkPart, ChunkWorkers, batched
 from rlfunc.errors import EnvError
 
@@ -205,7 +206,7 @@ class GymChunkEnv(EnvBase):
             from rlfunc.envs.workers import worker_slices
 
             worker_slices(num_envs, workers)  # EnvError naming both, before anything is built
-            first = gym.make(env_id)  # the spaces, in this process (nothing is rendered)
+            first = make_env(env_id)  # the spaces, in this process (nothing is rendered)
             first.close()
         else:
             self._part = ChunkPart(env_id, num_envs)

@@ -53,6 +53,26 @@ def check_env_id(env_id: str) -> None:
         raise EnvError(f"env={env_id!r}: not a registered gymnasium environment{hint}")
 
 
+def make_env(env_id: str, **env_kwargs: Any) -> gym.Env:
+    """``gym.make(env_id, **env_kwargs)``, one env, with its build errors in one line.
+
+    Raises:
+        EnvError: unknown ``env_id``, or an env that cannot be built here (e.g. a missing optional
+            dependency such as box2d: gymnasium's DependencyNotInstalled, an ImportError, ...).
+    """
+    check_env_id(env_id)
+    try:
+        return gym.make(env_id, **env_kwargs)
+    except Exception as e:  # gymnasium raises many types here
+        raise _build_error(env_id, e) from e
+
+
+def _build_error(env_id: str, e: Exception) -> EnvError:
+    """The one-line EnvError for an env that gymnasium could not build: its error's type and first line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return EnvError(f"env={env_id!r} could not be built: {type(e).__name__}: {first}")
+
+
 def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", workers: int = 0,
                  **env_kwargs: Any) -> gym.vector.VectorEnv:
     """A gymnasium vector env of ``num_envs`` copies with SAME_STEP autoreset.
@@ -89,8 +109,7 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", wor
             **env_kwargs,
         )
     except Exception as e:  # gymnasium raises many types here (DependencyNotInstalled, ImportError, ...)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise EnvError(f"env={env_id!r} could not be built: {type(e).__name__}: {first}") from e
+        raise _build_error(env_id, e) from e
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,8 +117,12 @@ def reports_success(env_id: str) -> bool:
     """Whether the gymnasium env ``env_id`` puts "is_success" in its step info (one env is made,
     reset and stepped once with the mid-range action, then closed; the answer is cached per id);
     Pusher-v5 and Pendulum-v1, for two, do not. Runs and evaluations report a success rate only for
-    envs that do."""
-    env = gym.make(env_id)
+    envs that do.
+
+    Raises:
+        EnvError: as :func:`make_env`.
+    """
+    env = make_env(env_id)
     try:
         env.reset(seed=0)
         space = env.action_space

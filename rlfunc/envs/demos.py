@@ -76,11 +76,10 @@ def gym_demonstrations(
     Returns:
         As :func:`expert_demonstrations`, with the expert's "success_rate" in the summary.
     """
-    import gymnasium as gym
-
     from rlfunc.envs.chunk import ObservationCodec, action_bounds, env_instructions, unscale_action
+    from rlfunc.envs.collect import make_env
 
-    env = gym.make(env_id)
+    env = make_env(env_id)
     codec = ObservationCodec(env.observation_space, env_id, env_instructions(env_id))
     low, high = action_bounds(env.action_space, env_id)
     env.close()

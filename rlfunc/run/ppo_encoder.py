@@ -56,13 +56,15 @@ from rlfunc.run.ppo import EVAL_SEED_OFFSET
 
 
 def is_dict_env(env_id: str) -> bool:
-    """Whether the registered gymnasium env ``env_id`` has a Dict observation (one env is made and closed)."""
+    """Whether the registered gymnasium env ``env_id`` has a Dict observation (one env is made and
+    closed; EnvError in one line when it cannot be built)."""
     import gymnasium as gym
 
     from rlfunc.envs.chunk import check_chunk_env_id
+    from rlfunc.envs.collect import make_env
 
     check_chunk_env_id(env_id)
-    env = gym.make(env_id)
+    env = make_env(env_id)
     try:
         return isinstance(env.observation_space, gym.spaces.Dict)
     finally:

@@ -531,3 +531,21 @@ def test_an_unreadable_latest_meta_json_gives_way_to_the_head_version_or_names_o
             assert main(["eval", str(run), "--episodes", "2"]) == 2
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and "not valid JSON" in err[0] and "Older snapshots: step_000000000128" in err[0]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "dppo", "sac", "td3-diffusion", "grpo"])
+def test_an_env_that_cannot_be_built_is_one_line_exit_2(tmp_path, capsys, algo):
+    # `rlfunc train ppo|dppo --env BipedalWalker-v3` without box2d printed a traceback and exited 1:
+    # ppo's Dict-observation probe and dppo's success probe called gym.make directly.
+    import gymnasium as gym
+
+    def broken(**kwargs):
+        raise gym.error.DependencyNotInstalled("Box2D is not installed\nsecond line")
+
+    if "BrokenCliTest-v0" not in gym.registry:
+        gym.register("BrokenCliTest-v0", entry_point=broken)
+    code = main(["train", algo, "--env", "BrokenCliTest-v0", "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "env='BrokenCliTest-v0' could not be built: DependencyNotInstalled: Box2D is not installed" in err[0]
+    assert not (tmp_path / "r").exists()
