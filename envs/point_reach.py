@@ -546,7 +546,7 @@ class PointReachGymEnv(gym.Env):
         theta = self.np_random.uniform(0.0, 2.0 * math.pi)
         axis = (GOAL_DISTANCE * np.array([math.cos(theta), math.sin(theta)])).astype(np.float32)
         self.state = np.concatenate([start, start + axis, start - axis, start]).astype(np.float32)
-        return self._obs(), {"success": False, "goal_index": -1}
+        return self._obs(), {"success": False, "is_success": False, "goal_index": -1}
 
     def step(self, action):
         a = np.clip(np.nan_to_num(np.asarray(action, dtype=np.float32).reshape(ACT_DIM), nan=0.0), -1.0, 1.0)
@@ -559,7 +559,8 @@ class PointReachGymEnv(gym.Env):
         reward = (before - after) + np.float32(SUCCESS_BONUS if success else 0.0) - np.float32(STEP_PENALTY)
         self.state = np.concatenate([new_p, self.state[2:]]).astype(np.float32)
         goal_index = int(np.argmin(dist_sq)) if success else -1
-        return self._obs(), float(reward), success, False, {"success": success, "goal_index": goal_index}
+        # "is_success": gymnasium's key, which rlfunc's evaluations read (success_rate); "success": kept for old callers
+        return self._obs(), float(reward), success, False, {"success": success, "is_success": success, "goal_index": goal_index}
 
 
 def _np_goal_sq_distance(goals: np.ndarray, position: np.ndarray) -> np.ndarray:

@@ -94,6 +94,15 @@ def success_interval(successes: int, trials: int, confidence: float = 0.95) -> t
     return float(ci.low), float(ci.high)
 
 
+def success_summary(success: torch.Tensor | None) -> dict:
+    """{"success_rate", "success_ci95" (Wilson, :func:`success_interval`)} of per-episode success flags
+    ``success`` [N] bool (N >= 1); {} for None (an env that reports no success)."""
+    if success is None:
+        return {}
+    return {"success_rate": float(success.float().mean()),
+            "success_ci95": list(success_interval(int(success.sum()), success.numel()))}
+
+
 def first_touch(curve: Sequence[float], threshold: float) -> int | None:
     """Index of the first evaluation with return >= ``threshold``; None if there is none.
 

@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
-from rlfunc.core.stats import summarize_returns
+from rlfunc.core.stats import success_summary, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
@@ -203,14 +203,15 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"} (env reward units):
-        :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed.
+        :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed;
+        "success_rate" and "success_ci95" too for envs that put "is_success" in their info.
     """
     algo = make_grpo(config, spec, device)
     n = config.run.num_seeds * episodes
     venv = collect.make_vec_env(config.env, n, workers=collect.eval_workers(config.run.env_workers, n))
     try:
         seeds = [s for i in range(config.run.num_seeds) for s in collect.env_seeds(seed + EVAL_SEED_OFFSET + i, episodes)]
-        returns = collect.episode_returns(venv, algo.policy(state, [], deterministic=True), seeds, device=device)
+        returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=device)
     finally:
         venv.close()
     per_seed = returns.view(config.run.num_seeds, episodes)
@@ -220,6 +221,7 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
         "episodes": episodes,
         "per_seed_mean": per_seed.mean(1).tolist(),
         "env_steps": int(state["env_steps"]),
+        **success_summary(success),
     }
 
 

@@ -46,7 +46,7 @@ from rlfunc.algos.offpolicy import OffPolicy, transitions, uniform_policy
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.sac import SACConfig, make_sac
 from rlfunc.algos.td3 import TD3Config, make_td3
-from rlfunc.core.stats import success_interval, summarize_returns
+from rlfunc.core.stats import success_summary, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
@@ -87,11 +87,8 @@ def evaluate_policy(algo: OffPolicy, state: TensorDict, config, episodes: int, s
         returns, success = collect.episode_outcomes(venv, algo.policy(state, None, deterministic=True), seeds, device=device)
     finally:
         venv.close()
-    out = {"env": config.env, **summarize_returns(returns), "episodes": episodes, "env_steps": int(state["env_steps"])}
-    if success is not None:
-        out["success_rate"] = float(success.float().mean())
-        out["success_ci95"] = list(success_interval(int(success.sum()), success.numel()))
-    return out
+    return {"env": config.env, **summarize_returns(returns), "episodes": episodes, "env_steps": int(state["env_steps"]),
+            **success_summary(success)}
 
 
 class ActingPolicy:

@@ -43,7 +43,7 @@ from rlfunc.algos import ppo_parallel
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
-from rlfunc.core.stats import mean_interval, success_interval, summarize_returns
+from rlfunc.core.stats import mean_interval, success_summary, summarize_returns
 from rlfunc.config import replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
@@ -447,7 +447,4 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
     }
     if config.run.num_seeds > 1:
         out["per_seed_ci95"] = [list(mean_interval(r)) if episodes > 1 else None for r in per_seed]
-    if success is not None:  # envs that report info["is_success"] (Push-v0, PushState-v0, ...)
-        out["success_rate"] = float(success.float().mean())
-        out["success_ci95"] = list(success_interval(int(success.sum()), success.numel()))
-    return out
+    return {**out, **success_summary(success)}  # envs that report info["is_success"] (Push-v0, PointReach-v0, ...)

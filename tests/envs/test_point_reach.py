@@ -319,7 +319,7 @@ def test_gym_and_torch_agree():
             assert np.array_equal(o, obs[i].numpy())
             assert te == term[i].item() and not tr
             assert r == pytest.approx(reward[i].item(), abs=1e-6, rel=0)  # sqrt: last-bit rounding
-            assert info["goal_index"] == goal[i].item() and info["success"] == te
+            assert info["goal_index"] == goal[i].item() and info["success"] == te and info["is_success"] == te
             if te:
                 live[i] = False
                 ends += 1
@@ -330,7 +330,7 @@ def test_gym_registration_and_time_limit():
     assert gym.spec("PointReach-v0").max_episode_steps == pr.MAX_STEPS
     env = gym.make("PointReach-v0")
     obs, info = env.reset(seed=0)
-    assert obs.dtype == np.float32 and obs.shape == (6,) and info == {"success": False, "goal_index": -1}
+    assert obs.dtype == np.float32 and obs.shape == (6,) and info == {"success": False, "is_success": False, "goal_index": -1}
     for t in range(pr.MAX_STEPS):
         obs, reward, term, trunc, info = env.step(np.zeros(2, np.float32))
         assert trunc == (t == pr.MAX_STEPS - 1) and not term
@@ -422,3 +422,20 @@ def test_a_split_env_steps_the_rows_of_the_single_env_through_partial_resets():
         assert torch.equal(torch.cat([p[key] for p in parts]), single[key]), key
     with pytest.raises(EnvError, match="split"):
         pr.PointReachEnv(3, split=(2, 2))
+
+
+def test_gym_env_reports_success_so_evaluations_give_a_success_rate():
+    # `rlfunc train ppo|grpo --env PointReach-v0` reported no success rate: the gymnasium env put only
+    # "success" in its info, and rlfunc's evaluations read gymnasium's "is_success".
+    collect.reports_success.cache_clear()
+    assert collect.reports_success("PointReach-v0")
+    venv = collect.make_vec_env("PointReach-v0", 4)
+    try:
+        def to_goal_a(obs):  # the unit step towards goal a (obs[2:4] = goal a - position): every episode succeeds
+            d = obs[:, 2:4]
+            return d / d.norm(dim=-1, keepdim=True).clamp_min(1e-6), None
+
+        returns, success = collect.episode_outcomes(venv, to_goal_a, [0, 1, 2, 3], device=torch.device("cpu"))
+    finally:
+        venv.close()
+    assert success is not None and bool(success.all()) and returns.shape == (4,)
