@@ -14,6 +14,7 @@ well under a microsecond.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ class IterationProfiler:
     """Records ``iterations`` iterations (0: does nothing) of a run into ``run_dir / "profile"``.
 
     Use as a context manager around the loop and call :meth:`step` after each iteration; a run that
-    ends before the N are recorded still writes what it recorded.
+    ends before the N are recorded still writes what it recorded, and warns how many that was.
 
     Raises:
         ConfigError: ``iterations`` is negative (or not an int).
@@ -39,7 +40,7 @@ class IterationProfiler:
     def __init__(self, run_dir: Path, iterations: int, device: torch.device, rank: int = 0) -> None:
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
             raise ConfigError(f"profile={iterations!r}: expected an int >= 0 (iterations to record)")
-        self.iterations = iterations
+        self.iterations, self.steps = iterations, 0
         self._prof = None
         if iterations:
             trace_dir = Path(run_dir) / PROFILE_DIR
@@ -55,8 +56,14 @@ class IterationProfiler:
     def step(self) -> None:
         if self._prof is not None:
             self._prof.step()
+            self.steps += 1
 
     def __exit__(self, *exc) -> None:
         if self._prof is not None:
             self._prof.__exit__(*exc)
             self._prof = None
+            recorded = min(self.iterations, max(0, self.steps - SKIP - WARMUP))
+            if recorded < self.iterations and exc[0] is None:  # a run too short for N (an interrupted one says so itself)
+                warnings.warn(f"profile={self.iterations}: the run took {self.steps} iteration(s) in this call, so {recorded} of "
+                              f"{self.iterations} were recorded (the profiler skips the first {SKIP + WARMUP}); "
+                              f"{SKIP + WARMUP + self.iterations} iterations record them all", stacklevel=2)

@@ -36,10 +36,21 @@ def test_profile_writes_one_trace_with_the_ranges_of_the_recorded_iterations(tmp
 
 def test_a_run_shorter_than_the_warm_up_and_the_recording_still_writes_what_it_recorded(tmp_path):
     run = tmp_path / "run"
-    train(preset("Pendulum-v1", total_steps=3 * 64, checkpoint_every=1, profile=10, **TINY), run, progress=False,
-          tensorboard=False, evaluate=False)
+    with pytest.warns(UserWarning, match="so 1 of 10 were recorded"):
+        train(preset("Pendulum-v1", total_steps=3 * 64, checkpoint_every=1, profile=10, **TINY), run, progress=False,
+              tensorboard=False, evaluate=False)
     names = _trace_names(run)  # iteration 3 and its snapshot were recorded when the run stopped
     assert {"iteration", "checkpoint", "update"} <= names
+
+
+def test_a_run_too_short_for_the_recording_warns_how_many_iterations_were_recorded(tmp_path):
+    # `--profile 3` on a 2-iteration run wrote an empty trace and said nothing
+    with pytest.warns(UserWarning, match=r"profile=3: the run took 2 iteration\(s\) in this call, so 0 of 3 were recorded"):
+        train(preset("Pendulum-v1", total_steps=2 * 64, profile=3, **TINY), tmp_path / "a", progress=False, tensorboard=False,
+              evaluate=False)
+    with pytest.warns(UserWarning, match="so 1 of 3 were recorded .* 5 iterations record them all"):
+        train(preset("Pendulum-v1", total_steps=3 * 64, profile=3, **TINY), tmp_path / "b", progress=False, tensorboard=False,
+              evaluate=False)
 
 
 def test_no_profile_writes_no_trace(tmp_path):
