@@ -39,6 +39,9 @@ def usage() -> str:
 
 def _train(argv: list[str]) -> int:
     known = registry.names()
+    if argv and argv[0] in ("-h", "--help"):  # `rlfunc train --help`: the algorithms' train lines
+        print("usage: rlfunc train ALGO [FLAGS]   (every hyperparameter: rlfunc train ALGO --help)\n\n" + registry.usage())
+        return 0
     if not argv or argv[0] not in known:
         got = repr(argv[0]) if argv else "nothing"
         raise ConfigError(f"algorithm: expected one of {', '.join(known)} after `rlfunc train`, got {got}")

@@ -549,3 +549,16 @@ def test_an_env_that_cannot_be_built_is_one_line_exit_2(tmp_path, capsys, algo):
     assert code == 2 and len(err) == 1, err
     assert "env='BrokenCliTest-v0' could not be built: DependencyNotInstalled: Box2D is not installed" in err[0]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_train_help_lists_every_algorithm(capsys, flag):
+    # `rlfunc train --help` was an error ("algorithm: expected one of ..., got '--help'", exit 2)
+    from rlfunc.algos import registry
+
+    assert main(["train", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rlfunc train ALGO")
+    listed = " ".join(line.split()[2] for line in out.splitlines() if line.strip().startswith("rlfunc train "))
+    for name in registry.names():  # gspo shares grpo's line: "rlfunc train grpo|gspo"
+        assert name in listed.replace("|", " ").split(), name
