@@ -83,7 +83,7 @@ class MAPPOConfig:
     rollout_steps: int = 100  # ppo: steps per env per iteration (grpo/gspo: episode_steps)
     group_size: int = 8  # grpo/gspo: rollouts per start state (G)
     sequence_reward: Literal["team", "agent"] = "team"  # grpo/gspo: what a group compares (see docstring)
-    total_steps: int = 1_000_000  # env steps (one step of one env = n_agents agent-steps)
+    total_steps: int = 1_000_000  # env steps (one step of one env = n_agents agent-steps), rounded up to whole iterations
     hidden: tuple[int, ...] = (128, 128)  # MLP widths of actor and critic
     activation: str = "tanh"  # MLP activation
     lr: float = 5e-4  # Adam learning rate
@@ -174,7 +174,8 @@ class MAPPOConfig:
 
     @property
     def num_iterations(self) -> int:
-        return max(1, self.total_steps // self.steps_per_iteration)
+        """Iterations for ``total_steps``, rounded up (as every algorithm's budget; 8192 steps of 800 were 10)."""
+        return -(-self.total_steps // self.steps_per_iteration)
 
     @property
     def num_updates(self) -> int:

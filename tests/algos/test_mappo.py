@@ -250,3 +250,11 @@ def test_cli_eval_of_a_mappo_run_on_any_device_type(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "0"]) == 2 and "episodes=0" in capsys.readouterr().err
     assert main(["resume", str(run), "--total-steps", "20"]) == 2
     assert capsys.readouterr().err.strip().endswith("resume it with --device cuda or npu")
+
+
+def test_a_budget_is_rounded_up_to_whole_iterations():
+    # mappo rounded down (8192 steps of 800-step iterations gave 10 iterations, 8000 steps); every
+    # other algorithm rounds up
+    config = replace(MAPPOConfig(), loss="ppo", num_envs=8, rollout_steps=100, total_steps=8192)
+    assert config.steps_per_iteration == 800 and config.num_iterations == 11
+    assert replace(config, total_steps=8000).num_iterations == 10 and replace(config, total_steps=1).num_iterations == 1
