@@ -47,7 +47,9 @@ def _parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 def _list(argv: list[str]) -> int:
-    p = _parser("list", "List the run's versions, oldest first; * marks branch heads, > the current branch.")
+    p = _parser("list", "List the run's versions, oldest first; * marks branch heads, > the current branch. 'max change': "
+                        "the largest per-layer relative change from the version before (a layer that was all zeros, "
+                        "whose relative change is inf, is left out of it; `versions diff` shows it).")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     a = p.parse_args(argv)
     manifests = versions.list_versions(a.run_dir, skip_bad=True)  # a damaged manifest: a warning line, the rest listed
@@ -61,7 +63,7 @@ def _list(argv: list[str]) -> int:
     print(f"{'':2}{'id':<9} {'branch':<16} {'parent':<9} {'iter':>6} {'step':>10} {'return':>9} {'max change':>10}  created")
     for m in manifests:
         mark = ("*" if _heads_of(m["id"], heads) else " ") + (">" if m["id"] == heads.get(current) else " ")
-        change = max(m["layer_change"].values(), default=None)
+        change = max((c for c in m["layer_change"].values() if math.isfinite(c)), default=None)
         print(f"{mark}{m['id']:<9} {m['branch']:<16} {m['parent'] or '-':<9} {m['iteration']:>6} {m['step']:>10} "
               f"{_num(m['metrics'].get('episode_return')):>9} {_num(change):>10}  {m['created_utc']}")
     for name, vid in heads.items():
@@ -77,19 +79,20 @@ def _show(argv: list[str]) -> int:
     m = versions.read_manifest(a.run_dir, a.version)
     out = {k: v for k, v in m.items() if k not in ("tensors", "format", "format_version")}
     out["tensors"] = {k: f"{spec['dtype']}{spec['shape']} {spec['blob'][:12]}" for k, spec in m["tensors"].items()}
-    print(json.dumps(out, indent=1))
+    print(json.dumps(_strict(out), indent=1))
     return 0
 
 
 def _diff(argv: list[str]) -> int:
-    p = _parser("diff", "Per-layer relative parameter change ||b - a|| / ||a|| and hyperparameter changes, a -> b.")
-    p.add_argument("a")
-    p.add_argument("b")
+    p = _parser("diff", "Per-layer relative parameter change ||V2 - V1|| / ||V1|| and hyperparameter changes, V1 -> V2 "
+                        "(inf for a layer that was all zeros in V1; \"inf\" with --json).")
+    p.add_argument("a", metavar="V1")
+    p.add_argument("b", metavar="V2")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     d = versions.diff_versions(a.run_dir, a.a, a.b)
     if a.json:
-        print(json.dumps(d))
+        print(json.dumps(_strict(d)))
         return 0
     print(f"{d['from']} -> {d['to']} ({d['steps']:+d} env steps)")
     width = max((len(k) for k in d["layers"]), default=5)
@@ -122,6 +125,18 @@ def _pin(argv: list[str]) -> int:
     versions.pin(a.run_dir, a.version)
     print(f"{a.version} pinned")
     return 0
+
+
+def _strict(x):
+    """``x`` with its non-finite floats as the strings "inf", "-inf", "nan": strict JSON (Python's json
+    writes Infinity, which jq and most parsers refuse)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
 
 
 def _heads_of(vid: str, heads: dict) -> list[str]:

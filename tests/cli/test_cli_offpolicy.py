@@ -44,3 +44,21 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlfunc: error:") and message in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_versions_of_a_layer_that_starts_at_zero_list_a_finite_max_and_diff_strict_json(tmp_path, capsys):
+    # td3/sac versions before the first update hold all-zero biases: `versions list` showed "max change
+    # inf" for the next version, and `versions diff --json` wrote Infinity, which strict JSON parsers refuse
+    d = tmp_path / "sac"
+    assert main(["train", "sac", "--env", "Pendulum-v1", "--run-dir", str(d), "--version-every", "1", *SMALL]) == 0
+    capsys.readouterr()
+    assert main(["versions", "diff", str(d), "v000001", "v000002", "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "Infinity" not in text
+    layers = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))["layers"]
+    assert "inf" in layers.values()  # a bias that was all zeros in v1 (no update before learning_starts)
+    finite = [v for v in layers.values() if v != "inf"]
+    assert finite and all(isinstance(v, float) and v >= 0 for v in finite)
+    assert main(["versions", "list", str(d)]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if "v000002" in line][0]
+    assert " inf " not in row and f"{max(finite):.4g}" in row.split()
