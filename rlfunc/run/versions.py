@@ -150,7 +150,7 @@ def save_version(
     for sub in ("packs", "manifests"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     _clean_temps(root)
-    manifests = _manifests(root, cached=True, skip_bad=[])
+    manifests = _manifests(root, cached=True, skip_bad=[], warn=False)  # the run warned when it started (head)
     stored = {spec["blob"]: spec["pack"] for m in manifests.values() for spec in m["tensors"].values()}
     # a blob is reused only from a pack that opens and holds it: a truncated pack (the bug) was reused by
     # every later version, which then could not be loaded either; its blobs are stored anew instead
@@ -200,8 +200,8 @@ def save_version(
     }
     record["manifest_sha256"] = _record_hash(record)
     _atomic_write(root / "manifests" / f"{vid}.json", (json.dumps(record) + "\n").encode())
-    if keep_last is not None or keep_every:
-        apply_retention(run_dir, keep_last=keep_last, keep_every=keep_every)
+    if keep_last is not None or keep_every:  # quiet about a damaged manifest: the run warned when it started (head)
+        apply_retention(run_dir, keep_last=keep_last, keep_every=keep_every, warn=False)
     return record
 
 
@@ -262,21 +262,22 @@ def pin(run_dir: str | os.PathLike, version: str) -> None:
     _atomic_write(root / "pinned" / version, b"")
 
 
-def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_every: int = 0) -> list[str]:
+def apply_retention(run_dir: str | os.PathLike, *, keep_last: int | None, keep_every: int = 0, warn: bool = True) -> list[str]:
     """Delete versions outside the retention policy, then the packs no kept version uses.
 
     Kept: per branch, the ``keep_last`` newest versions (None: all); every version whose iteration is
     a multiple of ``keep_every`` (0: none by this rule); pinned versions; the base of every branch and
     every version a version of another branch descends from (branch points). Each manifest is
     unlinked before any pack, so a crash leaves only unreferenced packs, removed by the next call.
-    A manifest that fails its check is kept (with a warning), and no pack is deleted while one is there.
+    A manifest that fails its check is kept (with a warning, unless ``warn`` is False), and no pack is
+    deleted while one is there.
 
     Returns:
         The ids deleted, oldest first.
     """
     root = _existing_root(run_dir)
     bad: list[str] = []
-    manifests = _manifests(root, cached=True, skip_bad=bad)
+    manifests = _manifests(root, cached=True, skip_bad=bad, warn=warn)
     keep = _protected(root, manifests)
     by_branch: dict[str, list[str]] = {}
     for vid, m in manifests.items():
@@ -420,7 +421,7 @@ def current_branch(run_dir: str | os.PathLike) -> str:
 def branch_heads(run_dir: str | os.PathLike) -> dict[str, str | None]:
     """{branch: id of its newest readable version, or its base when it has none yet}, "main" first."""
     root = _existing_root(run_dir)
-    manifests = _manifests(root, skip_bad=[])
+    manifests = _manifests(root, skip_bad=[], warn=False)  # quiet: list_versions / head name a damaged one
     names = [MAIN, *sorted(_branch_records(root))]
     return {name: _head(root, name, manifests) for name in names}
 
@@ -588,10 +589,10 @@ def _well_formed(record: dict, vid: str) -> bool:
     )
 
 
-def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None) -> dict[str, dict]:
+def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None, warn: bool = True) -> dict[str, dict]:
     """{id: verified manifest} of the store. A manifest that fails its check raises, or with
-    ``skip_bad`` (a list) is left out, its id appended to the list and a warning naming the file
-    given: one damaged version then blocks neither a resume from an intact snapshot nor new versions."""
+    ``skip_bad`` (a list) is left out, its id appended to the list and (``warn``) a warning naming the
+    file given: one damaged version then blocks neither a resume from an intact snapshot nor new versions."""
     out = {}
     for vid in _version_ids(root):
         try:
@@ -600,7 +601,8 @@ def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None
             if skip_bad is None:
                 raise
             skip_bad.append(vid)
-            warnings.warn(f"{e}: version {vid} skipped (rlfunc versions list names it)", stacklevel=3)
+            if warn:
+                warnings.warn(f"{e}: version {vid} skipped (restore or delete the file to end this warning)", stacklevel=3)
     return out
 
 

@@ -562,3 +562,18 @@ def test_train_help_lists_every_algorithm(capsys, flag):
     listed = " ".join(line.split()[2] for line in out.splitlines() if line.strip().startswith("rlfunc train "))
     for name in registry.names():  # gspo shares grpo's line: "rlfunc train grpo|gspo"
         assert name in listed.replace("|", " ").split(), name
+
+
+def test_a_damaged_version_manifest_is_warned_about_once_per_command(tmp_path, capsys):
+    # `rlfunc versions list` and `rlfunc resume` printed the same "unreadable manifest" warning twice
+    # (one per scan of the store), and it promised a row in `versions list` that was not there
+    run = tmp_path / "run"
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY, "--version-every", "1"]) == 0
+    capsys.readouterr()
+    (run / "versions" / "manifests" / "v000001.json").write_text("{")
+    for argv in (["versions", "list", str(run)], ["resume", str(run), "--total-steps", "384"]):
+        proc = subprocess.run([sys.executable, "-m", "rlfunc", *argv], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        warned = [line for line in proc.stderr.splitlines() if "v000001.json: unreadable manifest" in line]
+        assert len(warned) == 1, proc.stderr
+        assert "version v000001 skipped (restore or delete the file" in warned[0]
