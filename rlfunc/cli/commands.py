@@ -107,7 +107,7 @@ def _eval_version(a, version: str) -> int:
 def _resume(argv: list[str]) -> int:
     p = Parser(prog="rlfunc resume", description="Continue a run from its latest snapshot.")
     p.add_argument("run_dir")
-    p.add_argument("--total-steps", type=int, default=None, help="a new budget: env steps per seed (ppo, mappo, grpo, dppo, td3-diffusion) or updates (bc)")
+    p.add_argument("--total-steps", type=int, default=None, help="a new budget, in the run's unit: env steps per seed (every algorithm but bc) or updates (bc)")
     p.add_argument("--snapshot", default=None, metavar="NAME",
                    help="continue from this snapshot of RUN_DIR/checkpoints (e.g. step_000000008192) instead of the latest (points 'latest' at it); "
                         "a run with versions continues from its branch's head version when that is further along")

@@ -222,10 +222,12 @@ def _init_actor(config, device, resumed: bool = False):
         return config, info, None, None, None
     loaded = load_actor(config.init_from, device)
     if loaded.info != info:
+        env = loaded.meta.get("config", {}).get("env", "?")
         raise CheckpointError(
-            f"init_from={config.init_from!r}: its actor reads {loaded.meta.get('config', {}).get('env', '?')!r} "
+            f"init_from={config.init_from!r}: its actor reads {env!r} "
             f"observations (obs_dim {loaded.info.obs_dim}, act_dim {loaded.info.act_dim}, keys {list(loaded.info.obs_keys)}), "
             f"not those of env={config.env!r} (obs_dim {info.obs_dim}, act_dim {info.act_dim}, keys {list(info.obs_keys)})"
+            + (f"; train on its env with --env {env}" if isinstance(env, str) and env != "?" else "")
         )
     return dataclasses.replace(config, actor=loaded.spec), info, loaded.params, loaded.obs_stats, loaded.encoder
 

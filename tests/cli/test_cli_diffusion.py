@@ -151,3 +151,13 @@ def test_short_flags_in_both_spellings():
 
     assert [_alias(a) for a in ("--demos", "5", "--demos=5", "--init=runs/x", "--demosx=1", "--lr=1")] == \
         ["--num-demos", "5", "--num-demos=5", "--init-from=runs/x", "--demosx=1", "--lr=1"]
+
+
+def test_init_from_a_run_on_another_env_names_that_env(bc_dir, tmp_path, capsys):
+    # the refusal said which env the bc actor reads but not how to train on it
+    code = main(["train", "dppo", "--env", "Pendulum-v1", "--init-from", str(bc_dir), "--run-dir", str(tmp_path / "r"),
+                 "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "its actor reads 'PointReach-v0' observations" in err[0] and err[0].endswith("; train on its env with --env PointReach-v0")
+    assert not (tmp_path / "r").exists()
