@@ -222,11 +222,22 @@ class AsyncCollector:
 
     def publish(self, weights: TensorDictBase) -> int:
         """Copy ``weights`` (the structure given at construction, any device) into the shared copy
-        and move the version on; the worker acts with them from its next rollout. Returns the new version."""
-        with torch.no_grad(), self.lock:
-            self.weights.update_(weights.detach().to("cpu"))
-            self.version.value += 1
-            return self.version.value
+        and move the version on; the worker acts with them from its next rollout. Returns the new version.
+
+        Raises:
+            EnvError: the worker ended while it held the weights' lock (killed as it copied them: the
+                lock is never released, and a plain acquire waited forever).
+        """
+        while not self.lock.acquire(timeout=0.5):
+            if not self.process.is_alive():
+                raise EnvError(f"the collector process ended (exit code {self.process.exitcode})")
+        try:
+            with torch.no_grad():
+                self.weights.update_(weights.detach().to("cpu"))
+                self.version.value += 1
+                return self.version.value
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
         """Stop the worker and wait for it (a few seconds at most; then it is terminated)."""

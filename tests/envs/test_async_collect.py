@@ -104,6 +104,22 @@ def test_a_worker_that_raises_or_is_killed_is_an_env_error():
         c.close()
 
 
+def test_a_worker_killed_while_it_holds_the_weights_lock_is_an_env_error_not_a_hang():
+    # SIGKILL of the collector as it copied the weights left their lock held: the learner's next
+    # publish waited forever, and SIGTERM could not stop it (its handler waits for the iteration's end)
+    c = AsyncCollector(ENV, N, collect.env_seeds(0, N), LinearPolicy(), _weights(), timeout_s=30)
+    try:
+        c.next()
+        assert c.lock.acquire(timeout=5)  # held, as by a worker killed inside its copy
+        os.kill(c.process.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EnvError, match=r"the collector process ended \(exit code -9\)"):
+            c.publish(_weights(1.0))
+        assert time.monotonic() - t0 < 10
+    finally:
+        c.close()
+
+
 def test_bad_sizes_are_config_errors():
     with pytest.raises(ConfigError, match="queue_size=0"):
         AsyncCollector(ENV, N, [0, 1], LinearPolicy(), _weights(), queue_size=0)
