@@ -233,6 +233,27 @@ class Distributed:
         tdist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def check_same_config(self, config: Any) -> None:
+        """Raise on every rank when some rank was started with another config than rank 0 (another
+        command line on another node: a different --seed trained silently under rank 0's config.json,
+        a different budget failed iterations later as drifted parameters). One all_gather_object of
+        the config's fields.
+
+        Raises:
+            DistributedError: "ranks [...] of W were started with another config than rank 0: FIELD ..."
+        """
+        if not self.active:
+            return
+        mine = _config_fields(config)
+        every = self.gather_objects(mine)
+        differ = [r for r, fields in enumerate(every) if fields != every[0]]
+        if differ:
+            other = every[differ[0]]
+            names = [k for k in sorted(set(other) | set(every[0])) if other.get(k) != every[0].get(k)]
+            shown = ", ".join(f"{k}={other.get(k)!r} (rank 0: {every[0].get(k)!r})" for k in names[:3])
+            raise DistributedError(f"ranks {differ} of {self.world_size} were started with another config than rank 0: "
+                                   f"rank {differ[0]} has {shown}; start every rank with the same command")
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on some rank; ``flag`` at world size 1. One
         all_reduce(MAX) of one number (a split env's "is an env of any rank done" after each step)."""
@@ -263,6 +284,20 @@ class Distributed:
         if self.backend in ("nccl", "hccl") and t.device != self.device:
             return t.to(self.device)
         return t
+
+
+def _config_fields(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A config dataclass's fields, nested ones as "run.seed", values as compared across ranks."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_config_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
 
 
 def check_backend(backend: str, device: torch.device) -> None:

@@ -503,6 +503,11 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
         from rlfunc.run.distributed import Distributed
 
         dist = Distributed.from_env(config.run.device)  # the rendezvous: every rank has checked the run dir
+        try:
+            dist.check_same_config(config)  # nodes started with other flags: one line now, not a drift later
+        except BaseException:
+            dist.close()
+            raise
     device = resolve_device(config.run.device) if dist is None else dist.device
     built = build(config, device, dist=dist, resumed=source is not None)
     try:

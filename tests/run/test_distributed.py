@@ -92,3 +92,22 @@ def test_a_rendezvous_on_a_port_in_use_names_the_address():
             Distributed.from_env("cpu", env=env)
     assert "\n" not in str(info.value)
     assert not torch.distributed.is_initialized()
+
+
+def _other_seed_per_rank(dist, run_dir):
+    # two torchrun nodes started with different --seed: the ranks trained under rank 0's config.json
+    # (silently), or failed iterations later as drifted parameters
+    from rlfunc.algos.ppo import preset
+    from rlfunc.run import train
+
+    config = preset("Pendulum-v1", num_envs=2, num_steps=16, minibatch_size=32, num_epochs=1, total_steps=64,
+                    seed=7 * dist.rank, device="cpu", version_every=0)
+    with pytest.raises(DistributedError) as e:
+        train(config, run_dir, progress=False, tensorboard=False)
+    assert str(e.value) == ("ranks [1] of 2 were started with another config than rank 0: rank 1 has "
+                            "run.seed=7 (rank 0: 0); start every rank with the same command")
+
+
+def test_ranks_started_with_different_configs_stop_at_once_with_one_line(gloo, tmp_path):
+    gloo(_other_seed_per_rank, str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no iteration ran
