@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except RLFuncError as e:
-        print(f"rlfunc: error: {e}", file=sys.stderr)
+        print(f"rlfunc: error: {_rank_prefix()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # a second signal, one during the final evaluation, or before a run began
         code = 143 if getattr(e, "signal", None) == "SIGTERM" else 130
@@ -251,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         warnings.formatwarning = default_format
+
+
+def _rank_prefix() -> str:
+    """"rank R: " in a rank of a data-parallel run (torchrun's WORLD_SIZE > 1), so the launcher's
+    interleaved lines say whose error each is; "" otherwise."""
+    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    return f"rank {rank}: " if world.isdigit() and int(world) > 1 and rank.isdigit() else ""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

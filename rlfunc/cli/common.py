@@ -104,6 +104,16 @@ def under_torchrun() -> bool:
     return os.environ.get("TORCHELASTIC_RUN_ID") is not None or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
+def failed_rank(failures: dict) -> tuple[int, Any]:
+    """(rank, failure) of the rank that stopped a data-parallel job, from torch elastic's
+    ``{rank: ProcessFailure}`` (``exitcode``, ``timestamp``): the first to fail for its own reason. A
+    rank that lost a peer exits 1 (:func:`rlfunc.cli.commands.main`), often before the rank whose error
+    stopped the job (the launcher named a surviving rank 0 when rank 1's env worker was killed), so
+    such a rank is named only when every rank exited 1."""
+    own = {r: f for r, f in failures.items() if f.exitcode != 1}
+    return min((own or failures).items(), key=lambda item: (item[1].timestamp, item[0]))
+
+
 def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     """``rlfunc COMMAND...`` in ``nproc`` data-parallel processes on this node, started by torchrun
     (``torch.distributed.run --standalone --nproc-per-node NPROC -m rlfunc COMMAND... --run-dir RUN_DIR``,
@@ -134,7 +144,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks got it too, saved and said so
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()  # the earliest: the others were stopped because of it
+        rank, failure = failed_rank(e.failures)
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         others = sorted(set(e.failures) - {rank})
         saved = Path(run_dir).is_dir() and checkpoint.latest_snapshot(run_dir) is not None

@@ -577,3 +577,27 @@ def test_a_damaged_version_manifest_is_warned_about_once_per_command(tmp_path, c
         warned = [line for line in proc.stderr.splitlines() if "v000001.json: unreadable manifest" in line]
         assert len(warned) == 1, proc.stderr
         assert "version v000001 skipped (restore or delete the file" in warned[0]
+
+
+def test_the_launcher_names_the_rank_that_failed_for_its_own_reason():
+    # rank 1's env worker was killed: rank 1 exited 2 with its error, but rank 0, which lost its peer,
+    # exited 1 a moment before it, and the launcher's line said "rank 0 of 2 failed"
+    from types import SimpleNamespace as F
+
+    from rlfunc.cli.common import failed_rank
+
+    assert failed_rank({0: F(exitcode=1, timestamp=10), 1: F(exitcode=2, timestamp=11)})[0] == 1
+    assert failed_rank({0: F(exitcode=1, timestamp=10), 1: F(exitcode=-9, timestamp=12)})[0] == 1  # SIGKILL
+    assert failed_rank({0: F(exitcode=2, timestamp=11), 1: F(exitcode=2, timestamp=10)})[0] == 1  # the first
+    assert failed_rank({0: F(exitcode=1, timestamp=11), 1: F(exitcode=1, timestamp=10)})[0] == 1  # all lost peers
+
+
+def test_a_rank_error_names_its_rank(tmp_path, monkeypatch, capsys):
+    # under torchrun the ranks' error lines interleave; "rlfunc: error: env worker 0: ..." did not say whose
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["eval", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.startswith("rlfunc: error: rank 1: ")
+    monkeypatch.setenv("WORLD_SIZE", "x")  # malformed: no prefix, and no traceback from the error path
+    assert main(["eval", str(tmp_path / "nothing")]) == 2
+    assert not capsys.readouterr().err.startswith("rlfunc: error: rank")
