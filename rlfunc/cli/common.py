@@ -11,6 +11,7 @@ import argparse
 import contextvars
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -139,6 +140,12 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     # the command's own flags (--nproc among them) are the script's, not torchrun's to parse
     run_dir_flag = ["--run-dir", run_dir] if command[0] == "train" and "--run-dir" not in command else []
     args.training_script_args = [*command, *run_dir_flag]
+    # torch elastic logs a rank's end ("Sending process ... closing signal", "failed (exitcode: -9)") on
+    # stderr; the line below says it once, in rlfunc's words (each of its loggers sets its own level)
+    quiet = {name: lg.level for name, lg in logging.root.manager.loggerDict.items()
+             if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger)}
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
     except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks got it too, saved and said so
@@ -156,6 +163,9 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
             after = "no snapshot was written (the ranks' errors are above)"
         raise ConfigError(f"data-parallel run: rank {rank} of {nproc} failed ({how})"
                           + (f"; ranks {others} stopped with it" if others else "") + f"; {after}") from None
+    finally:
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
     return 0
 
 

@@ -186,6 +186,8 @@ def test_a_job_whose_ranks_all_refuse_the_config_says_nothing_was_saved(tmp_path
     last = [line for line in out.stderr.splitlines() if "data-parallel run: rank" in line]
     assert last and "no snapshot was written" in last[-1] and "rlfunc resume" not in last[-1], out.stderr[-2000:]
     assert "does not divide" in out.stderr
+    # torch elastic's own log lines ("E1205 ... failed (exitcode: 2)") no longer follow the ranks' lines
+    assert all(line.startswith("rlfunc:") for line in out.stderr.strip().splitlines()), out.stderr[-2000:]
 
 
 def test_ctrl_c_to_a_data_parallel_job_saves_and_exits_130_without_a_traceback(tmp_path):
