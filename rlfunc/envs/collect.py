@@ -306,23 +306,25 @@ def rollout(
     steps = torch.arange(1, num_steps + 1).view(-1, 1, 1)
     last_end = torch.where(done_t, steps, torch.zeros_like(steps)).amax(0)  # [N, 1], 0: no end
     episode_length = torch.where(last_end > 0, num_steps - last_end, carry["episode_length"] + num_steps)
-    batch = TensorDict(
+    nt = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731  [T, N, ...] -> [N, T, ...], per tensor: a TensorDict
+    batch = TensorDict(  # transpose + to() cost ~0.25 ms a call, most of a 1-step rollout's overhead (sac, td3)
         {
-            "observation": observation[:-1],
-            "action": action,
-            **({"sample_log_prob": log_prob} if with_log_prob else {}),
+            "observation": nt(observation[:-1]),
+            "action": nt(action),
+            **({"sample_log_prob": nt(log_prob)} if with_log_prob else {}),
             "next": {
-                "observation": next_observation,
-                "reward": reward_t,
-                "done": done_t,
-                "terminated": term_t,
-                "truncated": trunc_t,
-                "episode_reward": episode_reward.masked_fill(nonfinite > 0, float("nan")),
+                "observation": nt(next_observation),
+                "reward": nt(reward_t),
+                "done": nt(done_t),
+                "terminated": nt(term_t),
+                "truncated": nt(trunc_t),
+                "episode_reward": nt(episode_reward.masked_fill(nonfinite > 0, float("nan"))),
             },
         },
-        batch_size=[num_steps, n],
+        batch_size=[n, num_steps],
     )
-    batch = batch.transpose(0, 1).contiguous().to(device, non_blocking=True)
+    if torch.device(device).type != "cpu":  # the buffers above are host tensors
+        batch = batch.to(device, non_blocking=True)
     ended = done_t[-1]
     new_carry = TensorDict(
         {
