@@ -107,12 +107,16 @@ def under_torchrun() -> bool:
 
 def failed_rank(failures: dict) -> tuple[int, Any]:
     """(rank, failure) of the rank that stopped a data-parallel job, from torch elastic's
-    ``{rank: ProcessFailure}`` (``exitcode``, ``timestamp``): the first to fail for its own reason. A
-    rank that lost a peer exits 1 (:func:`rlfunc.cli.commands.main`), often before the rank whose error
-    stopped the job (the launcher named a surviving rank 0 when rank 1's env worker was killed), so
-    such a rank is named only when every rank exited 1."""
-    own = {r: f for r, f in failures.items() if f.exitcode != 1}
-    return min((own or failures).items(), key=lambda item: (item[1].timestamp, item[0]))
+    ``{rank: ProcessFailure}`` (``exitcode``, ``timestamp`` in whole seconds): the first to fail for
+    its own reason. A rank that lost a peer exits 1 (:func:`rlfunc.cli.commands.main`), often before
+    the rank whose error stopped the job (the launcher named a surviving rank 0 when rank 1's env
+    worker was killed), and the agent ends the others with SIGTERM (-15), often in the same second as
+    the failure; such ranks are named only when no other rank failed. Ties keep elastic's order."""
+    for skip in ((1, -signal.SIGTERM), (1,), ()):
+        own = [(r, f) for r, f in failures.items() if f.exitcode not in skip]
+        if own:
+            return min(own, key=lambda item: item[1].timestamp)
+    raise ValueError("failures: expected at least one failed rank")
 
 
 def launch(command: list[str], nproc: int, run_dir: str) -> int | None:

@@ -590,6 +590,10 @@ def test_the_launcher_names_the_rank_that_failed_for_its_own_reason():
     assert failed_rank({0: F(exitcode=1, timestamp=10), 1: F(exitcode=-9, timestamp=12)})[0] == 1  # SIGKILL
     assert failed_rank({0: F(exitcode=2, timestamp=11), 1: F(exitcode=2, timestamp=10)})[0] == 1  # the first
     assert failed_rank({0: F(exitcode=1, timestamp=11), 1: F(exitcode=1, timestamp=10)})[0] == 1  # all lost peers
+    # rank 1 SIGKILLed, rank 0 then ended by the agent's SIGTERM in the same second (timestamps are whole seconds)
+    assert failed_rank({0: F(exitcode=-15, timestamp=10), 1: F(exitcode=-9, timestamp=10)})[0] == 1
+    assert failed_rank({0: F(exitcode=-15, timestamp=10), 1: F(exitcode=1, timestamp=9)})[0] == 0  # a SIGTERM of its own
+    assert failed_rank({1: F(exitcode=2, timestamp=10), 0: F(exitcode=2, timestamp=10)})[0] == 1  # ties: elastic's order
 
 
 def test_a_rank_error_names_its_rank(tmp_path, monkeypatch, capsys):
