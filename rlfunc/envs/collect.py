@@ -322,8 +322,9 @@ def rollout(
             },
         },
         batch_size=[n, num_steps],
+        device="cpu",  # the buffers above are host tensors
     )
-    if torch.device(device).type != "cpu":  # the buffers above are host tensors
+    if torch.device(device).type != "cpu":
         batch = batch.to(device, non_blocking=True)
     ended = done_t[-1]
     new_carry = TensorDict(
