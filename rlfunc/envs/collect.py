@@ -307,7 +307,7 @@ def rollout(
     last_end = torch.where(done_t, steps, torch.zeros_like(steps)).amax(0)  # [N, 1], 0: no end
     episode_length = torch.where(last_end > 0, num_steps - last_end, carry["episode_length"] + num_steps)
     nt = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731  [T, N, ...] -> [N, T, ...], per tensor: a TensorDict
-    batch = TensorDict(  # transpose + to() cost ~0.25 ms a call, most of a 1-step rollout's overhead (sac, td3)
+    batch = TensorDict(  # a TensorDict transpose + to() cost 0.11 ms of a 0.52 ms 1-step rollout (sac, td3; bench/rollout_step.py)
         {
             "observation": nt(observation[:-1]),
             "action": nt(action),

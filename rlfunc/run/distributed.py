@@ -20,6 +20,7 @@ merge of normaliser statistics a function of :mod:`rlfunc.core.normalize`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -288,8 +289,6 @@ class Distributed:
 
 def _config_fields(config: Any, prefix: str = "") -> dict[str, Any]:
     """A config dataclass's fields, nested ones as "run.seed", values as compared across ranks."""
-    import dataclasses
-
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
