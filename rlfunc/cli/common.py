@@ -139,6 +139,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
 
     from rlfunc.errors import ConfigError
     from rlfunc.run import checkpoint
+    from rlfunc.run.distributed import LAUNCHER_PID
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "rlfunc"])
     # the command's own flags (--nproc among them) are the script's, not torchrun's to parse
@@ -150,6 +151,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
              if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger)}
     for name in quiet:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' parent: gone, they stop (stop_with_launcher)
     try:
         run(args)
     except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks got it too, saved and said so
@@ -168,6 +170,7 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
         raise ConfigError(f"data-parallel run: rank {rank} of {nproc} failed ({how})"
                           + (f"; ranks {others} stopped with it" if others else "") + f"; {after}") from None
     finally:
+        os.environ.pop(LAUNCHER_PID, None)
         for name, level in quiet.items():
             logging.getLogger(name).setLevel(level)
     return 0

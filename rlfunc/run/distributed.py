@@ -20,9 +20,12 @@ merge of normaliser statistics a function of :mod:`rlfunc.core.normalize`
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import os
+import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,6 +42,8 @@ from rlfunc.optim.distributed import buckets, flatten_dense, unflatten_dense
 
 BUCKET_BYTES = 25 * 2**20  # the flat buffers of broadcast_state: at most this many bytes each (but a larger leaf)
 BACKENDS = ("gloo", "nccl", "hccl")
+LAUNCHER_PID = "RLFUNC_LAUNCHER_PID"  # set by `rlfunc train --nproc N` (rlfunc.cli.common.launch) for its ranks
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class DistributedError(RLFuncError, RuntimeError):
@@ -89,6 +94,8 @@ class Distributed:
         if world_size == 1:
             return cls(device=device)
         rank, local_rank = _int_var(env, "RANK", None), _int_var(env, "LOCAL_RANK", 0)
+        if env is os.environ:
+            stop_with_launcher()
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank}: expected an integer in [0, WORLD_SIZE={world_size})")
         device = local_device(device, local_rank)
@@ -285,6 +292,29 @@ class Distributed:
         if self.backend in ("nccl", "hccl") and t.device != self.device:
             return t.to(self.device)
         return t
+
+
+def stop_with_launcher(signum: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send this rank ``signum`` when its parent (torchrun's elastic agent, or ``rlfunc
+    train --nproc N``) dies; the run loop then saves a snapshot and stops, as on any SIGTERM. Without
+    it a SIGKILLed launcher left its ranks training on, orphaned. A parent already gone before the
+    request (``rlfunc``'s launcher exports its pid as RLFUNC_LAUNCHER_PID) sends the signal at once.
+
+    Returns:
+        Whether the request was made (False off Linux, where there is no PR_SET_PDEATHSIG).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if launcher.isdigit() and os.getppid() != int(launcher):  # it died before the request: no signal would come
+        os.kill(os.getpid(), signum)
+    return True
 
 
 def _config_fields(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -227,3 +227,43 @@ def test_resume_of_a_two_rank_run_whose_latest_snapshot_is_truncated_points_to_t
     last = [line for line in out.stderr.splitlines() if "data-parallel run: rank" in line]
     assert last and "is intact" not in last[-1] and "errors are above" in last[-1], out.stderr[-2000:]
     assert "--snapshot step_" in out.stderr
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie left to a reaper that does not reap counts as exited)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_sigkilled_launcher_stops_its_ranks_and_they_save_a_snapshot(tmp_path):
+    """SIGKILL to `rlfunc train --nproc 2` (the ranks' parent): the ranks trained on, orphaned, until
+    their budget ran out. Now each gets SIGTERM, saves a snapshot after its iteration and exits."""
+    run = tmp_path / "run"
+    job = subprocess.Popen([PY, "-m", "rlfunc", "train", "ppo", *FLAGS, "--total-steps", str(128 * 4000), "--checkpoint-every", "1000",
+                            "--nproc", "2", "--run-dir", str(run)], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and job.poll() is None, "no iteration came"
+            time.sleep(0.2)
+        ranks = [_rank_pid(job.pid, r) for r in (0, 1)]
+        assert None not in ranks
+        assert checkpoint.latest_snapshot(run) is None  # the only snapshot can come from the stop
+        job.kill()
+        job.wait(timeout=30)
+        killed = time.monotonic()
+        while not all(_gone(pid) for pid in ranks):
+            assert time.monotonic() - killed < 60, "the ranks outlived their launcher"
+            time.sleep(0.2)
+    finally:
+        for pid in ranks:
+            if pid is not None and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    snap = checkpoint.latest_snapshot(run)
+    assert snap is not None
+    checkpoint.load_snapshot(snap)  # passes its checksums
+    assert checkpoint.load_meta(snap)["iteration"] < 4000

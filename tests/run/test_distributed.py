@@ -1,6 +1,10 @@
 """The process group (rlfunc.run.distributed): torchrun's environment, broadcast, sync check, gather."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,3 +115,16 @@ def _other_seed_per_rank(dist, run_dir):
 def test_ranks_started_with_different_configs_stop_at_once_with_one_line(gloo, tmp_path):
     gloo(_other_seed_per_rank, str(tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no iteration ran
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_stop_with_launcher_signals_at_once_when_the_launcher_is_already_gone():
+    """A rank whose launcher died before the request (its parent is not RLFUNC_LAUNCHER_PID) would wait
+    for a signal that never comes: it gets it at once. With its launcher alive it runs on."""
+    code = "from rlfunc.run.distributed import stop_with_launcher\nassert stop_with_launcher()\nprint('alive')\n"
+    env = {**os.environ, "RLFUNC_LAUNCHER_PID": "1"}  # never this test's parent
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGTERM and "alive" not in out.stdout, out.stderr[-1000:]
+    env["RLFUNC_LAUNCHER_PID"] = str(os.getpid())
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "alive" in out.stdout, out.stderr[-1000:]
