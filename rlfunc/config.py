@@ -11,6 +11,7 @@ it would be an upward import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import types
 import typing
@@ -51,6 +52,7 @@ class RunConfig:
     env_workers: int = 0  # worker processes stepping the envs, num_envs / env_workers each (0: in the learner's process; ppo, ppo-encoder, dppo, sac, td3, td3-/sac-diffusion)
 
     def __post_init__(self) -> None:
+        check_fields(self, "run.")
         for name in ("num_seeds", "log_every", "eval_episodes", "nproc"):
             _check_int(name, getattr(self, name), 1, "a positive integer")
         for name in ("profile", "torch_threads", "env_workers", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
@@ -81,7 +83,6 @@ def _check_int(name: str, value: Any, low: int, expected: str) -> None:
 
 
 RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
-_RUN_DEFAULTS = RunConfig()
 
 
 def require_default(run: RunConfig, **why: str) -> None:
@@ -138,6 +139,32 @@ def replace(config: T, **changes: Any) -> T:
     if run_changes:
         changes["run"] = dataclasses.replace(changes.get("run", config.run), **run_changes)
     return dataclasses.replace(config, **changes)
+
+
+def check_fields(config: Any, prefix: str = "") -> None:
+    """Every field of the config dataclass ``config`` checked as :func:`replace` checks a change:
+    against its declared type and the kind of its default (an ``int`` field takes only integers, a
+    tuple of widths only ints, a number field no str, a nested config only a config of its type).
+    Values are converted in place where that loses nothing: numpy integers to ints, lists to tuples.
+    Each config's ``__post_init__`` calls it first, so ``PPOConfig(num_epochs=1.5)`` fails here, as
+    ``replace`` does, not deep inside a run.
+
+    Raises:
+        ConfigError: "PREFIXNAME=VALUE: expected ..." for the first field that does not fit.
+    """
+    hints = _hints(type(config))
+    for f in dataclasses.fields(config):
+        value, default, name = getattr(config, f.name), _field_default(f), prefix + f.name
+        if dataclasses.is_dataclass(default) and not isinstance(value, type(default)):
+            raise ConfigError(f"{name}={value!r}: expected a {type(default).__name__}")
+        checked = _check_kind(name, _check_hint(name, value, hints.get(f.name)), default)
+        if checked is not value:
+            object.__setattr__(config, f.name, checked)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _check_hint(name: str, value: Any, hint: Any) -> Any:
@@ -270,3 +297,6 @@ def _convert(tp: Any, value: Any, default: Any = None) -> Any:
             return tuple(_convert(a, v) for a, v in zip(args, value))
         return tuple(value)
     return value
+
+
+_RUN_DEFAULTS = RunConfig()  # after check_fields, which its __post_init__ calls

@@ -204,3 +204,30 @@ def test_groups_of_one_an_empty_eval_seed_list_and_a_batch_beyond_the_replay_are
         replace(MAPPOConfig(), eval_seeds=())
     with pytest.raises(ConfigError, match="batch_size=64 > buffer_size=50"):
         replace(SACConfig(), buffer_size=50, batch_size=64)
+
+
+def test_a_config_built_directly_is_checked_as_replace_checks_it():
+    """New-user pass: PPOConfig(num_epochs=1.5) was built and failed deep inside the run (TypeError from
+    range()), hidden=(8.5,) inside torch's Linear, lr="fast" in a comparison; replace refused each."""
+    import numpy as np
+
+    from rlfunc.algos.sac import SACConfig
+    from rlfunc.algos.sac_diffusion import SACDiffusionConfig
+    from rlfunc.algos.td3 import TD3Config
+
+    for field, bad, why in (("num_epochs", 1.5, "an integer"), ("minibatch_size", 32.0, "an integer"),
+                            ("total_steps", 128.5, "an integer"), ("hidden", (8.5,), "a tuple of ints"),
+                            ("lr", "fast", "a number"), ("gamma", None, "a number"), ("run", None, "a RunConfig")):
+        with pytest.raises(ConfigError, match=rf"^{field}={bad!r}: expected {why}$".replace("(", "[(]").replace(")", "[)]")):
+            PPOConfig(**{field: bad})
+    for cls in (*CONFIGS, SACConfig, TD3Config, SACDiffusionConfig):
+        with pytest.raises(ConfigError, match=r"^run=\{\}: expected a RunConfig$"):
+            cls(run={})
+    with pytest.raises(ConfigError, match=r"^run.seed=1.5: expected an integer$"):
+        RunConfig(seed=1.5)
+    with pytest.raises(ConfigError, match=r"^batch_size=64.0: expected an integer$"):
+        SACConfig(batch_size=64.0)
+    config = PPOConfig(num_envs=np.int64(4), hidden=[32, np.int64(32)])  # converted: numpy ints, a list
+    assert type(config.num_envs) is int and config.hidden == (32, 32) and type(config.hidden[1]) is int
+    assert SACConfig(batch_size=np.int64(64)).batch_size == 64  # (noticed: SAC refused numpy ints)
+    assert json.loads(json.dumps(dataclasses.asdict(config)))["num_envs"] == 4

@@ -23,7 +23,7 @@ from torch import Tensor
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, require_finite, schedule_for
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, require_default
+from rlfunc.config import RunConfig, check_fields, require_default
 from rlfunc.core import func
 from rlfunc.core.normalize import update_running_stats
 from rlfunc.device import compile_step
@@ -58,6 +58,7 @@ class BCConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(log_every=100, checkpoint_every=1000, eval_episodes=500))  # seed (dataset, init, noise), device, precision (autocast of the denoiser forward), snapshots (rlfunc.config.RunConfig); iterations are updates; a metrics line per 100, a snapshot per 1000, 500 evaluation episodes (one per env, in parallel)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         require_finite(self)
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay}: expected >= 0")

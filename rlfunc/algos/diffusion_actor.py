@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
+from rlfunc.config import check_fields
 from rlfunc.core import func
 from rlfunc.core.normalize import init_running_stats, normalize
 from rlfunc.core.stats import success_interval, summarize_returns
@@ -62,6 +63,7 @@ class ActorSpec:
     checkpoint_vision: bool = False  # Dict observations: recompute the trunk's activations in backward
 
     def __post_init__(self) -> None:
+        check_fields(self)
         require_finite(self)
         for name in ("hidden", "down_dims", "encoder_widths", "encoder_blocks"):
             if isinstance(getattr(self, name), list):

@@ -30,7 +30,7 @@ from torch import Tensor
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_split, require_finite, schedule_for, with_encoder
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_env_workers, require_default
+from rlfunc.config import RunConfig, check_env_workers, check_fields, require_default
 from rlfunc.core import func
 from rlfunc.core.returns import generalized_advantage_estimate
 from rlfunc.device import compile_step
@@ -91,6 +91,7 @@ class DPPOConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(eval_episodes=500))  # seed (init, env, noise), device, precision (autocast of the networks), snapshots (rlfunc.config.RunConfig); 500 evaluation episodes (one per env, in parallel)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         require_finite(self)
         if not 0 <= self.value_coef < math.inf or any(h < 1 for h in self.critic_hidden):
             raise ConfigError(f"value_coef={self.value_coef}, critic_hidden={self.critic_hidden}: expected >= 0 and positive widths")

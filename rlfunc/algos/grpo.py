@@ -36,7 +36,7 @@ from rlfunc.algos import data_parallel, shaped
 from rlfunc.algos.ppo_parallel import local_share
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_env_workers, replace, require_default
+from rlfunc.config import RunConfig, check_env_workers, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_log_prob
 from rlfunc.core.normalize import normalize, update_running_stats
@@ -101,6 +101,7 @@ class GRPOConfig:
     run: RunConfig = field(default_factory=RunConfig)  # seeds, device, snapshots, final evaluation (deterministic actions) (rlfunc.config.RunConfig)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("total_steps", "num_groups", "group_size", "max_episode_steps", "num_epochs",
                      "minibatch_size"):
             value = getattr(self, name)

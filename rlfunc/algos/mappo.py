@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, replace, require_default
+from rlfunc.config import RunConfig, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
@@ -104,6 +104,7 @@ class MAPPOConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8))  # seed (parameters, action sampling, envs), device, snapshots (rlfunc.config.RunConfig); torch's threads left as they are, a snapshot only at the end, 2 kept, 8 warehouses (or rware episodes) per eval seed
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.loss not in LOSSES:
             raise ConfigError(f"loss={self.loss!r}: expected one of {LOSSES}")
         if self.critic not in CRITICS:

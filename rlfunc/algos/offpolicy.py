@@ -46,7 +46,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlfunc.algos import data_parallel
-from rlfunc.config import RunConfig, check_env_workers, require_default
+from rlfunc.config import RunConfig, check_env_workers, check_fields, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.nets.mlp import MLP, seeded_init
@@ -241,6 +241,7 @@ class OffPolicyConfig:
     def __post_init__(self) -> None:
         """ConfigError for a bad value of the shared hyperparameters, or a run field these
         algorithms cannot honour."""
+        check_fields(self)
         n = self.name
         if not self.compiles:
             require_default(self.run, compile=f"{n} has no compiled update yet (ppo and sac have)")

@@ -28,7 +28,7 @@ from rlfunc.algos import data_parallel
 from rlfunc.algos import ppo_parallel as parallel
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_env_workers, replace, require_default
+from rlfunc.config import RunConfig, check_env_workers, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import (
     categorical_entropy, categorical_log_prob, categorical_mode, categorical_sample, gaussian_entropy, gaussian_log_prob,
@@ -95,6 +95,7 @@ class PPOConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(version_every=1, eval_episodes=100))  # seeds, device, snapshots (rlfunc.config.RunConfig); a version per iteration, 100 evaluation episodes (deterministic actions; the protocol asks >= 50)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("gamma", "lmbda"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import EnvInfo, check_split, encoder_config, require_finite
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_env_workers, require_default
+from rlfunc.config import RunConfig, check_env_workers, check_fields, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.core.normalize import init_running_stats, scale_reward, update_running_stats
@@ -105,6 +105,7 @@ class PPOEncoderConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0))  # seed (parameters, env resets, action/minibatch noise), device, precision (autocast of the networks, rlfunc.optim.amp), snapshots, final evaluation (deterministic actions) (rlfunc.config.RunConfig); torch's default threads
 
     def __post_init__(self) -> None:
+        check_fields(self)
         require_finite(self)
         for name in ("hidden", "encoder_widths", "encoder_blocks"):
             if isinstance(getattr(self, name), list):

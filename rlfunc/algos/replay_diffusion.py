@@ -35,7 +35,7 @@ from torch import Tensor
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, check_split, require_finite, schedule_for, with_encoder
-from rlfunc.config import RunConfig, check_env_workers, require_default
+from rlfunc.config import RunConfig, check_env_workers, check_fields, require_default
 from rlfunc.core import func
 from rlfunc.errors import ConfigError
 from rlfunc.optim.distributed import all_reduce_mean
@@ -78,6 +78,7 @@ class ReplayDiffusionConfig:
 
     def __post_init__(self) -> None:
         """ConfigError for a bad shared value, or a run field these algorithms cannot honour."""
+        check_fields(self)
         n = self.name
         require_finite(self)
         if self.run.compile == "on" and (self.gradient_checkpointing or self.run.precision != "off"):

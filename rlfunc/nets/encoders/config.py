@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfunc.config import check_fields
 from rlfunc.errors import ConfigError
 from rlfunc.nets.encoders._checks import _check_int, _check_widths
 from rlfunc.nets.encoders.text import TextTokenizer
@@ -48,6 +49,7 @@ class EncoderConfig:
     dropout: float = 0.0  # dropout in the fusion layers (needs randomness="different" under vmap)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("cameras", "image_size", "widths", "blocks", "instructions"):
             value = getattr(self, name)
             if isinstance(value, list):
