@@ -158,6 +158,22 @@ def test_normalize_advantage():
     a = torch.tensor([[1.0], [2.0], [3.0], [6.0]], dtype=torch.float64)
     # mean 3, population std sqrt((4 + 1 + 0 + 9) / 4) = sqrt(3.5)
     torch.testing.assert_close(normalize_advantage(a), (a - 3.0) / (math.sqrt(3.5) + 1e-8), rtol=0, atol=1e-12)
+    # new-user pass: 1000 copies of 1.7 (float32) came out as values up to +-0.96, the mean's rounding
+    # error over a std of ~1e-7; equal advantages carry no signal, so exactly 0
+    for value in (1.7, 0.1, 123.456):
+        assert torch.equal(normalize_advantage(torch.full((1000, 1), value)), torch.zeros(1000, 1))
+    small = torch.tensor([[1.0], [1.0 + 1e-3]])  # a real spread, small but far above rounding: still +-1
+    torch.testing.assert_close(normalize_advantage(small), torch.tensor([[-1.0], [1.0]]), atol=1e-3, rtol=0)
+    assert normalize_advantage(torch.zeros(0, 1)).shape == (0, 1)
+
+
+def test_explained_variance_refuses_shapes_that_would_broadcast():
+    """New-user pass: an [8, 1] prediction against an [8] target broadcast to [8, 8] and gave -0.83
+    where the value is -0.61."""
+    with pytest.raises(ShapeError, match=r"prediction \[8, 1\] and target \[8\]: expected tensors of one shape"):
+        explained_variance(torch.randn(8, 1), torch.randn(8))
+    with pytest.raises(ShapeError, match="expected floating point tensors"):
+        explained_variance(torch.arange(4), torch.arange(4))
 
 
 def test_ppo_loss_minibatch_of_one_is_finite():
