@@ -144,12 +144,42 @@ def _blocked_scan(x: Tensor, a: Tensor, dim: int, reverse: bool, block: int) -> 
     return y.narrow(dim, 0, T) if pad else y
 
 
+def _blocked_scan_scalar(x: Tensor, c: float, dim: int, reverse: bool, block: int) -> Tensor:
+    """:func:`_blocked_scan` for a number ``c``: every discount product is a power of ``c`` formed in
+    double precision and rounded once (the block scans with ``c``, the carries' scan with
+    ``c ** block``, the carry factors ``c ** k``), so it is as accurate as the unblocked scan.
+    Forming them as float32 products of ``c`` lost 2^k roundings (a new-user pass measured 2.2e-5
+    at gamma 0.999, T 20000, block 64: worse than a float32 loop)."""
+    T = x.shape[dim]
+    if T <= block:
+        return _scan(x, c, dim, reverse)[0]
+    nb = -(-T // block)
+    pad = nb * block - T
+    if pad:  # zeros appended after the end change nothing before it, in either direction
+        x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, pad])
+    yb = _scan(x.unflatten(dim, (nb, block)), c, dim + 1, reverse)[0]
+    edge = 0 if reverse else block - 1
+    carry = _blocked_scan_scalar(yb.select(dim + 1, edge).contiguous(), float(c) ** block, dim, reverse, block)
+    shifted = torch.zeros_like(carry)
+    if reverse:
+        shifted.narrow(dim, 0, nb - 1).copy_(carry.narrow(dim, 1, nb - 1))
+    else:
+        shifted.narrow(dim, 1, nb - 1).copy_(carry.narrow(dim, 0, nb - 1))
+    k = torch.arange(block, dtype=torch.float64, device=x.device)
+    power = float(c) ** (block - k if reverse else k + 1)  # the carry's factor at each place in a block
+    power = power.to(x.dtype).view(block, *([1] * (yb.ndim - dim - 2)))
+    y = torch.addcmul(yb, power, shifted.unsqueeze(dim + 1)).flatten(dim, dim + 1)
+    return y.narrow(dim, 0, T) if pad else y
+
+
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
 
 
 def _time_index(t: Tensor, time_dim: int, name: str) -> int:
+    if not isinstance(t, Tensor):  # a numpy array or a list was an AttributeError deep inside
+        raise ShapeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not isinstance(time_dim, numbers.Integral) or isinstance(time_dim, bool):  # 1.0 passed the range check, then failed deep inside
         raise ConfigError(f"time_dim={time_dim!r}: expected an int, a dim of {name} with shape {tuple(t.shape)}")
     time_dim = int(time_dim)
@@ -294,6 +324,8 @@ def forward_discounted_sum(
     dim = _time_index(x, time_dim, "x")
     if initial is None:
         return _run(x, discount, dim, None, reverse=False)
+    if not isinstance(initial, Tensor):  # 0.0 was an AttributeError, a numpy array "initial is on cpu but x is on cpu"
+        raise ShapeError(f"initial: expected None or a torch.Tensor, got {type(initial).__name__}")
     expected = x.shape[:dim] + (1,) + x.shape[dim + 1 :]
     if initial.shape != expected:
         raise ShapeError(
@@ -302,10 +334,10 @@ def forward_discounted_sum(
         )
     if initial.device != x.device:
         raise ShapeError(f"initial is on {initial.device} but x is on {x.device}")
+    dtype = _compute_dtype(x, initial, names=("x", "initial"))  # before the empty case (an int x was returned as is)
     if x.shape[dim] == 0:
         return x.clone()
     # fold the carry into the first term: z_0 = x_0 + discount_0 * initial
-    dtype = _compute_dtype(x, initial, names=("x", "initial"))
     a = _discount_tensor(discount, x, dtype)
     first = a.expand_as(x).narrow(dim, 0, 1) if isinstance(a, Tensor) else a
     xc = x.to(dtype, copy=True)
@@ -320,9 +352,7 @@ def _run(x: Tensor, discount, dim: int, block: int | None, reverse: bool) -> Ten
     a = _discount_tensor(discount, x, dtype)
     xc = x.to(dtype)
     if block is not None and x.shape[dim] > block:
-        if not isinstance(a, Tensor):
-            a = torch.full((), a, dtype=dtype, device=x.device)
-        y = _blocked_scan(xc, a, dim, reverse, block)
+        y = _blocked_scan(xc, a, dim, reverse, block) if isinstance(a, Tensor) else _blocked_scan_scalar(xc, a, dim, reverse, block)
     else:
         y = _scan(xc, a, dim, reverse)[0]
     return y.to(x.dtype)
