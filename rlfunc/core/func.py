@@ -9,6 +9,7 @@ equivalent loop + ``torch.stack`` elsewhere (torch_npu has no vmap); both give t
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from rlfunc.device import supports_vmap
-from rlfunc.errors import ShapeError
+from rlfunc.errors import ConfigError, ShapeError
 
 
 def params_from_module(module: nn.Module) -> TensorDict:
@@ -179,10 +180,20 @@ def polyak_update_(target: TensorDictBase, online: TensorDictBase, tau: float) -
         online: parameters of the same structure (read, detached).
         tau: the rate in [0, 1]; 1 copies ``online``, 0 leaves ``target`` as it is.
 
+    Raises:
+        ConfigError: ``tau`` is not a number in [0, 1] (2.0 extrapolated: target = 2 online - target).
+        ShapeError: ``target`` and ``online`` differ in their leaves' count or shapes.
+
     Reference: Lillicrap et al. (2016) (DDPG), the "soft" target update; one ``torch._foreach_lerp_``.
     """
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0 <= tau <= 1:
+        raise ConfigError(f"tau={tau!r}: expected a number in [0, 1]")
+    dst, src = leaves(target), leaves(online)
+    if len(dst) != len(src) or any(a.shape != b.shape for a, b in zip(dst, src)):
+        raise ShapeError(f"target ({len(dst)} leaves) and online ({len(src)} leaves): expected the same structure "
+                         f"and shapes, got {[tuple(a.shape) for a in dst][:4]} and {[tuple(b.shape) for b in src][:4]}")
     with torch.no_grad():
-        torch._foreach_lerp_(leaves(target), [p.detach() for p in leaves(online)], tau)
+        torch._foreach_lerp_(dst, [p.detach() for p in src], tau)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

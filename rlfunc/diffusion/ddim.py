@@ -45,14 +45,14 @@ Apply = Callable[[Any, Tensor, Tensor, Any], Tensor]
 
 
 def _check_options(eta: float, prediction: str, clip_sample: float | None, std_floor: float) -> None:
-    if not isinstance(eta, numbers.Real) or not eta >= 0:
-        raise ConfigError(f"eta={eta!r}: expected a number >= 0 (0: deterministic DDIM, 1: DDPM variance)")
+    if not isinstance(eta, numbers.Real) or not 0 <= eta < math.inf:  # inf gave NaN samples
+        raise ConfigError(f"eta={eta!r}: expected a finite number >= 0 (0: deterministic DDIM, 1: DDPM variance)")
     if prediction not in _PREDICTIONS:
         raise ConfigError(f"prediction={prediction!r}: expected one of {', '.join(_PREDICTIONS)}")
     if clip_sample is not None and (not isinstance(clip_sample, numbers.Real) or not clip_sample > 0):
         raise ConfigError(f"clip_sample={clip_sample!r}: expected None (no clipping) or a number > 0")
-    if not isinstance(std_floor, numbers.Real) or not std_floor >= 0:
-        raise ConfigError(f"std_floor={std_floor!r}: expected a number >= 0")
+    if not isinstance(std_floor, numbers.Real) or not 0 <= std_floor < math.inf:
+        raise ConfigError(f"std_floor={std_floor!r}: expected a finite number >= 0")
 
 
 def _alphas_cumprod(schedule: TensorDictBase) -> Tensor:

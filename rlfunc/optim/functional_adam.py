@@ -76,6 +76,8 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
     real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731  (numpy scalars are; "1e-3" is not)
     if not real(lr) or not lr > 0:
         raise ConfigError(f"lr={lr!r}: expected a positive learning rate")
+    if not lr < math.inf:  # one step made every parameter -inf
+        raise ConfigError(f"lr={lr!r}: expected a finite positive learning rate")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(real(b) for b in betas):
         raise ConfigError(f"betas={betas!r}: expected two values in [0, 1)")
     b1, b2 = betas
@@ -101,6 +103,8 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
 
     def update_leaves(g: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None, *,
                       lr: float | Tensor | None = None, mask: Tensor | None = None, **extra):
+        if not g:  # params without leaves: nothing to step (leaves_at_each's steps[0] was an IndexError)
+            return [], state
         parts = _dict(state)
         m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
         # v and the steps come with m from init (or a checked snapshot); the bug: double or integer gradients

@@ -359,3 +359,21 @@ def test_sequential_forward_equals_apply_and_sees_optimizer_steps():
     with pytest.raises(ShapeError, match="BatchNorm1d"):
         bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
         func.sequential_forward(bn, func.stack_params([func.params_from_module(bn)] * 3), stacked=True)
+
+
+def test_polyak_update_checks_tau_and_the_structures():
+    """New-user pass: tau=2.0 extrapolated (target = 2 online - target) though the docstring says [0, 1];
+    structures of other leaf counts were torch's "Tensor lists must have the same number of tensors"."""
+    from rlfunc.errors import ConfigError
+
+    target = TensorDict({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, batch_size=[])
+    online = TensorDict({"w": torch.ones(2, 3), "b": torch.full((3,), 2.0)}, batch_size=[])
+    for tau in (2.0, -0.1, float("nan"), True, "0.1"):
+        with pytest.raises(ConfigError, match=r"^tau=.*: expected a number in \[0, 1\]$"):
+            F.polyak_update_(target, online, tau)
+    with pytest.raises(ShapeError, match=r"^target \(2 leaves\) and online \(1 leaves\)"):
+        F.polyak_update_(target, online.exclude("b"), 0.5)
+    with pytest.raises(ShapeError, match="expected the same structure and shapes"):
+        F.polyak_update_(target, TensorDict({"w": torch.ones(3, 2), "b": torch.ones(3)}, batch_size=[]), 0.5)
+    F.polyak_update_(target, online, 0.25)  # (1 - tau) * 0 + tau * online
+    assert torch.equal(target["w"], torch.full((2, 3), 0.25)) and torch.equal(target["b"], torch.full((3,), 0.5))

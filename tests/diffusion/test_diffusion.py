@@ -509,6 +509,11 @@ def test_sample_errors():
         sample(apply, params, cond[:2], noise, schedule, 5)
     with pytest.raises(ConfigError, match="eta"):
         sample(apply, params, cond, noise, schedule, 5, eta=-1.0)
+    # new-user pass: eta=inf or std_floor=inf were accepted and the samples came out NaN
+    with pytest.raises(ConfigError, match="^eta=inf: expected a finite number >= 0"):
+        sample(apply, params, cond, noise, schedule, 5, eta=float("inf"))
+    with pytest.raises(ConfigError, match="^std_floor=inf: expected a finite number >= 0$"):
+        sample(apply, params, cond, noise, schedule, 5, std_floor=float("inf"))
     with pytest.raises(ConfigError, match="num_steps"):
         sample(apply, params, cond, torch.zeros(102, 3, H, A), schedule, 101)
     with pytest.raises(ConfigError, match="num_steps"):

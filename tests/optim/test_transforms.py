@@ -467,3 +467,18 @@ def test_partition_steps_each_group_as_a_torch_optim_parameter_group():
     assert set(updates.keys()) == {"a"} and (state["1", "b"] == before).all()
     with pytest.raises(ShapeError, match="expected the groups"):
         partition({"a": adam(0.01)}).init(ours)
+
+
+def test_adam_refuses_an_infinite_lr_and_steps_params_without_leaves():
+    """New-user pass: adam(float("inf")) was accepted and one step made every parameter -inf; an update
+    of params without leaves was an IndexError from inside the step."""
+    with pytest.raises(ConfigError, match=r"^lr=inf: expected a finite positive learning rate$"):
+        adam(float("inf"))
+    for lr in (float("nan"), 0.0):
+        with pytest.raises(ConfigError, match=r"^lr=.*: expected a positive learning rate$"):
+            adam(lr)
+    update = adam(LR, BETAS, EPS)
+    empty = TensorDict({}, batch_size=[])
+    state = update.init(empty)
+    updates, new_state = update.update(empty, state, empty)
+    assert len(list(updates.keys(True, True))) == 0 and new_state is state
