@@ -203,6 +203,7 @@ def load_snapshot(
     problem = _first_difference(found, recorded, "state.safetensors", "meta.json")
     if problem:
         raise SnapshotCorruptError(f"{state_path}: does not match the table in meta.json: {problem}")
+    _check_names(state_path, tensors)
     target = torch.device("cpu") if device is None else resolve_device(device)
     if like is not None:
         _match_like(str(path), tensors, like, "snapshot", "snapshot does not match the structure its config gives "
@@ -529,6 +530,21 @@ def _flatten(state: TensorDictBase, what: str) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{what} key '__metadata__' is reserved by safetensors; rename it")
         flat[name] = value
     return flat
+
+
+def _check_names(path: Path, tensors: dict) -> None:
+    """SnapshotCorruptError for names ``save_snapshot`` never writes: an empty part ("a..b", "a.")
+    or one name inside another ("x" beside "x.y"); a crafted file loaded them into empty keys, or
+    failed with tensordict's KeyError."""
+    names = set(tensors)
+    for name in sorted(names):
+        parts = name.split(".")
+        if not all(parts):
+            raise SnapshotCorruptError(f"{path}: tensor name {name!r} has an empty part; not written by rlfunc")
+        for i in range(1, len(parts)):
+            if ".".join(parts[:i]) in names:
+                raise SnapshotCorruptError(f"{path}: tensor {'.'.join(parts[:i])!r} is also a prefix of {name!r}; "
+                                           "not written by rlfunc")
 
 
 def _cpu_tensors(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -471,3 +471,20 @@ def test_latest_naming_a_damaged_snapshot_warns_before_falling_back(tmp_path):
     (run / "checkpoints" / "step_000000000002" / "state.safetensors").unlink()
     with pytest.warns(UserWarning, match="names step_000000000002, which lacks .* using step_000000000001"):
         assert latest_snapshot(run).name == "step_000000000001"
+
+
+@pytest.mark.parametrize("names, why", [(("x", "x.y"), "is also a prefix of 'x.y'"), (("a..b",), "has an empty part"),
+                                        (("a.",), "has an empty part")])
+def test_a_crafted_file_with_names_rlfunc_never_writes_is_refused(tmp_path, names, why):
+    """New-user pass: "x" beside "x.y" was tensordict's KeyError, "a..b" loaded into an empty key; a
+    forged record (sha and table agreeing) let both through."""
+    from safetensors.torch import save_file
+
+    path = save_snapshot(tmp_path / "snap", _state(), {})
+    save_file({n: torch.zeros(2) for n in names}, str(path / "state.safetensors"))
+    record = json.loads((path / "meta.json").read_text())
+    record["tensors"] = {n: {"shape": [2], "dtype": "float32"} for n in names}
+    (path / "meta.json").write_text(json.dumps(record))
+    _forge_record(path)
+    with pytest.raises(SnapshotCorruptError, match=why):
+        load_snapshot(path)
