@@ -245,6 +245,9 @@ def tanh_gaussian_log_prob(
     inside it. ``eps`` is raised to ``torch.finfo(dtype).eps`` where smaller, so that 1 - eps is
     representable (float32: 1.2e-7, bfloat16: 7.8e-3). Recovery from a float32 action also loses
     precision for |u| > ~4 (tanh rounds to within an ulp of 1), so store and pass ``pre_tanh``.
+    An action outside the box (|y| > 1) is clamped the same way and scored as if at its edge: it
+    is not checked (that would cost a device sync), so pass ``low``/``high`` for an env's scaled
+    actions (Pendulum's [-2, 2]), or the squashed action the policy drew.
 
     Args:
         action: [*B, D] float, the squashed action a, or None when ``pre_tanh`` is given. Ignored
@@ -367,12 +370,20 @@ def categorical_log_prob(
     if not isinstance(action, Tensor) or action.dtype not in (torch.int64, torch.int32) or action.shape != want:
         raise ShapeError(f"action: expected an int64 tensor of shape {tuple(want)}, got "
                          f"{getattr(action, 'shape', type(action).__name__)} {getattr(action, 'dtype', '')}")
+    if action.device != logits.device:  # a meta action against CPU logits returned garbage
+        raise ShapeError(f"action is on {action.device} but logits are on {logits.device}")
     actions = action.unsqueeze(-1) if nvec is None else action.split(1, -1)
     if nvec is None:
         actions = (actions,)
-    return sum(
-        torch.log_softmax(x, -1).gather(-1, a.long()) for x, a in zip(_heads(logits, action_mask, heads), actions)
-    )
+    try:
+        return sum(
+            torch.log_softmax(x, -1).gather(-1, a.long()) for x, a in zip(_heads(logits, action_mask, heads), actions)
+        )
+    except (RuntimeError, IndexError) as e:  # an action outside its head's range (gather's error named no argument)
+        if "out of bounds" not in str(e):
+            raise
+        raise ShapeError(f"action: expected values in [0, n) for head sizes {tuple(heads)}, got one outside "
+                         f"({str(e).splitlines()[0]})") from None
 
 
 def categorical_entropy(logits: Tensor, *, action_mask: Tensor | None = None, nvec: Sequence[int] | None = None) -> Tensor:

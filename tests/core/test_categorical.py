@@ -195,3 +195,15 @@ def test_masked_categorical_never_picks_masked_actions():
         masked_logits(logits[:1], mask[0].tolist())
 
 
+
+
+def test_an_action_outside_its_head_or_on_another_device_is_named():
+    """New-user pass: an out-of-range action was torch's gather error, naming no argument; a meta action
+    against CPU logits returned garbage."""
+    logits = torch.randn(4, 5)
+    for action, kw, sizes in ((torch.tensor([0, 1, 5, 2]), {}, r"\(5,\)"), (torch.tensor([0, -1, 0, 0]), {}, r"\(5,\)"),
+                              (torch.tensor([[0, 3]] * 4), dict(nvec=(2, 3)), r"\(2, 3\)")):
+        with pytest.raises(ShapeError, match=rf"^action: expected values in \[0, n\) for head sizes {sizes}, got one outside"):
+            categorical_log_prob(logits, action, **kw)
+    with pytest.raises(ShapeError, match="^action is on meta but logits are on cpu$"):
+        categorical_log_prob(logits, torch.zeros(4, dtype=torch.long, device="meta"))
