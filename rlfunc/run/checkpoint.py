@@ -33,6 +33,7 @@ roll-back). One writer per directory: concurrent saves to the same run are not s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -69,6 +70,32 @@ _CHUNK = 1 << 20
 
 
 # ----------------------------------------------------------------------------------------- public API
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """Hold an exclusive lock on the directory ``run_dir`` itself (an advisory ``fcntl.flock`` on it,
+    freed by the kernel when the process ends; nothing is written) for the ``with`` block: a second
+    ``rlfunc resume`` of the same run is refused instead of interleaving its snapshots, versions and
+    metrics with the first's. A no-op where fcntl does not exist (Windows).
+
+    Raises:
+        ConfigError: another process holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError(f"run_dir={str(run_dir)!r}: another process is running this run; wait for it to end") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def save_snapshot(path: str | os.PathLike, state: TensorDictBase, meta: Mapping) -> Path:

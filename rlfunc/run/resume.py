@@ -23,7 +23,6 @@ plus what each run carries between iterations (env state, collection carry, ...)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -42,6 +41,7 @@ from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim import adam_state_from_torch
 from rlfunc.optim.amp import loss_scale_of
 from rlfunc.run import checkpoint, versions
+from rlfunc.run.checkpoint import hold_run_dir  # noqa: F401  (the run loop's, from here as before)
 from rlfunc.run.log import read_metrics
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
@@ -69,32 +69,6 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         f"run_dir={str(run_dir)!r} is not empty (a run stopped before its first snapshot, or other files); "
         "choose a new --run-dir or remove it"
     )
-
-
-@contextlib.contextmanager
-def hold_run_dir(run_dir: Path):
-    """Hold an exclusive lock on the directory ``run_dir`` itself (an advisory ``fcntl.flock`` on it,
-    freed by the kernel when the process ends; nothing is written) for the ``with`` block: a second
-    ``rlfunc resume`` of the same run is refused instead of interleaving its snapshots, versions and
-    metrics with the first's. A no-op where fcntl does not exist (Windows).
-
-    Raises:
-        ConfigError: another process holds it.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise ConfigError(f"run_dir={str(run_dir)!r}: another process is running this run; wait for it to end") from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def truncate_metrics(run_dir: Path, iteration: int) -> float:

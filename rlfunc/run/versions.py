@@ -37,6 +37,7 @@ Nothing unpickles: packs are read with ``safetensors.safe_open`` and manifests w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -61,6 +62,7 @@ from rlfunc.run.checkpoint import (
     _fsync_dir,
     _match_like,
     _one_line,
+    hold_run_dir,
 )
 from rlfunc.config import RUN_FIELDS
 from rlfunc.device import resolve_device
@@ -223,8 +225,16 @@ def rollback(run_dir: str | os.PathLike, version: str, *, branch: str | None = N
         CheckpointError: no version store or no such version (the message lists the ids there are),
             or one whose tensors fail their check (a missing, truncated or corrupt pack: the resume
             would fail).
-        ConfigError: ``branch`` is malformed or already exists.
+        ConfigError: ``branch`` is malformed or already exists; another process is training the
+            run (it holds the run dir: its next versions went into the new branch, parented on
+            ``version``, and the rollback was lost).
     """
+    _existing_root(run_dir)
+    with hold_run_dir(Path(run_dir)), _writing(run_dir):
+        return _rollback(run_dir, version, branch)
+
+
+def _rollback(run_dir: str | os.PathLike, version: str, branch: str | None) -> str:
     root = _existing_root(run_dir)
     manifest = read_manifest(run_dir, version)
     _read_blobs(root, manifest["tensors"], version)  # every blob readable, before anything changes
@@ -245,7 +255,7 @@ def rollback(run_dir: str | os.PathLike, version: str, *, branch: str | None = N
         "from_branch": current_branch(run_dir),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    pin(run_dir, manifest["id"])
+    _pin(root, run_dir, manifest["id"])
     metrics = Path(run_dir) / "metrics.jsonl"  # the resume truncates it to the version's iteration
     if metrics.is_file():
         _atomic_write(root / "branches" / f"{branch}.previous-metrics.jsonl", metrics.read_bytes())
@@ -255,8 +265,23 @@ def rollback(run_dir: str | os.PathLike, version: str, *, branch: str | None = N
 
 
 def pin(run_dir: str | os.PathLike, version: str) -> None:
-    """Protect ``version`` from retention. Raises CheckpointError for an unknown version."""
+    """Protect ``version`` from retention. Raises CheckpointError for an unknown version, ConfigError
+    while another process trains the run (its retention may be deleting versions)."""
     root = _existing_root(run_dir)
+    with hold_run_dir(Path(run_dir)), _writing(run_dir):
+        _pin(root, run_dir, version)
+
+
+@contextlib.contextmanager
+def _writing(run_dir):
+    """An OSError of the block (a read-only run dir: PermissionError) as one CheckpointError line."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"{run_dir}: cannot write its version store ({_one_line(e)})") from None
+
+
+def _pin(root: Path, run_dir: str | os.PathLike, version: str) -> None:
     read_manifest(run_dir, version)
     (root / "pinned").mkdir(exist_ok=True)
     _atomic_write(root / "pinned" / version, b"")

@@ -571,3 +571,32 @@ def test_a_truncated_pack_is_not_reused_by_new_versions(tmp_path):
     assert new["tensors"]["const"]["pack"] != shared and new["written"]["blobs"] == 3
     state, _ = versions.load_version(tmp_path, new["id"])
     assert torch.equal(state["const"], torch.arange(6).reshape(2, 3)) and state["learner", "params", "w"].tolist() == [3.0, 6.0]
+
+
+def test_rollback_and_pin_wait_for_no_run_and_name_a_store_they_cannot_write(tmp_path, monkeypatch, capsys):
+    """New-user pass: `rlfunc versions rollback` while `rlfunc resume` trained the run was accepted; the
+    running process wrote its next versions into the new branch, parented on the rollback's version,
+    and the rollback was lost. And a read-only run dir was a PermissionError traceback."""
+    from rlfunc.run.checkpoint import hold_run_dir
+
+    v1 = versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {"config": {"lr": 1.0}}, iteration=1, step=10)
+    versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {"config": {"lr": 1.0}}, iteration=2, step=20)
+    with hold_run_dir(tmp_path):  # as a training process holds it
+        for call in (lambda: versions.rollback(tmp_path, v1["id"]), lambda: versions.pin(tmp_path, v1["id"])):
+            with pytest.raises(ConfigError, match="another process is running this run; wait for it to end"):
+                call()
+        assert cli.main(["versions", "rollback", str(tmp_path), v1["id"]]) == 2
+        assert "another process is running this run" in capsys.readouterr().err
+    assert versions.current_branch(tmp_path) == versions.MAIN and not (tmp_path / "versions" / "pinned").exists()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "versions" / "branches"))
+
+    monkeypatch.setattr(versions, "_atomic_write", read_only)
+    for call in (lambda: versions.rollback(tmp_path, v1["id"]), lambda: versions.pin(tmp_path, v1["id"])):
+        with pytest.raises(CheckpointError, match=r"cannot write its version store \(.*Permission denied"):
+            call()
+    monkeypatch.undo()
+    assert versions.rollback(tmp_path, v1["id"]) == f"from-{v1['id']}"  # with no one holding it: as before
+    with pytest.raises(CheckpointError, match="no such directory"):
+        versions.rollback(tmp_path / "nope", v1["id"])
