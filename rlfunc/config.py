@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import types
 import typing
@@ -24,6 +25,7 @@ T = TypeVar("T")
 
 VMAP_MODES = ("auto", "vmap", "loop")
 PRECISIONS = ("off", "auto", "bf16", "fp16")
+FLOAT32_MAX = 3.4028234663852886e38  # a finite float field beyond it overflows in a float32 op
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ def check_fields(config: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(default) and not isinstance(value, type(default)):
             raise ConfigError(f"{name}={value!r}: expected a {type(default).__name__}")
         checked = _check_kind(name, _check_hint(name, value, hints.get(f.name)), default)
+        if isinstance(checked, float) and math.isfinite(checked) and abs(checked) > FLOAT32_MAX:
+            # lr=1e300 was torch's "value cannot be converted to type float without overflow" traceback
+            raise ConfigError(f"{name}={checked!r}: expected a number within float32's range (|x| <= 3.4e38)")
         if checked is not value:
             object.__setattr__(config, f.name, checked)
 

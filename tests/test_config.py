@@ -231,3 +231,23 @@ def test_a_config_built_directly_is_checked_as_replace_checks_it():
     assert type(config.num_envs) is int and config.hidden == (32, 32) and type(config.hidden[1]) is int
     assert SACConfig(batch_size=np.int64(64)).batch_size == 64  # (noticed: SAC refused numpy ints)
     assert json.loads(json.dumps(dataclasses.asdict(config)))["num_envs"] == 4
+
+
+def test_learning_rates_beyond_float32_or_infinite_are_refused_in_one_line():
+    """New-user pass: sac/td3 took --critic-lr inf and exited 0 with NaN weights; lr=1e300 was torch's
+    "value cannot be converted to type float without overflow" traceback in every algorithm;
+    sac-diffusion trained with a minibatch larger than its replay, which sac refuses."""
+    from rlfunc.algos.sac import SACConfig
+    from rlfunc.algos.sac_diffusion import SACDiffusionConfig
+    from rlfunc.algos.td3 import TD3Config
+
+    for cls in (SACConfig, TD3Config):
+        for name in ("actor_lr", "critic_lr"):
+            with pytest.raises(ConfigError, match=rf"^{name}=inf: expected a finite number > 0$"):
+                cls(**{name: float("inf")})
+    for cls, name in ((SACConfig, "actor_lr"), (TD3Config, "actor_lr"), (SACDiffusionConfig, "critic_lr"), (PPOConfig, "lr"),
+                      (BCConfig, "lr"), (GRPOConfig, "lr")):
+        with pytest.raises(ConfigError, match=rf"^{name}=1e\+300: expected a number within float32's range"):
+            cls(**{name: 1e300})
+    with pytest.raises(ConfigError, match=r"^batch_size=16 > buffer_size=8: a minibatch larger than the replay$"):
+        SACDiffusionConfig(buffer_size=8, batch_size=16)

@@ -280,9 +280,9 @@ class OffPolicyConfig:
             raise ConfigError(f"gamma={self.gamma}: expected a value in [0, 1]")
         if not 0.0 < self.tau <= 1.0:
             raise ConfigError(f"tau={self.tau}: expected a value in (0, 1]")
-        for name in ("actor_lr", "critic_lr"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")
+        for name in ("actor_lr", "critic_lr"):  # inf trained to NaN weights and exited 0 (new-user pass)
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a finite number > 0")
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm}: expected > 0, or 0 / None (off)")
         if not self.hidden or any(h < 1 for h in self.hidden):

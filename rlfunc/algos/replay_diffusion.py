@@ -105,6 +105,8 @@ class ReplayDiffusionConfig:
                      "batch_size", "policy_delay", "num_critics"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.batch_size > self.buffer_size:  # as sac/td3 refuse it (it trained, sampling the small replay with repeats)
+            raise ConfigError(f"batch_size={self.batch_size} > buffer_size={self.buffer_size}: a minibatch larger than the replay")
         check_env_workers(self.run, self.num_envs)
         for name in ("sync_weights_every", "async_queue"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
