@@ -61,13 +61,17 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file (a torn last line, from a crash, is ignored)."""
+    """The records (JSON objects) of a metrics.jsonl file; a torn last line, from a crash, and any
+    line that is not a JSON object (binary garbage was a UnicodeDecodeError traceback in ``rlfunc
+    resume``) are ignored."""
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 

@@ -61,6 +61,9 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} exists and is not a directory")
+    for name in ("metrics.jsonl", "eval.json", "config.json"):  # a directory there was an IsADirectoryError traceback
+        if (run_dir / name).exists() and not (run_dir / name).is_file():
+            raise ConfigError(f"{run_dir / name}: expected a file, found a directory or another kind; move it away")
     if resume or not run_dir.exists() or not any(run_dir.iterdir()):
         return
     if checkpoint.latest_snapshot(run_dir) is not None or versions.has_versions(run_dir):
@@ -81,11 +84,12 @@ def truncate_metrics(run_dir: Path, iteration: int) -> float:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0.0
-    kept = [r for r in read_metrics(path) if r.get("iteration", 0) <= iteration]
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    kept = [r for r in read_metrics(path) if number(r.get("iteration", 0)) and r.get("iteration", 0) <= iteration]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
-    return float(kept[-1]["time"]) if kept else 0.0
+    return float(kept[-1]["time"]) if kept and number(kept[-1].get("time")) else 0.0
 
 
 # ------------------------------------------------------------------ what to resume, with which config

@@ -180,3 +180,16 @@ def test_truncate_metrics_drops_lines_past_the_snapshot(tmp_path):
     assert resume.truncate_metrics(tmp_path, 2) == 3.0
     assert [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert resume.truncate_metrics(tmp_path / "none", 2) == 0.0
+
+
+def test_garbage_in_the_run_dir_is_skipped_or_named_not_a_traceback(tmp_path):
+    """New-user pass: binary garbage appended to metrics.jsonl was a UnicodeDecodeError traceback in
+    `rlfunc resume`, eval.json made a directory an IsADirectoryError."""
+    lines = "".join(json.dumps({"iteration": i, "time": 1.5 * i}) + "\n" for i in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_bytes(lines.encode() + b"\x00\xff garbage\n[1, 2]\n5\n" + b'{"iteration": "x"}\n')
+    assert resume.truncate_metrics(tmp_path, 2) == 3.0
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    resume.check_run_dir(tmp_path, True)
+    (tmp_path / "eval.json").mkdir()
+    with pytest.raises(ConfigError, match=r"eval.json: expected a file, found a directory or another kind; move it away$"):
+        resume.check_run_dir(tmp_path, True)
