@@ -8,11 +8,14 @@ one line."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import dataclasses
+import io
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -87,8 +90,37 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
         unbuilt_of.__doc__ = info.type.__doc__  # what --help shows for the group: the config's docstring, not ours
         return dataclasses.replace(spec, fields=fields, instantiate=unbuilt_of)
 
-    parsed = tyro.cli(cls, args=args, default=default, prog=prog, description=description, registry=registry)
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):  # tyro's parse errors come as a rich box on stderr, then SystemExit(2)
+            parsed = tyro.cli(cls, args=args, default=default, prog=prog, description=description, registry=registry)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            from rlfunc.errors import ConfigError
+
+        raise ConfigError(tyro_error_line(box.getvalue(), prog)) from None
+        sys.stderr.write(box.getvalue())
+        raise
+    sys.stderr.write(box.getvalue())
     return parsed.build() if isinstance(parsed, _Unbuilt) else parsed
+
+
+def tyro_error_line(box: str, prog: str | None) -> str:
+    """One line of tyro's error box (a bad flag value, an unknown flag, a missing value): its first
+    line of text, plus the flags it suggests ("did you mean --total-steps?"); rlfunc's errors are
+    one line, and the box took 5-11."""
+    lines = [line.strip(" │╭╮╰╯─|+\n") for line in box.splitlines()]  # the frame, drawn in ASCII without a terminal
+    lines = [line for line in lines if line.strip("-─ ") and not line.startswith("For full helptext")]
+    if not lines:
+        return f"cannot parse the flags (see {prog or 'rlfunc train ALGO'} --help)"
+    title = [line for line in lines if line.startswith("Perhaps you meant")]
+    first = next((line for line in lines if ":" in line or "." in line), lines[0])
+    if title:
+        start = lines.index(title[0]) + 1
+        flags = [line.split()[0] for line in lines[start:] if re.match(r"--[A-Za-z]", line)]
+        if flags:
+            first += f" (did you mean {' or '.join(dict.fromkeys(flags))}?)"
+    return f"{first} (see {prog or 'rlfunc train ALGO'} --help)"
 
 
 def default_run_dir(env: str, name: str, seed: int) -> str:

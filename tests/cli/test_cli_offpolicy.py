@@ -62,3 +62,19 @@ def test_versions_of_a_layer_that_starts_at_zero_list_a_finite_max_and_diff_stri
     assert main(["versions", "list", str(d)]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if "v000002" in line][0]
     assert " inf " not in row and f"{max(finite):.4g}" in row.split()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["sac", "--total-steps", "abc"], "Error parsing --total-steps: invalid literal for int() with base 10: 'abc' (see rlfunc train sac --help)"),
+    (["sac", "--totl-steps", "5"], "Unrecognized options: --totl-steps, 5 (did you mean --total-steps?) (see rlfunc train sac --help)"),
+    (["sac", "--total-steps"], "Missing value for argument '--total-steps'. Expected 1 values. (see rlfunc train sac --help)"),
+    (["ppo", "--env", "CartPole-v1", "--num-envs", "2.5"], "Error parsing --num-envs: invalid literal for int() with base 10: '2.5'"),
+    (["dppo", "--actor.horizon", "x"], "Error parsing --actor.horizon: invalid literal for int() with base 10: 'x'"),
+])
+def test_a_flag_tyro_cannot_parse_is_one_line_not_a_box(tmp_path, capsys, argv, line):
+    """New-user pass: `rlfunc train sac --total-steps abc` printed tyro's 11-line error box (exit 2)
+    where every other bad input is one line."""
+    assert main(["train", *argv, "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlfunc: error: ") and line in err[0], err
+    assert not (tmp_path / "r").exists()
