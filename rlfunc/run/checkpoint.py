@@ -426,11 +426,15 @@ def latest_snapshot(run_dir: str | os.PathLike) -> Path | None:
         return ckpt / name
     for _, candidate in reversed(_step_dirs(ckpt)):
         if _is_complete(candidate):
-            if _STEP_DIR.fullmatch(name):  # 'latest' is written after its snapshot is whole: that one was damaged since
+            if _STEP_DIR.fullmatch(name) and (str(ckpt), name) not in _WARNED:  # 'latest' is written after its
+                _WARNED.add((str(ckpt), name))  # snapshot is whole: that one was damaged since (said once, not per call)
                 warnings.warn(f"{ckpt / LATEST_FILE} names {name}, which lacks {META_FILE} or {STATE_FILE} (deleted or "
                               f"damaged); using {candidate.name}, the newest complete snapshot", stacklevel=2)
             return candidate
     return None
+
+
+_WARNED: set[tuple[str, str]] = set()  # (checkpoints dir, the name in its latest) already warned of in this process
 
 
 def snapshot_to_read(path: str | os.PathLike) -> Path:

@@ -509,15 +509,20 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
             dist.close()
             raise
     device = resolve_device(config.run.device) if dist is None else dist.device
-    built = build(config, device, dist=dist, resumed=source is not None)
+    with warnings.catch_warnings(record=True) as held:  # the build's warnings about a new budget wait for its check
+        warnings.simplefilter("always")
+        built = build(config, device, dist=dist, resumed=source is not None)
     try:
         time_offset = 0.0
         if source is not None:
             done = meta.get("iteration")
             if isinstance(done, bool) or not isinstance(done, int) or done < 0:
                 raise CheckpointError(f"{name}: meta iteration={done!r}: expected an int >= 0")
-            if total_steps is not None:
+            if total_steps is not None:  # a budget below what was done: its one line, without the build's warnings
                 check_budget_covers(total_steps, built.total, done, meta.get("env_steps", "?"), entry.unit)
+        for w in held:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        if source is not None:
             load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
             if dist is None or dist.is_main:
                 time_offset = truncate_metrics(run_dir, built.done())

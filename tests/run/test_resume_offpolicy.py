@@ -77,3 +77,25 @@ def test_a_snapshot_of_no_registered_algorithm_is_refused(tmp_path):
         train(None, tmp_path / "td3", resume=True, **QUIET)
     checkpoint.save_snapshot(snap, state, meta)
     assert resume(tmp_path / "td3", **QUIET).evaluation["algo"] == "td3"
+
+
+def test_a_budget_below_what_was_done_is_one_error_without_the_builds_warnings_and_latest_warns_once(tmp_path):
+    """New-user pass: `rlfunc resume R --total-steps 100` printed "learning_starts=... covers the whole
+    budget" before the real error; a `latest` naming a missing snapshot was warned of 3 times a command."""
+    import warnings
+
+    from rlfunc.errors import ConfigError
+
+    config = replace(SACConfig(), **{**SMALL, "total_steps": 200, "checkpoint_every": 1})
+    train(config, tmp_path / "run", **QUIET)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="already done 2 iterations"):
+            resume(tmp_path / "run", total_steps=50, **QUIET)
+    assert [str(w.message) for w in seen if "covers the whole budget" in str(w.message)] == []
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000000009999\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert checkpoint.latest_snapshot(tmp_path / "run").name == "step_000000000200"
+    assert len([w for w in seen if "names step_000000009999" in str(w.message)]) == 1
