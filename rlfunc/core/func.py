@@ -96,9 +96,10 @@ def _member(x: Any, dim: int | None, index: int) -> Any:
 def _size(x: Any, dim: int | None) -> int | None:
     if dim is None:
         return None
-    if isinstance(x, TensorDictBase):
-        return x.batch_size[0]
-    return x.shape[dim]
+    shape = x.batch_size if isinstance(x, TensorDictBase) else getattr(x, "shape", None)
+    if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):  # was "tuple index out of range"
+        raise ShapeError(f"vmap: in_dims {dim!r} is not a dim of an input of shape {None if shape is None else tuple(shape)}")
+    return shape[dim]
 
 
 def _stack_outputs(outputs: list[Any], out_dims: int) -> Any:
@@ -138,7 +139,7 @@ def vmap(
         ``randomness="error"`` is only enforced on the vmap path.
 
     Raises:
-        ShapeError: mapped inputs disagree on the number of members.
+        ShapeError: mapped inputs disagree on the number of members, have none, or lack the dim ``in_dims`` names.
     """
     def mapped(*args: Any, **kwargs: Any) -> Any:
         dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
@@ -148,6 +149,8 @@ def vmap(
         if len(sizes) != 1:
             raise ShapeError(f"vmap: mapped inputs must share one member count, got {sorted(sizes)}")
         (size,) = sizes
+        if size == 0:  # the loop path failed on its empty output list, the vmap path returned an empty result
+            raise ShapeError("vmap: the mapped dim has size 0: no members to map over")
         loop = use_loop
         if loop is None:
             dev = device if device is not None else _first_device(args)

@@ -377,3 +377,16 @@ def test_polyak_update_checks_tau_and_the_structures():
         F.polyak_update_(target, TensorDict({"w": torch.ones(3, 2), "b": torch.ones(3)}, batch_size=[]), 0.5)
     F.polyak_update_(target, online, 0.25)  # (1 - tau) * 0 + tau * online
     assert torch.equal(target["w"], torch.full((2, 3), 0.25)) and torch.equal(target["b"], torch.full((3,), 0.5))
+
+
+def test_vmap_names_an_empty_member_dim_and_a_dim_the_input_lacks_on_both_paths():
+    """New-user pass: the loop path failed on zero members with an IndexError inside _stack_outputs
+    while the vmap path returned an empty tensor (the docstring says they agree); in_dims=5 was
+    "tuple index out of range" on both."""
+    fn = lambda x: x.sum(-1)  # noqa: E731
+    for use_loop in (True, False):
+        with pytest.raises(ShapeError, match="^vmap: the mapped dim has size 0: no members to map over$"):
+            vmap(fn, use_loop=use_loop)(torch.zeros(0, 3))
+        with pytest.raises(ShapeError, match=r"^vmap: in_dims 5 is not a dim of an input of shape \(2, 3\)$"):
+            vmap(fn, in_dims=5, use_loop=use_loop)(torch.zeros(2, 3))
+        assert torch.equal(vmap(fn, use_loop=use_loop)(torch.ones(2, 3)), torch.full((2,), 3.0))
