@@ -67,6 +67,7 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
     from tyro.constructors import ConstructorRegistry, StructConstructorSpec
 
     from rlfunc.config import RunConfig
+    from rlfunc.errors import ConfigError
 
     registry = ConstructorRegistry()
 
@@ -96,9 +97,7 @@ def parse_config(cls: type[T], args: list[str], *, default: T, prog: str, descri
             parsed = tyro.cli(cls, args=args, default=default, prog=prog, description=description, registry=registry)
     except SystemExit as e:
         if e.code not in (0, None):
-            from rlfunc.errors import ConfigError
-
-        raise ConfigError(tyro_error_line(box.getvalue(), prog)) from None
+            raise ConfigError(tyro_error_line(box.getvalue(), prog)) from None
         sys.stderr.write(box.getvalue())
         raise
     sys.stderr.write(box.getvalue())

@@ -78,3 +78,13 @@ def test_a_flag_tyro_cannot_parse_is_one_line_not_a_box(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlfunc: error: ") and line in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("algo", ["ppo", "bc", "dppo", "td3-diffusion", "sac-diffusion", "grpo", "gspo", "mappo", "sac", "td3"])
+def test_train_help_of_every_algorithm_exits_0(capsys, algo):
+    """New-user pass: after the one-line parse errors, `rlfunc train ALGO --help` printed its help and
+    then an UnboundLocalError traceback, exit 1 (the error path ran for tyro's exit 0 too)."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", algo, "--help"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and f"usage: rlfunc train {algo}" in out and "Traceback" not in err, err[-1000:]
