@@ -251,3 +251,15 @@ def test_learning_rates_beyond_float32_or_infinite_are_refused_in_one_line():
             cls(**{name: 1e300})
     with pytest.raises(ConfigError, match=r"^batch_size=16 > buffer_size=8: a minibatch larger than the replay$"):
         SACDiffusionConfig(buffer_size=8, batch_size=16)
+
+
+def test_mappo_eval_seeds_below_zero_and_grpo_env_workers_that_divide_its_own_envs():
+    """New-user pass: mappo took --eval-seeds -1, trained the whole budget, then failed in numpy at the
+    final evaluation (and on every resume); grpo --env-workers 2 was refused for "num_envs=1" (its
+    shared PPO actor's one env) unless 2 divided num_seeds."""
+    with pytest.raises(ConfigError, match=r"^eval_seeds=\(-1,\): expected seeds in \[0, 2\*\*32\)$"):
+        replace(MAPPOConfig(), eval_seeds=(-1,))
+    config = replace(GRPOConfig(), env="Pendulum-v1", env_workers=2, num_groups=2, group_size=2, minibatch_size=2)
+    assert config.run.env_workers == 2 and config.actor_config().run.env_workers == 0
+    with pytest.raises(ConfigError, match=r"^run.env_workers=3: num_envs=4 \(num_groups=2 x group_size=2 x num_seeds=1\)"):
+        replace(config, env_workers=3)

@@ -208,7 +208,9 @@ class GRPOConfig:
         return PPOConfig(
             env=self.env, num_envs=1, num_steps=1, minibatch_size=1, hidden=self.hidden, activation=self.activation,
             init_log_std=self.init_log_std, normalize_observations=self.normalize_observations, obs_clip=self.obs_clip,
-            run=dataclasses.replace(self.run, nproc=1),
+            # env_workers=0: GRPO steps its own envs (its workers split num_seeds x num_groups x group_size of them);
+            # the shared actor's one env refused --env-workers K unless K divided num_seeds
+            run=dataclasses.replace(self.run, nproc=1, env_workers=0),
         )
 
 

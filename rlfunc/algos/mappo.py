@@ -123,6 +123,8 @@ class MAPPOConfig:
                               "to the group's other episodes)")
         if not self.eval_seeds:  # else found only after the whole training
             raise ConfigError("eval_seeds=(): expected at least one seed for the final evaluation")
+        if any(not 0 <= seed < 2**32 for seed in self.eval_seeds):  # -1 failed in numpy after the whole training
+            raise ConfigError(f"eval_seeds={self.eval_seeds}: expected seeds in [0, 2**32)")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
         self.check_data_parallel()  # before torchrun starts the ranks

@@ -92,6 +92,9 @@ class SACDiffusionConfig(ReplayDiffusionConfig):
         for name in ("alpha_lr", "init_alpha"):  # one named at a time (both were named of either); nan, inf refused
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a finite number > 0")
+        if self.noise_scale * self.init_alpha > 10:  # init_alpha=1e5 was a Cholesky traceback in the entropy fit
+            raise ConfigError(f"noise_scale={self.noise_scale}, init_alpha={self.init_alpha}: expected noise_scale * "
+                              "init_alpha <= 10 (the exploration noise's std in the [-1, 1] action box; DACER: 0.15 x 3)")
         if self.target_entropy is not None and not math.isfinite(self.target_entropy):
             raise ConfigError(f"target_entropy={self.target_entropy}: expected a finite number or None")
         for name in ("entropy_every", "entropy_states", "entropy_components"):

@@ -87,7 +87,11 @@ def _m_step(x: Tensor, resp: Tensor, reg_covar: float) -> GaussianMixture:
     cov = (diff * resp.transpose(1, 2).unsqueeze(-1)).transpose(-1, -2) @ diff / nk[..., None, None]
     cov = 0.5 * (cov + cov.transpose(-1, -2))
     eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
-    scale_tril = torch.linalg.cholesky(cov + reg_covar * eye)
+    try:
+        scale_tril = torch.linalg.cholesky(cov + reg_covar * eye)
+    except torch.linalg.LinAlgError:  # was the traceback of a run whose noise grew huge: one line naming the input
+        raise ShapeError(f"samples: a fitted covariance is not positive definite at reg_covar={reg_covar} (samples up to "
+                         f"{float(x.abs().max()):.3g} in size); expected samples of moderate scale or a larger reg_covar") from None
     return GaussianMixture(nk / nk.sum(-1, keepdim=True), means, scale_tril)
 
 
@@ -100,7 +104,11 @@ def _kmeans_pp_labels(x: Tensor, k: int, generator: torch.Generator | None) -> T
     d2 = (x - centres[0].unsqueeze(1)).square().sum(-1)  # [N, M]
     for _ in range(1, k):
         weights = torch.where(d2.sum(-1, keepdim=True) > 0, d2, torch.ones_like(d2))
-        pick = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+        try:
+            pick = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+        except RuntimeError:  # squared distances beyond the dtype's range (samples ~1e20 in float32)
+            raise ShapeError(f"samples: squared distances overflow {x.dtype} (samples up to {float(x.abs().max()):.3g} in "
+                             "size); expected samples of moderate scale") from None
         centres.append(x[rows, pick])
         d2 = torch.minimum(d2, (x - centres[-1].unsqueeze(1)).square().sum(-1))
     c = torch.stack(centres, 1)  # [N, K, A]

@@ -162,3 +162,21 @@ def test_half_precision_samples_are_fitted_in_float32(dtype):
         ref = gmm_entropy(x.float(), 2, iters=ITERS, estimate=est, generator=torch.Generator().manual_seed(0))
         assert h.dtype == dtype and h.shape == (2, 1)
         torch.testing.assert_close(h, ref.to(dtype), rtol=0, atol=0)
+
+
+def test_samples_too_large_to_fit_are_one_line_and_sac_diffusion_bounds_its_noise():
+    """New-user pass: sac-diffusion --init-alpha 1e5 (or --noise-scale 1e6) was a Cholesky traceback in
+    the entropy fit, 1e20 multinomial's "probability tensor contains inf"; both now refused up front,
+    and samples the fit cannot take are one ShapeError line."""
+    from rlfunc.algos.sac_diffusion import SACDiffusionConfig
+    from rlfunc.errors import ConfigError
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 200, 3, generator=g)
+    for scale in (1e20, 1e25):  # squared distances beyond float32
+        with pytest.raises(ShapeError, match=r"^samples: squared distances overflow .* expected samples of moderate scale"):
+            gmm_entropy(x * scale, 3, generator=g)
+    for kw in (dict(init_alpha=1e5), dict(noise_scale=1e6), dict(init_alpha=100.0, noise_scale=0.15)):
+        with pytest.raises(ConfigError, match=r"expected noise_scale \* init_alpha <= 10"):
+            SACDiffusionConfig(**kw)
+    assert SACDiffusionConfig(init_alpha=3.0, noise_scale=0.15).init_alpha == 3.0
