@@ -165,9 +165,9 @@ def _blocked_scan_scalar(x: Tensor, c: float, dim: int, reverse: bool, block: in
         shifted.narrow(dim, 0, nb - 1).copy_(carry.narrow(dim, 1, nb - 1))
     else:
         shifted.narrow(dim, 1, nb - 1).copy_(carry.narrow(dim, 0, nb - 1))
-    k = torch.arange(block, dtype=torch.float64, device=x.device)
+    k = torch.arange(block, dtype=torch.float64)  # ok-float64: on the CPU (NPUs lack float64), rounded once to x's dtype
     power = float(c) ** (block - k if reverse else k + 1)  # the carry's factor at each place in a block
-    power = power.to(x.dtype).view(block, *([1] * (yb.ndim - dim - 2)))
+    power = power.to(device=x.device, dtype=x.dtype).view(block, *([1] * (yb.ndim - dim - 2)))
     y = torch.addcmul(yb, power, shifted.unsqueeze(dim + 1)).flatten(dim, dim + 1)
     return y.narrow(dim, 0, T) if pad else y
 
