@@ -263,3 +263,17 @@ def test_mappo_eval_seeds_below_zero_and_grpo_env_workers_that_divide_its_own_en
     assert config.run.env_workers == 2 and config.actor_config().run.env_workers == 0
     with pytest.raises(ConfigError, match=r"^run.env_workers=3: num_envs=4 \(num_groups=2 x group_size=2 x num_seeds=1\)"):
         replace(config, env_workers=3)
+
+
+def test_an_initial_log_std_that_overflows_and_a_horizon_of_zero_are_named():
+    """New-user pass: grpo --init-log-std 100 trained with every update skipped (e^100 overflows float32)
+    and exited 0; sac-diffusion --actor.horizon 0 was named as act_steps."""
+    from rlfunc.algos.diffusion_actor import ActorSpec
+
+    for cls in (PPOConfig, PPOEncoderConfig, GRPOConfig):
+        for bad in (100.0, -21.0):
+            with pytest.raises(ConfigError, match=rf"^init_log_std={bad}: expected a number in \[-20, 20\]"):
+                cls(init_log_std=bad)
+    assert PPOConfig(init_log_std=-20.0).init_log_std == -20.0
+    with pytest.raises(ConfigError, match=r"^horizon=0: expected a positive integer$"):
+        ActorSpec(horizon=0, act_steps=1)

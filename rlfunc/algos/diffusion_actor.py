@@ -70,6 +70,8 @@ class ActorSpec:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.denoiser not in ("mlp", "unet"):
             raise ConfigError(f"denoiser={self.denoiser!r}: expected 'mlp' or 'unet'")
+        if self.horizon < 1:  # else named as act_steps=1 <= horizon=0
+            raise ConfigError(f"horizon={self.horizon}: expected a positive integer")
         if not 1 <= self.act_steps <= self.horizon:
             raise ConfigError(f"act_steps={self.act_steps}: expected 1 <= act_steps <= horizon={self.horizon}")
         if not 1 <= self.ddim_steps <= self.num_train_steps:

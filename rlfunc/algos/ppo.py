@@ -139,8 +139,7 @@ class PPOConfig:
             raise ConfigError(f"activation={self.activation!r}: expected tanh, relu, elu or silu")
         if self.exploration not in ("gaussian", "gsde"):
             raise ConfigError(f"exploration={self.exploration!r}: expected 'gaussian' or 'gsde'")
-        if not math.isfinite(self.init_log_std):
-            raise ConfigError(f"init_log_std={self.init_log_std}: expected a finite number")
+        check_init_log_std(self.init_log_std)
         shaped.check_config(self)
         if self.run.env_workers and self.vectorization != "sync":
             raise ConfigError(f"run.env_workers={self.run.env_workers} with vectorization={self.vectorization!r}: "
@@ -164,6 +163,14 @@ class PPOConfig:
     @property
     def seeds(self) -> list[int]:
         return self.run.seeds
+
+
+def check_init_log_std(value: float) -> None:
+    """ConfigError unless ``value`` (an initial log std) is in [-20, 20]: the std e^x, squared in the
+    log-probability, overflows float32 past x ~ 44 (grpo --init-log-std 100 skipped every update and
+    exited 0)."""
+    if not -20 <= value <= 20:
+        raise ConfigError(f"init_log_std={value}: expected a number in [-20, 20] (the initial std is e^init_log_std)")
 
 
 PRESETS: dict[str, dict] = {

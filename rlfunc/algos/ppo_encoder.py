@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.diffusion_actor import EnvInfo, check_split, encoder_config, require_finite
+from rlfunc.algos.ppo import check_init_log_std
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import RunConfig, check_env_workers, check_fields, require_default
 from rlfunc.core import func
@@ -107,6 +108,7 @@ class PPOEncoderConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         require_finite(self)
+        check_init_log_std(self.init_log_std)
         for name in ("hidden", "encoder_widths", "encoder_blocks"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
