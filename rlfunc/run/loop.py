@@ -41,7 +41,7 @@ from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrup
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
-from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, InterruptOnSignal, StopOnSignal, check_budget, check_budget_covers, check_run_dir, hold_run_dir,
+from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, InterruptOnSignal, StopOnSignal, check_budget, check_budget_covers, check_run_dir,
                                has_loss_scale, has_shaping_link, truncate_metrics, with_loss_scales, with_shaping_in_chain)
 
 # the record keys the progress bar shows, when the record has them
@@ -421,7 +421,7 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
             raise ConfigError(f"run_dir={str(run_dir)!r}: cannot create it ({e.strerror or e})") from None
     if rank0 and run_dir.is_dir() and not os.access(run_dir, os.W_OK):  # a read-only file system or directory
         raise ConfigError(f"run_dir={str(run_dir)!r}: not writable")
-    held = hold_run_dir(run_dir) if run_dir.is_dir() and rank0 else contextlib.nullcontext()
+    held = checkpoint.hold_run_dir(run_dir) if run_dir.is_dir() and rank0 else contextlib.nullcontext()
     holding = False  # a call that made the dir but lost the lock to another leaves the dir to that one
     try:
         with held:

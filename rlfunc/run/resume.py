@@ -41,7 +41,6 @@ from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim import adam_state_from_torch
 from rlfunc.optim.amp import loss_scale_of
 from rlfunc.run import checkpoint, versions
-from rlfunc.run.checkpoint import hold_run_dir  # noqa: F401  (the run loop's, from here as before)
 from rlfunc.run.log import read_metrics
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs

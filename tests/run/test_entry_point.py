@@ -67,7 +67,7 @@ def test_a_second_train_into_a_run_dir_in_use_is_refused_and_leaves_it_alone(tmp
     """The bug: two `rlfunc train` into one new run dir both ran to the end, their metrics.jsonl lines
     interleaved and config.json of one beside the other's snapshots. A new run's dir is now made and
     locked (the lock `rlfunc resume` takes) before anything is built."""
-    from rlfunc.run.resume import hold_run_dir
+    from rlfunc.run.checkpoint import hold_run_dir
 
     run = tmp_path / "run"
     run.mkdir()

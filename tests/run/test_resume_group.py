@@ -250,7 +250,7 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path):
     # runs (flock: a second open of the lock file conflicts even in one process, as in two)
     from rlfunc.errors import ConfigError
     from rlfunc.run.loop import train
-    from rlfunc.run.resume import hold_run_dir
+    from rlfunc.run.checkpoint import hold_run_dir
 
     with hold_run_dir(tmp_path):
         with pytest.raises(ConfigError, match="another process is running this run"):
