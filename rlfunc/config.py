@@ -26,6 +26,20 @@ T = TypeVar("T")
 VMAP_MODES = ("auto", "vmap", "loop")
 PRECISIONS = ("off", "auto", "bf16", "fp16")
 FLOAT32_MAX = 3.4028234663852886e38  # a finite float field beyond it overflows in a float32 op
+# an evaluation steps one env per episode (and seed) at once: ~1 MB each for a MuJoCo env, so 10,000
+# is ~10 GB; more was an out-of-memory traceback (`rlfunc eval RUN --episodes 100000000`)
+MAX_EVAL_ENVS = 10_000
+
+
+def check_episodes(episodes, copies: int = 1, name: str = "episodes") -> None:
+    """ConfigError unless ``episodes`` is an int >= 1 with ``episodes * copies`` (the seeds evaluated
+    together) at most :data:`MAX_EVAL_ENVS`, the envs an evaluation steps at once."""
+    if isinstance(episodes, bool) or not isinstance(episodes, numbers.Integral) or episodes < 1:
+        raise ConfigError(f"{name}={episodes!r}: expected an integer >= 1")
+    if episodes * copies > MAX_EVAL_ENVS:
+        per = f" per seed, {copies} seeds" if copies > 1 else ""
+        raise ConfigError(f"{name}={episodes}{per}: expected at most {MAX_EVAL_ENVS // copies} (an evaluation steps one env "
+                          f"per episode at once, at most {MAX_EVAL_ENVS}: about 1 MB each for a MuJoCo env)")
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class RunConfig:
         for name in ("profile", "torch_threads", "env_workers", "checkpoint_every", "keep_checkpoints", "version_every", "version_keep_last",
                      "version_keep_every"):
             _check_int(name, getattr(self, name), 0, "an integer >= 0")
+        check_episodes(self.eval_episodes, self.num_seeds, "run.eval_episodes")
         _check_int("seed", self.seed, 0, "an integer in [0, 2**31 - num_seeds]")
         if self.seed + self.num_seeds > 2**31:
             raise ConfigError(f"run.seed={self.seed}: expected an integer in [0, 2**31 - num_seeds], "

@@ -37,6 +37,8 @@ def _flat(config) -> dict:
     (dict(version_keep_every=-1), "run.version_keep_every=-1"), (dict(log_every=0), "run.log_every=0"),
     (dict(eval_episodes=0), "run.eval_episodes=0"), (dict(device=""), "run.device=''"),
     (dict(env_workers=-1), "run.env_workers=-1"),
+    (dict(eval_episodes=10_001), "run.eval_episodes=10001"),  # one env per episode at once: an OOM
+    (dict(eval_episodes=5_001, num_seeds=2), "run.eval_episodes=5001 per seed, 2 seeds"),
 ])
 def test_run_config_errors_name_the_field(bad, field):
     with pytest.raises(ConfigError, match=f"^{field.replace('(', '[(]')}: expected"):

@@ -64,6 +64,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
+from rlfunc.config import check_episodes
 from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import Run
@@ -184,7 +185,7 @@ def evaluate_run(
 
     Raises:
         CheckpointError: no diffusion snapshot, or its schedule does not match its actor spec.
-        ConfigError: ``episodes < 1``.
+        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`).
     """
     dev = resolve_device(device)
     spec, params, obs_stats, meta, info, encoder = load_actor(run_dir, dev)
@@ -196,8 +197,7 @@ def evaluate_run(
         eta = float(config.get("eval_eta", 0.0)) if eta is None else eta
     except (AttributeError, TypeError, ValueError):
         raise CheckpointError(f"{run_dir}: meta.json holds no valid config (eval_episodes, seed, eval_eta)") from None
-    if episodes < 1:
-        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    check_episodes(episodes)
     if not 0 <= seed < 2**31:
         raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
     actor = DiffusionActor(spec, info, info.act_dim, dev)

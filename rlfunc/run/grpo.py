@@ -36,7 +36,8 @@ from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
-from rlfunc.errors import ConfigError, EnvError
+from rlfunc.config import check_episodes
+from rlfunc.errors import EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
 from rlfunc.run import Run
@@ -232,15 +233,14 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
 
     Raises:
         CheckpointError: no snapshot, not a grpo/gspo one, or a learner state that does not match its
-            config (a missing, extra or reshaped key). ConfigError: ``episodes < 1``.
+            config (a missing, extra or reshaped key). ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`).
     """
     snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
     config = algorithms.config_from_meta(meta, snap, of=GRPOConfig)
     state_layout(str(snap), meta, "grpo/gspo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.run.eval_episodes if episodes is None else episodes
-    if episodes < 1:
-        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    check_episodes(episodes, config.run.num_seeds)
     dev = resolve_device(device)
     spec = _spec(config.env)
     like = make_grpo(config, spec, dev).init().exclude("optim")

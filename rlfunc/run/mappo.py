@@ -38,7 +38,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
-from rlfunc.config import replace
+from rlfunc.config import check_episodes, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_reset
@@ -164,14 +164,14 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
 
     Raises:
         CheckpointError: no snapshot, not a mappo one, or a learner state that does not match its config.
-        ConfigError: ``episodes`` < 1, ``seed`` outside [0, 2**31), or a device this machine lacks.
+        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`), ``seed`` outside [0, 2**31), or a device this machine lacks.
     """
     snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
     config = algorithms.config_from_meta(meta, snap, of=MAPPOConfig)
     state_layout(str(snap), meta, "mappo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
-    if episodes is not None and (isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1):
-        raise ConfigError(f"episodes={episodes!r}: expected an int >= 1")
+    if episodes is not None:
+        check_episodes(episodes, len(config.eval_seeds) if seed is None else 1)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
         raise ConfigError(f"seed={seed!r}: expected an integer in [0, 2**31)")
     dims = {k: meta.get(k) for k in ("obs_dim", "n_agents", "n_actions")}

@@ -50,6 +50,7 @@ from rlfunc.core.stats import success_summary, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
+from rlfunc.config import check_episodes
 from rlfunc.errors import ConfigError, EnvError
 from rlfunc.run import Run, checkpoint
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
@@ -322,15 +323,14 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
 
     Raises:
         CheckpointError: no snapshot, not a sac / td3 one, or one that does not fit its config.
-        ConfigError: ``episodes`` < 1 or ``seed`` outside [0, 2**31).
+        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`) or ``seed`` outside [0, 2**31).
     """
     path = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(path)
     config = algorithms.config_from_meta(meta, path, of="offpolicy")
     episodes = config.run.eval_episodes if episodes is None else episodes
     seed = config.run.seed if seed is None else seed
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise ConfigError(f"episodes={episodes!r}: expected >= 1")
+    check_episodes(episodes)
     if not 0 <= seed < 2**31:
         raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
     dev = resolve_device(device)

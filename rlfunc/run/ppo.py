@@ -44,7 +44,7 @@ from rlfunc.algos import registry as algorithms
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import mean_interval, success_summary, summarize_returns
-from rlfunc.config import replace
+from rlfunc.config import check_episodes, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
@@ -382,10 +382,10 @@ def evaluate(
         from the training envs'.
 
     Raises:
-        CheckpointError: no readable snapshot in ``run_dir``. ConfigError: ``episodes < 1``.
+        CheckpointError: no readable snapshot in ``run_dir``. ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`).
     """
-    if episodes is not None and episodes < 1:
-        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    if episodes is not None:
+        check_episodes(episodes)
     path = checkpoint.snapshot_to_read(run_dir if snapshot is None else snapshot)
     trained = algorithms.config_from_meta(checkpoint.load_meta(path), path, of=PPOConfig)
 
@@ -407,16 +407,17 @@ def evaluate_state(
     ``trained``; its "params", "obs_stats" and "env_steps" are read) - the final evaluation of a run.
 
     Raises:
-        ConfigError: ``episodes < 1``.
+        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`).
     """
-    if episodes is not None and episodes < 1:
-        raise ConfigError(f"episodes={episodes}: expected >= 1")
+    if episodes is not None:
+        check_episodes(episodes)
     return _evaluate(trained, lambda spec, dev: state, episodes, seed, device)
 
 
 def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | None, device) -> dict:
     """The episodes of :func:`evaluate`; ``learner_of(spec, device)`` gives the learner state."""
     episodes = trained.run.eval_episodes if episodes is None else episodes
+    check_episodes(episodes, trained.run.num_seeds)
     dev = resolve_device(device)
     # up to the run's env workers, as many as divide the episodes (the same episodes for any count)
     n = trained.run.num_seeds * episodes

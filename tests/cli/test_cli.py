@@ -72,6 +72,9 @@ def test_train_ppo_on_cartpole_discrete_actions(tmp_path, capsys):
     assert summary["mean"] >= 8  # one point per step, and no episode is shorter than 8 steps
     assert json.loads((run / "eval.json").read_text()) == summary
     assert main(["eval", str(run), "--episodes", "2"]) == 0 and json.loads(capsys.readouterr().out)["episodes"] == 2
+    # the bug: one env per episode, so 1e8 episodes was an out-of-memory traceback after minutes
+    assert main(["eval", str(run), "--episodes", "100000000"]) == 2
+    assert "episodes=100000000: expected at most 10000" in capsys.readouterr().err
 
 
 def test_existing_run_is_not_overwritten(run_dir, capsys):
