@@ -35,6 +35,7 @@ def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
 
     Equal advantages (a minibatch of one among them) give exactly 0 (no policy-gradient signal),
     never NaN: a std within float rounding of the values (below 4 ulps of max |A|) is no spread.
+    A NaN or infinite advantage makes every output NaN (not 0: a loss that is not finite is skipped).
     Without that rule, 1000 copies of 1.7 in float32 came out as values up to +-0.96, the mean's
     rounding error divided by a std of ~1e-7.
     """
@@ -43,7 +44,9 @@ def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
     mean = advantage.mean()
     std = advantage.std(correction=0)
     rounding = 4 * torch.finfo(advantage.dtype).eps * advantage.detach().abs().amax()
-    return torch.where(std > rounding, (advantage - mean) / (std + eps), torch.zeros_like(advantage))
+    # not "std > rounding": a NaN or inf advantage (std NaN) must come out NaN, so that the loss is not
+    # finite and the step is skipped (the bug: every advantage became 0, a silent zero policy gradient)
+    return torch.where(~(std <= rounding), (advantage - mean) / (std + eps), torch.zeros_like(advantage))
 
 
 def clipped_surrogate(log_prob: Tensor, sample_log_prob: Tensor, advantage: Tensor, clip_epsilon: float) -> tuple[Tensor, Tensor]:

@@ -167,6 +167,18 @@ def test_normalize_advantage():
     assert normalize_advantage(torch.zeros(0, 1)).shape == (0, 1)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_advantage_is_not_normalised_to_zero(bad):
+    """New-user pass: one NaN advantage turned every advantage into 0 (a NaN std failed `std > rounding`),
+    so ppo_loss was finite and its policy gradient silently zero; now the loss is NaN and the step skipped."""
+    adv = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
+    adv[3] = bad
+    assert normalize_advantage(adv).isnan().all()
+    log_prob = torch.zeros(8, 1, requires_grad=True)
+    loss, _ = ppo_loss(log_prob, torch.zeros(8, 1), adv, torch.zeros(8, 1), torch.ones(8, 1), clip_epsilon=0.2)
+    assert loss.isnan()
+
+
 def test_explained_variance_refuses_shapes_that_would_broadcast():
     """New-user pass: an [8, 1] prediction against an [8] target broadcast to [8, 8] and gave -0.83
     where the value is -0.61."""
