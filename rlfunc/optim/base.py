@@ -200,6 +200,7 @@ def _key(treedef: tuple, index: int) -> tuple:
 
 def chain(*transforms: GradientTransform) -> GradientTransform:
     """Apply ``transforms`` in order, each to the previous one's updates; ``extra`` reaches every link.
+    The chain has an ``update_leaves`` also when a link has only ``update`` (:func:`update_leaves_of`).
 
     The state is ``{"0": state_0, "1": state_1, ...}``.
     """
@@ -219,12 +220,15 @@ def chain(*transforms: GradientTransform) -> GradientTransform:
         new = {}
         parts = _dict(state)
         for i, t in enumerate(transforms):
-            grads, new[str(i)] = t.update_leaves(grads, treedef, parts[str(i)], params, **extra)
+            grads, new[str(i)] = update_leaves_of(t, grads, treedef, parts[str(i)], params, **extra)
         return grads, node(new, state.device)
 
     if all(t.update_leaves is not None for t in transforms):
         return from_leaves(init, update_leaves)
-    return GradientTransform(init, update)
+    # a link with only the TensorDict ``update`` (the optax shape a user writes): the chain still has an
+    # update_leaves, which runs that link on rebuilt TensorDicts (the bug: update_leaves was None, and
+    # a loop that calls it, PPO's, raised "'NoneType' object is not callable")
+    return GradientTransform(init, update, update_leaves)
 
 
 def partition(transforms: dict[str, GradientTransform]) -> GradientTransform:

@@ -9,11 +9,13 @@ from rlfunc.core.func import as_leaves, leaves
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.run.checkpoint import load_snapshot, save_snapshot
 from rlfunc.optim import (
+    GradientTransform,
     adam,
     apply_updates,
     chain,
     clip_by_global_norm,
     clip_grads_,
+    flatten,
     global_norm,
     linear_lr,
     masked_step,
@@ -482,3 +484,21 @@ def test_adam_refuses_an_infinite_lr_and_steps_params_without_leaves():
     state = update.init(empty)
     updates, new_state = update.update(empty, state, empty)
     assert len(list(updates.keys(True, True))) == 0 and new_state is state
+
+
+def test_a_chain_with_a_link_of_only_update_has_update_leaves():
+    """New-user pass: a link written as the docs define one (init and update only) left the chain's
+    update_leaves None, and PPO's update, which calls it, raised "'NoneType' object is not callable"."""
+    half = GradientTransform(lambda p: TensorDict({}, []), lambda g, s, p=None, **kw: (g.apply(lambda x: 0.5 * x), s))
+    params = TensorDict({"w": torch.ones(2, 3), "b": torch.zeros(2)}, [])
+    grads = TensorDict({"w": torch.full((2, 3), 2.0), "b": torch.tensor([1.0, -1.0])}, [])
+    opt = chain(half, adam(0.1))
+    assert opt.update_leaves is not None
+    g, treedef = flatten(grads)
+    updates, _ = opt.update_leaves(g, treedef, opt.init(params), params)
+    reference, _ = opt.update(grads, opt.init(params), params)
+    # Adam's first step is -lr * sign(g) (|m_hat| = sqrt(v_hat)), whatever the halving
+    expected = {"b": torch.tensor([-0.1, 0.1]), "w": torch.full((2, 3), -0.1)}
+    for key, u in zip(("b", "w"), updates):
+        torch.testing.assert_close(u, expected[key])
+        torch.testing.assert_close(reference[key], expected[key])
