@@ -39,7 +39,7 @@ from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 from rlfunc.envs import registry
-from rlfunc.envs.collect import make_env
+from rlfunc.envs.collect import check_env_id, gym_spec, make_env
 from rlfunc.envs.workers import ChunkPart, ChunkWorkers, batched
 from rlfunc.errors import EnvError
 
@@ -143,7 +143,7 @@ def env_instructions(env_id: str) -> tuple[str, ...]:
 
     registry.ensure_loaded()  # the env plugins register their gymnasium ids
 
-    entry = gym.spec(env_id).entry_point
+    entry = gym_spec(env_id).entry_point
     if isinstance(entry, str):
         return tuple(getattr(importlib.import_module(entry.split(":")[0]), "INSTRUCTIONS", ()))
     return ()
@@ -195,10 +195,7 @@ class GymChunkEnv(EnvBase):
                            "after each step to draw the reset seeds as one process does")
         self._split, self._dones_of_split = (rank, world_size), (dones_of_split if world_size > 1 else None)
         self._pending = None  # every rank's reset mask [world_size*N], gathered by any_done for the reset that follows
-        registry.ensure_loaded()  # the env plugins register their gymnasium ids
-
-        if env_id not in gym.registry:
-            raise EnvError(f"env={env_id!r}: not a registered gymnasium id")
+        check_chunk_env_id(env_id)
         device = torch.device("cpu") if device is None else torch.device(device)
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.env_id, self.num_envs, self.act_steps, self.workers = env_id, num_envs, act_steps, workers
@@ -376,7 +373,8 @@ class GymChunkEnv(EnvBase):
 def check_chunk_env_id(env_id: str) -> None:
     """EnvError unless ``env_id`` is registered with gymnasium (after rlfunc's envs register)."""
     registry.ensure_loaded()  # the env plugins register their gymnasium ids
-
+    if isinstance(env_id, str) and ":" in env_id:  # "module:EnvName-v0": the module registers it (collect.check_env_id)
+        return check_env_id(env_id)
     if not isinstance(env_id, str) or env_id not in gym.registry:
         close = [k for k in gym.registry if isinstance(env_id, str) and env_id.lower()[:4] in k.lower()][:5]
         hint = f" (similar: {', '.join(close)})" if close else ""

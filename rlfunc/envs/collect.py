@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,9 +41,26 @@ Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 def check_env_id(env_id: str) -> None:
-    """Raise EnvError (with close matches) when ``env_id`` is not registered with gymnasium."""
-    registry.ensure_loaded()  # the env plugins register their gymnasium ids
+    """Raise EnvError (with close matches) when ``env_id`` is not registered with gymnasium.
 
+    ``"module:EnvName-v0"`` (gymnasium's form for an env registered by importing ``module``, which
+    ``gym.make`` and every env worker process do) imports ``module`` first; an import that fails is
+    one EnvError line."""
+    registry.ensure_loaded()  # the env plugins register their gymnasium ids
+    name = env_id
+    if isinstance(env_id, str) and env_id.count(":") == 1:
+        module, name = env_id.split(":")
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001  (the user's module: any error at import)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise EnvError(f"env={env_id!r}: importing {module!r} (which registers {name!r}) failed: "
+                           f"{type(e).__name__}: {first}") from None
+        if name in gym.registry:
+            return
+        close = difflib.get_close_matches(name, list(gym.registry), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise EnvError(f"env={env_id!r}: importing {module!r} registered no gymnasium environment {name!r}{hint}")
     if env_id not in gym.registry:
         entry = registry.find(env_id)
         if entry is not None and entry.multi_agent_env is not None:  # rlfunc's own multi-agent env, not a gymnasium one
@@ -51,6 +69,13 @@ def check_env_id(env_id: str) -> None:
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise EnvError(f"env={env_id!r}: not a registered gymnasium environment{hint}")
+
+
+def gym_spec(env_id: str):
+    """gymnasium's EnvSpec of ``env_id`` (``gym.spec``, which does not take the ``"module:EnvName-v0"``
+    form: the module is imported, :func:`check_env_id`, and the name looked up)."""
+    check_env_id(env_id)
+    return gym.spec(env_id.split(":")[-1])
 
 
 def make_env(env_id: str, **env_kwargs: Any) -> gym.Env:

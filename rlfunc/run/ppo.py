@@ -198,9 +198,9 @@ def _env_meta(config: PPOConfig, venv: gym.vector.VectorEnv) -> dict:
     """The meta entries that say which envs a run trained on: "env" (id, gymnasium registration,
     wrapper chain, vectorization) and "seeds" (the agent seeds and every env's reset seed)."""
     try:
-        registration = json.loads(gym.spec(config.env).to_json())
+        registration = json.loads(collect.gym_spec(config.env).to_json())
     except (gym.error.Error, TypeError, ValueError):  # kwargs JSON cannot hold
-        registration = str(gym.spec(config.env))
+        registration = str(collect.gym_spec(config.env))
     return {
         "env": {
             "id": config.env,

@@ -243,3 +243,24 @@ def test_float64_action_space_gets_float64_actions_exactly_within_its_bounds():
     _Recorder.seen.clear()
     collect.rollout(venv, lambda obs: (torch.ones(1, 1), torch.zeros(1, 1)), collect.reset(venv, [0]), 2, device=torch.device("cpu"))
     assert len(_Recorder.seen) == 2 and all(a.dtype == np.float64 and a.tolist() == [0.1] for a in _Recorder.seen)
+
+
+def test_a_module_colon_env_id_imports_the_module_as_gymnasium_does(tmp_path, monkeypatch):
+    """New-user pass: `--env mymodule:MyEnv-v0` (gymnasium's form: make imports the module, which
+    registers the env) was refused as "not a registered gymnasium environment"."""
+    (tmp_path / "rlfunc_test_plugin_env.py").write_text(
+        "import gymnasium\n"
+        "gymnasium.register(id='PluginPendulum-v0', entry_point='gymnasium.envs.classic_control.pendulum:PendulumEnv',\n"
+        "                   max_episode_steps=50)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    venv = collect.make_vec_env("rlfunc_test_plugin_env:PluginPendulum-v0", 2)
+    try:
+        carry = collect.reset(venv, [1, 2])
+        batch, _ = collect.rollout(venv, policy, carry, 50, device=torch.device("cpu"))
+        assert batch["next", "done"][:, 49].all() and not batch["next", "done"][:, :49].any()  # its own time limit
+    finally:
+        venv.close()
+    with pytest.raises(EnvError, match=r"importing 'rlfunc_test_plugin_env' registered no gymnasium environment 'Pendulum-v9'; did you mean"):
+        collect.check_env_id("rlfunc_test_plugin_env:Pendulum-v9")
+    with pytest.raises(EnvError, match=r"^env='no_such_module_xyz:A-v0': importing 'no_such_module_xyz' .* failed: ModuleNotFoundError"):
+        collect.check_env_id("no_such_module_xyz:A-v0")
