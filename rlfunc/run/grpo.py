@@ -113,7 +113,7 @@ def _rollout_fn(config: GRPOConfig, device: torch.device):
 def _spec(env_id: str) -> EnvSpec:
     venv = collect.make_vec_env(env_id, 1)
     try:
-        spec = env_spec(venv)
+        spec = env_spec(venv, env_id)
         if spec.action_kind != "box":  # grpo's actor is PPO's Gaussian one
             raise EnvError(f"env={env_id!r}: grpo needs Box actions; got {type(venv.single_action_space).__name__} actions")
         return spec

@@ -63,15 +63,18 @@ GATHERED = ("observation", "action", ("next", "observation"), ("next", "reward")
             ("next", "episode_reward"))
 
 
-def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
-    """Sizes and bounds of a vector env; EnvError unless its observations are a Box and its actions a
-    Box with finite bounds."""
+def env_spec(venv: gym.vector.VectorEnv, env_id: str | None = None) -> EnvSpec:
+    """Sizes and bounds of a vector env; EnvError (naming ``env_id``) unless its observations are a
+    Box and its actions a floating Box with finite bounds."""
     obs_space, act_space = venv.single_observation_space, venv.single_action_space
+    env = "" if env_id is None else f"env={env_id!r}: "
     if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, gym.spaces.Box):
-        raise EnvError(f"sac and td3 need Box observations and actions; got {type(obs_space).__name__} observations "
+        raise EnvError(f"{env}sac and td3 need Box observations and actions; got {type(obs_space).__name__} observations "
                        f"and {type(act_space).__name__} actions")
+    if not np.issubdtype(act_space.dtype, np.floating):  # the bug: fractional float32 actions reached an int64 Box
+        raise EnvError(f"{env}Box actions of dtype {act_space.dtype}: sac and td3 act in real numbers; expected a floating Box")
     if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
-        raise EnvError(f"sac and td3 scale their actions to the env's bounds; this env's are not finite "
+        raise EnvError(f"{env}sac and td3 scale their actions to the env's bounds; this env's are not finite "
                        f"(low={act_space.low.tolist()}, high={act_space.high.tolist()})")
     return EnvSpec(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)),
                    act_space.low.astype(float).reshape(-1).tolist(), act_space.high.astype(float).reshape(-1).tolist())
@@ -140,7 +143,7 @@ class OffPolicyRun(Run):
         try:
             if config.run.torch_threads:
                 torch.set_num_threads(config.run.torch_threads)
-            self.spec = env_spec(self.venv)
+            self.spec = env_spec(self.venv, config.env)
             self.algo = MAKERS[type(config)](config, self.spec, device, dist)
             self.state = self.algo.init()
             if dist is not None:  # the same init on every rank, by seed; made certain
@@ -336,7 +339,7 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
     dev = resolve_device(device)
     venv = collect.make_vec_env(config.env, 1)
     try:
-        spec = env_spec(venv)
+        spec = env_spec(venv, config.env)
     finally:
         venv.close()
     algo = MAKERS[type(config)](config, spec, dev)

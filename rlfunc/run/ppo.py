@@ -57,16 +57,22 @@ EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset s
 LAYOUT_1_COMMIT = "c0e6595"  # the last rlfunc that wrote PPO snapshots of state layout 1 (torch.optim's state)
 
 
-def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
+def env_spec(venv: gym.vector.VectorEnv, env_id: str | None = None) -> EnvSpec:
     """Sizes, action kind and bounds of a vector env (:class:`rlfunc.algos.ppo.EnvSpec`; shapes
-    flattened); EnvError unless observations are a Box and actions a Box (Gaussian actor), Discrete
-    or MultiDiscrete (categorical actor)."""
+    flattened); EnvError (naming ``env_id``) unless observations are a Box and actions a floating Box
+    (Gaussian actor), Discrete or MultiDiscrete (categorical actor)."""
     obs_space, act_space = venv.single_observation_space, venv.single_action_space
+    env = "" if env_id is None else f"env={env_id!r}: "
     if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
         raise EnvError(
-            f"PPO needs Box observations and Box (Gaussian actor), Discrete or MultiDiscrete (categorical actor) "
-            f"actions; got {type(obs_space).__name__} observations and {type(act_space).__name__} actions"
+            f"{env}PPO needs Box observations and Box (Gaussian actor), Discrete or MultiDiscrete (categorical actor) "
+            f"actions; got {type(obs_space).__name__} observations and {type(act_space).__name__} actions (a gymnasium "
+            "wrapper such as FlattenObservation, registered as your own env id, converts others)"
         )
+    if isinstance(act_space, gym.spaces.Box) and not np.issubdtype(act_space.dtype, np.floating):
+        # the bug: the Gaussian's real actions reached an int64 Box as fractional float32 values
+        raise EnvError(f"{env}Box actions of dtype {act_space.dtype}: the Gaussian actor acts in real numbers; expected a "
+                       "floating Box (or a Discrete / MultiDiscrete space for integer actions)")
     obs_dim = int(np.prod(obs_space.shape))
     if isinstance(act_space, gym.spaces.Discrete):
         start = int(act_space.start)
@@ -79,6 +85,21 @@ def env_spec(venv: gym.vector.VectorEnv) -> EnvSpec:
         obs_dim, int(np.prod(act_space.shape)),
         act_space.low.astype(float).tolist(), act_space.high.astype(float).tolist(),
     )
+
+
+def warn_bounds_without_zero(spec: EnvSpec, env_id: str) -> None:
+    """A warning when some Box action dim's bounds exclude 0: the Gaussian actor's mean starts near 0
+    and its actions are clipped to the bounds (not rescaled), so every action starts on one edge and
+    may stay there (new-user pass: bounds [10, 20], the run ended below a random policy)."""
+    if spec.action_kind != "box":
+        return
+    dims = [i for i, (lo, hi) in enumerate(zip(spec.action_low, spec.action_high)) if lo > 0 or hi < 0]
+    if dims:
+        i = dims[0]
+        warnings.warn(f"env={env_id!r}: action dims {dims} have bounds that exclude 0 (dim {i}: [{spec.action_low[i]:g}, "
+                      f"{spec.action_high[i]:g}]); PPO's Gaussian actor starts at mean 0 and its actions are clipped to the "
+                      "bounds, not rescaled, so they start on the edge; register the env wrapped in "
+                      "gymnasium.wrappers.RescaleAction(env, -1, 1) and train that id", stacklevel=2)
 
 
 def _generators(state: TensorDict, device: torch.device) -> list[torch.Generator]:
@@ -243,7 +264,8 @@ class PPORun(Run):
         try:
             if config.run.torch_threads:
                 torch.set_num_threads(config.run.torch_threads)
-            self.spec = env_spec(self.venv)
+            self.spec = env_spec(self.venv, config.env)
+            warn_bounds_without_zero(self.spec, config.env)
             self.algo: PPO = make_ppo(config, self.spec, device, dist)
             self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
             if dist is not None:  # the same init on every rank, by seed; made certain
@@ -425,7 +447,7 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
     config = replace(trained, num_envs=episodes, minibatch_size=episodes, num_steps=1, device=str(dev), env_workers=0, nproc=1)
     venv = collect.make_vec_env(config.env, n, workers=collect.eval_workers(trained.run.env_workers, n))
     try:
-        spec = env_spec(venv)
+        spec = env_spec(venv, config.env)
         state = learner_of(spec, dev)
         algo = make_ppo(config, spec, dev)
         acting = algo.init()

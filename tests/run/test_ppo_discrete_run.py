@@ -65,3 +65,46 @@ def test_short_cartpole_run_learns(tmp_path):
     assert result.interrupted is None and int(result.state["env_steps"]) == 20_480
     trained = evaluate(tmp_path / "r", episodes=20, device="cpu")
     assert trained["mean"] > 100.0, trained
+
+
+def _spaces(action_space, observation_space=None):
+    import gymnasium as gym
+    import numpy as np
+    from types import SimpleNamespace
+
+    obs = observation_space or gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    return SimpleNamespace(single_observation_space=obs, single_action_space=action_space)
+
+
+def test_integer_box_actions_are_refused_in_one_line_naming_the_env():
+    """New-user pass: an int64 Box got the Gaussian's fractional float32 actions (a traceback from an env
+    that checks them, silent garbage from one that does not)."""
+    import gymnasium as gym
+    import numpy as np
+    from rlfunc.errors import EnvError
+    from rlfunc.run import offpolicy, ppo
+
+    for spec_of in (ppo.env_spec, offpolicy.env_spec):
+        with pytest.raises(EnvError, match=r"^env='IntBox-v0': Box actions of dtype int64: .* expected a floating Box"):
+            spec_of(_spaces(gym.spaces.Box(-3, 3, (2,), np.int64)), "IntBox-v0")
+    with pytest.raises(EnvError, match=r"^env='Lake-v0': PPO needs Box observations .* got Discrete observations"):
+        ppo.env_spec(_spaces(gym.spaces.Discrete(4), gym.spaces.Discrete(16)), "Lake-v0")
+    assert ppo.env_spec(_spaces(gym.spaces.Box(-3, 3, (2,), np.float64)), "F64-v0").act_dim == 2
+
+
+def test_ppo_warns_of_action_bounds_that_exclude_zero():
+    """New-user pass: bounds [10, 20] (and [-0.01, 0.01]): the Gaussian's mean starts at 0, every action
+    clipped to 10; the run ended at -496 against a random policy's -237, with no word."""
+    import warnings
+
+    import gymnasium as gym
+    import numpy as np
+    from rlfunc.run import ppo
+
+    spec = ppo.env_spec(_spaces(gym.spaces.Box(np.array([10.0, -0.01]), np.array([20.0, 0.01]), dtype=np.float32)))
+    with pytest.warns(UserWarning, match=r"env='Asym-v0': action dims \[0\] have bounds that exclude 0 \(dim 0: \[10, 20\]\).*RescaleAction"):
+        ppo.warn_bounds_without_zero(spec, "Asym-v0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ppo.warn_bounds_without_zero(ppo.env_spec(_spaces(gym.spaces.Box(-2.0, 2.0, (1,), np.float32))), "Pendulum-v1")
+        ppo.warn_bounds_without_zero(ppo.env_spec(_spaces(gym.spaces.Box(0.0, 1.0, (1,), np.float32))), "Half-v0")  # 0 is in [0, 1]
