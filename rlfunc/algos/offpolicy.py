@@ -187,7 +187,7 @@ def stacked(treedef: tuple, leaves: list[Tensor], n: int) -> TensorDict:
 def transitions(batch: TensorDict, scale: ActionScale) -> TensorDict:
     """A rollout [N, T] (:func:`rlfunc.envs.collect.rollout`) -> flat transitions [N*T]:
     "observation", "action" (in [-1, 1]), ("next", "observation"), ("next", "reward"), ("next", "terminated")."""
-    return TensorDict(
+    td = TensorDict(
         {
             "observation": batch["observation"],
             "action": scale.to_unit(batch["action"]),
@@ -196,6 +196,19 @@ def transitions(batch: TensorDict, scale: ActionScale) -> TensorDict:
         },
         batch_size=batch.batch_size,
     ).reshape(-1)
+    return td
+
+
+def finite_transitions(batch: TensorDict, scale: ActionScale) -> tuple[TensorDict, int]:
+    """:func:`transitions` less those with a NaN or inf in the observation, action, next observation
+    or reward, and how many were left out: the replay buffer never holds one (the bug: they were
+    stored as drawn, and every minibatch that sampled one was skipped whole, uncounted)."""
+    td = transitions(batch, scale)
+    ok = torch.stack([td.get(k).reshape(td.shape[0], -1).isfinite().all(1)
+                      for k in ("observation", "action", ("next", "observation"), ("next", "reward"))]).all(0)
+    if bool(ok.all()):
+        return td, 0
+    return td[ok], int((~ok).sum())
 
 
 def sample(buffer, batch_size: int, generator: torch.Generator, device: torch.device) -> TensorDict:

@@ -42,7 +42,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos import registry as algorithms
-from rlfunc.algos.offpolicy import OffPolicy, transitions, uniform_policy
+from rlfunc.algos.offpolicy import OffPolicy, finite_transitions, uniform_policy
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.sac import SACConfig, make_sac
 from rlfunc.algos.td3 import TD3Config, make_td3
@@ -167,7 +167,7 @@ class OffPolicyRun(Run):
         acting = self.algo.policy(state, self.gen)
         warm = uniform_policy(self.algo.scale, self.gen, data_parallel.own_rows(self.rank, self.world_size))
         gather = self.dist is not None and self.dist.active
-        returns, sums, counts = [], {}, {}
+        returns, sums, counts, skipped = [], {}, {}, 0
         collect_s = update_s = 0.0
         for _ in range(config.num_steps):
             t0 = time.perf_counter()
@@ -176,21 +176,24 @@ class OffPolicyRun(Run):
                                                     device=self.device)
                 if gather:  # every rank's envs [N, 1] in the single process's order: every rank holds its buffer
                     batch = self.dist.all_gather_batch(batch.select(*GATHERED), dim=0)
-                self.buffer.extend(transitions(batch, self.algo.scale))
+                kept, dropped = finite_transitions(batch, self.algo.scale)
+                if kept.shape[0]:
+                    self.buffer.extend(kept)
+                skipped += dropped
             steps += N
             done = batch["next", "done"]
             if bool(done.any()):
                 returns.extend(batch["next", "episode_reward"][done].tolist())
             t1 = time.perf_counter()
             collect_s += t1 - t0
-            if steps >= config.learning_starts:
+            if steps >= config.learning_starts and len(self.buffer):  # (empty: every transition so far not finite)
                 with span("update"):
                     state, m = self.algo.iteration(state, self.buffer, self.gen, per_step)
                 for key, value in m.items():  # td3's actor metrics come only every policy_delay-th step
                     sums[key] = sums.get(key, 0.0) + value
                     counts[key] = counts.get(key, 0) + 1
                 update_s += time.perf_counter() - t1
-        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s)
+        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s, skipped_data=skipped)
 
     def _record(self, i: int, state: TensorDict, steps: int, returns: list, sums: dict, counts: dict, collect_s: float,
                 update_s: float, **extra: float) -> dict:
@@ -228,14 +231,17 @@ class OffPolicyRun(Run):
                 steps_per_item=config.async_steps)
             self.publishes, self.since_publish = 0, 0
         K = config.async_steps
-        returns, sums, counts, lag = [], {}, {}, 0
+        returns, sums, counts, lag, skipped = [], {}, {}, 0, 0
         collect_s = update_s = 0.0
         for _ in range(config.num_steps // K):
             t0 = time.perf_counter()
             with span("env_wait"):
                 batch, version = self.collector.next()
             with span("rollout"):
-                self.buffer.extend(transitions(batch.to(self.device), self.algo.scale))
+                kept, dropped = finite_transitions(batch.to(self.device), self.algo.scale)
+                if kept.shape[0]:
+                    self.buffer.extend(kept)
+                skipped += dropped
             lag += self.publishes - version
             steps += N * K
             done = batch["next", "done"]
@@ -247,7 +253,7 @@ class OffPolicyRun(Run):
             # straddles learning_starts): the in-process loop's gradient steps, taken together
             first = max(1, -(-(config.learning_starts - (steps - N * K)) // N))
             updating = config.updates_per_step * N * max(0, K - first + 1)
-            if updating:
+            if updating and len(self.buffer):
                 with span("update"):
                     state, m = self.algo.iteration(state, self.buffer, self.gen, updating)
                 self.since_publish += updating
@@ -258,7 +264,8 @@ class OffPolicyRun(Run):
                     sums[key] = sums.get(key, 0.0) + value
                     counts[key] = counts.get(key, 0) + 1
                 update_s += time.perf_counter() - t1
-        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s, policy_lag=lag / (config.num_steps // K))
+        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s, policy_lag=lag / (config.num_steps // K),
+                            skipped_data=skipped)
 
     def _own(self, items):
         """This rank's part of a per-env sequence or TensorDict in the single process's order ([N] -> [N/W])."""

@@ -88,3 +88,35 @@ def test_train_help_of_every_algorithm_exits_0(capsys, algo):
         main(["train", algo, "--help"])
     out, err = capsys.readouterr()
     assert e.value.code == 0 and f"usage: rlfunc train {algo}" in out and "Traceback" not in err, err[-1000:]
+
+
+@pytest.mark.parametrize("name", ["sac", "td3"])
+def test_non_finite_transitions_never_reach_the_replay_buffer_and_are_counted(tmp_path, capsys, monkeypatch, name):
+    """New-user pass: an env whose observation is NaN at step 3 of each episode put NaN observations
+    and actions into the buffer as drawn; every minibatch that sampled one was skipped whole, and
+    metrics.jsonl counted nothing."""
+    (tmp_path / "rlfunc_test_nan_env.py").write_text(
+        "import gymnasium, numpy as np\n"
+        "from gymnasium.envs.classic_control.pendulum import PendulumEnv\n"
+        "class NanObs(PendulumEnv):\n"
+        "    def reset(self, *, seed=None, options=None):\n"
+        "        self.t = 0\n"
+        "        return super().reset(seed=seed, options=options)\n"
+        "    def step(self, a):\n"
+        "        obs, r, term, trunc, info = super().step(a)\n"
+        "        self.t += 1\n"
+        "        return (np.full_like(obs, np.nan) if self.t == 3 else obs), r, term, trunc, info\n"
+        "gymnasium.register(id='NanObsPendulum-v0', entry_point=NanObs, max_episode_steps=20)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    d = tmp_path / "run"
+    assert main(["train", name, "--env", "rlfunc_test_nan_env:NanObsPendulum-v0", "--run-dir", str(d), *SMALL]) == 0
+    capsys.readouterr()
+    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    # one NaN observation per 20-step episode: the transition into it and the one out of it, of 1 env
+    assert [x["skipped_data"] for x in lines] == [10, 10]
+    from rlfunc.run import checkpoint
+
+    state, _ = checkpoint.load_snapshot(checkpoint.latest_snapshot(d))
+    buffer = state["buffer"]
+    assert all(bool(v.isfinite().all()) for v in buffer.values(include_nested=True, leaves_only=True) if v.is_floating_point())
+    assert all(x["loss_critic"] is not None and x["loss_critic"] == x["loss_critic"] for x in lines[1:])
