@@ -1,5 +1,5 @@
 """PPO with a Gaussian actor (Box actions) or a categorical one (Discrete and MultiDiscrete actions),
-as ``make_ppo(config, env_spec) -> (init, iteration)`` over stacked seeds.
+as ``make_ppo(config, spec, device, dist=None) -> PPO(init, iteration, policy, net)`` over stacked seeds.
 
 Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but
 Adam's per-leaf step counts (Adam is elementwise), so S seeds train exactly as S separate runs
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.algos import data_parallel
@@ -261,8 +261,9 @@ class EnvSpec(NamedTuple):
 
 
 class PPO(NamedTuple):
-    """The algorithm: ``init(spec) -> state`` and ``iteration(state, batch, generators) -> (state, metrics)``,
-    plus the policy the collector runs (``policy(state, generators, deterministic)``)."""
+    """The algorithm: ``init() -> state`` (the env's spec was :func:`make_ppo`'s) and
+    ``iteration(state, batch, generators) -> (state, metrics)``, plus the policy the collector runs
+    (``policy(state, generators, deterministic)``) and ``net``, the module skeleton of the params."""
 
     init: Callable[[], TensorDict]
     iteration: Callable[..., tuple[TensorDict, TensorDict]]
@@ -607,6 +608,31 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     def member_values(params: TensorDict, obs: Tensor) -> Tensor:
         return sequential_apply(net.critic, params["critic"], obs)
 
+    def check_batch(batch) -> None:
+        """ShapeError naming the entry of a batch that is not the [S, N/W, T] rollout this config
+        collects (the bug: a batch of other T trained on part of it, silently; others were deep errors)."""
+        want = (S, N // W, config.num_steps)
+        if not isinstance(batch, TensorDictBase):
+            raise ShapeError(f"ppo.iteration: batch is a {type(batch).__name__}, expected a TensorDict of batch size {list(want)}")
+        if tuple(batch.batch_size[:3]) != want:
+            raise ShapeError(f"ppo.iteration: batch of batch size {list(batch.batch_size)}, expected {list(want)} "
+                             f"(seeds, num_envs{' / ranks' if W > 1 else ''}, num_steps)")
+        act = (*want, *action_tail)
+        entries = {"observation": ((*want, spec.obs_dim), "float"), ("next", "observation"): ((*want, spec.obs_dim), "float"),
+                   "action": (act, "int" if discrete else "float"), ("next", "reward"): ((*want, 1), "float"),
+                   ("next", "done"): ((*want, 1), "bool"), ("next", "terminated"): ((*want, 1), "bool")}
+        for key, (shape, kind) in entries.items():
+            x = batch.get(key, None)
+            if x is None:
+                raise ShapeError(f"ppo.iteration: batch has no {key!r} (TorchRL's keys: observation, action, ('next', "
+                                 "'observation'), ('next', 'reward'), ('next', 'done'), ('next', 'terminated'))")
+            if tuple(x.shape) != shape:
+                raise ShapeError(f"ppo.iteration: batch {key!r} has shape {list(x.shape)}, expected {list(shape)}")
+            ok = {"float": x.dtype == torch.float32, "int": x.dtype == torch.int64, "bool": x.dtype == torch.bool}[kind]
+            if not ok:
+                expected = {"float": "torch.float32", "int": "torch.int64", "bool": "torch.bool"}[kind]
+                raise ShapeError(f"ppo.iteration: batch {key!r} has dtype {x.dtype}, expected {expected}")
+
     def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, TensorDict, Tensor]:
         """Normalise, scale rewards, compute values and GAE. batch [S, N, T] -> flat [S, N*T]."""
         obs_stats = state["obs_stats"]
@@ -667,6 +693,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         leaves they are given, optax's ``masked``). A seed whose data,
         loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
         adam's ``mask``: its parameters and moments stay bit for bit."""
+        check_batch(batch)
+        if len(generators) != S:
+            raise ShapeError(f"ppo.iteration: {len(generators)} generators, expected one per seed ({S})")
         flat, new_stats, finite = prepare(state, batch)
         comm_s = 0.0  # seconds in the collectives below (gloo: exact; nccl/hccl: until queued)
         if W > 1:  # the global batch, rank order = the single process's env order

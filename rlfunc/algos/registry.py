@@ -7,8 +7,11 @@ module of rlfunc/algos/ when first read. The entry's callables are "module:attri
 imported only when used (:func:`resolve`): reading the registry (the usage text of ``rlfunc --help``,
 an unknown name's error) imports no run or CLI code and makes no env.
 
-The name is also the ``"algo"`` a snapshot's meta.json records. Adding an algorithm = its files
-under algos/ (and losses/) + one ``register`` call. An algorithm of another package registers from a
+The name is also the ``"algo"`` a snapshot's meta.json records. Adding an algorithm = its config and
+``make_NAME`` under algos/ (its loss under losses/), its Run under run/, its ``rlfunc train NAME``
+command and snapshot evaluation (docs/ARCHITECTURE.md, "Where a new piece goes") + one ``register``
+call; no other file changes. A module of algos/ that fails to import is named in a warning and the
+others still register. An algorithm of another package registers from a
 module that an entry point of the group ``"rlfunc.algorithms"`` names (in its pyproject.toml:
 ``[project.entry-points."rlfunc.algorithms"] my_algo = "my_package.my_algo"``); the registry imports
 those modules after its own, so ``rlfunc train|eval|resume`` reach it with no edit of rlfunc.
@@ -70,7 +73,8 @@ class AlgorithmEntry:
     run: str  # "module:Class" of its rlfunc.run.Run (or a function building one)
     command: str  # "module:function", `rlfunc train NAME ARGS...`
     evaluate: str  # "module:function", evaluate a run's latest snapshot
-    needs: str  # the env interface it needs, e.g. "box-actions", "dict-observation", "multi-agent"
+    needs: str  # the env interface it needs, e.g. "box-actions", "dict-observation", "multi-agent": a label for readers,
+    # not enforced: the Run checks its env when it builds it and refuses another in one EnvError line (ppo's run.ppo.env_spec)
     usage: str  # its lines of `rlfunc --help` (newline-joined; "": listed in another entry's lines)
     report: str = "rlfunc.cli.common:report_run"  # "module:function", prints a resumed run's end
     variant_of: str | None = None  # reached through `rlfunc train VARIANT_OF` (not a name of its own there)
@@ -109,11 +113,20 @@ def _load() -> None:
         package = importlib.import_module(__package__)
         found = sorted(f"{__package__}.{m.name}" for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
         for module in (*ORDER, *found):
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001  (the bug: one module's typo was a traceback in every command)
+                if module in ORDER:  # a built-in algorithm's module: the install is broken
+                    raise
+                import warnings
+
+                warnings.warn(f"{module} failed to import, its algorithms are not registered: {type(e).__name__}: {e}",
+                              stacklevel=3)
         for plugin in importlib.metadata.entry_points(group=PLUGIN_GROUP):
             try:
                 plugin.load()
             except Exception as e:  # noqa: BLE001  a broken plugin is named, in one line
+                _loaded = False  # the next call names it again (it continued without it, silently)
                 raise ConfigError(f"algorithm plugin {plugin.name!r} ({plugin.value}, entry point group {PLUGIN_GROUP!r}) "
                                   f"failed to load: {type(e).__name__}: {e}") from e
 

@@ -187,6 +187,23 @@ def test_a_package_plugs_its_algorithm_in_through_the_rlfunc_algorithms_entry_po
     assert main(["train", "ppo", "--help"]) == 2
     err = capsys.readouterr().err.strip()
     assert "algorithm plugin 'broken'" in err and len(err.splitlines()) == 1
+    # the bug: the first call raised, later ones went on without the plugin, silently (in a notebook)
+    with pytest.raises(ConfigError, match="algorithm plugin 'broken'"):
+        registry.names()
+
+
+def test_a_module_of_algos_that_fails_to_import_is_named_and_the_others_still_work(monkeypatch, tmp_path, capsys):
+    """New-user pass: a typo in a new algos/ module (`import a2c_losss`) was an ImportError traceback
+    in every command, `rlfunc --help` and `rlfunc train ppo` included."""
+    import rlfunc.algos
+
+    (tmp_path / "zz_broken_algo.py").write_text("import no_such_module_xyz  # a typo\n")
+    monkeypatch.setattr(rlfunc.algos, "__path__", [*rlfunc.algos.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.warns(UserWarning, match=r"^rlfunc.algos.zz_broken_algo failed to import, its algorithms are not registered: "
+                                         r"ModuleNotFoundError: No module named 'no_such_module_xyz'$"):
+        assert "ppo" in registry.names() and "sac" in registry.names()
 
 
 def test_a_plugin_config_parses_with_the_run_flags_flat():

@@ -245,3 +245,30 @@ def test_two_ranks_with_two_envs_each_equal_one_process_with_four(env, gloo, tmp
                 torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(got["state"][key], value), key
+
+
+def test_a_batch_that_is_not_the_configured_rollout_is_named():
+    """New-user pass: a hand-made batch of T=15 where num_steps=16 trained on part of it, silently
+    (2 minibatches of 32 of 60 samples); the others were deep errors (a narrow, a stack, `~` of a float)."""
+    import re
+
+    from rlfunc.errors import ShapeError
+
+    config = _config(num_steps=16, minibatch_size=32)
+    _, algo, state, gens, batch = _rollout(config)
+    with pytest.raises(ShapeError, match=re.escape("batch of batch size [2, 4, 15], expected [2, 4, 16] (seeds, num_envs, num_steps)")):
+        algo.iteration(state, batch[:, :, :15], gens)
+    for key, value, message in [
+        (("next", "done"), batch["next", "done"].float(), "('next', 'done') has dtype torch.float32, expected torch.bool"),
+        (("next", "reward"), batch["next", "reward"].squeeze(-1), "('next', 'reward') has shape [2, 4, 16], expected [2, 4, 16, 1]"),
+        ("observation", batch["observation"].double(), "'observation' has dtype torch.float64, expected torch.float32"),
+    ]:
+        bad = batch.exclude(key)
+        bad.set(key, value)
+        with pytest.raises(ShapeError, match=re.escape(message)):
+            algo.iteration(state, bad, gens)
+    with pytest.raises(ShapeError, match=re.escape("batch has no ('next', 'terminated')")):
+        algo.iteration(state, batch.exclude(("next", "terminated")), gens)
+    with pytest.raises(ShapeError, match=re.escape("1 generators, expected one per seed (2)")):
+        algo.iteration(state, batch, gens[:1])
+    algo.iteration(state, batch, gens)  # the batch itself passes
