@@ -28,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -301,7 +302,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
 
             kept: dict[str, str] = {}
             shown: dict[str, str] = {}
-            with tqdm(total=run.total, initial=start, desc=run.name, disable=not (progress and main), dynamic_ncols=True) as bar:
+            with tqdm(total=run.total, initial=start, desc=run.name, disable=not (progress and main), dynamic_ncols=True) as bar, \
+                    _warnings_above(bar):
                 for i in range(start + 1, end + 1):
                     with span("iteration"):
                         record = run.step(i, stop.signal is not None)
@@ -346,6 +348,28 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         if evaluation is not None:
             (run_dir / "eval.json").write_text(json.dumps(to_jsonable(evaluation)) + "\n")
     return RunResult(run.state, run_dir, evaluation, interrupted)
+
+
+@contextlib.contextmanager
+def _warnings_above(bar):
+    """Warnings issued while ``bar`` (tqdm) is shown go above it on a line of their own (tqdm.write),
+    not glued to the bar's line. A showwarning of someone else's (pytest's, catch_warnings(record=True)) is left alone."""
+    shown = warnings.showwarning
+    recorded = getattr(getattr(warnings, "_showwarnmsg_impl", None), "__module__", "warnings") != "warnings"  # record=True's log.append
+    if bar.disable or recorded or shown is not getattr(warnings, "_showwarning_orig", shown):
+        yield
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if file not in (None, sys.stderr):
+            return shown(message, category, filename, lineno, file, line)
+        bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"), file=sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _scalar(value) -> float:

@@ -272,6 +272,7 @@ class PPORun(Run):
                 dist.broadcast_state(self.state)
             self.carry = collect.reset(self.venv, _member_seeds(config, self.rank, self.world_size))
             self.freeze = init_freeze(self.state["params"]) if config.freeze_threshold > 0 else None
+            self._warned_skips = False
             self.leaves = func.leaves(self.state["params"])  # restore and iteration update these in place
             self.env_meta = _env_meta(config, self.venv)
         except BaseException:
@@ -300,6 +301,7 @@ class PPORun(Run):
             metrics["frozen_fraction"] = torch.full((S,), frozen_numel / sum(p.numel() for p in self.leaves))
             if i % config.freeze_window == 0:
                 self.freeze = update_freeze(self.freeze, self.state["params"], i, config)
+        self._warn_if_nothing_learned(i, metrics)
         ep_return, ep_count = _episode_stats(batch)
         if self.dist is not None:  # over every rank's episodes
             total, ep_count = self.dist.sum(torch.stack([ep_return.nan_to_num(0.0) * ep_count, ep_count])).unbind(0)
@@ -316,6 +318,23 @@ class PPORun(Run):
             "episodes": ep_count if S > 1 else ep_count[0],
             **{k: (v if S > 1 else v[0]) for k, v in metrics.items()},
         }
+
+    def _warn_if_nothing_learned(self, i: int, metrics: TensorDict) -> None:
+        """One warning per process when some seed's every update of an iteration was skipped (data,
+        loss or gradients not finite): the run goes on, as the skips are counted, but the user hears of
+        it (the bug: a run on an env with NaN observations skipped 40 of 40 updates each iteration and
+        ended with exit 0 and nothing on stderr)."""
+        if self._warned_skips or (self.dist is not None and not self.dist.is_main):
+            return
+        skipped = metrics["skipped_data"] + metrics["skipped_loss"] + metrics["skipped_gradient"]
+        every = (metrics["updates"] > 0) & (skipped >= metrics["updates"])
+        if bool(every.any()):
+            self._warned_skips = True
+            seed = self.config.seeds[int(every.nonzero()[0, 0])]
+            kinds = ", ".join(f"{k}={int(metrics[k].sum())}" for k in ("skipped_data", "skipped_loss", "skipped_gradient")
+                              if bool(metrics[k].any()))
+            warnings.warn(f"iteration {i}: every update of seed {seed} was skipped ({kinds}): a NaN or inf in the "
+                          "observations, rewards, loss or gradients; metrics.jsonl counts them (warned once)", stacklevel=2)
 
     def saved(self) -> tuple[TensorDict, dict]:
         """The snapshot of the single process that steps all the envs: a data-parallel run gathers

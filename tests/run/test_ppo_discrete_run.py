@@ -108,3 +108,35 @@ def test_ppo_warns_of_action_bounds_that_exclude_zero():
         warnings.simplefilter("error")
         ppo.warn_bounds_without_zero(ppo.env_spec(_spaces(gym.spaces.Box(-2.0, 2.0, (1,), np.float32))), "Pendulum-v1")
         ppo.warn_bounds_without_zero(ppo.env_spec(_spaces(gym.spaces.Box(0.0, 1.0, (1,), np.float32))), "Half-v0")  # 0 is in [0, 1]
+
+
+def test_a_run_whose_every_update_is_skipped_says_so_once(tmp_path, capsys, monkeypatch):
+    """New-user pass: ppo on an env with a NaN observation in every episode skipped 40 of 40 updates
+    each iteration, exited 0 and printed nothing on stderr."""
+    from rlfunc.cli.commands import main
+
+    (tmp_path / "rlfunc_test_nan_ppo_env.py").write_text(
+        "import gymnasium, numpy as np\n"
+        "from gymnasium.envs.classic_control.pendulum import PendulumEnv\n"
+        "class NanObs(PendulumEnv):\n"
+        "    def reset(self, *, seed=None, options=None):\n"
+        "        self.t = 0\n"
+        "        return super().reset(seed=seed, options=options)\n"
+        "    def step(self, a):\n"
+        "        obs, r, term, trunc, info = super().step(a)\n"
+        "        self.t += 1\n"
+        "        return (np.full_like(obs, np.nan) if self.t == 3 else obs), r, term, trunc, info\n"
+        "gymnasium.register(id='NanObsPendulumPPO-v0', entry_point=NanObs, max_episode_steps=20)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "ppo", "--env", "rlfunc_test_nan_ppo_env:NanObsPendulumPPO-v0", "--total-steps", "256",
+                     "--num-envs", "2", "--num-steps", "64", "--minibatch-size", "64", "--num-epochs", "2",
+                     "--eval-episodes", "2", "--device", "cpu", "--run-dir", str(run)]) == 0
+    said = [str(w.message) for w in caught if "was skipped" in str(w.message)]
+    assert len(said) == 1 and "iteration 1: every update of seed 0 was skipped (skipped_data=4)" in said[0], said
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["skipped_data"] for x in lines] == [4, 4] and [x["updates"] for x in lines] == [4, 4]
