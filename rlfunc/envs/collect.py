@@ -446,4 +446,7 @@ def episode_outcomes(
         if finished.all():
             return torch.as_tensor(total, dtype=torch.float32), torch.as_tensor(success) if reported else None
         obs = _flat_obs(next_obs, n)
-    raise EnvError(f"episode_outcomes: episodes did not end within max_steps={max_steps}")
+    spec = getattr(venv, "spec", None)
+    limit = getattr(spec, "max_episode_steps", None) if spec is not None else None
+    why = "" if limit else " (its gymnasium registration has no max_episode_steps: register it with one, or end episodes in the env)"
+    raise EnvError(f"evaluation: {int((~finished).sum())} of {n} episodes did not end within {max_steps} steps{why}")

@@ -264,3 +264,19 @@ def test_a_module_colon_env_id_imports_the_module_as_gymnasium_does(tmp_path, mo
         collect.check_env_id("rlfunc_test_plugin_env:Pendulum-v9")
     with pytest.raises(EnvError, match=r"^env='no_such_module_xyz:A-v0': importing 'no_such_module_xyz' .* failed: ModuleNotFoundError"):
         collect.check_env_id("no_such_module_xyz:A-v0")
+
+
+def test_episodes_that_never_end_name_the_missing_time_limit():
+    """New-user pass: an env without a time limit failed the final evaluation, after the whole run,
+    with "episode_outcomes: episodes did not end within max_steps=100000" (an internal name, no cause)."""
+    from gymnasium.envs.classic_control.pendulum import PendulumEnv
+
+    if "EndlessPendulum-v0" not in gym.registry:
+        gym.register("EndlessPendulum-v0", entry_point=PendulumEnv, max_episode_steps=None)
+    venv = collect.make_vec_env("EndlessPendulum-v0", 2)
+    try:
+        with pytest.raises(EnvError, match=r"^evaluation: 2 of 2 episodes did not end within 50 steps \(its gymnasium "
+                                           r"registration has no max_episode_steps"):
+            collect.episode_outcomes(venv, policy, [0, 1], device=torch.device("cpu"), max_steps=50)
+    finally:
+        venv.close()
