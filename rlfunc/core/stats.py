@@ -15,6 +15,7 @@ bench/ and use rliable there. The quantiles come from scipy (``scipy.stats``), i
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -81,11 +82,15 @@ def success_interval(successes: int, trials: int, confidence: float = 0.95) -> t
     """Wilson score interval of a success rate ``successes / trials`` (scipy's ``binomtest``).
 
     Raises:
-        ConfigError: ``trials < 1`` or ``successes`` outside [0, trials], or ``confidence`` outside (0, 1).
+        ConfigError: ``successes`` or ``trials`` not an integer, ``trials < 1`` or ``successes`` outside
+            [0, trials], or ``confidence`` outside (0, 1).
 
     Reference: Wilson (1927), "Probable inference, the law of succession, and statistical inference".
     """
     _check_confidence(confidence)
+    for name, v in (("successes", successes), ("trials", trials)):  # the bug: 2.5 successes were truncated to 2
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ConfigError(f"{name}={v!r}: expected an integer count")
     if trials < 1 or not 0 <= successes <= trials:
         raise ConfigError(f"successes={successes}, trials={trials}: expected trials >= 1 and 0 <= successes <= trials")
     from scipy.stats import binomtest

@@ -56,11 +56,16 @@ def clipped_surrogate(log_prob: Tensor, sample_log_prob: Tensor, advantage: Tens
         log_prob: [*B, 1] float, log pi_theta(a|s) under the current parameters.
         sample_log_prob: [*B, 1] float, log pi_old(a|s) recorded when the action was sampled.
         advantage: [*B, 1] float.
-        clip_epsilon: the clip range eps > 0.
+        clip_epsilon: the clip range eps > 0 (a number; or a tensor, e.g. per sample, unchecked).
+
+    Raises:
+        ConfigError: a number ``clip_epsilon`` that is not finite and > 0.
 
     Returns:
         (objective [*B, 1], ratio [*B, 1]); the objective is to be maximised.
     """
+    if isinstance(clip_epsilon, numbers.Real) and not 0 < clip_epsilon < math.inf:  # a tensor's: not read (a host sync)
+        raise ConfigError(f"clip_epsilon={clip_epsilon!r}: expected a finite number > 0")  # -1 gave a garbage objective
     log_ratio = log_prob - sample_log_prob
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - clip_epsilon, 1.0 + clip_epsilon)

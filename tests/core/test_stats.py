@@ -69,6 +69,13 @@ def test_success_interval_wilson_by_hand():
     assert success_interval(0, 5)[0] == 0.0 and success_interval(5, 5)[1] == pytest.approx(1.0)
     with pytest.raises(ConfigError, match="successes=6, trials=5"):
         success_interval(6, 5)
+    with pytest.raises(ConfigError, match=r"^successes=2.5: expected an integer count"):  # was truncated to 2
+        success_interval(2.5, 10)
+    with pytest.raises(ConfigError, match=r"^trials=True: expected an integer count"):
+        success_interval(1, True)
+    import numpy as np
+
+    assert success_interval(np.int64(8), np.int64(10)) == (low, high)  # numpy counts (a sum's .item()) are counts
 
 
 def test_reach_and_stay_on_hand_made_curves():

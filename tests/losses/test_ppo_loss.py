@@ -325,3 +325,11 @@ def test_entropy_of_another_shape_is_refused():
     x = torch.zeros(B, 1)
     with pytest.raises(ShapeError, match=r"ppo_loss: entropy has shape \(8, 6\), expected \(8, 1\)"):
         ppo_loss(x, x, x, x, x, entropy=torch.ones(B, 6), entropy_coef=0.01)
+
+
+def test_clipped_surrogate_refuses_a_clip_epsilon_that_is_not_positive():
+    """New-user pass: clip_epsilon=-1 clamped the ratio to [2, 0] and returned a garbage objective."""
+    lp = torch.zeros(4, 1)
+    for bad in (-1.0, 0.0, math.inf, math.nan):
+        with pytest.raises(ConfigError, match=f"clip_epsilon={bad}: expected a finite number > 0"):
+            clipped_surrogate(lp, lp, torch.ones(4, 1), bad)
