@@ -97,6 +97,7 @@ def ensure_loaded() -> None:
         try:
             plugin.load()
         except Exception as e:  # noqa: BLE001  a broken plugin is named, in one line
+            _loaded = False  # named again on the next call (it went on without the plugin, silently)
             raise EnvError(f"env plugin {plugin.name!r} ({plugin.value}, entry point group {PLUGIN_GROUP!r}) failed to load: "
                            f"{type(e).__name__}: {e}") from e
 

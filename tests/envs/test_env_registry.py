@@ -138,6 +138,9 @@ def test_a_package_plugs_its_envs_in_through_the_rlfunc_envs_entry_point_group(s
     monkeypatch.setattr(registry, "_loaded", False)
     with pytest.raises(EnvError, match=r"env plugin 'broken' \(no_such_module_xyz.*ModuleNotFoundError"):
         registry.ensure_loaded()
+    # new-user pass: a second call went on without the plugin, silently (a notebook's next cell)
+    with pytest.raises(EnvError, match=r"env plugin 'broken'"):
+        registry.ensure_loaded()
 
 
 def test_a_single_agent_algorithm_on_a_multi_agent_registry_env_is_told_to_use_mappo():
