@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 import warnings
 from pathlib import Path
@@ -221,7 +222,8 @@ def _env_meta(config: PPOConfig, venv: gym.vector.VectorEnv) -> dict:
     try:
         registration = json.loads(collect.gym_spec(config.env).to_json())
     except (gym.error.Error, TypeError, ValueError):  # kwargs JSON cannot hold
-        registration = str(collect.gym_spec(config.env))
+        # without the memory addresses of a callable entry point's repr (they differ run to run)
+        registration = re.sub(r" at 0x[0-9a-fA-F]+", "", str(collect.gym_spec(config.env)))
     return {
         "env": {
             "id": config.env,

@@ -140,3 +140,23 @@ def test_a_run_whose_every_update_is_skipped_says_so_once(tmp_path, capsys, monk
     assert len(said) == 1 and "iteration 1: every update of seed 0 was skipped (skipped_data=4)" in said[0], said
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["skipped_data"] for x in lines] == [4, 4] and [x["updates"] for x in lines] == [4, 4]
+
+
+def test_a_callable_entry_point_is_recorded_without_a_memory_address():
+    """New-user pass: an env registered with a callable entry point wrote "<function ... at 0x7fb1...>"
+    into meta.json's env registration, which differs from process to process."""
+    import gymnasium as gym
+    from gymnasium.envs.classic_control.pendulum import PendulumEnv
+
+    from rlfunc.algos.ppo import preset
+    from rlfunc.envs import collect
+    from rlfunc.run.ppo import _env_meta
+
+    if "CallablePendulum-v0" not in gym.registry:
+        gym.register("CallablePendulum-v0", entry_point=lambda **kw: PendulumEnv(**kw), max_episode_steps=20)
+    venv = collect.make_vec_env("CallablePendulum-v0", 1)
+    try:
+        registration = _env_meta(preset("CallablePendulum-v0"), venv)["env"]["registration"]
+    finally:
+        venv.close()
+    assert "entry_point=<function <lambda>>" in registration and " at 0x" not in registration
