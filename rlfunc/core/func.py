@@ -56,14 +56,20 @@ def apply(module: nn.Module, params: TensorDictBase | Mapping[str, Any], *args: 
     the same keys (wrapped in a TensorDict; "0.weight"-style flat keys work too).
 
     Raises:
-        ShapeError: ``params`` is neither a TensorDict nor a dict.
+        ShapeError: ``params`` is neither a TensorDict nor a dict, or misses or adds a key of the
+            module's parameters and buffers (the keys named).
     """
     if not isinstance(params, TensorDictBase):
         if not isinstance(params, Mapping):
             raise ShapeError(f"apply: params: expected a TensorDict or a dict of tensors, got {type(params).__name__}")
         params = TensorDict(params, batch_size=[])
     flat = dict(params.flatten_keys(".").items())
-    return torch.func.functional_call(module, flat, args, kwargs, strict=True)
+    try:
+        return torch.func.functional_call(module, flat, args, kwargs, strict=True)
+    except RuntimeError as e:  # strict's key check, in one line (it was torch's multi-line RuntimeError)
+        if not str(e).startswith("Error(s) in reparametrizing"):
+            raise
+        raise ShapeError(f"apply: params do not fit {type(module).__name__}: " + " ".join(str(e).split("\n")[1:]).strip()) from None
 
 
 def stack_params(params: Sequence[TensorDictBase]) -> TensorDict:

@@ -87,6 +87,11 @@ def test_apply_takes_a_plain_dict_of_tensors():
     assert w.grad is not None and torch.equal(w.grad, torch.full_like(w, 5.0))
     with pytest.raises(ShapeError, match=r"^apply: params: expected a TensorDict or a dict of tensors, got list$"):
         apply(module, [module[0].weight], x)
+    # new-user pass: a missing or extra key was torch's multi-line RuntimeError
+    with pytest.raises(ShapeError, match=r"^apply: params do not fit Sequential: Missing key\(s\): '2.bias'.$"):
+        apply(module, {k: v for k, v in module.state_dict().items() if k != "2.bias"}, x)
+    with pytest.raises(ShapeError, match=r"^apply: params do not fit Sequential: Unexpected key\(s\): 'extra'.$"):
+        apply(module, {**module.state_dict(), "extra": torch.zeros(1)}, x)
 
 
 def test_apply_gradient_reaches_params_not_module():
