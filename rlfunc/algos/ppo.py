@@ -614,7 +614,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         want = (S, N // W, config.num_steps)
         if not isinstance(batch, TensorDictBase):
             raise ShapeError(f"ppo.iteration: batch is a {type(batch).__name__}, expected a TensorDict of batch size {list(want)}")
-        if tuple(batch.batch_size[:3]) != want:
+        if tuple(batch.batch_size) != want:
             raise ShapeError(f"ppo.iteration: batch of batch size {list(batch.batch_size)}, expected {list(want)} "
                              f"(seeds, num_envs{' / ranks' if W > 1 else ''}, num_steps)")
         act = (*want, *action_tail)
@@ -692,7 +692,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         chain, so neither they nor their moments or step counts move (the chain's links step only the
         leaves they are given, optax's ``masked``). A seed whose data,
         loss or gradients are not finite, or that stopped early (``target_kl``), is skipped by
-        adam's ``mask``: its parameters and moments stay bit for bit."""
+        adam's ``mask``: its parameters and moments stay bit for bit.
+
+        Raises:
+            ShapeError: ``batch`` is not the [S, N/W, num_steps] rollout of this config (a key missing,
+                or of another shape or dtype: float32 observations and rewards, bool done flags, float32
+                or, for discrete actions, int64 actions), or ``generators`` not one per seed."""
         check_batch(batch)
         if len(generators) != S:
             raise ShapeError(f"ppo.iteration: {len(generators)} generators, expected one per seed ({S})")
