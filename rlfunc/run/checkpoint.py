@@ -5,7 +5,8 @@ One snapshot is a directory::
     step_000000020000/
         state.safetensors   every tensor of the state TensorDict, nested keys joined with "."
         meta.json           format version, library versions, the caller's ``meta`` dict, and for
-                            integrity the key -> shape/dtype table and the sha256 of state.safetensors
+                            integrity the key -> shape/dtype table, the sha256 of state.safetensors
+                            and "record_sha256", that of the record itself (canonical JSON)
 
 A run keeps its snapshots as::
 
@@ -156,6 +157,7 @@ def save_snapshot(path: str | os.PathLike, state: TensorDictBase, meta: Mapping)
             },
             "state_file": {"name": STATE_FILE, "bytes": size, "sha256": digest},
         }
+        record["record_sha256"] = record_digest(record)
         _write_synced(tmp / META_FILE, json.dumps(record, indent=1) + "\n")
         _fsync_dir(tmp)
         if os.path.lexists(path):
@@ -698,7 +700,19 @@ def _read_record(path: Path) -> dict:
     )
     if not well_formed:
         raise SnapshotCorruptError(f"{meta_path}: malformed record (meta, tensors or state_file missing or mistyped)")
+    # a record written before the digest (none) is read as it is
+    if "record_sha256" in record and record["record_sha256"] != record_digest(record):
+        raise SnapshotCorruptError(f"{meta_path}: its record_sha256 does not match its contents (edited or corrupt: the "
+                                   "config, step counts or env state it holds cannot be trusted)")
     return record
+
+
+def record_digest(record: Mapping) -> str:
+    """sha256 of a meta.json record without its "record_sha256", as canonical JSON (sorted keys,
+    no spaces): the digest :func:`save_snapshot` writes and every read checks. The bug it closes: a
+    one-character edit of meta.json (an lr, gamma, an env's state) resumed silently with it."""
+    body = {k: v for k, v in record.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _first_difference(got: dict, want: dict, got_label: str, want_label: str) -> str | None:

@@ -185,16 +185,20 @@ def test_run_dir_that_is_a_file_or_not_empty(tmp_path, capsys):
 def test_eval_refuses_snapshot_whose_config_does_not_match(tmp_path, run_dir, capsys):
     import shutil
 
+    from rlfunc.run.checkpoint import record_digest
+
     bad = tmp_path / "bad"
     shutil.copytree(run_dir, bad)
     snap = bad / "checkpoints" / (bad / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((snap / "meta.json").read_text())
     meta["meta"]["config"]["hidden"] = [128, 128]
+    meta["record_sha256"] = record_digest(meta)  # re-signed: the config check itself must refuse it
     (snap / "meta.json").write_text(json.dumps(meta))
     assert main(["eval", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not match" in err[0]
     meta["meta"]["config"] = None
+    meta["record_sha256"] = record_digest(meta)
     (snap / "meta.json").write_text(json.dumps(meta))
     assert main(["eval", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -18,6 +18,7 @@ from rlfunc.run.checkpoint import (
     latest_snapshot,
     load_meta,
     load_snapshot,
+    record_digest,
     save_run_snapshot,
     save_snapshot,
 )
@@ -183,6 +184,7 @@ def _forge_record(path: Path) -> None:
     data = (path / "state.safetensors").read_bytes()
     record = json.loads((path / "meta.json").read_text())
     record["state_file"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    record["record_sha256"] = record_digest(record)  # and re-signs the record
     (path / "meta.json").write_text(json.dumps(record))
 
 
@@ -488,3 +490,20 @@ def test_a_crafted_file_with_names_rlfunc_never_writes_is_refused(tmp_path, name
     _forge_record(path)
     with pytest.raises(SnapshotCorruptError, match=why):
         load_snapshot(path)
+
+
+def test_an_edited_meta_json_is_refused_and_a_record_without_its_digest_still_loads(tmp_path):
+    """Fault pass: a one-character edit of a snapshot's meta.json ("lr": 0.002 -> 0.003) resumed
+    silently with the edited lr; the record now carries its own sha256."""
+    path = save_snapshot(tmp_path / "snap", _state(), {"config": {"lr": 0.002}})
+    text = (path / "meta.json").read_text()
+    (path / "meta.json").write_text(text.replace("0.002", "0.003"))
+    with pytest.raises(SnapshotCorruptError, match=r"meta.json: its record_sha256 does not match its contents"):
+        load_meta(path)
+    with pytest.raises(SnapshotCorruptError, match="record_sha256"):
+        load_snapshot(path)
+    record = json.loads(text)
+    del record["record_sha256"]  # as written before the digest existed
+    (path / "meta.json").write_text(json.dumps(record))
+    assert load_meta(path) == {"config": {"lr": 0.002}}
+    assert record_digest(json.loads(text)) == json.loads(text)["record_sha256"]
