@@ -199,10 +199,17 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
 
     Raises:
         CheckpointError: corrupt, of an unknown (newer) layout, or of another structure (the first key
-            named); with ``run.requires_format``, without meta "resume_format".
+            named); with ``run.requires_format``, without meta "resume_format"; a snapshot directory
+            whose step_N name is not its env steps; a state ``run.restore`` cannot take (its env or RNG
+            state damaged).
     """
     kind, where = source
     meta, name = source_meta(run_dir, source)
+    if kind == "snapshot" and Path(where).name.startswith("step_") and Path(where).name[5:].isdigit() \
+            and int(Path(where).name[5:]) != meta.get("env_steps"):  # the bug: another run's snapshot copied in resumed it
+        raise CheckpointError(f"{name}: named for step {int(Path(where).name[5:])} but holds env_steps="
+                              f"{meta.get('env_steps')!r} (copied from another run?); remove it, or resume from another "
+                              "snapshot with --snapshot")
     layout = meta.get("state_layout", 1)
     if not isinstance(layout, int) or isinstance(layout, bool) or layout > STATE_LAYOUT:
         raise CheckpointError(f"{name}: state_layout={layout!r}: this rlfunc reads {meta.get('algo')} state layouts up to "
@@ -228,7 +235,11 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
         loaded = with_shaping_in_chain(loaded, fresh)
     if check is None:
         checkpoint.check_learner(name, loaded.exclude(*run.variable), like)
-    run.restore(loaded, meta)
+    try:
+        run.restore(loaded, meta)
+    except (KeyError, IndexError, ValueError, TypeError) as e:  # meta's env or RNG state damaged: was a traceback
+        raise CheckpointError(f"{name}: its env, RNG or run state does not fit this run ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from e
     return loaded, meta
 
 

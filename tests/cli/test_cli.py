@@ -612,3 +612,33 @@ def test_a_rank_error_names_its_rank(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "x")  # malformed: no prefix, and no traceback from the error path
     assert main(["eval", str(tmp_path / "nothing")]) == 2
     assert not capsys.readouterr().err.startswith("rlfunc: error: rank")
+
+
+def test_resume_refuses_a_foreign_snapshot_and_a_damaged_env_state_in_one_line(tmp_path, run_dir, capsys):
+    """Fault pass: another run's snapshot copied in under the latest name resumed as that run (and cut
+    metrics.jsonl to its step); a damaged env state in meta.json was an IndexError / ValueError traceback."""
+    import shutil
+
+    from rlfunc.run.checkpoint import record_digest
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "versions")  # (with them, resume takes the head version, as far along as the snapshot)
+    ckpt = copy / "checkpoints"
+    before = (copy / "metrics.jsonl").read_text()
+    shutil.rmtree(ckpt / "step_000000000256")
+    shutil.copytree(ckpt / "step_000000000128", ckpt / "step_000000000256")  # a snapshot of another step, renamed
+    assert main(["resume", str(copy), "--total-steps", "384"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "named for step 256 but holds env_steps=128 (copied from another run?)" in err[0], err
+    assert (copy / "metrics.jsonl").read_text() == before  # nothing cut
+    shutil.rmtree(ckpt / "step_000000000256")
+    shutil.copytree(run_dir / "checkpoints" / "step_000000000256", ckpt / "step_000000000256")
+    meta_path = ckpt / "step_000000000256" / "meta.json"
+    record = json.loads(meta_path.read_text())
+    record["meta"]["env_state"] = record["meta"]["env_state"][:1]  # one env's state of the two
+    record["record_sha256"] = record_digest(record)  # signed: the restore itself must refuse it
+    meta_path.write_text(json.dumps(record))
+    assert main(["resume", str(copy), "--total-steps", "384"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its env, RNG or run state does not fit this run" in err[0], err
