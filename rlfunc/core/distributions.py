@@ -10,7 +10,8 @@ Every log-likelihood and entropy is summed over the last (action) dimension and 
 [*B, 1], the shape TorchRL uses for ``"sample_log_prob"``-like per-step scalars.
 
 Categorical policies take ``logits`` [*B, K]. A Discrete action is int64 [*B] (TorchRL's Categorical
-spec); a MultiDiscrete action with ``nvec = (n_1, ..., n_H)`` is int64 [*B, H], its logits are the H
+spec: ``GymEnv(..., categorical_action_encoding=True)``; GymEnv's default is one-hot, and takes an
+index silently as the wrong action); a MultiDiscrete action with ``nvec = (n_1, ..., n_H)`` is int64 [*B, H], its logits are the H
 heads concatenated (K = sum n_h), and the heads are independent, so log-probabilities and entropies
 are sums over heads. An action mask is bool [*B, K], True where allowed (TorchRL's ``"action_mask"``).
 """

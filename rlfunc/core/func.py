@@ -56,8 +56,9 @@ def apply(module: nn.Module, params: TensorDictBase | Mapping[str, Any], *args: 
     the same keys (wrapped in a TensorDict; "0.weight"-style flat keys work too).
 
     Raises:
-        ShapeError: ``params`` is neither a TensorDict nor a dict, or misses or adds a key of the
-            module's parameters and buffers (the keys named).
+        ShapeError: ``params`` is neither a TensorDict nor a dict, misses or adds a key of the
+            module's parameters and buffers (the keys named), or, when the call fails, holds a tensor
+            of another shape than the module's (stacked params outside vmap).
     """
     if not isinstance(params, TensorDictBase):
         if not isinstance(params, Mapping):
@@ -67,9 +68,15 @@ def apply(module: nn.Module, params: TensorDictBase | Mapping[str, Any], *args: 
     try:
         return torch.func.functional_call(module, flat, args, kwargs, strict=True)
     except RuntimeError as e:  # strict's key check, in one line (it was torch's multi-line RuntimeError)
-        if not str(e).startswith("Error(s) in reparametrizing"):
-            raise
-        raise ShapeError(f"apply: params do not fit {type(module).__name__}: " + " ".join(str(e).split("\n")[1:]).strip()) from None
+        if str(e).startswith("Error(s) in reparametrizing"):
+            raise ShapeError(f"apply: params do not fit {type(module).__name__}: " + " ".join(str(e).split("\n")[1:]).strip()) from None
+        own = dict(module.named_parameters())
+        for key, value in flat.items():  # stacked params outside vmap were a deep "t() expects <= 2 dims"
+            if key in own and tuple(value.shape) != tuple(own[key].shape):
+                hint = " (stacked params: apply them under rlfunc.core.func.vmap)" if tuple(value.shape[1:]) == tuple(own[key].shape) else ""
+                raise ShapeError(f"apply: params {key!r} has shape {list(value.shape)}, the module's is "
+                                 f"{list(own[key].shape)}{hint}") from e
+        raise
 
 
 def stack_params(params: Sequence[TensorDictBase]) -> TensorDict:

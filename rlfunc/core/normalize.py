@@ -132,7 +132,10 @@ def init_running_stats(
 def _merge(mean_a: Tensor, var_a: Tensor, n_a: Tensor, mean_b: Tensor, var_b: Tensor, n_b: Tensor):
     """Chan et al. merge of (mean, population var, count) pairs; empty sides are passed through exactly."""
     n = n_a + n_b
-    w_b = (n_b / torch.where(n > 0, n, torch.ones_like(n))).to(mean_a.dtype)
+    # the counts' ratio in the statistics' dtype (float32 counts, float64 stats: the weight was float32's, and so
+    # float64 means and variances were float32-accurate); float32 stats: the same division as before, bit for bit
+    dtype = mean_a.dtype
+    w_b = n_b.to(dtype) / torch.where(n > 0, n, torch.ones_like(n)).to(dtype)
     w_a = 1 - w_b
     delta = mean_b - mean_a
     mean = mean_a + w_b * delta
@@ -350,15 +353,16 @@ def all_reduce_running_stats(stats: TensorDict, group=None) -> TensorDict:
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size(group) == 1:
         return stats.clone()
     expand = (*count.shape, *([1] * (mean.ndim - count.ndim)))
-    n_r = count.to(torch.float32)
-    w = n_r.reshape(expand).to(torch.float32)
-    m32 = mean.to(torch.float32)
+    dt = torch.promote_types(mean.dtype, torch.float32)  # the statistics' precision (float64 ones were reduced in float32)
+    n_r = count.to(dt)
+    w = n_r.reshape(expand)
+    m32 = mean.to(dt)
     first = torch.cat([n_r.reshape(-1), (w * m32).reshape(-1)])
     tdist.all_reduce(first, group=group)
     n = first[: n_r.numel()].view(count.shape)
     safe = torch.where(n > 0, n, torch.ones_like(n)).reshape(expand)
     total_mean = first[n_r.numel() :].view(mean.shape) / safe
-    m2 = w * var.to(torch.float32) + w * (m32 - total_mean).square()  # 0 where n_r == 0
+    m2 = w * var.to(dt) + w * (m32 - total_mean).square()  # 0 where n_r == 0
     tdist.all_reduce(m2, group=group)
     total_var = m2 / safe
     empty = (n == 0).reshape(expand)

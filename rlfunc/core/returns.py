@@ -61,6 +61,9 @@ def _scan(
         a = a.expand_as(x)
     if torch.is_grad_enabled() and (x.requires_grad or (a is not None and a.requires_grad)):
         return _scan_autograd(x, a, coef, dim, reverse, products)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if wrapped(x) or (a is not None and wrapped(a)):  # under torch.func.vmap: no out= ops (the bug: a deep
+        return _scan_autograd(x, a, coef, dim, reverse, products)  # "Batching rule not implemented for aten::addcmul.out")
     y_bufs = [torch.empty_like(x), torch.empty_like(x) if T > 2 else None]
     a_bufs = [None, None]
     y, s, i = x, 1, 0

@@ -369,10 +369,14 @@ def rollout(
 
 
 def make_torchrl_env(env_id: str, num_envs: int, *, device: torch.device | str = "cpu", **env_kwargs: Any):
-    """The same vector env as :func:`make_vec_env`, wrapped as a TorchRL ``EnvBase`` (GymWrapper)."""
+    """The same vector env as :func:`make_vec_env`, wrapped as a TorchRL ``EnvBase`` (GymWrapper).
+
+    Discrete actions are int64 indices (``categorical_action_encoding=True``), as :func:`rollout` and
+    rlfunc's categorical policies give them; GymWrapper's default one-hot spec made a TorchRL
+    collector over CartPole fail deep in gymnasium."""
     from torchrl.envs import GymWrapper
 
-    return GymWrapper(make_vec_env(env_id, num_envs, **env_kwargs), device=device)
+    return GymWrapper(make_vec_env(env_id, num_envs, **env_kwargs), device=device, categorical_action_encoding=True)
 
 
 def policy_module(policy: Policy):

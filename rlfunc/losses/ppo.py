@@ -31,7 +31,9 @@ def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> N
 
 
 def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
-    """``(A - mean(A)) / (std(A) + eps)`` over all elements, with the population std.
+    """``(A - mean(A)) / (std(A) + eps)`` over all elements, with the population std (TorchRL's
+    ``_standardize`` and CleanRL divide by the Bessel-corrected one: a factor sqrt(M / (M - 1)) apart
+    for a minibatch of M; kept, as every preset's numbers were measured with it).
 
     Equal advantages (a minibatch of one among them) give exactly 0 (no policy-gradient signal),
     never NaN: a std within float rounding of the values (below 4 ulps of max |A|) is no spread.
@@ -92,7 +94,9 @@ def ppo_loss(
 
     Args:
         log_prob: [*B, 1] float, log pi_theta(a|s) of the stored actions.
-        sample_log_prob: [*B, 1] float, log-probability recorded at collection (TorchRL's key name).
+        sample_log_prob: [*B, 1] float, log-probability recorded at collection (TorchRL's key name
+            before 0.8; TorchRL 0.14's ProbabilisticActor writes "action_log_prob" of shape [*B]:
+            ``unsqueeze(-1)`` it).
         advantage: [*B, 1] float, e.g. from :func:`rlfunc.core.returns.generalized_advantage_estimate`.
         state_value: [*B, 1] float, V_theta(s) under the current parameters.
         value_target: [*B, 1] float, regression target for V.
@@ -105,7 +109,14 @@ def ppo_loss(
             None for the plain squared error.
         entropy_coef: weight of the entropy bonus, finite and >= 0.
         value_coef: weight of the value loss, finite and >= 0.
-        normalize_advantages: normalise ``advantage`` over this minibatch first (finite for one sample).
+        normalize_advantages: normalise ``advantage`` over this minibatch first (finite for one sample;
+            :func:`normalize_advantage`, the population std).
+
+    Beside TorchRL's ``ClipPPOLoss``: its ``loss_critic_type="l2"`` with ``critic_coeff=c`` is
+    ``value_coef=2c`` here (this value term carries the 0.5); its default ``smooth_l1`` has no
+    counterpart; its advantage normalisation (off by default there, on here) divides by the
+    Bessel-corrected std; "approx_kl" here is the k3 estimator, its "kl_approx" the mean log-ratio.
+    With those aligned the two agree to float rounding.
         sample_weight: [*B, 1] float >= 0, per-sample weight of the surrogate and value terms (the
             importance weights of prioritised sampling, Schaul et al. 2016); None: all 1.
 

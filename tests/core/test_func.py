@@ -92,6 +92,10 @@ def test_apply_takes_a_plain_dict_of_tensors():
         apply(module, {k: v for k, v in module.state_dict().items() if k != "2.bias"}, x)
     with pytest.raises(ShapeError, match=r"^apply: params do not fit Sequential: Unexpected key\(s\): 'extra'.$"):
         apply(module, {**module.state_dict(), "extra": torch.zeros(1)}, x)
+    # TorchRL pass: stacked params without vmap were torch's "t() expects a tensor with <= 2 dimensions"
+    stacked = {k: v.unsqueeze(0).expand(2, *v.shape) for k, v in module.state_dict().items()}
+    with pytest.raises(ShapeError, match=r"^apply: params '0.weight' has shape \[2, .*stacked params: apply them under"):
+        apply(module, stacked, x)
 
 
 def test_apply_gradient_reaches_params_not_module():

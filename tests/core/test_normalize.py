@@ -259,3 +259,18 @@ def test_a_huge_finite_row_is_skipped_not_merged():
     for _ in range(3):
         merged = update_running_stats(merged, torch.randn(64, 3))
     assert torch.isfinite(merged["var"]).all() and normalize(merged, torch.ones(1, 3)).abs().min() > 0
+
+
+def test_float64_statistics_are_float64_accurate():
+    """TorchRL pass: with float64 mean/var the merge weight n_b / n was formed from the float32 counts
+    in float32, so 3 zeros then 7 ones gave mean 0.699999988 and var 0.210000005."""
+    s = init_running_stats((), dtype=torch.float64)
+    s = update_running_stats(update_running_stats(s, torch.zeros(3, dtype=torch.float64)), torch.ones(7, dtype=torch.float64))
+    assert s["mean"].item() == pytest.approx(0.7, abs=1e-15) and s["var"].item() == pytest.approx(0.21, abs=1e-15)
+    x = torch.randn(4, 350, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    s = init_running_stats((3,), dtype=torch.float64)
+    for chunk in x:
+        s = update_running_stats(s, chunk)
+    flat = x.reshape(-1, 3)
+    torch.testing.assert_close(s["mean"], flat.mean(0), rtol=0, atol=1e-13)
+    torch.testing.assert_close(s["var"], flat.var(0, correction=0), rtol=0, atol=1e-13)

@@ -398,3 +398,20 @@ def test_discounted_sums_name_an_argument_that_is_not_a_tensor():
             forward_discounted_sum(torch.randn(5, 1), 0.9, initial=initial)
     with pytest.raises(ShapeError, match="x: expected a floating-point tensor, got dtype torch.int64"):
         forward_discounted_sum(torch.zeros(0, 1).long(), 0.9, initial=torch.zeros(1, 1))
+
+
+def test_gae_under_torch_func_vmap_equals_the_loop():
+    """TorchRL pass: vmap over GAE failed deep ("Batching rule not implemented for aten::addcmul.out"):
+    the scan's out= buffers; under vmap it takes the out-of-place steps."""
+    from rlfunc.core.func import vmap
+
+    g = torch.Generator().manual_seed(0)
+    value, next_value, reward = [torch.randn(3, 32, 1, generator=g) for _ in range(3)]
+    done = torch.rand(3, 32, 1, generator=g) < 0.1
+    fn = lambda v, nv, r, d: generalized_advantage_estimate(0.99, 0.95, v, nv, r, d)  # noqa: E731
+    loop = vmap(fn, use_loop=True)(value, next_value, reward, done)
+    for mapped in (vmap(fn, use_loop=False), torch.func.vmap(fn)):
+        for got, want in zip(mapped(value, next_value, reward, done), loop):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    batched = fn(value, next_value, reward, done)  # the stack as batch dims: the same numbers
+    torch.testing.assert_close(batched[0], loop[0], rtol=0, atol=2e-6)

@@ -280,3 +280,24 @@ def test_episodes_that_never_end_name_the_missing_time_limit():
             collect.episode_outcomes(venv, policy, [0, 1], device=torch.device("cpu"), max_steps=50)
     finally:
         venv.close()
+
+
+def test_a_torchrl_collector_over_a_discrete_env_takes_index_actions():
+    """TorchRL pass: make_torchrl_env's one-hot action spec made make_collector over CartPole-v1 fail
+    14 frames deep in gymnasium; the batch now equals rlfunc's rollout through the first episode end."""
+    n, t = 2, 60
+    push = lambda o: ((o[..., 2] > 0).long(), torch.zeros(*o.shape[:-1], 1))  # noqa: E731  (push toward the lean)
+    env = collect.make_torchrl_env("CartPole-v1", n)
+    env.set_seed(3)
+    theirs = next(iter(collect.make_collector(env, push, frames_per_batch=n * t)))
+    venv = collect.make_vec_env("CartPole-v1", n)
+    venv.reset(seed=3)
+    obs, _ = venv.reset()
+    carry = collect.empty_carry(n, 4)
+    carry["observation"] = torch.as_tensor(obs)
+    ours, _ = collect.rollout(venv, push, carry, t, device=torch.device("cpu"))
+    assert theirs["action"].dtype == torch.int64 and theirs["action"].shape == (n, t)
+    end = int(ours["next", "done"].squeeze(-1).float().argmax(1).min())  # the first episode end of either env
+    assert 0 < end < t
+    for key in ["observation", "action", ("next", "observation"), ("next", "reward")]:
+        torch.testing.assert_close(ours[key][:, :end + 1], theirs[key][:, :end + 1].to(ours[key].dtype).reshape(ours[key][:, :end + 1].shape))
