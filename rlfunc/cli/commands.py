@@ -123,7 +123,8 @@ def _resume(argv: list[str]) -> int:
     from rlfunc.run import checkpoint
 
     if not Path(a.run_dir).is_dir():
-        raise ConfigError(f"run_dir={a.run_dir!r}: no such directory (rlfunc resume continues a run that `rlfunc train` wrote)")
+        what = "not a directory" if Path(a.run_dir).exists() else "no such directory"
+        raise ConfigError(f"run_dir={a.run_dir!r}: {what} (rlfunc resume continues a run that `rlfunc train` wrote)")
     before = None
     if a.snapshot is not None:
         before = checkpoint.latest_snapshot(a.run_dir)
@@ -242,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `rlfunc versions list RUN_DIR | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # a write outside the snapshot code (TensorBoard's event file, the learning curve, metrics
+        # on a full disk, a run dir that is a dangling link ...): one line, not a traceback; written snapshots stay
+        print(f"rlfunc: error: {_rank_prefix()}{type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # a rank whose peer died: one line, not the collective's 40-line traceback
         if not _lost_a_peer(e):
             raise

@@ -476,7 +476,7 @@ def _root(run_dir) -> Path:
 def _existing_root(run_dir) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise CheckpointError(f"run_dir={str(run_dir)!r}: no such directory")
+        raise CheckpointError(f"run_dir={str(run_dir)!r}: {'not a directory' if run_dir.exists() else 'no such directory'}")
     root = run_dir / VERSIONS_DIR
     if not (root / "manifests").is_dir():
         raise CheckpointError(f"{run_dir}: holds no versions (train with --version-every N > 0)")

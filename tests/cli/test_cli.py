@@ -422,6 +422,12 @@ def test_resume_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
     assert main(["resume", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such directory" in err[0]
+    (tmp_path / "file").write_text("x")  # fault pass: a file was "no such directory" too
+    assert main(["resume", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "file': not a directory (rlfunc resume continues" in err[0]
+    assert main(["versions", "list", str(tmp_path / "file")]) == 2
+    assert "file': not a directory" in capsys.readouterr().err
 
 
 def test_eval_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
@@ -642,3 +648,23 @@ def test_resume_refuses_a_foreign_snapshot_and_a_damaged_env_state_in_one_line(t
     assert main(["resume", str(copy), "--total-steps", "384"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "its env, RNG or run state does not fit this run" in err[0], err
+
+
+def test_a_write_error_outside_the_snapshot_code_is_one_line(tmp_path, capsys, monkeypatch):
+    """Fault pass: a file-size limit hit by TensorBoard's event file, a full disk under metrics.jsonl, a
+    dangling-link run dir: OSError tracebacks (exit 1)."""
+    import rlfunc.run.loop as loop
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / "learning_curve.png"))
+
+    monkeypatch.setattr(loop, "plot_learning_curve", full)
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(tmp_path / "run"), *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rlfunc: error: OSError: [Errno 28] No space left on device") and len(
+        [line for line in err if line.startswith("rlfunc: error")]) == 1
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()  # the snapshots written stay
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere" / "deeper")
+    code = main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(link), *TINY])
+    assert code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
