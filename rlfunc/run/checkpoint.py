@@ -752,6 +752,38 @@ def _leftover_hint(path: Path) -> str:
     )
 
 
+def remove_leftovers(run_dir: str | os.PathLike) -> list[str]:
+    """Delete what interrupted saves left in RUN_DIR/checkpoints and nothing needs: ``.tmp-latest-*``
+    pointer files; ``.tmp-<name>-*`` directories that never got their meta.json (half written) or
+    whose ``<name>`` is complete; ``.trash-<name>-*`` beside a complete ``<name>``. A complete
+    ``.tmp-`` / ``.trash-`` of a missing ``<name>`` stays (the crash between the two renames:
+    :func:`load_snapshot` names it). Call it holding the run dir (:func:`hold_run_dir`): no save is
+    under way then. Returns the names removed. The bug: after SIGKILLs the leftovers stayed for good,
+    hundreds of MB each for a snapshot with a replay buffer."""
+    ckpt = Path(run_dir) / CHECKPOINTS_DIR
+    try:
+        entries = list(os.scandir(ckpt))
+    except OSError:
+        return []
+    removed = []
+    for e in entries:
+        if e.name.startswith(f".tmp-{LATEST_FILE}-"):
+            gone = e.is_file(follow_symlinks=False)
+            if gone:
+                Path(e.path).unlink(missing_ok=True)
+        elif (e.name.startswith(".tmp-") or e.name.startswith(".trash-")) and e.is_dir(follow_symlinks=False):
+            target = e.name.partition("-")[2].rsplit("-", 2)[0]  # .tmp-<name>-<pid>-<hex>
+            half = e.name.startswith(".tmp-") and not (Path(e.path) / META_FILE).is_file()
+            gone = half or _is_complete(ckpt / target)
+            if gone:
+                shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            gone = False
+        if gone:
+            removed.append(e.name)
+    return removed
+
+
 def _step_dirs(ckpt: Path) -> list[tuple[int, Path]]:
     """The ``step_<N>`` directories under ``ckpt``, sorted by N."""
     try:

@@ -463,6 +463,8 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
             holding = True
             if not resume and rank0:
                 check_run_dir(run_dir, resume)  # another process may have written it before we held it
+            if rank0:
+                checkpoint.remove_leftovers(run_dir)  # of saves a kill interrupted; none is under way while we hold it
             return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard)
     except BaseException as e:
         if made and holding and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left

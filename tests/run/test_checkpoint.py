@@ -507,3 +507,27 @@ def test_an_edited_meta_json_is_refused_and_a_record_without_its_digest_still_lo
     (path / "meta.json").write_text(json.dumps(record))
     assert load_meta(path) == {"config": {"lr": 0.002}}
     assert record_digest(json.loads(text)) == json.loads(text)["record_sha256"]
+
+
+def test_leftovers_of_interrupted_saves_are_removed_but_a_lone_complete_copy_is_kept(tmp_path):
+    """Fault pass: after SIGKILLs, .tmp-step_* directories (88 KB of a 128 KB snapshot with its
+    buffer) and .tmp-latest-* files stayed in checkpoints/ for good."""
+    import shutil
+
+    from rlfunc.run.checkpoint import remove_leftovers
+
+    run = tmp_path / "run"
+    save_run_snapshot(run, _state(), {"env_steps": 1}, step=1)
+    ckpt = run / "checkpoints"
+    done = ckpt / "step_000000000001"
+    shutil.copytree(done, ckpt / ".tmp-step_000000000001-111-aaaa")  # complete, its target complete: garbage
+    shutil.copytree(done, ckpt / ".trash-step_000000000001-111-bbbb")  # the old copy beside a complete one
+    (ckpt / ".tmp-step_000000000002-222-cccc").mkdir()  # half written (no meta.json)
+    (ckpt / ".tmp-step_000000000002-222-cccc" / "state.safetensors").write_bytes(b"\0" * 10)
+    shutil.copytree(done, ckpt / ".tmp-step_000000000003-333-dddd")  # complete, step 3 missing: the crash window
+    (ckpt / ".tmp-latest-444-eeee").write_text("step_000000000001\n")
+    removed = remove_leftovers(run)
+    assert sorted(removed) == [".tmp-latest-444-eeee", ".tmp-step_000000000001-111-aaaa", ".tmp-step_000000000002-222-cccc",
+                               ".trash-step_000000000001-111-bbbb"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".tmp-step_000000000003-333-dddd", "latest", "step_000000000001"]
+    assert load_snapshot(done)[1] == {"env_steps": 1}
