@@ -435,12 +435,22 @@ def _flat_config(config: object) -> dict:
 
 
 def current_branch(run_dir: str | os.PathLike) -> str:
-    """The branch new versions go to: the name in ``versions/HEAD``, else "main"."""
+    """The branch new versions go to: the name in ``versions/HEAD``, else (no HEAD) "main".
+
+    Raises:
+        CheckpointError: a HEAD that cannot be read or names no valid branch (it was read as "main",
+            and a rollback was silently dropped)."""
+    path = _root(run_dir) / "HEAD"
     try:
-        name = (_root(run_dir) / "HEAD").read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+        name = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
         return MAIN
-    return name if _BRANCH.fullmatch(name) else MAIN
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({_one_line(e)})") from e
+    if not _BRANCH.fullmatch(name):
+        raise CheckpointError(f"{path}: {name[:40]!r} is not a branch name (damaged); write 'main' or a branch of "
+                              "`rlfunc versions list` into it")
+    return name
 
 
 def branch_heads(run_dir: str | os.PathLike) -> dict[str, str | None]:
@@ -692,7 +702,16 @@ def _head(root: Path, branch: str, manifests: dict[str, dict]) -> str | None:
     if branch == MAIN:
         return None
     record = _branch_records(root).get(branch)
-    return None if record is None else record.get("base")
+    # the bug: a missing or damaged record resumed main's history, silently (the rollback lost), or raised
+    # KeyError in save_version; a branch without versions yet continues from its base, which must be there
+    if record is None:
+        raise CheckpointError(f"{root / 'HEAD'} names branch {branch!r}, but {root / 'branches' / (branch + '.json')} is "
+                              "missing; roll back again (rlfunc versions rollback RUN_DIR V) or write 'main' into HEAD")
+    base = record.get("base") if isinstance(record, dict) else None
+    if base not in manifests:
+        raise CheckpointError(f"{root / 'branches' / (branch + '.json')}: base {base!r} is not a readable version "
+                              "(damaged record or manifest); roll back again (rlfunc versions rollback RUN_DIR V)")
+    return base
 
 
 def _protected(root: Path, manifests: dict[str, dict]) -> set[str]:

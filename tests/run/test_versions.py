@@ -600,3 +600,30 @@ def test_rollback_and_pin_wait_for_no_run_and_name_a_store_they_cannot_write(tmp
     assert versions.rollback(tmp_path, v1["id"]) == f"from-{v1['id']}"  # with no one holding it: as before
     with pytest.raises(CheckpointError, match="no such directory"):
         versions.rollback(tmp_path / "nope", v1["id"])
+
+
+def test_a_damaged_branch_record_or_head_is_named_not_dropped(tmp_path):
+    """Fault pass: after a rollback, a branch record whose base was edited made save_version raise
+    KeyError (after resume had silently picked main's snapshot); a deleted record or a HEAD naming a
+    branch that does not exist resumed main's history, the rollback dropped without a word."""
+    run = tmp_path / "run"
+    for i in range(3):
+        versions.save_version(run, _state([float(i)], [0.0]), {"algo": "test", "iteration": i + 1, "env_steps": 10 * (i + 1)},
+                              iteration=i + 1, step=10 * (i + 1))
+    branch = versions.rollback(run, "v000001")
+    assert versions.head(run)["id"] == "v000001"
+    record_path = run / "versions" / "branches" / f"{branch}.json"
+    record = json.loads(record_path.read_text())
+    record_path.write_text(json.dumps({**record, "base": "v999999"}))
+    with pytest.raises(CheckpointError, match=r"base 'v999999' is not a readable version"):
+        versions.head(run)
+    with pytest.raises(CheckpointError, match=r"base 'v999999' is not a readable version"):
+        versions.save_version(run, _state([9.0], [0.0]), {"algo": "test", "iteration": 4, "env_steps": 40}, iteration=4, step=40)
+    record_path.unlink()
+    with pytest.raises(CheckpointError, match=rf"names branch '{branch}', but .* is missing"):
+        versions.head(run)
+    (run / "versions" / "HEAD").write_text("no such/branch\n")
+    with pytest.raises(CheckpointError, match=r"HEAD: 'no such/branch' is not a branch name"):
+        versions.head(run)
+    (run / "versions" / "HEAD").write_text("main\n")
+    assert versions.head(run)["id"] == "v000003"  # main's history, asked for
