@@ -69,20 +69,33 @@ def _eval(argv: list[str]) -> int:
         version = source[1] if source is not None and source[0] == "version" else None
     if version is not None:
         return _eval_version(a, version)
-    snap = checkpoint.snapshot_to_read(a.run_dir)  # a run dir's latest snapshot, or a snapshot directory
+    for attempt in range(3):  # a run training beside this may prune the snapshot just picked: take the new latest
+        snap = checkpoint.snapshot_to_read(a.run_dir)  # a run dir's latest snapshot, or a snapshot directory
+        try:
+            result = _eval_snapshot(a, snap)
+            break
+        except CheckpointError:
+            if attempt == 2 or snap.exists():
+                raise
+    print(json.dumps(result))
+    return 0
+
+
+def _eval_snapshot(a, snap: Path) -> dict:
+    """:func:`_eval` of one snapshot (``a.run_dir``'s latest, ``snap``)."""
+    from rlfunc.run import checkpoint
+
     try:
         algo = checkpoint.load_meta(snap).get("algo")
         if algo not in registry.names(commands=False):
             raise CheckpointError(f"{snap}: snapshot algo={algo!r}: expected one of {', '.join(registry.names(commands=False))}")
-        result = registry.resolve(registry.lookup(algo).evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
+        return registry.resolve(registry.lookup(algo).evaluate)(a.run_dir, a.episodes, seed=a.seed, device=a.device)
     except SnapshotCorruptError as e:  # name the older snapshots, as resume does
         older = [p for p in checkpoint.run_snapshots(a.run_dir) if p.name < snap.name]
         if str(snap) not in str(e) or not older:
             raise
         raise SnapshotCorruptError(f"{e}. Older snapshots: {', '.join(p.name for p in older)}; to evaluate the newest "
                                    f"of them: rlfunc eval {older[0]}") from e
-    print(json.dumps(result))
-    return 0
 
 
 def _eval_version(a, version: str) -> int:

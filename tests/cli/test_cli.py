@@ -668,3 +668,28 @@ def test_a_write_error_outside_the_snapshot_code_is_one_line(tmp_path, capsys, m
     link.symlink_to(tmp_path / "nowhere" / "deeper")
     code = main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(link), *TINY])
     assert code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_eval_takes_the_new_latest_when_a_training_run_prunes_the_one_it_picked(tmp_path, run_dir, capsys, monkeypatch):
+    """Fault pass: `rlfunc eval RUN` beside a run with --keep-checkpoints 1 failed 2 of 7 times with
+    "no snapshot here (directory missing)": the run pruned the snapshot eval had picked."""
+    import shutil
+
+    from rlfunc.run import checkpoint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    real = checkpoint.snapshot_to_read
+    calls = []
+
+    def pruned_once(path):
+        snap = real(path)
+        if not calls:  # the training run prunes it right after eval picked it, and points latest at the other
+            shutil.rmtree(snap)
+            (copy / "checkpoints" / "latest").write_text("step_000000000128\n")
+        calls.append(snap.name)
+        return snap
+
+    monkeypatch.setattr(checkpoint, "snapshot_to_read", pruned_once)
+    assert main(["eval", str(copy), "--episodes", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["env_steps"] == 128 and calls[:2] == ["step_000000000256", "step_000000000128"]
