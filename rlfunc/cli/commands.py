@@ -181,6 +181,11 @@ def _resume_from(a, snap) -> int:
             raise ConfigError(f"--snapshot {a.snapshot}: the snapshot is on branch {on!r}, the run on {branch!r} (a rollback) "
                               f"and continues from its head version {source[1]}; resume without --snapshot, or roll back "
                               f"to a version of {on!r} (rlfunc versions list {a.run_dir})")
+        if source is not None and source[0] == "version":  # the bug: --snapshot was passed over without a word
+            warnings.warn(f"--snapshot {a.snapshot}: this run keeps versions, and its branch's head version {source[1]} is "
+                          f"further along, so the run continues from it; to go back to {a.snapshot}'s step, roll back to "
+                          f"a version of that step (rlfunc versions list {a.run_dir}; rlfunc versions rollback {a.run_dir} V)",
+                          stacklevel=2)
     run = (meta.get("config") or {}).get("run") if isinstance(meta.get("config"), dict) else None
     nproc = run.get("nproc", 1) if isinstance(run, dict) else 1
     nproc = nproc if a.nproc is None else a.nproc

@@ -560,7 +560,17 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
         for w in held:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if source is not None:
-            load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
+            try:
+                load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
+            except SnapshotCorruptError as e:
+                head = versions.head(run_dir) if source[0] == "snapshot" else None
+                if head is None or head["branch"] != versions.current_branch(run_dir) or head["step"] < meta.get("env_steps", 0):
+                    raise  # (a version behind the snapshot: the older snapshots may be further along; the error names them)
+                # as when its meta.json is unreadable (resume_source): the branch's head version, intact, goes on
+                # (the bug: a truncated state.safetensors was refused though a version of the same step was intact)
+                warnings.warn(f"{e}: continuing from version {head['id']} (step {head['step']}), the branch's head", stacklevel=2)
+                source = ("version", head["id"])
+                load(built, run_dir, source, device)
             if dist is None or dist.is_main:
                 time_offset = truncate_metrics(run_dir, built.done())
         return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,

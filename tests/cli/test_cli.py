@@ -95,12 +95,17 @@ def test_corrupt_snapshot_is_refused(tmp_path, run_dir, capsys):
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))
     before = (broken / "metrics.jsonl").read_text()
-    for command in (["eval", str(broken)], ["resume", str(broken)]):
-        assert main(command) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("rlfunc: error:") and "sha256" in err[-1]
-    # resume names the older snapshot, and that this run's versions may take it further
-    assert f"--snapshot step_000000000128 (this run keeps versions" in err[-1]
+    assert main(["eval", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rlfunc: error:") and "sha256" in err[-1]
+    # (resume: with a version of the same step, intact, it continues from that one; see
+    # test_a_corrupt_snapshot_gives_way_to_an_intact_version_of_its_branch...; without, it refuses:)
+    shutil.rmtree(broken / "versions")
+    assert main(["resume", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rlfunc: error:") and "sha256" in err[-1]
+    # resume names the older snapshot
+    assert "--snapshot step_000000000128" in err[-1]
     assert (broken / "metrics.jsonl").read_text() == before
 
 
@@ -693,3 +698,30 @@ def test_eval_takes_the_new_latest_when_a_training_run_prunes_the_one_it_picked(
     monkeypatch.setattr(checkpoint, "snapshot_to_read", pruned_once)
     assert main(["eval", str(copy), "--episodes", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["env_steps"] == 128 and calls[:2] == ["step_000000000256", "step_000000000128"]
+
+
+def test_a_corrupt_snapshot_gives_way_to_an_intact_version_of_its_branch_and_snapshot_says_when_passed_over(
+        tmp_path, run_dir, capsys):
+    """Fault pass: a truncated state.safetensors at step 256 was refused though version v000002 of the same
+    step was intact (an unreadable meta.json there already gave way to it); `--snapshot OLDER` was passed
+    over for the head version without a word."""
+    import shutil
+    import warnings
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    state = copy / "checkpoints" / "step_000000000256" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:100])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["resume", str(copy), "--total-steps", "384"]) == 0
+    said = [str(w.message) for w in caught if "continuing from version" in str(w.message)]
+    assert len(said) == 1 and "continuing from version v000002 (step 256), the branch's head" in said[0], said
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["env_steps"] == 384
+    copy2 = tmp_path / "copy2"
+    shutil.copytree(run_dir, copy2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["resume", str(copy2), "--snapshot", "step_000000000128", "--total-steps", "384"]) == 0
+    said = [str(w.message) for w in caught if "--snapshot step_000000000128" in str(w.message)]
+    assert len(said) == 1 and "head version v000002 is further along" in said[0], said
