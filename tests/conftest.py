@@ -99,3 +99,25 @@ def keep_copy_on_rank_0(dist, run_dir, copy_to: str, timeout_s: float = 120.0) -
 def same_snapshots():
     """:func:`compare_snapshots`, for tests: ``same_snapshots(want_path, got_path, rtol=, atol=)``."""
     return compare_snapshots
+
+
+_NAN_OBS_ENV = """import gymnasium, numpy as np
+from gymnasium.envs.classic_control.pendulum import PendulumEnv
+class NanObs(PendulumEnv):
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return super().reset(seed=seed, options=options)
+    def step(self, a):
+        obs, r, term, trunc, info = super().step(a)
+        self.t += 1
+        return (np.full_like(obs, np.nan) if self.t == 3 else obs), r, term, trunc, info
+gymnasium.register(id="NanObsPendulum-v0", entry_point=NanObs, max_episode_steps=20)
+"""
+
+
+def nan_obs_env(tmp_path, monkeypatch) -> str:
+    """The id ("module:NanObsPendulum-v0") of Pendulum with 20-step episodes whose observation is NaN at
+    step 3 of each: a module written into ``tmp_path`` and put on the path (also for env workers)."""
+    (tmp_path / "rlfunc_test_nan_obs_env.py").write_text(_NAN_OBS_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "rlfunc_test_nan_obs_env:NanObsPendulum-v0"

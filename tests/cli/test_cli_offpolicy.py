@@ -95,21 +95,11 @@ def test_non_finite_transitions_never_reach_the_replay_buffer_and_are_counted(tm
     """New-user pass: an env whose observation is NaN at step 3 of each episode put NaN observations
     and actions into the buffer as drawn; every minibatch that sampled one was skipped whole, and
     metrics.jsonl counted nothing."""
-    (tmp_path / "rlfunc_test_nan_env.py").write_text(
-        "import gymnasium, numpy as np\n"
-        "from gymnasium.envs.classic_control.pendulum import PendulumEnv\n"
-        "class NanObs(PendulumEnv):\n"
-        "    def reset(self, *, seed=None, options=None):\n"
-        "        self.t = 0\n"
-        "        return super().reset(seed=seed, options=options)\n"
-        "    def step(self, a):\n"
-        "        obs, r, term, trunc, info = super().step(a)\n"
-        "        self.t += 1\n"
-        "        return (np.full_like(obs, np.nan) if self.t == 3 else obs), r, term, trunc, info\n"
-        "gymnasium.register(id='NanObsPendulum-v0', entry_point=NanObs, max_episode_steps=20)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    from conftest import nan_obs_env
+
+    env = nan_obs_env(tmp_path, monkeypatch)
     d = tmp_path / "run"
-    assert main(["train", name, "--env", "rlfunc_test_nan_env:NanObsPendulum-v0", "--run-dir", str(d), *SMALL]) == 0
+    assert main(["train", name, "--env", env, "--run-dir", str(d), *SMALL]) == 0
     capsys.readouterr()
     lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     # one NaN observation per 20-step episode: the transition into it and the one out of it, of 1 env

@@ -14,17 +14,24 @@ def policy(obs):
     return torch.sin(obs[..., :1] * 3.0) * 2.5, torch.zeros(*obs.shape[:-1], 1)
 
 
+def _ours_and_torchrls(env_id: str, act, n: int, t: int, seed: int):
+    """(rlfunc's rollout, a TorchRL collector's batch) of ``act`` on ``n`` envs for ``t`` steps, both
+    starting from TorchRL's reset(seed) then reset()."""
+    env = collect.make_torchrl_env(env_id, n)
+    env.set_seed(seed)  # TorchRL: reset(seed=seed), then the collector's own reset()
+    theirs = next(iter(collect.make_collector(env, act, frames_per_batch=n * t)))
+    venv = collect.make_vec_env(env_id, n)
+    venv.reset(seed=seed)
+    obs, _ = venv.reset()
+    carry = collect.empty_carry(n, obs.shape[-1])
+    carry["observation"] = torch.as_tensor(obs)
+    ours, _ = collect.rollout(venv, act, carry, t, device=torch.device("cpu"))
+    return ours, theirs
+
+
 def test_rollout_matches_torchrl_collector():
     n, t = 3, 250  # Pendulum truncates at 200 steps: one episode end inside the batch
-    env = collect.make_torchrl_env("Pendulum-v1", n)
-    env.set_seed(7)  # TorchRL: reset(seed=7), then the collector's own reset()
-    theirs = next(iter(collect.make_collector(env, policy, frames_per_batch=n * t)))
-    venv = collect.make_vec_env("Pendulum-v1", n)
-    venv.reset(seed=7)
-    obs, _ = venv.reset()
-    carry = collect.empty_carry(n, 3)
-    carry["observation"] = torch.as_tensor(obs)
-    ours, _ = collect.rollout(venv, policy, carry, t, device=torch.device("cpu"))
+    ours, theirs = _ours_and_torchrls("Pendulum-v1", policy, n, t, 7)
     assert ours.batch_size == theirs.batch_size == torch.Size([n, t])
     # Identical through the first episode, its last step included (("next", "observation") there is
     # the true final observation in both). After an episode end TorchRL's collector resets the
@@ -287,15 +294,7 @@ def test_a_torchrl_collector_over_a_discrete_env_takes_index_actions():
     14 frames deep in gymnasium; the batch now equals rlfunc's rollout through the first episode end."""
     n, t = 2, 60
     push = lambda o: ((o[..., 2] > 0).long(), torch.zeros(*o.shape[:-1], 1))  # noqa: E731  (push toward the lean)
-    env = collect.make_torchrl_env("CartPole-v1", n)
-    env.set_seed(3)
-    theirs = next(iter(collect.make_collector(env, push, frames_per_batch=n * t)))
-    venv = collect.make_vec_env("CartPole-v1", n)
-    venv.reset(seed=3)
-    obs, _ = venv.reset()
-    carry = collect.empty_carry(n, 4)
-    carry["observation"] = torch.as_tensor(obs)
-    ours, _ = collect.rollout(venv, push, carry, t, device=torch.device("cpu"))
+    ours, theirs = _ours_and_torchrls("CartPole-v1", push, n, t, 3)
     assert theirs["action"].dtype == torch.int64 and theirs["action"].shape == (n, t)
     end = int(ours["next", "done"].squeeze(-1).float().argmax(1).min())  # the first episode end of either env
     assert 0 < end < t

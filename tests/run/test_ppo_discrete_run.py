@@ -115,25 +115,15 @@ def test_a_run_whose_every_update_is_skipped_says_so_once(tmp_path, capsys, monk
     each iteration, exited 0 and printed nothing on stderr."""
     from rlfunc.cli.commands import main
 
-    (tmp_path / "rlfunc_test_nan_ppo_env.py").write_text(
-        "import gymnasium, numpy as np\n"
-        "from gymnasium.envs.classic_control.pendulum import PendulumEnv\n"
-        "class NanObs(PendulumEnv):\n"
-        "    def reset(self, *, seed=None, options=None):\n"
-        "        self.t = 0\n"
-        "        return super().reset(seed=seed, options=options)\n"
-        "    def step(self, a):\n"
-        "        obs, r, term, trunc, info = super().step(a)\n"
-        "        self.t += 1\n"
-        "        return (np.full_like(obs, np.nan) if self.t == 3 else obs), r, term, trunc, info\n"
-        "gymnasium.register(id='NanObsPendulumPPO-v0', entry_point=NanObs, max_episode_steps=20)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    from conftest import nan_obs_env
+
+    env = nan_obs_env(tmp_path, monkeypatch)
     run = tmp_path / "run"
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert main(["train", "ppo", "--env", "rlfunc_test_nan_ppo_env:NanObsPendulumPPO-v0", "--total-steps", "256",
+        assert main(["train", "ppo", "--env", env, "--total-steps", "256",
                      "--num-envs", "2", "--num-steps", "64", "--minibatch-size", "64", "--num-epochs", "2",
                      "--eval-episodes", "2", "--device", "cpu", "--run-dir", str(run)]) == 0
     said = [str(w.message) for w in caught if "was skipped" in str(w.message)]
