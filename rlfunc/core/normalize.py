@@ -132,8 +132,8 @@ def init_running_stats(
 def _merge(mean_a: Tensor, var_a: Tensor, n_a: Tensor, mean_b: Tensor, var_b: Tensor, n_b: Tensor):
     """Chan et al. merge of (mean, population var, count) pairs; empty sides are passed through exactly."""
     n = n_a + n_b
-    # the counts' ratio in the statistics' dtype (float32 counts, float64 stats: the weight was float32's, and so
-    # float64 means and variances were float32-accurate); float32 stats: the same division as before, bit for bit
+    # the counts' ratio in the statistics' own dtype (with double-precision stats the weight was single-precision,
+    # and so were their means and variances); single-precision stats: the same division as before, bit for bit
     dtype = mean_a.dtype
     w_b = n_b.to(dtype) / torch.where(n > 0, n, torch.ones_like(n)).to(dtype)
     w_a = 1 - w_b
@@ -353,7 +353,7 @@ def all_reduce_running_stats(stats: TensorDict, group=None) -> TensorDict:
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size(group) == 1:
         return stats.clone()
     expand = (*count.shape, *([1] * (mean.ndim - count.ndim)))
-    dt = torch.promote_types(mean.dtype, torch.float32)  # the statistics' precision (float64 ones were reduced in float32)
+    dt = torch.promote_types(mean.dtype, torch.float32)  # the statistics' own precision (double ones were reduced in single)
     n_r = count.to(dt)
     w = n_r.reshape(expand)
     m32 = mean.to(dt)
