@@ -187,7 +187,7 @@ def stacked(treedef: tuple, leaves: list[Tensor], n: int) -> TensorDict:
 def transitions(batch: TensorDict, scale: ActionScale) -> TensorDict:
     """A rollout [N, T] (:func:`rlfunc.envs.collect.rollout`) -> flat transitions [N*T]:
     "observation", "action" (in [-1, 1]), ("next", "observation"), ("next", "reward"), ("next", "terminated")."""
-    td = TensorDict(
+    return TensorDict(
         {
             "observation": batch["observation"],
             "action": scale.to_unit(batch["action"]),
@@ -196,7 +196,6 @@ def transitions(batch: TensorDict, scale: ActionScale) -> TensorDict:
         },
         batch_size=batch.batch_size,
     ).reshape(-1)
-    return td
 
 
 def finite_transitions(batch: TensorDict, scale: ActionScale) -> tuple[TensorDict, int]:

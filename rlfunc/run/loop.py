@@ -205,9 +205,9 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     """
     kind, where = source
     meta, name = source_meta(run_dir, source)
-    if kind == "snapshot" and Path(where).name.startswith("step_") and Path(where).name[5:].isdigit() \
-            and int(Path(where).name[5:]) != meta.get("env_steps"):  # the bug: another run's snapshot copied in resumed it
-        raise CheckpointError(f"{name}: named for step {int(Path(where).name[5:])} but holds env_steps="
+    named = Path(where).name.removeprefix("step_") if kind == "snapshot" else ""
+    if named.isdigit() and int(named) != meta.get("env_steps"):  # the bug: another run's snapshot copied in resumed as that run
+        raise CheckpointError(f"{name}: named for step {int(named)} but holds env_steps="
                               f"{meta.get('env_steps')!r} (copied from another run?); remove it, or resume from another "
                               "snapshot with --snapshot")
     layout = meta.get("state_layout", 1)
