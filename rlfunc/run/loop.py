@@ -206,7 +206,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     kind, where = source
     meta, name = source_meta(run_dir, source)
     named = Path(where).name.removeprefix("step_") if kind == "snapshot" else ""
-    if named.isdigit() and int(named) != meta.get("env_steps"):  # the bug: another run's snapshot copied in resumed as that run
+    steps = meta.get("env_steps")  # (a meta without it says nothing to check against)
+    if named.isdigit() and isinstance(steps, int) and int(named) != steps:  # the bug: another run's snapshot copied in resumed as that run
         raise CheckpointError(f"{name}: named for step {int(named)} but holds env_steps="
                               f"{meta.get('env_steps')!r} (copied from another run?); remove it, or resume from another "
                               "snapshot with --snapshot")
