@@ -36,7 +36,7 @@ from torch import Tensor
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
-                                   stacked)
+                                   skipped, stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -216,6 +216,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
         if config.autotune:  # after the critics' gradient, which reads alpha as it was before this step
             chain_step(alpha_opt, grad_alpha, log_alpha, ALPHA_DEF, alpha_s, loss_alpha)
         metrics["critic_grad_norm"] = chain_step(critic_opt, grads, critic_w, critic_def, critic_s, loss_critic)
+        metrics["skipped_critic"] = skipped(metrics["critic_grad_norm"], loss_critic)
         updated = stacked(critic_def, [w.detach() for w in critic_w], E)
 
         def actor_objective(w):
@@ -232,6 +233,7 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
             grads, loss_actor, m = mean_over_ranks(grads, loss_actor, m)
         metrics.update(m)  # its "entropy" is the same -E[log pi] as the temperature loss's
         metrics["actor_grad_norm"] = chain_step(actor_opt, grads, actor_w, actor_def, actor_s, loss_actor)
+        metrics["skipped_actor"] = skipped(metrics["actor_grad_norm"], loss_actor)
         metrics["alpha"] = alpha
         with torch.no_grad():
             torch._foreach_lerp_(target_w, [w.detach() for w in critic_w], config.tau)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
-                                   stacked)
+                                   skipped, stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -170,6 +170,7 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
         if W > 1:
             grads, loss, metrics = mean_over_ranks(grads, loss, metrics)
         metrics["critic_grad_norm"] = chain_step(critic_opt, grads, critic_w, critic_def, opt, loss)
+        metrics["skipped_critic"] = skipped(metrics["critic_grad_norm"], loss)
         return {k: v.detach() for k, v in metrics.items()}
 
     def actor_step(actor_w: list[Tensor], critic_w: list[Tensor], target_actor_w: list[Tensor], target_critic_w: list[Tensor],
@@ -186,6 +187,7 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
         if W > 1:
             grads, loss, metrics = mean_over_ranks(grads, loss, metrics)
         metrics["actor_grad_norm"] = chain_step(actor_opt, grads, actor_w, actor_def, opt, loss)
+        metrics["skipped_actor"] = skipped(metrics["actor_grad_norm"], loss)
         with torch.no_grad():
             torch._foreach_lerp_(target_actor_w, [w.detach() for w in actor_w], config.tau)
             torch._foreach_lerp_(target_critic_w, [w.detach() for w in critic_w], config.tau)

@@ -152,3 +152,23 @@ def test_a_run_whose_learning_starts_covers_its_budget_warns_that_it_takes_no_gr
                      eval_episodes=1, checkpoint_every=0)
     with pytest.warns(UserWarning, match="no gradient step"):
         train(config, tmp_path / "r", progress=False, tensorboard=False)
+
+
+def test_a_skipped_step_is_counted_and_moves_nothing():
+    """New-user pass: sac and td3 skipped a step whose loss or gradient was not finite (adam's mask) but
+    their metrics said nothing of it; "skipped_critic" / "skipped_actor" are now 1.0 for such a step."""
+    from rlfunc.algos.td3 import TD3Config, make_td3
+
+    for make, config in ((make_sac, _config(compile="off")), (make_td3, replace(TD3Config(), hidden=(16, 16), batch_size=32,
+                                                                                  device="cpu", policy_delay=1, compile="off"))):
+        algo = make(config, SPEC, CPU)
+        state = algo.init()
+        _, fine = algo.iteration(state, _buffer(), torch.Generator().manual_seed(0), 1)
+        assert float(fine["skipped_critic"]) == 0.0 and float(fine["skipped_actor"]) == 0.0
+        huge = _buffer()
+        huge.storage._storage["next", "reward"][:] = 3e38  # the critic's squared error overflows to inf
+        before = _leaves(state["params"])
+        _, metrics = algo.iteration(state, huge, torch.Generator().manual_seed(0), 1)
+        assert float(metrics["skipped_critic"]) == 1.0, type(config).__name__
+        critic = {k: v for k, v in _leaves(state["params"]).items() if k[0] == "critic"}
+        assert all(torch.equal(v, before[k]) for k, v in critic.items())

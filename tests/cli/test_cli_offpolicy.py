@@ -110,3 +110,4 @@ def test_non_finite_transitions_never_reach_the_replay_buffer_and_are_counted(tm
     buffer = state["buffer"]
     assert all(bool(v.isfinite().all()) for v in buffer.values(include_nested=True, leaves_only=True) if v.is_floating_point())
     assert all(x["loss_critic"] is not None and x["loss_critic"] == x["loss_critic"] for x in lines[1:])
+    assert lines[1]["skipped_critic"] == 0.0 and lines[1]["skipped_actor"] == 0.0  # no minibatch held a NaN
