@@ -108,12 +108,25 @@ def tyro_error_line(box: str, prog: str | None) -> str:
     """One line of tyro's error box (a bad flag value, an unknown flag, a missing value): its first
     line of text, plus the flags it suggests ("did you mean --total-steps?"); rlfunc's errors are
     one line, and the box took 5-11."""
-    lines = [line.strip(" │╭╮╰╯─|+\n") for line in box.splitlines()]  # the frame, drawn in ASCII without a terminal
-    lines = [line for line in lines if line.strip("-─ ") and not line.startswith("For full helptext")]
+    raw = [line.strip(" │╭╮╰╯─|+\n") for line in box.splitlines()]  # the frame, drawn in ASCII without a terminal
+    paragraphs, current = [], []  # the box's sections, between its rules; a message wraps over several lines
+    for line in raw:
+        if line.strip("-─ ") and not line.startswith("For full helptext"):
+            current.append(line)
+        elif current:
+            paragraphs.append(current)
+            current = []
+    if current:
+        paragraphs.append(current)
+    lines = [line for p in paragraphs for line in p]
     if not lines:
         return f"cannot parse the flags (see {prog or 'rlfunc train ALGO'} --help)"
     title = [line for line in lines if line.startswith("Perhaps you meant")]
-    first = next((line for line in lines if ":" in line or "." in line), lines[0])
+    # the first section that says something, whole (the bug: "Expected one of ('off'," cut at the wrap)
+    message = next((p for p in paragraphs if any(":" in line or "." in line for line in p)), paragraphs[0])
+    message = message[:next((i for i, line in enumerate(message) if line.startswith("Perhaps you meant")), len(message))] or message
+    start = next((i for i, line in enumerate(message) if ":" in line or "." in line), 0)  # past the box's title
+    first = " ".join(message[start:])
     if title:
         start = lines.index(title[0]) + 1
         flags = [line.split()[0] for line in lines[start:] if re.match(r"--[A-Za-z]", line)]

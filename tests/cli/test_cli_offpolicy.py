@@ -70,6 +70,9 @@ def test_versions_of_a_layer_that_starts_at_zero_list_a_finite_max_and_diff_stri
     (["sac", "--total-steps"], "Missing value for argument '--total-steps'. Expected 1 values. (see rlfunc train sac --help)"),
     (["ppo", "--env", "CartPole-v1", "--num-envs", "2.5"], "Error parsing --num-envs: invalid literal for int() with base 10: '2.5'"),
     (["dppo", "--actor.horizon", "x"], "Error parsing --actor.horizon: invalid literal for int() with base 10: 'x'"),
+    # README pass: a message tyro wraps over two lines was cut at the wrap ("Expected one of ('off',")
+    (["ppo", "--compile", "maybe"], "invalid choice 'maybe' for argument '--compile'. Expected one of ('off', 'auto', 'on'). "
+                                    "(see rlfunc train ppo --help)"),
 ])
 def test_a_flag_tyro_cannot_parse_is_one_line_not_a_box(tmp_path, capsys, argv, line):
     """New-user pass: `rlfunc train sac --total-steps abc` printed tyro's 11-line error box (exit 2)
