@@ -65,7 +65,7 @@ class RunConfig:
     nproc: int = 1  # data-parallel processes on this node: `rlfunc train` starts them with torchrun (every algorithm: ppo, ppo-encoder, bc, dppo, grpo, gspo, mappo, sac, td3, td3-diffusion, sac-diffusion)
     profile: int = 0  # iterations to record with the device's profiler into RUN_DIR/profile (0: none)
     compile: Literal["off", "auto", "on"] = "auto"  # torch.compile of the gradient step (ppo, sac, td3, dppo, bc, ppo-encoder, sac-diffusion, td3-diffusion, grpo, gspo, mappo; auto: where it pays off, else eager)
-    env_workers: int = 0  # worker processes stepping the envs, num_envs / env_workers each (0: in the learner's process; ppo, ppo-encoder, dppo, sac, td3, td3-/sac-diffusion)
+    env_workers: int = 0  # worker processes stepping the envs, num_envs / env_workers each (0: in the learner's process; ppo, ppo-encoder, dppo, grpo, gspo, sac, td3, td3-/sac-diffusion)
 
     def __post_init__(self) -> None:
         check_fields(self, "run.")

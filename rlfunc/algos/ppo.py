@@ -2,8 +2,9 @@
 as ``make_ppo(config, spec, device, dist=None) -> PPO(init, iteration, policy, net)`` over stacked seeds.
 
 Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but
-Adam's per-leaf step counts (Adam is elementwise), so S seeds train exactly as S separate runs
-would (each has its own env seeds, noise generator, normalisers and minibatch order). The
+Adam's per-leaf step counts (Adam is elementwise), so S seeds train as S separate runs would, up
+to float rounding (each has its own env seeds, noise generator, normalisers and minibatch order;
+a batched matmul rounds unlike a single one, and such differences grow over a run: compare returns). The
 optimizer's state is part of the learner state: the update is ``chain(clip_by_global_norm, adam)``
 of :mod:`rlfunc.optim`, its state ``state["optim"]``.
 

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # a second signal, one during the final evaluation, or before a run began
         code = 143 if getattr(e, "signal", None) == "SIGTERM" else 130
         if not isinstance(e, RunInterrupted):
-            print("rlfunc: interrupted", file=sys.stderr)
+            print(f"rlfunc: interrupted{f' {e}' if str(e) else ''}", file=sys.stderr)
         elif e.evaluating:
             print(f"rlfunc: interrupted during the final evaluation: {e.run_dir} keeps its snapshots; `rlfunc resume "
                   f"{e.run_dir}` evaluates it and writes eval.json", file=sys.stderr)

@@ -470,6 +470,10 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
     except BaseException as e:
         if made and holding and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left
             shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, RunInterrupted):  # say so (it said "interrupted" only)
+                said = KeyboardInterrupt(f"before the run's first iteration ended; {run_dir} was removed (nothing to resume)")
+                said.signal = getattr(e, "signal", None)  # the exit code (130 / 143) reads it
+                raise said from e
         elif isinstance(e, KeyboardInterrupt) and not isinstance(e, RunInterrupted) and holding and rank0:
             # a second signal: say whether anything is there to resume (the CLI said "snapshots are kept" of a run with none)
             raise RunInterrupted(run_dir, _resumable(run_dir), signal=getattr(e, "signal", None)) from e

@@ -725,3 +725,19 @@ def test_a_corrupt_snapshot_gives_way_to_an_intact_version_of_its_branch_and_sna
         assert main(["resume", str(copy2), "--snapshot", "step_000000000128", "--total-steps", "384"]) == 0
     said = [str(w.message) for w in caught if "--snapshot step_000000000128" in str(w.message)]
     assert len(said) == 1 and "head version v000002 is further along" in said[0], said
+
+
+def test_a_run_dir_removed_after_an_interrupt_before_its_first_iteration_is_said(tmp_path, capsys, monkeypatch):
+    """README pass: a second Ctrl-C during the first iteration removed the run dir (nothing in it to
+    resume) and printed only "rlfunc: interrupted"."""
+    import rlfunc.run.loop as loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_train", interrupted)
+    run = tmp_path / "run"
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(run), *TINY]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"rlfunc: interrupted before the run's first iteration ended; {run} was removed (nothing to resume)"
+    assert not run.exists()
