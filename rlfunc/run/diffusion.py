@@ -169,6 +169,18 @@ def _check_shapes(params: TensorDict, want: TensorDict, snap, what: str) -> None
         raise CheckpointError(f"{snap}: the {what} weights do not match its actor_spec (first differences: {diff})")
 
 
+def evaluation_json(algo: str, episodes: int, summary: dict) -> dict:
+    """The JSON line of a diffusion run's evaluation (eval.json, ``rlfunc eval``): the protocol's keys
+    every algorithm's line has, "mean", "std", "episodes", "ci95" [low, high] (None for one episode),
+    then :func:`~rlfunc.algos.diffusion_actor.evaluate_episodes`' own keys (episode_return, success_rate
+    ...). The bug: scripts reading eval.json across algorithms found mean/std/ci95 in ppo's, sac's and
+    grpo's but only episode_return* here."""
+    summary = {k: float(v) for k, v in summary.items()}
+    low, high = summary.get("episode_return_ci95_low"), summary.get("episode_return_ci95_high")
+    return {"algo": algo, "mean": summary.get("episode_return"), "std": summary.get("episode_return_std"),
+            "episodes": episodes, "ci95": None if low is None else [low, high], **summary}
+
+
 def evaluate_run(
     run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto", eta: float | None = None
 ) -> dict:
@@ -204,7 +216,7 @@ def evaluate_run(
     env_id = config.get("env", "PointReach-v0")
     summary = evaluate_episodes(actor, params, obs_stats, schedule_for(spec, dev), env_id, episodes,
                                 seed=seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder)
-    return {"algo": meta["algo"], "episodes": episodes, **{k: float(v) for k, v in summary.items()}}
+    return evaluation_json(meta["algo"], episodes, summary)
 
 
 # ------------------------------------------------------------------------------------------ the runs
@@ -384,7 +396,7 @@ class DiffusionRun(Run):
                                     config.run.eval_episodes, seed=config.run.seed + EVAL_SEED_OFFSET,
                                     eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None))
         # the keys of evaluate_run's, so `rlfunc eval RUN_DIR` repeats eval.json exactly
-        return {"algo": self.name, "episodes": config.run.eval_episodes, **{k: float(v) for k, v in summary.items()}}
+        return evaluation_json(self.name, config.run.eval_episodes, summary)
 
     def close(self) -> None:
         if self.env is not None:

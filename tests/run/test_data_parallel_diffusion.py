@@ -122,4 +122,5 @@ def test_a_two_rank_dppo_run_on_a_gymnasium_id_is_the_single_process_run_and_res
     evaluation = json.loads((tmp_path / "dp" / "eval.json").read_text())
     single = json.loads((tmp_path / "single" / "eval.json").read_text())
     assert evaluation.pop("algo") == single.pop("algo") == "dppo"  # a string: pytest.approx with rel refuses it
+    assert evaluation.pop("ci95") == pytest.approx(single.pop("ci95"), rel=1e-6)  # (a list: approx takes no nested one)
     assert evaluation == pytest.approx(single, rel=1e-6)
