@@ -356,13 +356,13 @@ def all_reduce_running_stats(stats: TensorDict, group=None) -> TensorDict:
     dt = torch.promote_types(mean.dtype, torch.float32)  # the statistics' own precision (double ones were reduced in single)
     n_r = count.to(dt)
     w = n_r.reshape(expand)
-    m32 = mean.to(dt)
-    first = torch.cat([n_r.reshape(-1), (w * m32).reshape(-1)])
+    m = mean.to(dt)
+    first = torch.cat([n_r.reshape(-1), (w * m).reshape(-1)])
     tdist.all_reduce(first, group=group)
     n = first[: n_r.numel()].view(count.shape)
     safe = torch.where(n > 0, n, torch.ones_like(n)).reshape(expand)
     total_mean = first[n_r.numel() :].view(mean.shape) / safe
-    m2 = w * var.to(dt) + w * (m32 - total_mean).square()  # 0 where n_r == 0
+    m2 = w * var.to(dt) + w * (m - total_mean).square()  # 0 where n_r == 0
     tdist.all_reduce(m2, group=group)
     total_var = m2 / safe
     empty = (n == 0).reshape(expand)

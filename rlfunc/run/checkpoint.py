@@ -767,20 +767,17 @@ def remove_leftovers(run_dir: str | os.PathLike) -> list[str]:
         return []
     removed = []
     for e in entries:
-        if e.name.startswith(f".tmp-{LATEST_FILE}-"):
-            gone = e.is_file(follow_symlinks=False)
-            if gone:
-                Path(e.path).unlink(missing_ok=True)
-        elif (e.name.startswith(".tmp-") or e.name.startswith(".trash-")) and e.is_dir(follow_symlinks=False):
+        if e.name.startswith(f".tmp-{LATEST_FILE}-") and e.is_file(follow_symlinks=False):
+            Path(e.path).unlink(missing_ok=True)
+        elif e.name.startswith((".tmp-", ".trash-")) and e.is_dir(follow_symlinks=False):
             target = e.name.partition("-")[2].rsplit("-", 2)[0]  # .tmp-<name>-<pid>-<hex>
             half = e.name.startswith(".tmp-") and not (Path(e.path) / META_FILE).is_file()
-            gone = half or _is_complete(ckpt / target)
-            if gone:
-                shutil.rmtree(e.path, ignore_errors=True)
+            if not (half or _is_complete(ckpt / target)):
+                continue  # a lone complete copy: the crash window, kept
+            shutil.rmtree(e.path, ignore_errors=True)
         else:
-            gone = False
-        if gone:
-            removed.append(e.name)
+            continue
+        removed.append(e.name)
     return removed
 
 

@@ -208,8 +208,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     named = Path(where).name.removeprefix("step_") if kind == "snapshot" else ""
     steps = meta.get("env_steps")  # (a meta without it says nothing to check against)
     if named.isdigit() and isinstance(steps, int) and int(named) != steps:  # the bug: another run's snapshot copied in resumed as that run
-        raise CheckpointError(f"{name}: named for step {int(named)} but holds env_steps="
-                              f"{meta.get('env_steps')!r} (copied from another run?); remove it, or resume from another "
+        raise CheckpointError(f"{name}: named for step {int(named)} but holds env_steps={steps} (copied from another "
+                              "run?); remove it, or resume from another "
                               "snapshot with --snapshot")
     layout = meta.get("state_layout", 1)
     if not isinstance(layout, int) or isinstance(layout, bool) or layout > STATE_LAYOUT:
@@ -569,7 +569,9 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
                 load(built, run_dir, source, device)  # every rank reads it (multi-node: a shared run dir)
             except SnapshotCorruptError as e:
                 head = versions.head(run_dir) if source[0] == "snapshot" else None
-                if head is None or head["branch"] != versions.current_branch(run_dir) or head["step"] < meta.get("env_steps", 0):
+                steps = meta.get("env_steps")
+                if head is None or head["branch"] != versions.current_branch(run_dir) or not isinstance(steps, int) \
+                        or head["step"] < steps:
                     raise  # (a version behind the snapshot: the older snapshots may be further along; the error names them)
                 # as when its meta.json is unreadable (resume_source): the branch's head version, intact, goes on
                 # (the bug: a truncated state.safetensors was refused though a version of the same step was intact)
