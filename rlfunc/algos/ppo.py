@@ -15,6 +15,7 @@ global grad clipping) follow Huang et al. (2022) "The 37 Implementation Details 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Collection
@@ -572,20 +573,26 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         return p, importance_weights(p, config.priority_beta)
 
     def member_loss(params: TensorDict, mb: TensorDict, clip_epsilon: float = config.clip_epsilon) -> tuple[Tensor, TensorDict]:
+        # without an entropy bonus the entropy is a metric: computed outside the graph, so that the backward
+        # skips it (the gradients are the same; its term added -0 x dH/dtheta)
+        metric_only = torch.no_grad if config.entropy_coef == 0 else contextlib.nullcontext
         if discrete:
             logits = sequential_apply(net.actor, params["actor"], mb["observation"])
             value = sequential_apply(net.critic, params["critic"], mb["observation"])
             log_prob = categorical_log_prob(logits, mb["action"], nvec=nvec)
-            entropy = categorical_entropy(logits, nvec=nvec)
+            with metric_only():
+                entropy = categorical_entropy(logits, nvec=nvec)
         elif gsde:
             loc, log_std, value, latent = actor_critic_apply(net, params, mb["observation"])
             latent = latent if config.sde_learn_features else latent.detach()
             log_prob = sde_log_prob(mb["action"], loc, latent, log_std)
-            entropy = sde_entropy(latent, log_std, spec.act_dim)
+            with metric_only():
+                entropy = sde_entropy(latent, log_std, spec.act_dim)
         else:
             loc, log_std, value, latent = actor_critic_apply(net, params, mb["observation"])
             log_prob = gaussian_log_prob(mb["action"], loc, log_std)
-            entropy = gaussian_entropy(log_std, loc.shape[:-1])
+            with metric_only():
+                entropy = gaussian_entropy(log_std, loc.shape[:-1])
         return ppo_loss(
             log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
             entropy=entropy, old_state_value=mb["state_value"],
@@ -758,7 +765,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             if probs is not None:
                 shuffled["sample_weight"] = weights.gather(1, perm).unsqueeze(-1)
             for k in range(num_mb):
-                mb = shuffled[:, k * share : (k + 1) * share]
+                mb = shuffled if num_mb == 1 and W == 1 else shuffled[:, k * share : (k + 1) * share]
                 if W > 1 and config.normalize_advantages:
                     mb["advantage"] = parallel.normalized_share(
                         vmap(normalize_advantage), flat["advantage"], rows,

@@ -94,16 +94,24 @@ def init_stacked(make_params: Callable[[int], TensorDict], seeds: Sequence[int])
     return stack_params([make_params(int(seed)) for seed in seeds])
 
 
-def _member(x: Any, dim: int | None, index: int) -> Any:
+def _member(x: Any, dim: int | None, index: int, size: int) -> Any:
+    """Member ``index`` of ``x`` along ``dim``. One member of one: a squeeze, whose backward is a view
+    (a select's allocates zeros of the whole input and copies the gradient in, per leaf and step)."""
     if dim is None:
         return x
     if isinstance(x, TensorDictBase):
         if dim != 0:
             raise ShapeError(f"vmap loop path: TensorDict inputs must be mapped over dim 0, got {dim}")
-        return x[index]
+        return _squeeze0(x) if size == 1 and type(x) is TensorDict else x[index]
     if isinstance(x, torch.Tensor):
-        return x.select(dim, index)
+        return x.squeeze(dim) if size == 1 else x.select(dim, index)
     raise ShapeError(f"vmap: cannot map over an input of type {type(x).__name__}")
+
+
+def _squeeze0(td: TensorDict) -> TensorDict:
+    """``td[0]`` of a TensorDict of batch size [1, ...], its tensors squeezed (views), nested ones alike."""
+    source = {k: _squeeze0(v) if type(v) is TensorDict else v.squeeze(0) for k, v in td.items()}
+    return TensorDict._new_unsafe(source, batch_size=td.batch_size[1:], device=td.device)
 
 
 def _size(x: Any, dim: int | None) -> int | None:
@@ -119,6 +127,8 @@ def _stack_outputs(outputs: list[Any], out_dims: int) -> Any:
     is_leaf = lambda x: isinstance(x, (TensorDictBase, torch.Tensor))  # noqa: E731
     flat = [pytree.tree_flatten(o, is_leaf=is_leaf) for o in outputs]
     spec = flat[0][1]
+    if len(outputs) == 1:  # torch.stack of one: the same values, as a view (its backward a view too)
+        return pytree.tree_unflatten([x.unsqueeze(out_dims) for x in flat[0][0]], spec)
     columns = zip(*(leaves for leaves, _ in flat))
     stacked = [torch.stack(list(col), dim=out_dims) for col in columns]
     return pytree.tree_unflatten(stacked, spec)
@@ -170,7 +180,7 @@ def vmap(
             loop = size == 1 or (dev is not None and not supports_vmap(dev))
         if not loop:
             return torch.func.vmap(fn, in_dims=dims, out_dims=out_dims, randomness=randomness)(*args, **kwargs)
-        outputs = [fn(*(_member(a, d, i) for a, d in zip(args, dims)), **kwargs) for i in range(size)]
+        outputs = [fn(*(_member(a, d, i, size) for a, d in zip(args, dims)), **kwargs) for i in range(size)]
         return _stack_outputs(outputs, out_dims)
 
     return mapped

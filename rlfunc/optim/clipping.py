@@ -68,10 +68,10 @@ def clip_by_global_norm(max_norm: float, stacked: bool = False) -> GradientTrans
         norms = member_grad_norms(g, stacked) if grad_norm is None else grad_norm
         scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
         scale = torch.where(norms.isfinite(), scale, torch.ones_like(scale))
-        if stacked:
-            out = [x * scale.view(-1, *([1] * (x.dim() - 1))) for x in g]
-        else:
-            out = [x * scale.reshape(()) for x in g]
+        if stacked and scale.numel() > 1:  # one multi-tensor op, each leaf times its members' scales
+            out = list(torch._foreach_mul(g, [scale.view(-1, *([1] * (x.dim() - 1))) for x in g]))
+        else:  # one member
+            out = list(torch._foreach_mul(g, scale.reshape(())))
         new_state = node({"norm": norms.detach()}, state.device)
         return out, new_state
 

@@ -272,3 +272,18 @@ def test_a_batch_that_is_not_the_configured_rollout_is_named():
     with pytest.raises(ShapeError, match=re.escape("1 generators, expected one per seed (2)")):
         algo.iteration(state, batch, gens[:1])
     algo.iteration(state, batch, gens)  # the batch itself passes
+
+
+def test_without_an_entropy_bonus_the_entropy_stays_out_of_the_graph_and_the_update_is_unchanged():
+    # entropy_coef 0 computes the entropy as a metric outside the graph (the backward skips it): the
+    # update equals the one with the entropy in the graph at a coefficient too small to move a float32
+    # gradient (1e-30), bit for bit, and the metric is the same
+    out = {}
+    for coef in (0.0, 1e-30):
+        config = _config(num_epochs=2, minibatch_size=64, entropy_coef=coef)
+        _, algo, state, gens, batch = _rollout(config)
+        new, metrics = algo.iteration(state, batch, gens)
+        out[coef] = func.leaves(new["params"]), metrics["entropy"]
+    for a, b in zip(out[0.0][0], out[1e-30][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(out[0.0][1], out[1e-30][1]) and bool((out[0.0][1] > 0).all())

@@ -278,6 +278,34 @@ def test_vmap_gradients_agree_between_paths():
             torch.testing.assert_close(g_own, g_stacked[m], rtol=0, atol=1e-6)
 
 
+def test_vmap_loop_of_one_member_squeezes_and_equals_the_member_alone():
+    """One member (a single seed, the common case): the loop path squeezes the member dim (a view,
+    whose backward is a view too; a select's allocated the whole input's zeros per leaf and step) and
+    stacks the outputs as an unsqueeze; values and gradients bit-equal to the member on its own."""
+    module = mlp()
+    x, target = torch.randn(1, 6, 3), torch.randn(1, 6, 2)
+
+    def loss_fn(p, batch):
+        err = apply(module, p, batch["x"]) - batch["target"]
+        return err.pow(2).mean(), TensorDict({"abs": err.abs().mean(), "nested": {"max": err.max()}}, batch_size=[])
+
+    params = init_stacked(lambda s: params_from_module(mlp(s)), (0,))
+    batch = TensorDict({"x": x, "target": target}, batch_size=[1, 6])
+    seen = []
+    loss, metrics = vmap(lambda p, b: (seen.append(p["0", "weight"].grad_fn), loss_fn(p, b))[1], use_loop=True)(params, batch)
+    assert loss.shape == (1,) and metrics.batch_size == (1,) and metrics["nested", "max"].shape == (1,)
+    assert type(seen[0]).__name__.startswith("Squeeze")  # a view of the stacked leaf, not a select
+    loss.sum().backward()
+
+    own = params_from_module(mlp(0))
+    own_loss, own_metrics = loss_fn(own, TensorDict({"x": x[0], "target": target[0]}, batch_size=[6]))
+    own_loss.backward()
+    assert torch.equal(loss[0], own_loss) and torch.equal(metrics["nested", "max"][0], own_metrics["nested", "max"])
+    assert torch.equal(metrics["abs"][0], own_metrics["abs"])
+    for g_stacked, g_own in zip([t.grad for t in leaves(params)], [t.grad for t in leaves(own)]):
+        assert g_stacked.shape == (1, *g_own.shape) and torch.equal(g_stacked[0], g_own)
+
+
 # --------------------------------------------------------------------------------------------
 # all_finite
 # --------------------------------------------------------------------------------------------
