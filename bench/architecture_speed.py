@@ -49,6 +49,13 @@ except ImportError:
         from rlfunc.run import train
 train(preset("HalfCheetah-v5", total_steps=16 * 128 * {its}, device="cpu", version_every=1), RUN, progress=False, tensorboard=False)
 """, "iteration_s", False),
+    # the update alone (the metrics line's update_s) of the CartPole-v1 preset: 10 eager gradient steps of one
+    # 256-sample minibatch per 256 env steps, where the step's per-op overhead is the run (issue 17's CartPole)
+    "ppo CartPole-v1 update s": ("""
+from rlfunc.algos.ppo import preset
+from rlfunc.run import train
+train(preset("CartPole-v1", total_steps=8 * 32 * {its}, device="cpu", version_every=0), RUN, progress=False, tensorboard=False, evaluate=False)
+""", "update_s", False),
     "dppo PointReach-v0 iteration s": ("""
 from rlfunc.algos.dppo import DPPOConfig
 try:
