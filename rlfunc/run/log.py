@@ -32,15 +32,16 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = self.path.open("a", buffering=1)
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                tb = Path(run_dir) / "tb"
+                self._tb = SummaryWriter(str(tb), purge_step=_purge_step(self.path) if tb.is_dir() else None)
             except ImportError:
                 self._tb = None
+        self._file = self.path.open("a", buffering=1)
 
     def log(self, record: dict[str, Any]) -> None:
         record = to_jsonable(record)
@@ -58,6 +59,16 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _purge_step(metrics_path: Path) -> int:
+    """The first "step" past RUN_DIR/metrics.jsonl's last line (0 when it has none): a resumed run (a
+    crash, a rollback: the resume cut the lines past its snapshot or version) has TensorBoard hide the
+    events it logged there before, which the new ones replace (the bug: tb/ kept the abandoned
+    branch's points beside the new ones, two or three values per step, unlike metrics.jsonl)."""
+    records = read_metrics(metrics_path) if metrics_path.is_file() else []
+    step = records[-1].get("step", 0) if records else None
+    return int(step) + 1 if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) else 0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -103,7 +114,7 @@ def plot_learning_curve(metrics_path: Path, png_path: Path, key: str = "episode_
     for s, (xs, ys) in enumerate(curves):
         if xs:
             ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=f"seed {s}" if len(curves) > 1 else None)
-    if len(curves) > 1:
+    if len(curves) > 1 and any(xs for xs, _ in curves):  # no episode ended: no line to label (matplotlib warned)
         ax.legend()
     ax.set_xlabel("env steps (per seed)")
     ax.set_ylabel(key.replace("_", " "))

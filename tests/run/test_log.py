@@ -28,3 +28,33 @@ def test_logger_writes_valid_json_and_plot(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["episode_return"] is None
     png = plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
     assert png.stat().st_size > 1000
+
+
+def test_a_resumed_run_replaces_tensorboards_points_past_its_snapshot(tmp_path):
+    # The bug: after a rollback (or a crash) and a resume, tb/ held the abandoned branch's points beside
+    # the new ones (two or three values per step), where metrics.jsonl held the new branch's alone.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlfunc.run.resume import truncate_metrics
+
+    logger = MetricsLogger(tmp_path)
+    for i in range(1, 5):  # the first branch: iterations 1-4
+        logger.log({"iteration": i, "step": 100 * i, "time": float(i), "loss": -1.0 * i})
+    logger.close()
+    truncate_metrics(tmp_path, 2)  # what a resume from iteration 2's snapshot or version does
+    logger = MetricsLogger(tmp_path)
+    for i in range(3, 6):  # the new branch
+        logger.log({"iteration": i, "step": 100 * i, "time": float(i), "loss": 10.0 * i})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert points == [(100, -1.0), (200, -2.0), (300, 30.0), (400, 40.0), (500, 50.0)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == points
+
+
+def test_learning_curve_of_seeds_without_an_ended_episode_draws_no_legend(tmp_path, recwarn):
+    # matplotlib warned "No artists with labels found to put in legend", printed as an rlfunc warning
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "episode_return": [null, null]}\n')
+    assert plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png").stat().st_size > 1000
+    assert not [w for w in recwarn if "legend" in str(w.message)]
