@@ -110,6 +110,9 @@ class DPPOConfig:
             )
         if self.likelihood not in ("chain", "output-noise"):
             raise ConfigError(f"likelihood={self.likelihood!r}: expected 'chain' or 'output-noise'")
+        if self.gradient_checkpointing and self.likelihood == "chain":  # it was accepted and did nothing (and turned compiling off)
+            raise ConfigError("gradient_checkpointing=True: the chain likelihood scores each stored denoising step on its own, "
+                              "with no backward through the chain to checkpoint; expected likelihood='output-noise' with it")
         for name in ("actor_lr", "critic_lr", "max_grad_norm", "output_noise_std", "reward_scale"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected > 0")

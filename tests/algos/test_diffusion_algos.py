@@ -157,6 +157,13 @@ def test_dppo_finetune_steps_keeps_the_frozen_prefix(bc_run):
         make_dppo(DPPOConfig(finetune_steps=11), SMALL, 6, 2, CPU)
 
 
+def test_dppo_refuses_gradient_checkpointing_with_the_chain_likelihood():
+    # it was accepted with the default likelihood, checkpointed nothing (0 checkpoint calls) and turned compiling off
+    with pytest.raises(ConfigError, match="gradient_checkpointing=True: the chain likelihood"):
+        DPPOConfig(gradient_checkpointing=True)
+    assert DPPOConfig(gradient_checkpointing=True, likelihood="output-noise").gradient_checkpointing
+
+
 def test_dppo_run_from_bc(bc_run, tmp_path):
     config = replace(DPPOConfig(), init_from=str(bc_run.run_dir), total_steps=2 * 64 * 8 * 4, num_envs=64, num_steps=8,
                         minibatch_size=256, num_epochs=2, eval_episodes=64, checkpoint_every=1, device="cpu")
