@@ -4,8 +4,11 @@
 checkpoints/ (safetensors snapshots, see rlfunc.run.checkpoint), learning_curve.png and eval.json
 (deterministic-action returns on the gymnasium env, as ``rlfunc eval`` gives for PPO runs).
 
-Each iteration's start states come from reset seeds derived from (seed, iteration) (gymnasium
-backend) or from the torch env's generator, seeded once with the run seed (torch backend).
+Each iteration's start states come from reset seeds derived from (seed, iteration), each seed of
+``--num-seeds`` its own (gymnasium backend: seed k of a batch resets as the run of seed k alone),
+or from the torch env's generator, seeded once with the run's first seed for all seeds' envs (torch
+backend: the seeds draw their start states from one stream, so seed k of a batch is a run of its
+own, not the run of seed k alone).
 
 Resume (:func:`rlfunc.run.resume`) is exact on CPU: 2N iterations in
 one go equal N, stop, N more, parameter for parameter. A snapshot holds the learner state (its
@@ -97,8 +100,10 @@ def _rollout_env(config: GRPOConfig, device: torch.device, dist=None) -> Rollout
     venv = collect.make_vec_env(config.env, N // W, workers=config.run.env_workers)  # each iteration resets them: no state to carry
 
     def rollout(policy, iteration: int) -> TensorDict:
-        seeds = group_seeds(config.run.seed, iteration, S * n)
-        seeds = [seeds[s * n + rank * mine + j] for s in range(S) for j in range(mine)]  # this rank's groups of each seed
+        # each seed's groups from its own seed, so that seed k of --num-seeds resets as the run of seed k alone
+        # (the bug: all S x n from the first seed's stream, so seed k's episodes were not that run's)
+        seeds = [group_seeds(seed, iteration, n) for seed in config.seeds]
+        seeds = [seeds[s][rank * mine + j] for s in range(S) for j in range(mine)]  # this rank's groups of each seed
         return grouped_rollout_gym(venv, policy, seeds, G, T, device=device).reshape(S, mine, G, T)
 
     return RolloutEnv(rollout, venv.close, lambda: None, lambda saved: None)

@@ -583,3 +583,28 @@ def test_grpo_gym_backend_in_env_workers_equals_in_process(tmp_path, capsys):
     code = main(["train", "gspo", "--env", "PointReach-v0", "--env-workers", "2", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "torch-batched" in err[0]
+
+
+def test_grpo_gym_backend_seed_k_of_a_batch_resets_as_the_run_of_seed_k_alone(tmp_path):
+    # The bug: the reset seeds of every seed's groups came from the first seed's stream, so seed k of
+    # `--num-seeds N --seed s` was not the run of seed s + k (its episodes, hence its whole run, differed)
+    from rlfunc.algos.grpo import GRPOConfig, make_grpo
+    from rlfunc.run import train
+    from rlfunc.run.grpo import _rollout_fn, _spec
+
+    base = dict(env="Pendulum-v1", num_groups=2, group_size=2, minibatch_size=2, max_episode_steps=5, total_steps=40,
+                checkpoint_every=0, eval_episodes=2, device="cpu", version_every=0)
+    pair, alone = replace(GRPOConfig(), seed=3, num_seeds=2, **base), replace(GRPOConfig(), seed=4, **base)
+    starts = []
+    for config in (pair, alone):
+        rollout, close = _rollout_fn(config, torch.device("cpu"))
+        try:
+            algo = make_grpo(config, _spec(config.env), torch.device("cpu"))
+            gens = [torch.Generator().manual_seed(s) for s in config.seeds]
+            starts.append([rollout(algo.policy(algo.init(), gens), i)["observation"][..., 0, :] for i in (0, 1)])
+        finally:
+            close()
+    for i in (0, 1):  # [S, n, G, obs]: the pair's second seed starts its episodes where seed 4 alone does
+        assert torch.equal(starts[0][i][1], starts[1][i][0]) and not torch.equal(starts[0][i][0], starts[0][i][1])
+    runs = [train(c, tmp_path / str(k), progress=False, tensorboard=False) for k, c in enumerate((pair, alone))]
+    torch.testing.assert_close(runs[0].evaluation["per_seed_mean"][1], runs[1].evaluation["per_seed_mean"][0], rtol=1e-3, atol=1e-3)
