@@ -497,8 +497,12 @@ def evaluate_episodes(
     summary["num_episodes"] = float(episodes)
     returns = torch.cat(returns)
     if returns.numel():
-        stats = summarize_returns(returns)
-        summary["episode_return_std"] = stats["std"]
+        stats = summarize_returns(returns, nonfinite="count")  # a NaN-return episode left out, counted
+        if stats.get("nonfinite_episodes"):
+            summary["nonfinite_episodes"] = float(stats["nonfinite_episodes"])
+            summary["episode_return"] = float("nan") if stats["mean"] is None else stats["mean"]
+        if stats["std"] is not None:
+            summary["episode_return_std"] = stats["std"]
         if stats["ci95"] is not None:  # none for one episode
             summary["episode_return_ci95_low"], summary["episode_return_ci95_high"] = stats["ci95"]
     if math.isfinite(summary.get("success_rate", float("nan"))):  # a weighted mean of counts / n: a count again

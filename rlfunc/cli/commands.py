@@ -77,7 +77,9 @@ def _eval(argv: list[str]) -> int:
         except CheckpointError:
             if attempt == 2 or snap.exists():
                 raise
-    print(json.dumps(result))
+    from rlfunc.run.log import to_jsonable
+
+    print(json.dumps(to_jsonable(result)))  # NaN -> null: one valid JSON line
     return 0
 
 
@@ -113,7 +115,9 @@ def _eval_version(a, version: str) -> int:
     with tempfile.TemporaryDirectory(prefix="rlfunc-eval-") as tmp:
         snap = checkpoint.save_snapshot(Path(tmp) / version, state, manifest["meta"])
         result = registry.resolve(registry.lookup(algo).evaluate)(snap, a.episodes, seed=a.seed, device=a.device)
-    print(json.dumps({**result, "version": version}))
+    from rlfunc.run.log import to_jsonable
+
+    print(json.dumps(to_jsonable({**result, "version": version})))
     return 0
 
 

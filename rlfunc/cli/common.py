@@ -280,5 +280,7 @@ def report_run(result, also: str = "") -> int:
         print(f"interrupted ({result.interrupted}): snapshot saved; continue with `rlfunc resume {result.run_dir}`"
               f"{'; or ' + also if also else ''}", file=sys.stderr)
         return 128 + int(getattr(signal, result.interrupted))
-    print(json.dumps(result.evaluation))
+    from rlfunc.run.log import to_jsonable
+
+    print(json.dumps(to_jsonable(result.evaluation)))  # NaN -> null: one valid JSON line
     return 0

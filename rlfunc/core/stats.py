@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -58,12 +59,17 @@ def mean_interval(values: Tensor | Sequence[float], confidence: float = 0.95) ->
     return mean - half, mean + half
 
 
-def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95) -> dict:
+def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95, *, nonfinite: str = "raise") -> dict:
     """What one policy's evaluation episodes say: ``{"mean", "std", "episodes", "ci95"}``.
 
     Args:
         values: [n] float, one return per episode (env reward units).
         confidence: coverage of "ci95" (keep 0.95 so the key means what it says).
+        nonfinite: "raise" (a NaN or inf return is a ShapeError), or "count": the statistics are over
+            the finite returns, "nonfinite_episodes" counts the others (when there are any) and a
+            warning says so; with no finite return, "mean", "std" and "ci95" are None. What a run's
+            final evaluation uses: an env that gave a NaN reward in one episode failed the whole
+            evaluation, after the training, with a traceback and no eval.json.
 
     Returns:
         "mean" and "std" (population std, ``correction=0``) over the episodes, "episodes" (n) and
@@ -71,11 +77,31 @@ def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95
         for a single episode (so the dict stays valid JSON: no NaN).
 
     Raises:
-        ShapeError: empty, not one-dimensional, or non-finite ``values``.
+        ShapeError: empty or not one-dimensional ``values``; non-finite ones with ``nonfinite="raise"``.
+        ConfigError: ``nonfinite`` is neither "raise" nor "count".
     """
+    if nonfinite not in ("raise", "count"):
+        raise ConfigError(f"nonfinite={nonfinite!r}: expected 'raise' or 'count'")
+    if nonfinite == "count":
+        x, bad = finite_returns(values)
+        if bad:
+            warnings.warn(f"{bad} of {x.numel() + bad} evaluation episodes have a NaN or inf return (the env's rewards): "
+                          f"the statistics are over the other {x.numel()} (counted as nonfinite_episodes)", stacklevel=2)
+        if x.numel() == 0:
+            return {"mean": None, "std": None, "episodes": 0, "ci95": None, "nonfinite_episodes": bad}
+        return {**summarize_returns(x, confidence), **({"nonfinite_episodes": bad} if bad else {})}
     x = _as_vector(values, "values")
     ci = list(mean_interval(x, confidence)) if x.numel() > 1 else None
     return {"mean": float(x.mean()), "std": float(x.std(correction=0)), "episodes": x.numel(), "ci95": ci}
+
+
+def finite_returns(values: Tensor | Sequence[float]) -> tuple[Tensor, int]:
+    """(the finite values of ``values`` [n] as a float32 CPU vector, how many were NaN or inf)."""
+    x = values.detach().to("cpu", torch.float32) if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.float32)
+    if x.dim() != 1 or x.numel() == 0:
+        raise ShapeError(f"values: expected a non-empty 1-D sequence of numbers, got shape {tuple(x.shape)}")
+    ok = torch.isfinite(x)
+    return x[ok], int((~ok).sum())
 
 
 def success_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:

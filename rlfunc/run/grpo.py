@@ -34,7 +34,7 @@ from tensordict import TensorDict
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
-from rlfunc.core.stats import success_summary, summarize_returns
+from rlfunc.core.stats import finite_returns, success_summary, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
@@ -220,12 +220,12 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
         returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=device)
     finally:
         venv.close()
-    per_seed = returns.view(config.run.num_seeds, episodes)
+    per_seed = [finite_returns(r)[0] for r in returns.view(config.run.num_seeds, episodes)]  # a NaN-return episode left out
     return {
         "env": config.env,
-        **summarize_returns(returns),
+        **summarize_returns(returns, nonfinite="count"),
         "episodes": episodes,
-        "per_seed_mean": per_seed.mean(1).tolist(),
+        "per_seed_mean": [float(r.mean()) if r.numel() else None for r in per_seed],
         "env_steps": int(state["env_steps"]),
         **success_summary(success),
     }

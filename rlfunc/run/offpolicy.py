@@ -91,7 +91,7 @@ def evaluate_policy(algo: OffPolicy, state: TensorDict, config, episodes: int, s
         returns, success = collect.episode_outcomes(venv, algo.policy(state, None, deterministic=True), seeds, device=device)
     finally:
         venv.close()
-    return {"env": config.env, **summarize_returns(returns), "episodes": episodes, "env_steps": int(state["env_steps"]),
+    return {"env": config.env, **summarize_returns(returns, nonfinite="count"), "episodes": episodes, "env_steps": int(state["env_steps"]),
             **success_summary(success)}
 
 

@@ -44,7 +44,7 @@ from rlfunc.algos import ppo_parallel
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
-from rlfunc.core.stats import mean_interval, success_summary, summarize_returns
+from rlfunc.core.stats import finite_returns, mean_interval, success_summary, summarize_returns
 from rlfunc.config import check_episodes, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
@@ -480,15 +480,15 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
         returns, success = collect.episode_outcomes(venv, algo.policy(acting, [], deterministic=True), seeds, device=dev)
     finally:
         venv.close()
-    per_seed = returns.view(config.run.num_seeds, episodes)
+    per_seed = [finite_returns(r)[0] for r in returns.view(config.run.num_seeds, episodes)]  # a NaN-return episode left out
     out = {
         "algo": "ppo",
         "env": config.env,
-        **summarize_returns(returns),
+        **summarize_returns(returns, nonfinite="count"),
         "episodes": episodes,
-        "per_seed_mean": per_seed.mean(1).tolist(),
+        "per_seed_mean": [float(r.mean()) if r.numel() else None for r in per_seed],
         "env_steps": int(state["env_steps"]),
     }
     if config.run.num_seeds > 1:
-        out["per_seed_ci95"] = [list(mean_interval(r)) if episodes > 1 else None for r in per_seed]
+        out["per_seed_ci95"] = [list(mean_interval(r)) if r.numel() > 1 else None for r in per_seed]
     return {**out, **success_summary(success)}  # envs that report info["is_success"] (Push-v0, PointReach-v0, ...)

@@ -290,7 +290,7 @@ def evaluate_state(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict, e
     returns = torch.cat(returns)
     if returns.numel() == 0:
         raise EnvError(f"{config.env}: none of {episodes} evaluation episodes ended within {limit} steps")
-    out = {"env": config.env, **summarize_returns(returns), "env_steps": int(state["env_steps"])}
+    out = {"env": config.env, **summarize_returns(returns, nonfinite="count"), "env_steps": int(state["env_steps"])}
     if returns.numel() < episodes:  # the statistics are over the episodes that ended
         out["unfinished"] = episodes - returns.numel()
     if reports_success(config.env):

@@ -59,6 +59,55 @@ def test_summarize_returns():
     assert low == pytest.approx(-250.0 - half, rel=1e-5) and high == pytest.approx(-250.0 + half, rel=1e-5)
 
 
+def test_summarize_returns_counts_non_finite_episodes_when_asked():
+    # The bug: one NaN episode return (an env's NaN reward) failed a run's whole final evaluation, after
+    # the training, with a traceback and no eval.json. "count" summarises the finite ones and counts the rest.
+    with pytest.raises(ShapeError, match="NaN or inf"):
+        summarize_returns([1.0, float("nan")])
+    with pytest.warns(UserWarning, match="2 of 4 evaluation episodes have a NaN or inf return"):
+        out = summarize_returns(torch.tensor([-100.0, float("nan"), -300.0, float("inf")]), nonfinite="count")
+    assert out == {**summarize_returns([-100.0, -300.0]), "nonfinite_episodes": 2} and out["mean"] == -200.0
+    assert summarize_returns([-5.0, -7.0], nonfinite="count") == summarize_returns([-5.0, -7.0])  # no key when none
+    with pytest.warns(UserWarning, match="the statistics are over the other 0"):
+        none = summarize_returns([float("nan")] * 3, nonfinite="count")
+    assert none == {"mean": None, "std": None, "episodes": 0, "ci95": None, "nonfinite_episodes": 3}
+    with pytest.raises(ConfigError, match="nonfinite='drop'"):
+        summarize_returns([1.0], nonfinite="drop")
+
+
+def test_ppo_evaluation_of_an_env_with_nan_rewards_reports_the_finite_episodes(tmp_path):
+    import gymnasium as gym
+    from gymnasium.envs.classic_control.pendulum import PendulumEnv
+
+    from rlfunc.algos.ppo import make_ppo, preset
+    from rlfunc.config import replace
+    from rlfunc.run.ppo import env_spec, evaluate_state
+
+    class NanPendulum(PendulumEnv):  # a NaN reward in the episodes that start with theta > 0
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            return obs, (float("nan") if self.state[0] > 0 and self.start else reward), terminated, truncated, info
+
+        def reset(self, **kw):
+            out = super().reset(**kw)
+            self.start = self.state[0] > 0
+            return out
+
+    if "NanPendulumTest-v0" not in gym.registry:
+        gym.register("NanPendulumTest-v0", entry_point=NanPendulum, max_episode_steps=20)
+    config = replace(preset("Pendulum-v1"), env="NanPendulumTest-v0", num_seeds=2, device="cpu")
+    venv = collect.make_vec_env(config.env, 1)
+    try:
+        state = make_ppo(config, env_spec(venv), torch.device("cpu")).init()
+    finally:
+        venv.close()
+    with pytest.warns(UserWarning, match="evaluation episodes have a NaN or inf return"):
+        out = evaluate_state(config, state, 8)
+    bad = out["nonfinite_episodes"]
+    assert 0 < bad < 16 and out["mean"] is not None and math.isfinite(out["mean"]) and out["episodes"] == 8
+    assert all(m is None or math.isfinite(m) for m in out["per_seed_mean"])
+
+
 def test_success_interval_wilson_by_hand():
     # 8 of 10, z = 1.959964: centre (p + z^2/2n) / (1 + z^2/n), half z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)
     z, p, n = 1.959964, 0.8, 10
