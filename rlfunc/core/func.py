@@ -111,7 +111,8 @@ def _member(x: Any, dim: int | None, index: int, size: int) -> Any:
 def _squeeze0(td: TensorDict) -> TensorDict:
     """``td[0]`` of a TensorDict of batch size [1, ...], its tensors squeezed (views), nested ones alike."""
     source = {k: _squeeze0(v) if type(v) is TensorDict else v.squeeze(0) for k, v in td.items()}
-    return TensorDict._new_unsafe(source, batch_size=td.batch_size[1:], device=td.device)
+    new = getattr(TensorDict, "_new_unsafe", TensorDict)  # unchecked where tensordict has it: these came from a TensorDict
+    return new(source, batch_size=td.batch_size[1:], device=td.device)
 
 
 def _size(x: Any, dim: int | None) -> int | None:
