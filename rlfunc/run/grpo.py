@@ -209,7 +209,8 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"} (env reward units):
-        :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds, "episodes" per seed;
+        :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds ("pooled_episodes"
+        of them with several seeds; "nonfinite_episodes" left out, if any), "episodes" per seed;
         "success_rate" and "success_ci95" too for envs that put "is_success" in their info.
     """
     algo = make_grpo(config, spec, device)
@@ -226,6 +227,7 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
         **summarize_returns(returns, nonfinite="count"),
         "episodes": episodes,
         "per_seed_mean": [float(r.mean()) if r.numel() else None for r in per_seed],
+        **({"pooled_episodes": config.run.num_seeds * episodes} if config.run.num_seeds > 1 else {}),  # what mean/std/ci95 are over
         "env_steps": int(state["env_steps"]),
         **success_summary(success),
     }

@@ -419,7 +419,9 @@ def evaluate(
         {"algo", "env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
         Student-t 95% interval of the mean over all episodes of all seeds (env reward units,
         :func:`rlfunc.core.stats.summarize_returns`), the episodes per seed, the mean per seed (and with
-        several seeds "per_seed_ci95"), and the snapshot's env steps; "success_rate" and its Wilson
+        several seeds "per_seed_ci95" and "pooled_episodes", seeds x episodes), and the snapshot's env
+        steps; "nonfinite_episodes" when some returns were NaN or inf (left out of the statistics, a
+        warning said so); "success_rate" and its Wilson
         interval "success_ci95" too when the env reports ``info["is_success"]``. Actions are
         deterministic; the episodes' reset seeds (from ``seed`` + EVAL_SEED_OFFSET) are disjoint
         from the training envs'.
@@ -491,4 +493,5 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
     }
     if config.run.num_seeds > 1:
         out["per_seed_ci95"] = [list(mean_interval(r)) if r.numel() > 1 else None for r in per_seed]
+        out["pooled_episodes"] = config.run.num_seeds * episodes  # what mean, std and ci95 are over ("episodes" is per seed)
     return {**out, **success_summary(success)}  # envs that report info["is_success"] (Push-v0, PointReach-v0, ...)

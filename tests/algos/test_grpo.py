@@ -556,6 +556,7 @@ def test_train_grpo_gym_backend_and_seeds(tmp_path):
     assert torch.equal(first, first[:, :, :1].expand_as(first)) and not torch.equal(first, second)
     result = train(config, tmp_path / "run", progress=False, tensorboard=False)
     assert result.evaluation["episodes"] == 2 and len(result.evaluation["per_seed_mean"]) == 2
+    assert result.evaluation["pooled_episodes"] == 4  # what mean, std and ci95 are over
     assert int(result.state["env_steps"]) == 2 * 6 * 5
 
 

@@ -105,6 +105,7 @@ def test_ppo_evaluation_of_an_env_with_nan_rewards_reports_the_finite_episodes(t
         out = evaluate_state(config, state, 8)
     bad = out["nonfinite_episodes"]
     assert 0 < bad < 16 and out["mean"] is not None and math.isfinite(out["mean"]) and out["episodes"] == 8
+    assert out["pooled_episodes"] == 16  # 2 seeds x 8: what the statistics pool, the non-finite ones counted apart
     assert all(m is None or math.isfinite(m) for m in out["per_seed_mean"])
 
 
