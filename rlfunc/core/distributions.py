@@ -19,6 +19,7 @@ are sums over heads. An action mask is bool [*B, K], True where allowed (TorchRL
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -80,6 +81,9 @@ def _affine(low: Tensor | float | None, high: Tensor | float | None, like: Tenso
         return None
     if low is None or high is None:
         raise ConfigError(f"low={low!r}, high={high!r}: give both action bounds or neither")
+    if isinstance(low, numbers.Real) and isinstance(high, numbers.Real) and not (math.isfinite(low) and math.isfinite(high) and low < high):
+        # numbers, so checked without a device sync (low > high gave NaN, low == high +inf, silently)
+        raise ConfigError(f"low={low!r}, high={high!r}: expected finite bounds with low < high")
     low_t = torch.as_tensor(low, dtype=like.dtype, device=like.device)
     high_t = torch.as_tensor(high, dtype=like.dtype, device=like.device)
     d = like.shape[-1]
@@ -265,7 +269,8 @@ def tanh_gaussian_log_prob(
         [*B, 1] float, log-density of the action summed over the action dim (keepdim).
 
     Raises:
-        ConfigError: both ``action`` and ``pre_tanh`` are None; only one bound is given; eps not in (0, 1).
+        ConfigError: both ``action`` and ``pre_tanh`` are None; only one bound is given, or number bounds
+            with low >= high; eps not in (0, 1).
         ShapeError: an input is not floating, is 0-d, the last dims differ, or the shapes do not
             broadcast; a bound's last dim is neither 1 nor D.
 

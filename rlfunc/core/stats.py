@@ -53,6 +53,8 @@ def mean_interval(values: Tensor | Sequence[float], confidence: float = 0.95) ->
     mean = float(x.mean())
     if n == 1:
         return float("nan"), float("nan")
+    if bool((x == x[0]).all()):  # no spread: the point itself, as documented (not the rounding of a mean and std)
+        return float(x[0]), float(x[0])
     from scipy.stats import t
 
     half = float(t.ppf(0.5 + confidence / 2, n - 1)) * float(x.std(correction=1)) / math.sqrt(n)
@@ -96,8 +98,8 @@ def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95
 
 
 def finite_returns(values: Tensor | Sequence[float]) -> tuple[Tensor, int]:
-    """(the finite values of ``values`` [n] as a float32 CPU vector, how many were NaN or inf)."""
-    x = values.detach().to("cpu", torch.float32) if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.float32)
+    """(the finite values of ``values`` [n] as a float64 CPU vector, how many were NaN or inf)."""
+    x = _host_float64(values)
     if x.dim() != 1 or x.numel() == 0:
         raise ShapeError(f"values: expected a non-empty 1-D sequence of numbers, got shape {tuple(x.shape)}")
     ok = torch.isfinite(x)
@@ -162,8 +164,16 @@ def reach_and_stay(curve: Sequence[float], threshold: float) -> int | None:
     return reached
 
 
+def _host_float64(values: Tensor | Sequence[float]) -> Tensor:
+    """``values`` on the host in float64: the statistics of a report, not of training (in float32 the mean of
+    50 returns near 1e7 lost its decimals, and 1000 copies of 1.7 had an interval without 1.7 in it)."""
+    if isinstance(values, Tensor):
+        return values.detach().to("cpu", torch.float64)  # ok-float64
+    return torch.tensor(list(values), dtype=torch.float64)  # ok-float64
+
+
 def _as_vector(values: Tensor | Sequence[float], name: str) -> Tensor:
-    x = values.detach().to("cpu", torch.float32) if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.float32)
+    x = _host_float64(values)
     if x.dim() != 1 or x.numel() == 0:
         raise ShapeError(f"{name}: expected a non-empty 1-D sequence of numbers, got shape {tuple(x.shape)}")
     if not bool(torch.isfinite(x).all()):

@@ -62,12 +62,17 @@ def clipped_surrogate(log_prob: Tensor, sample_log_prob: Tensor, advantage: Tens
 
     Raises:
         ConfigError: a number ``clip_epsilon`` that is not finite and > 0.
+        ShapeError: ``sample_log_prob`` or ``advantage`` not a tensor of ``log_prob``'s shape (a [B]
+            log-probability against a [B, 1] advantage broadcast to a [B, B] objective, silently).
 
     Returns:
         (objective [*B, 1], ratio [*B, 1]); the objective is to be maximised.
     """
     if isinstance(clip_epsilon, numbers.Real) and not 0 < clip_epsilon < math.inf:  # a tensor's: not read (a host sync)
         raise ConfigError(f"clip_epsilon={clip_epsilon!r}: expected a finite number > 0")  # -1 gave a garbage objective
+    for name, t in (("sample_log_prob", sample_log_prob), ("advantage", advantage)):  # [B] against [B, 1] broadcast to [B, B]
+        if not isinstance(t, Tensor) or not isinstance(log_prob, Tensor) or t.shape != log_prob.shape:
+            raise ShapeError(f"clipped_surrogate: {name} has shape {_shape(t)}, expected log_prob's {_shape(log_prob)}")
     log_ratio = log_prob - sample_log_prob
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - clip_epsilon, 1.0 + clip_epsilon)
@@ -195,7 +200,8 @@ def ppo_loss(
 
 
 def explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
-    """``1 - Var[target - prediction] / Var[target]``; 0-dim, NaN-free (0 when Var[target] == 0).
+    """``1 - Var[target - prediction] / Var[target]``; 0-dim, NaN-free (0 when Var[target] == 0, to float
+    rounding: equal targets).
 
     Raises:
         ShapeError: ``prediction`` and ``target`` differ in shape (an [8, 1] against an [8] broadcast
@@ -207,7 +213,10 @@ def explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
         raise ShapeError(f"prediction ({prediction.dtype}) and target ({target.dtype}): expected floating point tensors")
     var_t = target.var(correction=0)
     ev = 1.0 - (target - prediction).var(correction=0) / var_t.clamp_min(1e-12)
-    return torch.where(var_t > 0, ev, torch.zeros_like(ev))
+    # equal targets have a float variance of rounding (5.7e-14 for 1000 x 1.7 in float32), not 0: a variance
+    # within 4 ulps of max |target|, squared, is none (the bug: -1e12 there, where 0 is documented)
+    rounding = (4 * torch.finfo(target.dtype).eps * target.detach().abs().amax()).square()
+    return torch.where(var_t > rounding, ev, torch.zeros_like(ev))
 
 
 def _shape(x) -> str:

@@ -20,6 +20,8 @@ Chen et al. (2021), "Randomized Ensembled Double Q-Learning" (REDQ).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDict
 from torch import Tensor
@@ -193,10 +195,13 @@ def temperature_loss(log_alpha: Tensor, log_prob: Tensor, target_entropy: float)
 
     Raises:
         ShapeError: ``log_alpha`` has more than one element or ``log_prob`` is not [*B, 1] float.
+        ConfigError: ``target_entropy`` is not finite.
     """
     if not isinstance(log_alpha, Tensor) or log_alpha.numel() != 1 or not log_alpha.is_floating_point():
         raise ShapeError(f"log_alpha: expected a one-element float tensor, got {getattr(log_alpha, 'shape', type(log_alpha).__name__)}")
     _check_scalar("log_prob", log_prob)
+    if not isinstance(target_entropy, Tensor) and not math.isfinite(target_entropy):  # NaN made the loss NaN, silently
+        raise ConfigError(f"target_entropy={target_entropy!r}: expected a finite number (e.g. -dim(A))")
     log_alpha = log_alpha.reshape(())
     loss = -(log_alpha * (log_prob.detach() + target_entropy)).mean()
     metrics = TensorDict(

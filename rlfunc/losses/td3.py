@@ -75,10 +75,10 @@ def smoothed_target_action(
         [*B, A] float in [low, high], without gradient.
 
     Raises:
-        ConfigError: ``policy_noise`` or ``noise_clip`` < 0. ShapeError: ``noise`` is not shaped like
+        ConfigError: ``policy_noise`` or ``noise_clip`` < 0 or NaN. ShapeError: ``noise`` is not shaped like
             ``target_action`` or either is not floating.
     """
-    if policy_noise < 0 or noise_clip < 0:
+    if not (policy_noise >= 0 and noise_clip >= 0):  # not "< 0": NaN passed that and made every action NaN
         raise ConfigError(f"policy_noise={policy_noise}, noise_clip={noise_clip}: expected values >= 0")
     for name, t in (("target_action", target_action), ("noise", noise)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -127,7 +127,7 @@ def critic_loss(q: Tensor, target: Tensor) -> tuple[Tensor, TensorDict]:
     """
     if q.shape[1:] != target.shape:
         raise ShapeError(f"critic_loss: q {tuple(q.shape)} must be [E, *target.shape], target {tuple(target.shape)}")
-    err = (q - target.unsqueeze(0)).pow(2)
+    err = (q - target.detach().unsqueeze(0)).pow(2)  # a target with a graph leaked gradient into it
     loss = err.flatten(1).mean(1).sum()
     return loss, TensorDict({"loss_critic": loss.detach(), "q_mean": q.detach().mean()}, batch_size=[])
 
@@ -144,7 +144,7 @@ def diffusion_ql_actor_loss(q: Tensor, denoising: Tensor, *, q_coef: float = 1.0
         scale: 0-dim, the normaliser E[|Q|] when it is not this ``q``'s: a data-parallel rank, whose
             ``q`` is its share of the minibatch, passes the mean over every rank's share (None: ``q``'s).
     """
-    if q_coef < 0 or bc_coef < 0:
+    if not (q_coef >= 0 and bc_coef >= 0):  # NaN passed "< 0" and made the loss NaN
         raise ConfigError(f"q_coef={q_coef}, bc_coef={bc_coef}: expected >= 0")
     scale = (q.detach().abs().mean() if scale is None else scale.detach()).clamp_min(1e-6)
     loss_q = -q.mean() / scale

@@ -221,3 +221,13 @@ def test_bad_config_raises_config_error():
         tanh_gaussian_log_prob(loc.tanh(), loc, log_std, eps=0.0)
     with pytest.raises(ShapeError, match="dtype"):
         standard_normal((2, 3), dtype=torch.int32)
+
+
+def test_tanh_gaussian_log_prob_refuses_number_bounds_out_of_order():
+    from rlfunc.core.distributions import tanh_gaussian_log_prob
+
+    loc, log_std, pre = torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3, 2)
+    for low, high in ((2.5, -1.5), (1.0, 1.0), (0.0, float("inf"))):  # NaN, +inf and -inf log-densities before
+        with pytest.raises(ConfigError, match="expected finite bounds with low < high"):
+            tanh_gaussian_log_prob(None, loc, log_std, pre, low=low, high=high)
+    assert bool(tanh_gaussian_log_prob(None, loc, log_std, pre, low=-2, high=2).isfinite().all())

@@ -208,3 +208,16 @@ def test_bench_protocol_aggregate_and_figure(tmp_path):
     assert median_or_none([1.0, None, 3.0]) == 3.0 and median_or_none([None, None, 1.0]) is None
     plot_curves({"a": [curve, curve], "b": [curve[:3]]}, tmp_path / "f.png", "t", threshold=-200.0)
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_statistics_are_computed_in_float64():
+    # in float32, 50 returns near 1e7 lost their decimals (mean 10000000.0, std 0.245 for 0.273), and 1000
+    # copies of 1.7 had an interval that did not hold 1.7 (documented: the point itself)
+    from scipy import stats as sps
+
+    x = 1e7 + np.random.default_rng(0).uniform(-0.5, 0.5, size=50)
+    out = summarize_returns(torch.tensor(x))
+    assert out["mean"] == pytest.approx(x.mean(), abs=1e-6) and out["std"] == pytest.approx(x.std(), rel=1e-6)
+    low, high = sps.t.interval(0.95, 49, loc=x.mean(), scale=sps.sem(x))
+    assert out["ci95"] == pytest.approx([low, high], abs=1e-6)
+    assert mean_interval([1.7] * 1000) == (1.7, 1.7)

@@ -333,3 +333,26 @@ def test_clipped_surrogate_refuses_a_clip_epsilon_that_is_not_positive():
     for bad in (-1.0, 0.0, math.inf, math.nan):
         with pytest.raises(ConfigError, match=f"clip_epsilon={bad}: expected a finite number > 0"):
             clipped_surrogate(lp, lp, torch.ones(4, 1), bad)
+
+
+def test_explained_variance_of_equal_targets_is_zero_despite_rounding():
+    # The bug: 1000 targets of 1.7 have a float32 variance of ~5.7e-14, not 0, so the documented 0 came out
+    # as about -1e12 (and as ppo_loss's "explained_variance" metric)
+    target = torch.full((1000,), 1.7)
+    noisy = target + torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert float(target.var(correction=0)) > 0 and float(explained_variance(noisy, target)) == 0.0
+    vt = torch.full((1000, 1), 1.7)
+    zeros = torch.zeros(1000, 1)
+    _, metrics = ppo_loss(zeros, zeros, torch.randn(1000, 1), vt + 0.1, vt)
+    assert float(metrics["explained_variance"]) == 0.0
+    spread = torch.tensor([1.7, 1.7 + 1e-5, 1.7 - 1e-5])  # a real (small) spread still counts
+    assert float(explained_variance(spread, spread)) == pytest.approx(1.0)
+
+
+def test_clipped_surrogate_refuses_shapes_that_would_broadcast():
+    # [B] log-probabilities (a Normal(...).log_prob(a).sum(-1)) against a [B, 1] advantage made an [8, 8] objective
+    lp = torch.zeros(8)
+    with pytest.raises(ShapeError, match=r"advantage has shape \[8, 1\], expected log_prob's \[8\]"):
+        clipped_surrogate(lp, lp, torch.ones(8, 1), 0.2)
+    with pytest.raises(ShapeError, match="sample_log_prob has shape"):
+        clipped_surrogate(torch.zeros(8, 1), lp, torch.ones(8, 1), 0.2)

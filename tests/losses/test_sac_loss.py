@@ -119,3 +119,8 @@ def test_ensemble_min_subset_by_hand():
         ensemble_min(q, 6)
     with pytest.raises(ConfigError, match="subset"):
         ensemble_min(q, 0)
+
+
+def test_temperature_loss_refuses_a_nan_target_entropy():
+    with pytest.raises(ConfigError, match="target_entropy=nan"):  # the loss was NaN, silently
+        temperature_loss(torch.zeros((), requires_grad=True), torch.zeros(4, 1), float("nan"))

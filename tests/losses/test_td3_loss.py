@@ -44,3 +44,20 @@ def test_td3_n_step_target_and_actor_loss():
     torch.testing.assert_close(q1.grad, torch.full((3, 1), -1.0 / 3))
     with pytest.raises(ShapeError, match="q1_pi"):
         td3_actor_loss(torch.zeros(3, 2))
+
+
+def test_nan_settings_are_refused_and_the_critic_target_gets_no_gradient():
+    from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss
+
+    a = torch.zeros(4, 2)
+    for kw in (dict(policy_noise=float("nan"), noise_clip=0.5), dict(policy_noise=0.2, noise_clip=float("nan"))):
+        with pytest.raises(ConfigError, match="expected values >= 0"):  # every action came out NaN
+            smoothed_target_action(a, torch.randn(4, 2), **kw)
+    with pytest.raises(ConfigError, match="q_coef=nan"):  # a NaN loss
+        diffusion_ql_actor_loss(torch.ones(4, 1), torch.tensor(0.5), q_coef=float("nan"))
+    # the target is documented as without gradient: a target with a graph (the bug) got one
+    target = torch.ones(4, 1, requires_grad=True)
+    q = torch.zeros(2, 4, 1, requires_grad=True)
+    loss, _ = critic_loss(q, target * 2.0)
+    loss.backward()
+    assert target.grad is None and float(q.grad.abs().sum()) > 0
