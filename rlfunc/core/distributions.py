@@ -311,6 +311,8 @@ def _check_logits(logits: Tensor, action_mask: Tensor | None, nvec: Sequence[int
     k = logits.shape[-1]
     if nvec is None:
         return (k,)
+    if any(isinstance(n, bool) or int(n) != n for n in nvec):  # (2.5, 2.5) was read as (2, 2), and the error blamed the sum
+        raise ConfigError(f"nvec={tuple(nvec)!r}: expected integer head sizes")
     heads = tuple(int(n) for n in nvec)
     if not heads or any(n < 1 for n in heads):
         raise ConfigError(f"nvec={tuple(nvec)!r}: expected one or more head sizes >= 1")

@@ -30,7 +30,13 @@ def make_adam(params: TensorDictBase, lr: float, *, eps: float = 1e-5, betas=(0.
 
 
 def linear_lr(base_lr: float, iteration: int, num_iterations: int, anneal: bool = True) -> float:
-    """Linearly annealed learning rate: ``base_lr * (1 - iteration / num_iterations)``, or constant."""
+    """Linearly annealed learning rate: ``base_lr * (1 - iteration / num_iterations)``, or constant.
+
+    Raises:
+        ConfigError: ``iteration`` < 0 (it extrapolated above ``base_lr``: -5 of 10 gave 1.5 x base_lr).
+    """
+    if iteration < 0:
+        raise ConfigError(f"linear_lr: iteration={iteration}: expected >= 0 (the iterations done)")
     if not anneal or num_iterations <= 0:
         return base_lr
     return base_lr * max(1.0 - iteration / num_iterations, 0.0)

@@ -207,3 +207,12 @@ def test_an_action_outside_its_head_or_on_another_device_is_named():
             categorical_log_prob(logits, action, **kw)
     with pytest.raises(ShapeError, match="^action is on meta but logits are on cpu$"):
         categorical_log_prob(logits, torch.zeros(4, dtype=torch.long, device="meta"))
+
+
+def test_fractional_head_sizes_are_refused():
+    # nvec=(2.5, 2.5) was read as (2, 2), and the error then blamed a sum the user had not passed
+    from rlfunc.core.distributions import categorical_entropy
+
+    with pytest.raises(ConfigError, match=r"nvec=\(2.5, 2.5\): expected integer head sizes"):
+        categorical_entropy(torch.zeros(3, 5), nvec=(2.5, 2.5))
+    assert categorical_entropy(torch.zeros(3, 5), nvec=(2, 3)).shape == (3, 1)

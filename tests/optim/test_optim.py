@@ -263,6 +263,8 @@ def test_linear_lr_values():
     assert linear_lr(1e-3, 12, 10) == 0.0  # never negative
     assert linear_lr(1e-3, 5, 10, anneal=False) == 1e-3
     assert linear_lr(1e-3, 5, 0) == 1e-3
+    with pytest.raises(ConfigError, match="iteration=-5: expected >= 0"):  # it extrapolated to 1.5e-3
+        linear_lr(1e-3, -5, 10)
 
 
 # --------------------------------------------------------------------------------------------
