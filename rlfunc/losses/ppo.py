@@ -40,7 +40,17 @@ def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
     A NaN or infinite advantage makes every output NaN (not 0: a loss that is not finite is skipped).
     Without that rule, 1000 copies of 1.7 in float32 came out as values up to +-0.96, the mean's
     rounding error divided by a std of ~1e-7.
+
+    Args:
+        advantage: [*B] float tensor (any shape; normalised over all its elements).
+        eps: added to the std.
+
+    Raises:
+        ShapeError: ``advantage`` is not a floating-point tensor (an int tensor or a list was a deep
+            RuntimeError / AttributeError).
     """
+    if not isinstance(advantage, Tensor) or not advantage.is_floating_point():
+        raise ShapeError(f"normalize_advantage: advantage: expected a floating-point torch.Tensor, got {_shape_dtype(advantage)}")
     if advantage.numel() == 0:
         return advantage
     mean = advantage.mean()
@@ -217,6 +227,10 @@ def explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
     # within 4 ulps of max |target|, squared, is none (the bug: -1e12 there, where 0 is documented)
     rounding = (4 * torch.finfo(target.dtype).eps * target.detach().abs().amax()).square()
     return torch.where(var_t > rounding, ev, torch.zeros_like(ev))
+
+
+def _shape_dtype(x) -> str:
+    return f"dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
 
 
 def _shape(x) -> str:

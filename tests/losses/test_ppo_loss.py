@@ -356,3 +356,9 @@ def test_clipped_surrogate_refuses_shapes_that_would_broadcast():
         clipped_surrogate(lp, lp, torch.ones(8, 1), 0.2)
     with pytest.raises(ShapeError, match="sample_log_prob has shape"):
         clipped_surrogate(torch.zeros(8, 1), lp, torch.ones(8, 1), 0.2)
+
+
+def test_normalize_advantage_names_a_non_float_input():
+    for bad, got in ((torch.arange(4), "dtype torch.int64"), ([1.0, 2.0], "list")):  # a deep RuntimeError / AttributeError
+        with pytest.raises(ShapeError, match=f"advantage: expected a floating-point torch.Tensor, got {got}"):
+            normalize_advantage(bad)
