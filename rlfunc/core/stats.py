@@ -98,8 +98,8 @@ def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95
 
 
 def finite_returns(values: Tensor | Sequence[float]) -> tuple[Tensor, int]:
-    """(the finite values of ``values`` [n] as a float64 CPU vector, how many were NaN or inf)."""
-    x = _host_float64(values)
+    """(the finite values of ``values`` [n] as a double-precision CPU vector, how many were NaN or inf)."""
+    x = _host_double(values)
     if x.dim() != 1 or x.numel() == 0:
         raise ShapeError(f"values: expected a non-empty 1-D sequence of numbers, got shape {tuple(x.shape)}")
     ok = torch.isfinite(x)
@@ -164,8 +164,8 @@ def reach_and_stay(curve: Sequence[float], threshold: float) -> int | None:
     return reached
 
 
-def _host_float64(values: Tensor | Sequence[float]) -> Tensor:
-    """``values`` on the host in float64: the statistics of a report, not of training (in float32 the mean of
+def _host_double(values: Tensor | Sequence[float]) -> Tensor:
+    """``values`` on the host in double precision: the statistics of a report, not of training (in float32 the mean of
     50 returns near 1e7 lost its decimals, and 1000 copies of 1.7 had an interval without 1.7 in it)."""
     if isinstance(values, Tensor):
         return values.detach().to("cpu", torch.float64)  # ok-float64
@@ -173,7 +173,7 @@ def _host_float64(values: Tensor | Sequence[float]) -> Tensor:
 
 
 def _as_vector(values: Tensor | Sequence[float], name: str) -> Tensor:
-    x = _host_float64(values)
+    x = _host_double(values)
     if x.dim() != 1 or x.numel() == 0:
         raise ShapeError(f"{name}: expected a non-empty 1-D sequence of numbers, got shape {tuple(x.shape)}")
     if not bool(torch.isfinite(x).all()):
