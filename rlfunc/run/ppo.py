@@ -459,6 +459,18 @@ def evaluate_state(
     return _evaluate(trained, lambda spec, dev: state, episodes, seed, device)
 
 
+def _warn_nonfinite_params(params: TensorDict, seeds: list[int]) -> None:
+    """A warning naming the seeds whose parameters [S, ...] hold a NaN or inf: their actions are NaN, which
+    the env receives as 0 (collect.rollout), so their returns look like a policy's (a helper's 3-seed state
+    with one NaN seed scored better than the two healthy ones). Training never writes such parameters
+    (non-finite steps are skipped); a state made by hand can hold them."""
+    ok = torch.stack([p.detach().reshape(p.shape[0], -1).isfinite().all(1) for p in func.leaves(params)]).all(0)
+    if not bool(ok.all()):
+        bad = [s for s, good in zip(seeds, ok.tolist()) if not good]
+        warnings.warn(f"seed(s) {bad}: the parameters hold NaN or inf; their NaN actions reach the env as 0, so "
+                      "their returns are not a policy's", stacklevel=3)
+
+
 def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | None, device) -> dict:
     """The episodes of :func:`evaluate`; ``learner_of(spec, device)`` gives the learner state."""
     episodes = trained.run.eval_episodes if episodes is None else episodes
@@ -472,6 +484,7 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
     try:
         spec = env_spec(venv, config.env)
         state = learner_of(spec, dev)
+        _warn_nonfinite_params(state["params"], config.seeds)
         algo = make_ppo(config, spec, dev)
         acting = algo.init()
         with torch.no_grad():

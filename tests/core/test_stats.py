@@ -221,3 +221,22 @@ def test_statistics_are_computed_in_float64():
     low, high = sps.t.interval(0.95, 49, loc=x.mean(), scale=sps.sem(x))
     assert out["ci95"] == pytest.approx([low, high], abs=1e-6)
     assert mean_interval([1.7] * 1000) == (1.7, 1.7)
+
+
+def test_ppo_evaluation_warns_of_a_seed_with_nan_parameters():
+    # a seed whose parameters are NaN acts NaN, which the env receives as 0: its return looked normal
+    from rlfunc.algos.ppo import make_ppo, preset
+    from rlfunc.config import replace
+    from rlfunc.core import func
+    from rlfunc.run.ppo import env_spec, evaluate_state
+
+    config = replace(preset("Pendulum-v1"), num_seeds=3, seed=5, device="cpu")
+    venv = collect.make_vec_env(config.env, 1)
+    try:
+        state = make_ppo(config, env_spec(venv), torch.device("cpu")).init()
+    finally:
+        venv.close()
+    with torch.no_grad():
+        func.leaves(state["params"])[0][1].fill_(float("nan"))
+    with pytest.warns(UserWarning, match=r"seed\(s\) \[6\]: the parameters hold NaN or inf"):
+        evaluate_state(config, state, 2)
