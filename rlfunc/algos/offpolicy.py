@@ -198,12 +198,6 @@ def transitions(batch: TensorDict, scale: ActionScale) -> TensorDict:
     ).reshape(-1)
 
 
-def skipped(grad_norm: Tensor, loss: Tensor) -> Tensor:
-    """1.0 when :func:`rlfunc.optim.chain_step` skipped the step (its norm or loss not finite), else 0.0
-    (0-dim; a metric line's mean over an iteration's steps is then the fraction skipped)."""
-    return (~(grad_norm.isfinite() & loss.detach().isfinite())).float()
-
-
 def finite_transitions(batch: TensorDict, scale: ActionScale) -> tuple[TensorDict, int]:
     """:func:`transitions` less those with a NaN or inf in the observation, action, next observation
     or reward, and how many were left out: the replay buffer never holds one (the bug: they were

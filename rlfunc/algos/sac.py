@@ -36,7 +36,7 @@ from torch import Tensor
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
-                                   skipped, stacked)
+                                   stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -48,7 +48,7 @@ from rlfunc.losses.sac import sac_actor_loss, sac_critic_loss, soft_q_target, te
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten
 from rlfunc.optim.base import unflatten
-from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list, skipped
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0  # the actor's log std is clamped to this range (SB3's, Haarnoja's code)
 ALPHA_DEF = (("log_alpha", None),)  # the tree definition (rlfunc.optim.flatten) of params.select("log_alpha")

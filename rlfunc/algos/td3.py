@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
-                                   skipped, stacked)
+                                   stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -41,7 +41,7 @@ from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.device import compile_step
 from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten
 from rlfunc.optim.base import unflatten
-from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
+from rlfunc.optim.leaves import chain_state, chain_step, leaf_list, skipped
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,27 @@ def summarize_returns(values: Tensor | Sequence[float], confidence: float = 0.95
     return {"mean": float(x.mean()), "std": float(x.std(correction=0)), "episodes": x.numel(), "ci95": ci}
 
 
+def seeds_summary(returns: Tensor, num_seeds: int) -> dict:
+    """What an evaluation of ``num_seeds`` = S seeds says, from their episodes' returns [S * E] (seed-major,
+    E episodes per seed, env reward units): :func:`summarize_returns` of all S * E (``nonfinite="count"``),
+    "episodes" E (per seed), "per_seed_mean" [S] (None for a seed without a finite return) and, with
+    S > 1, "per_seed_ci95" (Student-t, None below 2 finite returns) and "pooled_episodes" S * E, what
+    "mean", "std" and "ci95" pool (a CI of episodes, not of seeds).
+
+    Raises:
+        ShapeError: ``returns`` is not 1-D of a multiple of ``num_seeds`` elements."""
+    if returns.dim() != 1 or returns.numel() == 0 or returns.numel() % num_seeds:
+        raise ShapeError(f"returns: shape {tuple(returns.shape)}, expected [num_seeds * episodes] with num_seeds={num_seeds}")
+    episodes = returns.numel() // num_seeds
+    per_seed = [finite_returns(r)[0] for r in returns.view(num_seeds, episodes)]  # a NaN-return episode left out
+    out = {**summarize_returns(returns, nonfinite="count"), "episodes": episodes,
+           "per_seed_mean": [float(r.mean()) if r.numel() else None for r in per_seed]}
+    if num_seeds > 1:
+        out["per_seed_ci95"] = [list(mean_interval(r)) if r.numel() > 1 else None for r in per_seed]
+        out["pooled_episodes"] = num_seeds * episodes
+    return out
+
+
 def finite_returns(values: Tensor | Sequence[float]) -> tuple[Tensor, int]:
     """(the finite values of ``values`` [n] as a double-precision CPU vector, how many were NaN or inf)."""
     x = _host_double(values)

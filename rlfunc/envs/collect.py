@@ -21,6 +21,7 @@ import difflib
 import functools
 import importlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -426,6 +427,10 @@ def episode_outcomes(
     Returns:
         (returns [N] float32, success [N] bool or None when the env puts no "is_success" in its info).
 
+    A warning names how many episodes the policy acted NaN in: the env receives such an action as 0
+    (:func:`_env_action`), so that episode's return is not the policy's (a seed with NaN parameters
+    scored like a healthy one, silently).
+
     Raises:
         EnvError: an episode has not ended after ``max_steps`` steps.
     """
@@ -436,10 +441,14 @@ def episode_outcomes(
     total = np.zeros(venv.num_envs, np.float64)  # ok-float64: host-side numpy accumulator
     finished = np.zeros(venv.num_envs, bool)
     success, reported = np.zeros(n, bool), False
+    acted_nan = np.zeros(n, bool)
     for _ in range(max_steps):
         with torch.no_grad():
             act, _ = policy(obs.to(device))
-        next_obs, rew, term, trunc, info = venv.step(to_env(act.cpu()))
+        act = act.cpu()
+        if act.is_floating_point():
+            acted_nan |= ~finished & act.isnan().reshape(n, -1).any(1).numpy()
+        next_obs, rew, term, trunc, info = venv.step(to_env(act))
         total += np.where(finished, 0.0, rew)
         ended = (term | trunc) & ~finished
         flags = _final_success(info, ended)
@@ -448,6 +457,10 @@ def episode_outcomes(
             success |= ended & flags
         finished |= term | trunc
         if finished.all():
+            if acted_nan.any():
+                warnings.warn(f"evaluation: the policy's actions held NaN in {int(acted_nan.sum())} of {n} episodes (NaN or inf "
+                              "parameters or observations?); the env received them as 0, so those returns are not the policy's",
+                              stacklevel=2)
             return torch.as_tensor(total, dtype=torch.float32), torch.as_tensor(success) if reported else None
         obs = _flat_obs(next_obs, n)
     spec = getattr(venv, "spec", None)

@@ -60,6 +60,12 @@ def chain_step(transform, grads: list[Tensor], leaves: list[Tensor], treedef: tu
     return norm if stacked else norm.reshape(())
 
 
+def skipped(grad_norm: Tensor, loss: Tensor) -> Tensor:
+    """1.0 where :func:`chain_step` skipped the step (the gradient norm or the loss not finite: nothing
+    moved), else 0.0; shaped like ``grad_norm`` (a metric line's mean over steps is the fraction skipped)."""
+    return (~(grad_norm.isfinite() & loss.detach().isfinite())).float()
+
+
 def objective_step(transform, objective, leaves: list[Tensor], treedef: tuple, opt: tuple[list[Tensor], tuple],
                    name: str, mean_over_ranks=None) -> dict[str, Tensor]:
     """One gradient step of ``objective`` on flat ``leaves`` through the update chain ``transform``
@@ -75,5 +81,5 @@ def objective_step(transform, objective, leaves: list[Tensor], treedef: tuple, o
     metrics = m.to_dict()
     norm = chain_step(transform, grads, leaves, treedef, opt, loss)
     metrics[f"{name}_grad_norm"] = norm
-    metrics[f"skipped_{name}"] = (~(norm.isfinite() & loss.isfinite())).float()
+    metrics[f"skipped_{name}"] = skipped(norm, loss)
     return metrics

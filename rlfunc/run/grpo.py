@@ -34,7 +34,7 @@ from tensordict import TensorDict
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.grpo import GRPOConfig, make_grpo
 from rlfunc.algos.ppo import EnvSpec
-from rlfunc.core.stats import finite_returns, success_summary, summarize_returns
+from rlfunc.core.stats import seeds_summary, success_summary
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
@@ -208,9 +208,8 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
     ``config.run.env_workers`` worker processes, :func:`rlfunc.envs.collect.eval_workers`).
 
     Returns:
-        {"env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"} (env reward units):
-        :func:`rlfunc.core.stats.summarize_returns` over all episodes of all seeds ("pooled_episodes"
-        of them with several seeds; "nonfinite_episodes" left out, if any), "episodes" per seed;
+        {"env", :func:`rlfunc.core.stats.seeds_summary`'s keys ("mean", "std", "ci95" over all episodes
+        of all seeds, "episodes" per seed, "per_seed_mean" ...), "env_steps"} (env reward units);
         "success_rate" and "success_ci95" too for envs that put "is_success" in their info.
     """
     algo = make_grpo(config, spec, device)
@@ -221,16 +220,8 @@ def evaluate_policy(config: GRPOConfig, state: TensorDict, spec: EnvSpec, device
         returns, success = collect.episode_outcomes(venv, algo.policy(state, [], deterministic=True), seeds, device=device)
     finally:
         venv.close()
-    per_seed = [finite_returns(r)[0] for r in returns.view(config.run.num_seeds, episodes)]  # a NaN-return episode left out
-    return {
-        "env": config.env,
-        **summarize_returns(returns, nonfinite="count"),
-        "episodes": episodes,
-        "per_seed_mean": [float(r.mean()) if r.numel() else None for r in per_seed],
-        **({"pooled_episodes": config.run.num_seeds * episodes} if config.run.num_seeds > 1 else {}),  # what mean/std/ci95 are over
-        "env_steps": int(state["env_steps"]),
-        **success_summary(success),
-    }
+    return {"env": config.env, **seeds_summary(returns, config.run.num_seeds), "env_steps": int(state["env_steps"]),
+            **success_summary(success)}
 
 
 def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int | None = None, device: str = "auto") -> dict:

@@ -44,7 +44,7 @@ from rlfunc.algos import ppo_parallel
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
 from rlfunc.core import func
-from rlfunc.core.stats import finite_returns, mean_interval, success_summary, summarize_returns
+from rlfunc.core.stats import seeds_summary, success_summary
 from rlfunc.config import check_episodes, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
@@ -418,7 +418,7 @@ def evaluate(
     Returns:
         {"algo", "env", "mean", "std", "episodes", "ci95", "per_seed_mean", "env_steps"}: mean, std and the
         Student-t 95% interval of the mean over all episodes of all seeds (env reward units,
-        :func:`rlfunc.core.stats.summarize_returns`), the episodes per seed, the mean per seed (and with
+        :func:`rlfunc.core.stats.seeds_summary`), the episodes per seed, the mean per seed (and with
         several seeds "per_seed_ci95" and "pooled_episodes", seeds x episodes), and the snapshot's env
         steps; "nonfinite_episodes" when some returns were NaN or inf (left out of the statistics, a
         warning said so); "success_rate" and its Wilson
@@ -459,18 +459,6 @@ def evaluate_state(
     return _evaluate(trained, lambda spec, dev: state, episodes, seed, device)
 
 
-def _warn_nonfinite_params(params: TensorDict, seeds: list[int]) -> None:
-    """A warning naming the seeds whose parameters [S, ...] hold a NaN or inf: their actions are NaN, which
-    the env receives as 0 (collect.rollout), so their returns look like a policy's (a helper's 3-seed state
-    with one NaN seed scored better than the two healthy ones). Training never writes such parameters
-    (non-finite steps are skipped); a state made by hand can hold them."""
-    ok = torch.stack([p.detach().reshape(p.shape[0], -1).isfinite().all(1) for p in func.leaves(params)]).all(0)
-    if not bool(ok.all()):
-        bad = [s for s, good in zip(seeds, ok.tolist()) if not good]
-        warnings.warn(f"seed(s) {bad}: the parameters hold NaN or inf; their NaN actions reach the env as 0, so "
-                      "their returns are not a policy's", stacklevel=3)
-
-
 def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | None, device) -> dict:
     """The episodes of :func:`evaluate`; ``learner_of(spec, device)`` gives the learner state."""
     episodes = trained.run.eval_episodes if episodes is None else episodes
@@ -484,7 +472,6 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
     try:
         spec = env_spec(venv, config.env)
         state = learner_of(spec, dev)
-        _warn_nonfinite_params(state["params"], config.seeds)
         algo = make_ppo(config, spec, dev)
         acting = algo.init()
         with torch.no_grad():
@@ -495,16 +482,5 @@ def _evaluate(trained: PPOConfig, learner_of, episodes: int | None, seed: int | 
         returns, success = collect.episode_outcomes(venv, algo.policy(acting, [], deterministic=True), seeds, device=dev)
     finally:
         venv.close()
-    per_seed = [finite_returns(r)[0] for r in returns.view(config.run.num_seeds, episodes)]  # a NaN-return episode left out
-    out = {
-        "algo": "ppo",
-        "env": config.env,
-        **summarize_returns(returns, nonfinite="count"),
-        "episodes": episodes,
-        "per_seed_mean": [float(r.mean()) if r.numel() else None for r in per_seed],
-        "env_steps": int(state["env_steps"]),
-    }
-    if config.run.num_seeds > 1:
-        out["per_seed_ci95"] = [list(mean_interval(r)) if r.numel() > 1 else None for r in per_seed]
-        out["pooled_episodes"] = config.run.num_seeds * episodes  # what mean, std and ci95 are over ("episodes" is per seed)
+    out = {"algo": "ppo", "env": config.env, **seeds_summary(returns, config.run.num_seeds), "env_steps": int(state["env_steps"])}
     return {**out, **success_summary(success)}  # envs that report info["is_success"] (Push-v0, PointReach-v0, ...)

@@ -238,5 +238,20 @@ def test_ppo_evaluation_warns_of_a_seed_with_nan_parameters():
         venv.close()
     with torch.no_grad():
         func.leaves(state["params"])[0][1].fill_(float("nan"))
-    with pytest.warns(UserWarning, match=r"seed\(s\) \[6\]: the parameters hold NaN or inf"):
+    with pytest.warns(UserWarning, match=r"actions held NaN in 2 of 6 episodes"):  # seed 6's 2 of 3 seeds x 2
         evaluate_state(config, state, 2)
+
+
+def test_seeds_summary_pools_the_seeds_and_reports_each():
+    from rlfunc.core.stats import seeds_summary
+
+    returns = torch.tensor([1.0, 3.0, 10.0, float("nan"), 20.0, 40.0])  # 3 seeds x 2 episodes, seed 1 with a NaN return
+    with pytest.warns(UserWarning, match="1 of 6 evaluation episodes"):
+        out = seeds_summary(returns, 3)
+    assert out["episodes"] == 2 and out["pooled_episodes"] == 6 and out["nonfinite_episodes"] == 1
+    assert out["mean"] == pytest.approx(74.0 / 5) and out["per_seed_mean"] == [2.0, 10.0, 30.0]
+    assert out["per_seed_ci95"][1] is None and out["per_seed_ci95"][0] == pytest.approx(list(mean_interval([1.0, 3.0])))
+    one = seeds_summary(torch.tensor([1.0, 3.0]), 1)
+    assert "pooled_episodes" not in one and "per_seed_ci95" not in one and one["per_seed_mean"] == [2.0]
+    with pytest.raises(ShapeError, match="expected \\[num_seeds \\* episodes\\] with num_seeds=4"):
+        seeds_summary(returns, 4)
