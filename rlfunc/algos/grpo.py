@@ -449,7 +449,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
                     metrics = TensorDict(metrics, batch_size=[S]).clone()
                     metrics["grad_norm"] = norms.clone()
                     skipped += (~(loss.isfinite() & norms.isfinite())).long()
-                    metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                    metric_sum = metrics.clone() if metric_sum is None else metric_sum.add_(metrics)  # in place: half a new TensorDict's cost
                     updates += 1
                     continue
                 loss, metrics = loss_fn(params, mb)
@@ -486,7 +486,7 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
                 if config.adaptive_clip:
                     metrics["clip_epsilon"] = torch.full((S,), low, device=device)
                 metrics["grad_norm"] = norms
-                metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                metric_sum = metrics.clone() if metric_sum is None else metric_sum.add_(metrics)
                 updates += 1
         out = state.clone(recurse=False)
         out["optim"] = optim_state

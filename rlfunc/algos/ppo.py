@@ -816,7 +816,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     if config.adaptive_clip:
                         metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
                 metrics["grad_norm"] = norms
-                metric_sum = metrics if metric_sum is None else metric_sum + metrics
+                metric_sum = metrics.clone() if metric_sum is None else metric_sum.add_(metrics)  # in place: half a new TensorDict's cost
                 updates += 1
                 if config.target_kl is not None:
                     active = active & ~(metrics["approx_kl"] > config.target_kl)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.errors import ConfigError, ShapeError
 
 __all__ = [
@@ -67,7 +68,7 @@ def _event_shape(**tensors: Tensor) -> torch.Size:
                 f"(shapes {', '.join(f'{n}={tuple(t.shape)}' for n, t in tensors.items())})"
             )
     try:
-        return torch.broadcast_shapes(*(t.shape for t in tensors.values()))
+        return broadcast_shapes(*(t.shape for t in tensors.values()))
     except RuntimeError as err:
         raise ShapeError(
             f"{', '.join(names)}: shapes do not broadcast "
@@ -156,7 +157,7 @@ def gaussian_entropy(log_std: Tensor, batch_shape: Sequence[int] | torch.Size = 
     _event_shape(log_std=log_std)
     d = log_std.shape[-1]
     try:
-        shape = torch.broadcast_shapes(log_std.shape, (*tuple(batch_shape), d))
+        shape = broadcast_shapes(log_std.shape, (*tuple(batch_shape), d))
     except RuntimeError as err:
         raise ShapeError(
             f"log_std: shape {tuple(log_std.shape)} does not broadcast with batch_shape={tuple(batch_shape)}"

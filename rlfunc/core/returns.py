@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.errors import ConfigError, ShapeError
 
 __all__ = [
@@ -243,7 +244,7 @@ def _discount_tensor(discount, x: Tensor, dtype: torch.dtype, name: str = "disco
     """A number stays a float; a tensor must broadcast to ``x`` and is cast to ``dtype``."""
     if isinstance(discount, Tensor):
         try:
-            fits = torch.broadcast_shapes(discount.shape, x.shape) == x.shape
+            fits = broadcast_shapes(discount.shape, x.shape) == x.shape
         except RuntimeError:
             fits = False
         if not fits:

@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from tensordict import TensorDictBase
 from torch import Tensor
 
+from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.diffusion.schedule import alpha_prod, ddim_timesteps
 from rlfunc.errors import ConfigError, ShapeError
 
@@ -357,7 +358,7 @@ def gaussian_chain_log_prob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor
         raise ShapeError(f"std: expected a float or a float tensor, got "
                          f"{std.dtype if isinstance(std, Tensor) else type(std).__name__}")
     try:
-        torch.broadcast_shapes(std.shape, x_next.shape)
+        broadcast_shapes(std.shape, x_next.shape)
     except RuntimeError as err:
         raise ShapeError(f"std: shape {tuple(std.shape)} does not broadcast to {tuple(x_next.shape)}") from err
     if not torch.compiler.is_compiling() and not bool((torch.isfinite(std) & (std > 0)).all()):  # std 0 gave NaN, silently

@@ -50,11 +50,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def member_grad_norms(grads: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
     """Global L2 norm of the gradients, per member: ``[M]`` when ``stacked`` else ``[1]``."""
+    sq = torch._foreach_mul(grads, grads) if grads else []  # one multi-tensor op for the squares (pow(2) per leaf was one each)
     if stacked:  # a sum over the trailing dims, not over a reshape: a transposed gradient (a weight's, from bmm's
         # backward) then reduces in its memory order, which inductor vectorises (it ran a scalar loop over the reshape)
-        sq = [g.pow(2).sum(dim=tuple(range(1, g.dim()))) if g.dim() > 1 else g.pow(2) for g in grads]
+        sq = [x.sum(dim=tuple(range(1, x.dim()))) if x.dim() > 1 else x for x in sq]
     else:
-        sq = [g.pow(2).sum().reshape(1) for g in grads]
+        sq = [x.sum().reshape(1) for x in sq]
     return torch.stack(sq).sum(0).sqrt()
 
 
