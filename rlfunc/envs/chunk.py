@@ -41,7 +41,7 @@ from torchrl.envs import EnvBase
 from rlfunc.envs import registry
 from rlfunc.envs.collect import check_env_id, gym_spec, make_env
 from rlfunc.envs.workers import ChunkPart, ChunkWorkers, batched
-from rlfunc.errors import EnvError
+from rlfunc.errors import EnvError, ShapeError
 
 # host-side numpy observations -> tensors; double-precision observations become float32 here
 _NUMPY_TO_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
@@ -357,7 +357,11 @@ class GymChunkEnv(EnvBase):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDict:
         n = self.num_envs
-        action = tensordict["action"].detach().to("cpu", torch.float32).numpy().reshape(n, self.act_steps, -1)
+        action = tensordict["action"]
+        if tuple(action.shape) != tuple(self.action_spec.shape):  # [N, A] for a chunk of 3 ran each number as a sub-step
+            raise ShapeError(f"{self.env_id}: action of shape {list(action.shape)}, expected {list(self.action_spec.shape)} "
+                             f"(num_envs, {'' if self.act_steps == 1 else 'act_steps, '}action dim)")
+        action = action.detach().to("cpu", torch.float32).numpy().reshape(n, self.act_steps, -1)
         action = scale_action(np.clip(action, -1.0, 1.0), self.low, self.high)
         self._obs, reward, terminated, truncated, self._success[:] = self._part.step(action)
         self._return += reward

@@ -18,7 +18,7 @@ from rlfunc.algos.dppo import DPPOConfig
 from rlfunc.core import func
 from rlfunc.envs.chunk import GymChunkEnv, scale_action, unscale_action
 from rlfunc.envs.demos import chunk_indices, expert_demonstrations
-from rlfunc.errors import CheckpointError, EnvError
+from rlfunc.errors import CheckpointError, EnvError, ShapeError
 from rlfunc.run import train
 from rlfunc.run.diffusion import evaluate_run, load_actor
 
@@ -62,6 +62,24 @@ def test_pendulum_chunk_equals_stepping_the_gym_env_by_hand():
         assert out["reward"][i, 0].item() == pytest.approx(total, rel=1e-5)
         assert out["episode_return"][i, 0].item() == pytest.approx(total, rel=1e-5)
     env.close()
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (2, 1, 3), (2, 3, 1), (2, 9)])
+def test_an_action_not_of_the_spec_shape_is_refused(shape):
+    """New-user pass: GymChunkEnv("PushState-v0", act_steps=3) took an [N, A] action and ran each of its
+    numbers as one sub-step, broadcast over the three axes; [N, 1, A] and [N, 3, 1] alike. A ShapeError
+    now names the shape expected, and the env has not stepped."""
+    action = torch.full((2, 3, 3), 0.5)
+    untouched = GymChunkEnv("PushState-v0", 2, act_steps=3, seed=0)
+    want = untouched.step(untouched.reset().set("action", action))["next", "observation"]
+    env = GymChunkEnv("PushState-v0", 2, act_steps=3, seed=0)
+    td = env.reset()
+    with pytest.raises(ShapeError, match=r"expected \[2, 3, 3\] \(num_envs, act_steps, action dim\)"):
+        env.step(td.set("action", torch.full(shape, 0.5)))
+    got = env.step(td.set("action", action))["next", "observation"]  # as if the refused step never was
+    assert torch.equal(got, want) and not torch.equal(got, td["observation"])
+    env.close()
+    untouched.close()
 
 
 def test_a_chunk_stops_at_the_episode_end_and_only_ended_envs_reset():
