@@ -284,6 +284,9 @@ def _make_renderer(model: mujoco.MjModel, size: int) -> mujoco.Renderer:
     When mujoco was imported before this module with MUJOCO_GL unset and there is no display, the
     renderer is built with an EGL (else OSMesa) context instead of GLFW's (mujoco's module-level
     choice is swapped for the construction only)."""
+    if gl_backend() == "disable":  # no context to build: a half-built Renderer's __del__ printed a traceback after the error
+        raise EnvError(f"Push-v0 cannot render (MUJOCO_GL={os.environ.get('MUJOCO_GL')}: rendering disabled); unset it or set "
+                       "MUJOCO_GL=egl (or osmesa) with headless OpenGL installed, or use PushState-v0, which never renders")
     late = _late_context_class() if _MUJOCO_IMPORTED_BEFORE else None
     try:
         if late is None:
