@@ -198,8 +198,11 @@ class WarehouseParallelEnv(ParallelEnv):
     has "action_mask" (int8 [5]), "delivered", "vertex_conflict", "swap_conflict" (bool, this step).
     ``reset(seed=s)`` gives the same episode as ``WarehouseEnv(1, config, seed=s).reset()``.
 
+    ``step(actions)`` takes {agent name: action}; an agent left out stays in place (action 0).
+
     Raises:
-        ConfigError: as :class:`WarehouseEnv`.
+        ConfigError: as :class:`WarehouseEnv`. EnvError: ``step`` after the episode ended, or with a key
+            that is not an agent's name.
     """
 
     metadata = {"name": "Warehouse-v0", "render_modes": []}
@@ -211,6 +214,7 @@ class WarehouseParallelEnv(ParallelEnv):
         self.config = config
         self.layout = make_layout(config)
         self.possible_agents = [f"agv_{i}" for i in range(config.n_agents)]
+        self._agent_set = frozenset(self.possible_agents)
         self.agents: list[str] = []
         d = core.obs_dim(config.obs_radius)
         self._observation_space = spaces.Box(-1.0, 1.0, shape=(d,), dtype=np.float32)
@@ -249,6 +253,10 @@ class WarehouseParallelEnv(ParallelEnv):
     def step(self, actions: dict[str, int]):
         if not self.agents:
             raise EnvError("step() after the episode ended: call reset() first")
+        unknown = [k for k in actions if k not in self._agent_set]  # {0: 1, ...} left every agent in place, silently
+        if unknown:
+            raise EnvError(f"step(): action keys {unknown[:3]!r}{' ...' if len(unknown) > 3 else ''} are not agents; "
+                           f"expected names such as {self.possible_agents[0]!r} (an agent left out stays in place)")
         action = torch.tensor([[int(actions.get(agent, 0)) for agent in self.possible_agents]], dtype=torch.int64)
         self.state_td, reward, _, flags = core.step_state(self.layout, self.state_td, action, self.config)
         flag_np = {

@@ -268,6 +268,23 @@ def test_pettingzoo_api_and_agreement_with_the_torchrl_env():
         pz.step({})
 
 
+def test_pettingzoo_step_refuses_keys_that_are_not_agents():
+    """New-user pass: step({0: 1, 1: 1, ...}) (indices, not "agv_i" names) moved no agent and raised
+    nothing. Now an EnvError names the keys; an agent left out still stays in place."""
+    config = WarehouseConfig(n_agents=6, shelf_rows=2, shelf_cols=2, max_steps=30)
+    pz = WarehouseParallelEnv(config)
+    pz.reset(seed=0)
+    before = pz.state_td["position"].clone()
+    with pytest.raises(EnvError, match=r"action keys \[0, 1, 2\] \.\.\. are not agents; expected names such as 'agv_0'"):
+        pz.step({i: 1 for i in range(6)})
+    assert torch.equal(pz.state_td["position"], before)  # nothing stepped
+    mask = pz._infos()["agv_0"]["action_mask"]
+    moves = [a for a in range(1, 5) if mask[a]]
+    pz.step({"agv_0": moves[0]})  # the others left out: they stay
+    after = pz.state_td["position"]
+    assert not torch.equal(after[0, 0], before[0, 0]) and torch.equal(after[0, 1:], before[0, 1:])
+
+
 def test_scripted_baseline_delivers_without_conflicts_and_beats_random():
     config = WarehouseConfig(max_steps=150)
     expert = evaluate(expert_policy, config, seeds=(0, 1))
