@@ -315,7 +315,8 @@ def collect_demonstrations(
         TensorDict with batch [M], M the total number of steps of all episodes, episode by episode
         in order: "observation" [M, 6] float32, "action" [M, H, 2] float32 (the executed actions of
         steps t .. t+H-1 of the episode, the last action repeated past its end), "goal_choice" [M]
-        int64 (0: g_a, 1: g_b), "episode" [M] int64 (0 .. E-1).
+        int64 (0: g_a, 1: g_b), "success" [M] bool (the episode reached a goal within MAX_STEPS),
+        "episode" [M] int64 (0 .. E-1).
 
     Raises:
         ConfigError: ``num_episodes`` or ``horizon`` < 1, or ``noise_std < 0``.
@@ -347,6 +348,7 @@ def collect_demonstrations(
             "observation": obs.flatten(0, 1)[m],
             "action": chunks.flatten(0, 1)[m],
             "goal_choice": goal_choice.unsqueeze(1).expand(-1, MAX_STEPS).flatten()[m],
+            "success": state["terminated"].expand(-1, MAX_STEPS).flatten()[m],  # the episode reached a goal
             "episode": episode.flatten()[m],
         },
         batch_size=[int(m.sum())],

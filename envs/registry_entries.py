@@ -27,7 +27,11 @@ def point_reach_demonstrations(env_id: str, num_episodes: int, horizon: int, *, 
 
     gen = torch.Generator(device=device).manual_seed(seed)
     data = collect_demonstrations(num_episodes, horizon, generator=gen, device=device, noise_std=noise_std)
-    return data.select("observation", "action", "episode"), {"num_episodes": num_episodes, "num_samples": data.batch_size[0]}
+    first = torch.ones_like(data["episode"], dtype=torch.bool)
+    first[1:] = data["episode"][1:] != data["episode"][:-1]  # one row per episode (the summary lacked success_rate)
+    summary = {"success_rate": float(data["success"][first].float().mean()), "num_episodes": num_episodes,
+               "num_samples": data.batch_size[0]}
+    return data.select("observation", "action", "episode"), summary
 
 
 def push_demonstrations(env_id: str, num_episodes: int, horizon: int, *, seed: int, noise_std: float, device):

@@ -285,6 +285,7 @@ def test_demonstrations_are_bimodal_with_padded_chunks():
         state["goals"] = torch.stack([obs0[:2] + obs0[2:4], obs0[:2] + obs0[4:6]]).unsqueeze(0)
         state, (_, term, _, goal) = run(state, executed.unsqueeze(1))
         assert term[-1].item() and goal[-1].item() == demo["goal_choice"][rows[0]].item()
+        assert demo["success"][rows].all()  # the per-episode flag the demos' summary counts
     # fair coins and noise come from the generator only
     again = pr.collect_demonstrations(400, horizon, generator=torch.Generator().manual_seed(1))
     assert (again == demo).all()
@@ -439,3 +440,19 @@ def test_gym_env_reports_success_so_evaluations_give_a_success_rate():
     finally:
         venv.close()
     assert success is not None and bool(success.all()) and returns.shape == (4,)
+
+
+def test_point_reach_demonstrations_summary_has_the_success_rate():
+    """New-user pass: rlfunc.envs.demos.expert_demonstrations documents {"success_rate", "num_episodes",
+    "num_samples"}; PointReach-v0's summary had no success_rate (nor had a bc run's demos.json). It is the
+    share of episodes that reached a goal: 1 for the clean expert, less where noise keeps some from it."""
+    from rlfunc.envs.demos import expert_demonstrations
+
+    data, summary = expert_demonstrations("PointReach-v0", 8, 4, seed=0, noise_std=0.0, device=torch.device("cpu"))
+    assert summary == {"success_rate": 1.0, "num_episodes": 8, "num_samples": data.batch_size[0]}
+    assert set(data.keys()) == {"observation", "action", "episode"}
+    noisy = pr.collect_demonstrations(200, 4, generator=torch.Generator().manual_seed(3), noise_std=5.0)
+    _, summary = expert_demonstrations("PointReach-v0", 200, 4, seed=3, noise_std=5.0, device=torch.device("cpu"))
+    ends = torch.unique_consecutive(noisy["episode"], return_counts=True)[1].cumsum(0) - 1
+    want = noisy["success"][ends].float().mean().item()
+    assert 0.0 < want < 1.0 and summary["success_rate"] == pytest.approx(want)
