@@ -106,7 +106,8 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", wor
     ``workers`` = K >= 1 steps them in K worker processes, ``num_envs / K`` each
     (:class:`rlfunc.envs.workers.WorkerVectorEnv`: the same batches as ``workers=0`` for the same
     seeds and actions, and its env state captured by the workers); 0 steps them in this process
-    (``vectorization`` "sync"), or one process per env with gymnasium's AsyncVectorEnv ("async").
+    (``vectorization`` "sync"), or one process per env with gymnasium's AsyncVectorEnv ("async": started
+    by forkserver, observations sent through pipes, as its shared memory does not carry Text spaces).
 
     Raises:
         EnvError: unknown ``env_id``, ``num_envs < 1``, an unknown ``vectorization``, ``workers`` with
@@ -127,13 +128,11 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", wor
     try:
         if workers:
             return WorkerVectorEnv(env_id, num_envs, workers, **env_kwargs)
-        return gym.make_vec(
-            env_id,
-            num_envs=num_envs,
-            vectorization_mode=vectorization,
-            vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
-            **env_kwargs,
-        )
+        vector_kwargs = {"autoreset_mode": AutoresetMode.SAME_STEP}
+        if vectorization == "async":  # fresh workers (forked ones deadlocked in EGL after this process rendered) and
+            # observations through pipes: gymnasium's shared memory returned a Text observation's placeholder ("aaa...")
+            vector_kwargs.update(context="forkserver", shared_memory=False)
+        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization, vector_kwargs=vector_kwargs, **env_kwargs)
     except Exception as e:  # gymnasium raises many types here (DependencyNotInstalled, ImportError, ...)
         raise _build_error(env_id, e) from e
 

@@ -71,6 +71,39 @@ def test_renders_when_mujoco_was_imported_first():
     assert out.stdout.strip() in ("egl", "osmesa") and "Traceback" not in out.stderr
 
 
+def test_rendering_disabled_is_one_error_without_a_traceback():
+    """New-user pass: with MUJOCO_GL=disable (the fallback on a machine without EGL or OSMesa) the one-line
+    EnvError was followed by "Exception ignored in: <function Renderer.__del__>" tracebacks from a
+    half-built renderer. Now the error comes before any renderer is built."""
+    code = (
+        "import gymnasium as gym, envs\nfrom rlfunc.errors import EnvError\n"
+        "try:\n    gym.make('Push-v0').reset(seed=0)\nexcept EnvError as e:\n    print('EnvError', e)\n"
+    )
+    env = {**os.environ, "MUJOCO_GL": "disable"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("EnvError Push-v0 cannot render (MUJOCO_GL=disable") and "PushState-v0" in out.stdout
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@needs_rendering
+def test_async_vector_env_keeps_the_instructions_and_starts_after_rendering():
+    """New-user pass: make_vec_env("Push-v0", 2, vectorization="async") returned "aaaa..." for every
+    instruction (gymnasium's shared memory keeps a Text space's placeholder), and after this process had
+    rendered a Push-v0 env its forked workers deadlocked in EGL (reset never returned). Run in a child
+    with a time limit, so that a regression fails instead of hanging the suite."""
+    code = (
+        "import gymnasium as gym, envs\nfrom rlfunc.envs.collect import make_vec_env\n"
+        "gym.make('Push-v0').reset(seed=0)\n"
+        "a = make_vec_env('Push-v0', 2, vectorization='async'); oa, _ = a.reset(seed=0); a.close()\n"
+        "s = make_vec_env('Push-v0', 2); os_, _ = s.reset(seed=0); s.close()\n"
+        "assert tuple(oa['instruction']) == tuple(os_['instruction']), (oa['instruction'], os_['instruction'])\n"
+        "assert (oa['top'] == os_['top']).all() and not oa['instruction'][0].startswith('aaaa')\nprint('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_check_env_state():
     env = state_env()
     with warnings.catch_warnings():
