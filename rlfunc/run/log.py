@@ -38,7 +38,13 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 tb = Path(run_dir) / "tb"
-                self._tb = SummaryWriter(str(tb), purge_step=_purge_step(self.path) if tb.is_dir() else None)
+                resumed = tb.is_dir()
+                self._tb = SummaryWriter(str(tb), purge_step=0 if resumed else None)
+                if resumed:  # TensorBoard rebuilt from metrics.jsonl, which a resume has cut back (a crash) or
+                    # replaced (a rollback: the version's own history). Purging only past its last line kept an
+                    # abandoned branch's points at steps the new lines do not reach, two values at one step
+                    for record in read_metrics(self.path) if self.path.is_file() else []:
+                        self._scalars(record)
             except ImportError:
                 self._tb = None
         self._file = self.path.open("a", buffering=1)
@@ -47,28 +53,21 @@ class MetricsLogger:
         record = to_jsonable(record)
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            step = record.get("step", 0)
-            for key, value in record.items():
-                values = value if isinstance(value, list) else [value]
-                for i, v in enumerate(values):
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        tag = key if len(values) == 1 else f"{key}/seed{i}"
-                        self._tb.add_scalar(tag, v, step)
+            self._scalars(record)
+
+    def _scalars(self, record: dict[str, Any]) -> None:
+        step = record.get("step", 0)
+        for key, value in record.items():
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tag = key if len(values) == 1 else f"{key}/seed{i}"
+                    self._tb.add_scalar(tag, v, step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def _purge_step(metrics_path: Path) -> int:
-    """The first "step" past RUN_DIR/metrics.jsonl's last line (0 when it has none): a resumed run (a
-    crash, a rollback: the resume cut the lines past its snapshot or version) has TensorBoard hide the
-    events it logged there before, which the new ones replace (the bug: tb/ kept the abandoned
-    branch's points beside the new ones, two or three values per step, unlike metrics.jsonl)."""
-    records = read_metrics(metrics_path) if metrics_path.is_file() else []
-    step = records[-1].get("step", 0) if records else None
-    return int(step) + 1 if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) else 0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

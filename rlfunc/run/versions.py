@@ -174,17 +174,23 @@ def save_version(
             if spec["pack"] is None:
                 spec["pack"] = pack
 
+    number = max((_id_number(v) for v in _version_ids(root)), default=0) + 1  # a damaged manifest's id is never reused
+    vid = f"v{number:06d}"
     branch = current_branch(run_dir)
     parent = _head(root, branch, manifests)
     layer_change = {}
     if parent is not None:
         old = manifests[parent]["tensors"]
         tracked = [n for n, spec in table.items() if n.startswith(PARAMS_PREFIX) and n in old and old[n]["shape"] == spec["shape"]]
-        previous = _read_blobs(root, {n: old[n] for n in tracked if old[n]["blob"] != table[n]["blob"]}, parent)
+        try:
+            previous = _read_blobs(root, {n: old[n] for n in tracked if old[n]["blob"] != table[n]["blob"]}, parent)
+        except CheckpointError as e:  # only this statistic needs the parent's tensors: a damaged parent blob stopped
+            # every later resume here, after its first iteration, even from an intact snapshot
+            warnings.warn(f"{e}: version {vid} records no per-layer change against it "
+                          f"(`rlfunc versions rollback RUN_DIR V` to an intact version leaves it behind)", stacklevel=2)
+            tracked, previous = [], {}
         for name in tracked:
             layer_change[name] = relative_change(previous[name], tensors[name]) if name in previous else 0.0
-    number = max((_id_number(v) for v in _version_ids(root)), default=0) + 1  # a damaged manifest's id is never reused
-    vid = f"v{number:06d}"
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -212,7 +218,9 @@ def rollback(run_dir: str | os.PathLike, version: str, *, branch: str | None = N
     from ``version``; its versions carry the new branch name (the first one has parent ``version``).
     Nothing is deleted; ``version`` is pinned so that retention keeps it, and RUN_DIR/metrics.jsonl
     (which the resume cuts back to ``version``'s iteration) is copied first to
-    ``versions/branches/<branch>.previous-metrics.jsonl``.
+    ``versions/branches/<branch>.previous-metrics.jsonl``. A ``version`` of another branch than the
+    current one brings that branch's metrics lines back into RUN_DIR/metrics.jsonl (the file it had
+    when it was left), so the resumed run's lines are ``version``'s own history, then the new branch's.
 
     Args:
         version: an existing version id ("v000012"). branch: the new branch's name (letters, digits,
@@ -257,8 +265,15 @@ def _rollback(run_dir: str | os.PathLike, version: str, branch: str | None) -> s
     }
     _pin(root, run_dir, manifest["id"])
     metrics = Path(run_dir) / "metrics.jsonl"  # the resume truncates it to the version's iteration
+    # the version's own history: the current file, or the one its branch had when it was left (a branch is left
+    # once, by the rollback that recorded it as from_branch; the bug: a rollback onto another branch kept the
+    # current branch's lines up to the version's iteration, and lost the version's own)
+    left = [name for name, r in branches.items() if r.get("from_branch") == manifest["branch"]]
+    source = root / "branches" / f"{left[0]}.previous-metrics.jsonl" if manifest["branch"] != record["from_branch"] and left else None
     if metrics.is_file():
         _atomic_write(root / "branches" / f"{branch}.previous-metrics.jsonl", metrics.read_bytes())
+    if source is not None and source.is_file():
+        _atomic_write(metrics, source.read_bytes())
     _atomic_write(root / "branches" / f"{branch}.json", (json.dumps(record, indent=1) + "\n").encode())
     _atomic_write(root / "HEAD", (branch + "\n").encode())
     return branch
@@ -633,6 +648,8 @@ def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None
         try:
             out[vid] = _read_manifest(root / "manifests" / f"{vid}.json", cached=cached)
         except CheckpointError as e:
+            if not (root / "manifests" / f"{vid}.json").exists():  # deleted by the writer's retention since the listing
+                continue  # (a reader beside a training run warned "restore or delete the file" of it)
             if skip_bad is None:
                 raise
             skip_bad.append(vid)
@@ -690,8 +707,13 @@ def _branch_records(root: Path) -> dict[str, dict]:
             if entry.name.endswith(".json") and _BRANCH.fullmatch(name):
                 try:
                     out[name] = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+                except FileNotFoundError:  # removed since the listing
+                    continue
                 except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                     raise CheckpointError(f"{entry.path}: unreadable branch record ({_one_line(e)})") from e
+                if not isinstance(out[name], dict):  # valid JSON of another kind was an AttributeError traceback in retention
+                    raise CheckpointError(f"{entry.path}: not a branch record (expected a JSON object with its \"base\" "
+                                          f"version, got a {type(out[name]).__name__}); restore it or delete the file")
     return out
 
 

@@ -53,6 +53,28 @@ def test_a_resumed_run_replaces_tensorboards_points_past_its_snapshot(tmp_path):
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == points
 
 
+def test_tensorboard_follows_a_metrics_file_replaced_by_another_branchs_history(tmp_path):
+    """Versions pass: a rollback onto another branch brings that branch's lines back into metrics.jsonl;
+    TensorBoard purged only past the last line and kept the abandoned branch's value at a step the
+    restored lines hold (two values at step 200). It is rebuilt from metrics.jsonl on a resume."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path)
+    for i in range(1, 4):  # the branch being left: iterations 1-3
+        logger.log({"iteration": i, "step": 100 * i, "time": float(i), "loss": -1.0 * i})
+    logger.close()
+    other = [{"iteration": i, "step": 100 * i, "time": float(i), "loss": 5.0 * i} for i in (1, 2)]  # the version's own history
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
+    logger = MetricsLogger(tmp_path)
+    logger.log({"iteration": 3, "step": 300, "time": 3.0, "loss": 99.0})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert points == [(100, 5.0), (200, 10.0), (300, 99.0)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == points
+
+
 def test_learning_curve_of_seeds_without_an_ended_episode_draws_no_legend(tmp_path, recwarn):
     # matplotlib warned "No artists with labels found to put in legend", printed as an rlfunc warning
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "episode_return": [null, null]}\n')

@@ -154,6 +154,29 @@ def test_rollback_branches_and_resume_continues_exactly_from_the_version(tmp_pat
     assert versions.branch_heads(run) == {"main": "v000004", "retry": "v000006"}
 
 
+def test_a_rollback_onto_another_branch_brings_back_that_versions_own_metrics(tmp_path):
+    """Versions pass: main ran iterations 1-6; a rollback to v000002 (branch b1) resumed to 4; a rollback to
+    main's v000005 (b2) then kept b1's lines 1-4 and lost main's line 5 (metrics.jsonl held b1's line 3 and 4
+    where v000005's history has main's). Now the lines are main's 1-5, then b2's 6."""
+    config = preset("Pendulum-v1", total_steps=6 * 128, **TINY)
+    run = tmp_path / "run"
+    train(config, run, progress=False, tensorboard=False, evaluate=False)
+    main = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert cli.main(["versions", "rollback", str(run), "v000002", "--branch", "b1"]) == 0
+    train(config, run, resume=True, max_iterations=2, progress=False, tensorboard=False, evaluate=False)  # b1: 3, 4
+    b1 = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in b1] == [1, 2, 3, 4] and b1[2]["time"] != main[2]["time"]  # b1's own 3 and 4
+    assert cli.main(["versions", "rollback", str(run), "v000005", "--branch", "b2"]) == 0
+    train(config, run, resume=True, progress=False, tensorboard=False, evaluate=False)
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[:5] == main[:5]  # v000005's own history, line for line
+    assert [(m["id"], m["branch"], m["parent"]) for m in versions.list_versions(run)][-1] == ("v000009", "b2", "v000005")
+    # the branch left (b1) keeps its lines beside the store
+    kept = (run / "versions" / "branches" / "b2.previous-metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l) for l in kept] == b1
+
+
 def test_resume_takes_a_version_newer_than_the_latest_snapshot(tmp_path):
     # killed after iteration 3's version but before its snapshot (the last one is at iteration 2)
     import shutil
@@ -600,6 +623,48 @@ def test_rollback_and_pin_wait_for_no_run_and_name_a_store_they_cannot_write(tmp
     assert versions.rollback(tmp_path, v1["id"]) == f"from-{v1['id']}"  # with no one holding it: as before
     with pytest.raises(CheckpointError, match="no such directory"):
         versions.rollback(tmp_path / "nope", v1["id"])
+
+
+def test_a_corrupt_blob_of_the_head_version_does_not_stop_the_next_versions(tmp_path):
+    """Versions pass: a flipped bit in the head version's parameters made every later save_version (the
+    per-layer change reads the parent's tensors) fail, so a resume from an intact snapshot stopped after
+    one iteration, every time. Now that version records no change against it, with a warning."""
+    versions.save_version(tmp_path, _state([3.0, 4.0], [0.0]), {}, iteration=1, step=1)
+    m = versions.save_version(tmp_path, _state([3.0, 5.0], [0.0]), {}, iteration=2, step=2)
+    path = tmp_path / "versions" / "packs" / f"{m['tensors']['learner.params.w']['pack']}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"hash mismatch.*version v000003 records no per-layer change"):
+        new = versions.save_version(tmp_path, _state([3.0, 6.0], [0.0]), {}, iteration=3, step=3)
+    assert new["parent"] == "v000002" and new["layer_change"] == {}
+    after = versions.save_version(tmp_path, _state([3.0, 8.0], [0.0]), {}, iteration=4, step=4)  # an intact parent again
+    assert after["layer_change"]["learner.params.w"] == pytest.approx(2.0 / (9.0 + 36.0) ** 0.5)
+    assert torch.equal(versions.load_version(tmp_path, "v000004")[0]["learner", "params", "w"], torch.tensor([3.0, 8.0]))
+
+
+def test_a_branch_record_that_is_not_an_object_is_one_error(tmp_path):
+    """Versions pass: a branch record of valid JSON but not an object (["v000004"]) was an AttributeError
+    traceback from retention after a training iteration."""
+    for i in range(3):
+        versions.save_version(tmp_path, _state([float(i)], [0.0]), {}, iteration=i + 1, step=i + 1)
+    versions.rollback(tmp_path, "v000001", branch="x")
+    versions.rollback(tmp_path, "v000002", branch="y")
+    (tmp_path / "versions" / "branches" / "x.json").write_text('["v000001"]\n')
+    with pytest.raises(CheckpointError, match=r"x\.json: not a branch record \(expected a JSON object .* got a list\)"):
+        versions.save_version(tmp_path, _state([7.0], [0.0]), {}, iteration=3, step=3, keep_last=2)
+
+
+def test_a_reader_beside_the_writer_passes_over_manifests_retention_deleted(tmp_path, monkeypatch, recwarn):
+    """Versions pass: `rlfunc versions list` beside a training run warned "unreadable manifest ...
+    restore or delete the file" of versions its retention had just deleted (listed, then gone)."""
+    for i in range(3):
+        versions.save_version(tmp_path, _state([float(i)], [0.0]), {}, iteration=i + 1, step=i + 1)
+    listing = versions._version_ids(tmp_path / "versions")
+    (tmp_path / "versions" / "manifests" / "v000001.json").unlink()  # retention, between the listing and the read
+    monkeypatch.setattr(versions, "_version_ids", lambda root: listing)
+    assert [m["id"] for m in versions.list_versions(tmp_path, skip_bad=True)] == ["v000002", "v000003"]
+    assert not [w for w in recwarn if "unreadable manifest" in str(w.message)]
 
 
 def test_a_damaged_branch_record_or_head_is_named_not_dropped(tmp_path):
