@@ -78,7 +78,17 @@ def _show(argv: list[str]) -> int:
     a = p.parse_args(argv)
     m = versions.read_manifest(a.run_dir, a.version)
     out = {k: v for k, v in m.items() if k not in ("tensors", "format", "format_version")}
-    out["tensors"] = {k: f"{spec['dtype']}{spec['shape']} {spec['blob'][:12]}" for k, spec in m["tensors"].items()}
+    tensors, blocks = {}, {}
+    for k, spec in m["tensors"].items():
+        name, sep, index = k.rpartition(versions.BLOCK_SEP)
+        if sep and index.isdigit():  # a replay buffer's rows, stored in blocks: one line of them
+            blocks.setdefault(name, []).append(spec)
+        else:
+            tensors[k] = f"{spec['dtype']}{spec['shape']} {spec['blob'][:12]}"
+    for name, specs in blocks.items():
+        rows = sum(spec["shape"][0] for spec in specs)
+        tensors[name] = f"{specs[0]['dtype']}{[rows, *specs[0]['shape'][1:]]} in {len(specs)} blocks of <= {versions.BLOCK_ROWS} rows"
+    out["tensors"] = dict(sorted(tensors.items()))
     print(json.dumps(_strict(out), indent=1))
     return 0
 

@@ -73,6 +73,8 @@ FORMAT = "rlfunc.version"
 FORMAT_VERSION = 2  # 1: one file per blob (never released)
 MAIN = "main"
 PARAMS_PREFIX = "learner.params."  # keys whose per-layer change is tracked (the trainer's layout)
+BLOCK_ROWS = 4096  # a tensor of more rows (a replay buffer's key; not a parameter) is stored as blocks of this many
+BLOCK_SEP = ".."  # "buffer.reward..3": block 3 of "buffer.reward" (a name snapshots never hold: an empty key part)
 
 _ID = re.compile(r"v(\d{6,})")
 _BLOB = re.compile(r"[0-9a-f]{64}")
@@ -92,6 +94,43 @@ def tensor_hash(t: torch.Tensor) -> str:
             flat = torch.empty(t.numel(), dtype=t.dtype).copy_(flat)
         h.update(flat.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _row_blocks(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each one of more than BLOCK_ROWS rows outside the parameters split into blocks of
+    BLOCK_ROWS rows (views), named ``name..0``, ``name..1`` ... A replay buffer's key is one tensor of every
+    filled row, which changes each iteration: whole, each version stored the buffer anew (the storage grew
+    with the square of the run's length); in blocks, a version stores the blocks its iteration wrote."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(PARAMS_PREFIX) or t.dim() == 0 or t.shape[0] <= BLOCK_ROWS:
+            out[name] = t
+        else:
+            for i, block in enumerate(t.split(BLOCK_ROWS)):
+                out[f"{name}{BLOCK_SEP}{i}"] = block
+    return out
+
+
+def _joined_blocks(stored: Mapping[str, torch.Tensor], version: str) -> dict[str, torch.Tensor]:
+    """:func:`_row_blocks` undone: each ``name..i`` series concatenated in block order.
+
+    Raises:
+        CheckpointError: a series with a gap, or blocks that do not concatenate (a damaged manifest)."""
+    out, series = {}, {}
+    for key, t in stored.items():
+        name, sep, index = key.rpartition(BLOCK_SEP)
+        if sep and index.isdigit():
+            series.setdefault(name, {})[int(index)] = t
+        else:
+            out[key] = t
+    for name, blocks in series.items():
+        if sorted(blocks) != list(range(len(blocks))) or name in out:
+            raise CheckpointError(f"{version}: the blocks of {name!r} are {sorted(blocks)}, expected 0..{len(blocks) - 1}")
+        try:
+            out[name] = torch.cat([blocks[i] for i in range(len(blocks))])
+        except RuntimeError as e:
+            raise CheckpointError(f"{version}: the blocks of {name!r} do not fit together ({_one_line(e)})") from None
+    return out
 
 
 def relative_change(old: torch.Tensor, new: torch.Tensor) -> float:
@@ -148,6 +187,7 @@ def save_version(
     meta = _check_meta(meta)
     metrics = _check_meta(metrics or {})
     tensors = _cpu_tensors(_flatten(state, "state"))
+    stored_as = _row_blocks(tensors)  # what the packs hold: a replay buffer's rows in blocks, so unchanged ones are shared
     root = _root(run_dir)
     for sub in ("packs", "manifests"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -160,11 +200,11 @@ def save_version(
     stored = {blob: pack for blob, pack in stored.items() if blob in readable[pack]}
 
     table, new = {}, {}
-    for name, t in sorted(tensors.items()):
+    for name, t in sorted(stored_as.items()):
         digest = tensor_hash(t)
         table[name] = {"blob": digest, "pack": stored.get(digest), "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
         if digest not in stored:
-            new[digest] = t
+            new[digest] = t.clone() if t._base is not None else t  # a block is a view; a pack's tensors own their storage
     written_bytes = 0
     if new:
         data = st_save(new)
@@ -403,7 +443,7 @@ def load_version(
     """
     root = _existing_root(run_dir)
     manifest = read_manifest(run_dir, version)
-    tensors = _read_blobs(root, manifest["tensors"], version)
+    tensors = _joined_blocks(_read_blobs(root, manifest["tensors"], version), version)
     if like is not None:
         _match_like(f"{version} of {run_dir}", tensors, like, "version", "does not match the run", "exact")
     target = torch.device("cpu") if device is None else resolve_device(device)

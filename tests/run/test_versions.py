@@ -625,6 +625,30 @@ def test_rollback_and_pin_wait_for_no_run_and_name_a_store_they_cannot_write(tmp
         versions.rollback(tmp_path / "nope", v1["id"])
 
 
+def test_a_replay_buffer_is_stored_in_row_blocks_that_versions_share(tmp_path, capsys):
+    """Versions pass: an off-policy run's buffer key is one tensor of every filled row, new each iteration,
+    so each version stored the whole buffer anew. Rows past BLOCK_ROWS are stored in blocks: a version
+    writes the blocks its iteration changed, and a load joins them back, exactly."""
+    g = torch.Generator().manual_seed(0)
+    n = 2 * versions.BLOCK_ROWS + 100  # three blocks
+    rows = torch.randn(n, 3, generator=g)
+    first = _state([1.0], [0.0], extra=rows.clone())
+    versions.save_version(tmp_path, first, {}, iteration=1, step=1)
+    rows[-10:] += 1.0  # the iteration wrote the last rows (the ring buffer's cursor) and the weights
+    second = versions.save_version(tmp_path, _state([2.0], [0.0], extra=rows.clone()), {}, iteration=2, step=2)
+    assert sorted(k for k in second["tensors"] if k.startswith("extra")) == ["extra..0", "extra..1", "extra..2"]
+    assert second["written"]["blobs"] == 2  # the weights' changed blob and the last block, not the whole buffer
+    assert second["written"]["bytes"] < 4 * 200 * 3 + 1000
+    loaded, _ = versions.load_version(tmp_path, "v000002", like=_state([2.0], [0.0], extra=rows))
+    assert torch.equal(loaded["extra"], rows) and torch.equal(versions.load_version(tmp_path, "v000001")[0]["extra"], first["extra"])
+    assert cli.main(["versions", "show", str(tmp_path), "v000002"]) == 0
+    shown = json.loads(capsys.readouterr().out)["tensors"]
+    assert shown["extra"] == f"float32[{n}, 3] in 3 blocks of <= {versions.BLOCK_ROWS} rows" and "extra..0" not in shown
+    # a block gone from the manifest (a damaged one) is named, not a silently shorter buffer
+    with pytest.raises(CheckpointError, match=r"the blocks of 'extra' are \[0, 2\], expected 0..1"):
+        versions._joined_blocks({"extra..0": rows[:2], "extra..2": rows[2:4]}, "v000002")
+
+
 def test_a_corrupt_blob_of_the_head_version_does_not_stop_the_next_versions(tmp_path):
     """Versions pass: a flipped bit in the head version's parameters made every later save_version (the
     per-layer change reads the parent's tensors) fail, so a resume from an intact snapshot stopped after
