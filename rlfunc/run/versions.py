@@ -6,7 +6,10 @@ Layout::
         packs/<sha256>.safetensors   the tensors a version added, each under its blob hash
                                      sha256(dtype | shape | raw bytes): a tensor that did not change
                                      between versions is stored once, in the pack of the version that
-                                     first had it; the file name is the sha256 of the file
+                                     first had it; the file name is the sha256 of the file. A tensor of
+                                     more than BLOCK_ROWS rows outside the parameters (a replay buffer's
+                                     key) is stored as row blocks, "key..0", "key..1" ..., so that a
+                                     version adds only the blocks that changed
         manifests/v000012.json       one version: id, parent, branch, iteration, step, created time,
                                      tensor key -> blob hash/pack/shape/dtype, the caller's meta (config, env
                                      id/spec/wrappers, seeds, env RNG states ...), a metrics summary, the
