@@ -73,7 +73,7 @@ def test_point_reach_has_a_torch_builder_and_an_expert():
     entry = registry.lookup("PointReach-v0")
     data, summary = entry.demonstrations("PointReach-v0", 4, 3, seed=0, noise_std=0.0, device=torch.device("cpu"))
     assert set(data.keys()) == {"observation", "action", "episode"} and data["action"].shape[1:] == (3, pr.ACT_DIM)
-    assert summary == {"num_episodes": 4, "num_samples": data.batch_size[0]}
+    assert summary == {"success_rate": 1.0, "num_episodes": 4, "num_samples": data.batch_size[0]}  # as demos.py documents
     assert "PointReach-v0" in registry.ids("demonstrations")
 
 
