@@ -42,6 +42,13 @@ def check_episodes(episodes, copies: int = 1, name: str = "episodes") -> None:
                           f"per episode at once, at most {MAX_EVAL_ENVS}: about 1 MB each for a MuJoCo env)")
 
 
+def check_eval_seed(seed) -> None:
+    """ConfigError unless ``seed`` (an evaluation's first reset seed, ``rlfunc eval --seed``) is None or an
+    integer in [0, 2**31) (-5 or 1e11 reached numpy's or an env's own error, or were taken silently)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**31):
+        raise ConfigError(f"seed={seed!r}: expected an integer in [0, 2**31)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """How a run is run: seeds, device, threads, how seeds are mapped, mixed precision, the snapshot

@@ -10,7 +10,7 @@ from pathlib import Path
 from rlfunc.algos import registry
 from rlfunc.algos.ppo import PPOConfig
 from rlfunc.cli.common import Parser, train_command
-from rlfunc.errors import ConfigError
+from rlfunc.config import check_eval_seed
 
 
 def train(name: str, argv: list[str]) -> int:
@@ -43,6 +43,5 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
     """
     from rlfunc.run.ppo import evaluate
 
-    if seed is not None and not 0 <= seed < 2**31:
-        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
+    check_eval_seed(seed)
     return evaluate(run_dir, episodes, seed=seed, device=device)

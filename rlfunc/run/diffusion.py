@@ -64,8 +64,8 @@ from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
-from rlfunc.config import check_episodes
-from rlfunc.errors import CheckpointError, ConfigError
+from rlfunc.config import check_episodes, check_eval_seed
+from rlfunc.errors import CheckpointError
 from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import Run
 from rlfunc.run.resume import (STATE_LAYOUT, ResumePoint, buffer_snapshot, env_rng_snapshot, optim_from_layout_1, restore_buffer,
@@ -197,7 +197,8 @@ def evaluate_run(
 
     Raises:
         CheckpointError: no diffusion snapshot, or its schedule does not match its actor spec.
-        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`).
+        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`)
+            or ``seed`` outside [0, 2**31).
     """
     dev = resolve_device(device)
     spec, params, obs_stats, meta, info, encoder = load_actor(run_dir, dev)
@@ -210,8 +211,7 @@ def evaluate_run(
     except (AttributeError, TypeError, ValueError):
         raise CheckpointError(f"{run_dir}: meta.json holds no valid config (eval_episodes, seed, eval_eta)") from None
     check_episodes(episodes)
-    if not 0 <= seed < 2**31:
-        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
+    check_eval_seed(seed)
     actor = DiffusionActor(spec, info, info.act_dim, dev)
     env_id = config.get("env", "PointReach-v0")
     summary = evaluate_episodes(actor, params, obs_stats, schedule_for(spec, dev), env_id, episodes,

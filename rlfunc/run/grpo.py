@@ -39,7 +39,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
-from rlfunc.config import check_episodes
+from rlfunc.config import check_episodes, check_eval_seed
 from rlfunc.errors import EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
@@ -231,7 +231,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
 
     Raises:
         CheckpointError: no snapshot, not a grpo/gspo one, or a learner state that does not match its
-            config (a missing, extra or reshaped key). ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`).
+            config (a missing, extra or reshaped key). ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`),
+            or ``seed`` outside [0, 2**31).
     """
     snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
@@ -239,6 +240,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     state_layout(str(snap), meta, "grpo/gspo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.run.eval_episodes if episodes is None else episodes
     check_episodes(episodes, config.run.num_seeds)
+    check_eval_seed(seed)
     dev = resolve_device(device)
     spec = _spec(config.env)
     like = make_grpo(config, spec, dev).init().exclude("optim")

@@ -38,7 +38,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
-from rlfunc.config import check_episodes, replace
+from rlfunc.config import check_episodes, check_eval_seed, replace
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_reset
@@ -172,8 +172,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     state_layout(str(snap), meta, "mappo")  # layout 1 and 2 keep the same "learner" (the optimizer aside)
     if episodes is not None:
         check_episodes(episodes, len(config.eval_seeds) if seed is None else 1)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
-        raise ConfigError(f"seed={seed!r}: expected an integer in [0, 2**31)")
+    check_eval_seed(seed)
     dims = {k: meta.get(k) for k in ("obs_dim", "n_agents", "n_actions")}
     if not all(type(v) is int and v >= 1 for v in dims.values()):
         raise CheckpointError(f"{snap}: meta.json {dims}: expected ints >= 1")

@@ -50,8 +50,8 @@ from rlfunc.core.stats import success_summary, summarize_returns
 from rlfunc.device import resolve_device, span
 from rlfunc.envs import collect
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
-from rlfunc.config import check_episodes
-from rlfunc.errors import ConfigError, EnvError
+from rlfunc.config import check_episodes, check_eval_seed
+from rlfunc.errors import EnvError
 from rlfunc.run import Run, checkpoint
 from rlfunc.run.ppo import EVAL_SEED_OFFSET
 from rlfunc.run.resume import ResumePoint, buffer_snapshot, restore_buffer, set_generator_state, state_meta
@@ -341,8 +341,7 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
     episodes = config.run.eval_episodes if episodes is None else episodes
     seed = config.run.seed if seed is None else seed
     check_episodes(episodes)
-    if not 0 <= seed < 2**31:
-        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**31)")
+    check_eval_seed(seed)
     dev = resolve_device(device)
     venv = collect.make_vec_env(config.env, 1)
     try:

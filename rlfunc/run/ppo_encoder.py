@@ -44,7 +44,7 @@ from rlfunc.core import func
 from rlfunc.device import resolve_device, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.envs.collect import reports_success
-from rlfunc.config import check_episodes
+from rlfunc.config import check_episodes, check_eval_seed
 from rlfunc.errors import CheckpointError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.optim.amp import precision, without_loss_scale
@@ -232,7 +232,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     Raises:
         CheckpointError: no snapshot, not an encoder-PPO one, of an unknown (newer) state layout, or
             weights that do not match its config.
-        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`). EnvError: no episode ended within the env's time limit.
+        ConfigError: ``episodes`` not an integer in [1, MAX_EVAL_ENVS / seeds] (:func:`rlfunc.config.check_episodes`)
+            or ``seed`` outside [0, 2**31). EnvError: no episode ended within the env's time limit.
     """
     snap = checkpoint.snapshot_to_read(run_dir)
     meta = checkpoint.load_meta(snap)
@@ -240,6 +241,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     state_layout(str(snap), meta, ALGO)  # layouts 1 and 2 keep the same "learner" (the optimizer aside)
     episodes = config.run.eval_episodes if episodes is None else episodes
     check_episodes(episodes, config.run.num_seeds)
+    check_eval_seed(seed)
     try:
         info = EnvInfo.from_meta(dict(meta["env_info"]))
     except (KeyError, TypeError, ValueError) as e:

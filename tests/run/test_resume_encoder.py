@@ -18,7 +18,7 @@ import torch
 from envs.push import env as pe
 from rlfunc.config import replace
 from rlfunc.algos.ppo_encoder import PPOEncoderConfig
-from rlfunc.errors import CheckpointError
+from rlfunc.errors import CheckpointError, ConfigError
 from rlfunc.run import checkpoint
 
 pytestmark = pytest.mark.skipif(not pe.rendering_available(), reason=f"no working OpenGL (backend {pe.gl_backend()})")
@@ -165,6 +165,8 @@ def test_a_run_written_by_the_old_code_evaluates_and_resumes_as_it_would_have(tm
     assert "state_layout" not in meta and meta["optim_leaves"] == list(range(78)) and "version_every" not in meta["config"]
     result = evaluate_run(run, 1, device="cpu")
     assert result["env_steps"] == 8 and result["episodes"] == 1
+    with pytest.raises(ConfigError, match=r"seed=-5: expected an integer in \[0, 2\*\*31\)"):  # was chunk.py's traceback
+        evaluate_run(run, 1, seed=-5, device="cpu")
     resumed = resume(run, total_steps=16, **QUIET)
     assert int(resumed.state["iteration"]) == 4 and resumed.evaluation["env_steps"] == 16
     # torch.optim's entries (numbered in that optimizer's order) became the chain's Adam state leaf

@@ -182,6 +182,12 @@ def test_grpo_resume_extends_with_total_steps(tmp_path):
     train(short_config, tmp_path / "part", progress=False, tensorboard=False)
     resumed = resume(tmp_path / "part", total_steps=full_config.total_steps, progress=False, tensorboard=False)
     _assert_same_run(tmp_path / "full", tmp_path / "part", full.state, resumed.state, 4)
+    # flags pass: `rlfunc eval --seed -2000000` of a grpo run was numpy's traceback; -5 and 1e11 evaluated
+    from rlfunc.run.grpo import evaluate_run
+
+    for seed in (-5, -2_000_000, 99_999_999_999):
+        with pytest.raises(ConfigError, match=rf"seed={seed}: expected an integer in \[0, 2\*\*31\)"):
+            evaluate_run(tmp_path / "full", 2, seed=seed, device="cpu")
 
 
 def test_resume_without_a_snapshot_names_the_run_dir(tmp_path, small_warehouse):
