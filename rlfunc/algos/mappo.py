@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_fields, replace, require_default
+from rlfunc.config import RunConfig, check_episodes, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
@@ -125,6 +125,9 @@ class MAPPOConfig:
             raise ConfigError("eval_seeds=(): expected at least one seed for the final evaluation")
         if any(not 0 <= seed < 2**32 for seed in self.eval_seeds):  # -1 failed in numpy after the whole training
             raise ConfigError(f"eval_seeds={self.eval_seeds}: expected seeds in [0, 2**32)")
+        # the final evaluation steps eval_episodes envs per eval seed at once (rlfunc eval's cap); 5000 x 3 seeds
+        # trained to the end and was then killed for memory (24 GB)
+        check_episodes(self.run.eval_episodes, len(self.eval_seeds), "run.eval_episodes")
         if self.loss != "ppo" and self.num_envs % self.group_size:
             raise ConfigError(f"num_envs={self.num_envs} is not a multiple of group_size={self.group_size}")
         self.check_data_parallel()  # before torchrun starts the ranks

@@ -258,3 +258,15 @@ def test_a_budget_is_rounded_up_to_whole_iterations():
     config = replace(MAPPOConfig(), loss="ppo", num_envs=8, rollout_steps=100, total_steps=8192)
     assert config.steps_per_iteration == 800 and config.num_iterations == 11
     assert replace(config, total_steps=8000).num_iterations == 10 and replace(config, total_steps=1).num_iterations == 1
+
+
+def test_eval_episodes_are_capped_with_the_eval_seeds_counted():
+    """Flags pass: `rlfunc train mappo --eval-episodes 5000` was accepted (the cap counted one seed), trained to
+    the end, and its final evaluation of 5000 warehouses x 3 eval seeds was killed for memory (24 GB). Now the
+    config refuses it as `rlfunc eval` does."""
+    from rlfunc.algos.mappo import preset
+
+    with pytest.raises(ConfigError, match=r"run.eval_episodes=5000 per seed, 3 seeds: expected at most 3333"):
+        preset("Warehouse-v0", eval_episodes=5000)
+    assert preset("Warehouse-v0", eval_episodes=3333).run.eval_episodes == 3333
+    assert preset("Warehouse-v0", eval_episodes=5000, eval_seeds=(7,)).run.eval_episodes == 5000  # one seed: 5000 envs
