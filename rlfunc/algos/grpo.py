@@ -136,6 +136,11 @@ class GRPOConfig:
             raise ConfigError(f"aggregation={self.aggregation!r}: expected 'token', 'sequence' or 'constant'")
         if self.advantage_std not in ("group", "batch", "none"):
             raise ConfigError(f"advantage_std={self.advantage_std!r}: expected 'group', 'batch' or 'none'")
+        other = {"grpo": "gspo", "gspo": "grpo"}.get(self.loss)
+        for name in OTHER_LOSS_FIELDS.get(self.loss, ()):  # the other loss's settings were taken and ignored, silently
+            if getattr(self, name) != _DEFAULTS[name]:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: a setting of {other}, which loss={self.loss!r} does not read "
+                                  f"(train {other} for it: `rlfunc train {other}`)")
         if self.run.compile == "on" and not self.compilable:
             raise ConfigError(f"run.compile='on': {self.loss} compiles its plain gradient step only; expected no step transform "
                               "(oscillation_damping) and adaptive_clip=False with it (or --compile off)")
@@ -220,6 +225,12 @@ PRESETS: dict[tuple[str, str], dict] = {
     ("Pendulum-v1", "grpo"): dict(max_episode_steps=200, num_groups=8, group_size=8, minibatch_size=16, lr=1e-3),
     ("Pendulum-v1", "gspo"): dict(max_episode_steps=200, num_groups=8, group_size=8, minibatch_size=16, lr=1e-3),
 }
+
+
+# the fields only the other loss reads: set on this one, they were accepted and had no effect
+OTHER_LOSS_FIELDS = {"grpo": ("gspo_clip_epsilon", "gspo_clip_epsilon_high", "gspo_variant"),
+                     "gspo": ("clip_epsilon", "clip_epsilon_high", "aggregation")}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
 
 
 def preset(env: str, loss: str = "grpo", **overrides) -> GRPOConfig:

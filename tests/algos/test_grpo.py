@@ -609,3 +609,17 @@ def test_grpo_gym_backend_seed_k_of_a_batch_resets_as_the_run_of_seed_k_alone(tm
         assert torch.equal(starts[0][i][1], starts[1][i][0]) and not torch.equal(starts[0][i][0], starts[0][i][1])
     runs = [train(c, tmp_path / str(k), progress=False, tensorboard=False) for k, c in enumerate((pair, alone))]
     torch.testing.assert_close(runs[0].evaluation["per_seed_mean"][1], runs[1].evaluation["per_seed_mean"][0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("loss, field, value", [("grpo", "gspo_variant", "token"), ("grpo", "gspo_clip_epsilon", 0.5),
+                                                ("gspo", "aggregation", "constant"), ("gspo", "clip_epsilon", 0.9),
+                                                ("gspo", "clip_epsilon_high", 5.0)])
+def test_the_other_losss_settings_are_refused(loss, field, value):
+    """Flags pass: `rlfunc train grpo --gspo-variant token --gspo-clip-epsilon 0.5` and `rlfunc train gspo
+    --aggregation constant --clip-epsilon 0.9` trained exactly as without them (config.json recorded them)."""
+    from rlfunc.algos.grpo import preset
+
+    other = "gspo" if loss == "grpo" else "grpo"
+    with pytest.raises(ConfigError, match=rf"{field}={value!r}: a setting of {other}, which loss='{loss}' does not read"):
+        preset("Pendulum-v1", loss, **{field: value})
+    assert getattr(preset("Pendulum-v1", other, **{field: value}), field) == value  # its own loss takes it
