@@ -40,7 +40,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlfunc.envs import collect
-from rlfunc.envs.workers import PRELOAD, _start_forkserver_ignoring_sigint, _without_main
+from rlfunc.envs.workers import PRELOAD, _start_forkserver_ignoring_sigint, without_main
 from rlfunc.errors import ConfigError, EnvError
 
 # a collector (re)started at iteration ``it`` of a run of seed s seeds its envs from s + RESTART_STRIDE * it and its
@@ -190,7 +190,7 @@ class AsyncCollector:
         self.closed = False
         self.process = ctx.Process(target=_collect, name="rlfunc-collector", daemon=True,
                                    args=(source, self.weights, self.version, self.lock, self.items, self.stop, seed))
-        with _without_main():
+        with without_main():
             self.process.start()
 
     def next(self) -> tuple[TensorDict, int]:

@@ -129,10 +129,17 @@ def make_vec_env(env_id: str, num_envs: int, *, vectorization: str = "sync", wor
         if workers:
             return WorkerVectorEnv(env_id, num_envs, workers, **env_kwargs)
         vector_kwargs = {"autoreset_mode": AutoresetMode.SAME_STEP}
-        if vectorization == "async":  # fresh workers (forked ones deadlocked in EGL after this process rendered) and
-            # observations through pipes: gymnasium's shared memory returned a Text observation's placeholder ("aaa...")
-            vector_kwargs.update(context="forkserver", shared_memory=False)
-        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization, vector_kwargs=vector_kwargs, **env_kwargs)
+        if vectorization != "async":
+            return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization, vector_kwargs=vector_kwargs, **env_kwargs)
+        from rlfunc.envs.workers import without_main
+
+        # fresh workers (forked ones deadlocked in EGL after this process rendered), started without re-running this
+        # process's main script (one without a __main__ guard failed), observations through pipes (gymnasium's shared
+        # memory returned a Text observation's placeholder, "aaa...")
+        vector_kwargs.update(context="forkserver", shared_memory=False)
+        with without_main():
+            return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization, vector_kwargs=vector_kwargs,
+                                **env_kwargs)
     except Exception as e:  # gymnasium raises many types here (DependencyNotInstalled, ImportError, ...)
         raise _build_error(env_id, e) from e
 

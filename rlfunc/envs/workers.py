@@ -9,7 +9,7 @@
   the pipe. Workers start from multiprocessing's "forkserver" (a clean process that has imported
   torch and gymnasium once: a worker inherits neither the learner's threads nor its GL contexts,
   and starts in a fraction of a second after the first), without re-running the parent's main
-  script (:func:`_without_main`); each builds its own envs, so MuJoCo rendering (EGL or OSMesa,
+  script (:func:`without_main`); each builds its own envs, so MuJoCo rendering (EGL or OSMesa,
   ``MUJOCO_GL``) gets a context per worker.
 - :class:`WorkerVectorEnv`: a gymnasium ``VectorEnv`` whose K parts are each a sync vector env of N/K
   copies with SAME_STEP autoreset (:class:`VectorPart`): the same observations, rewards, flags and
@@ -97,7 +97,7 @@ def _start_forkserver_ignoring_sigint() -> None:
 
 
 @contextlib.contextmanager
-def _without_main():
+def without_main():
     """While a worker starts: a bare ``__main__``, so that multiprocessing does not make the worker
     import the parent's main script (slow, and wrong for a script without a ``__main__`` guard); the
     worker runs functions of this module only."""
@@ -184,7 +184,7 @@ class PartPool:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker, args=(factory, lo, hi, buffers, num_envs, child, parent),
                                 name=f"rlfunc-env-worker-{k}", daemon=True)
-                with _without_main():
+                with without_main():
                     p.start()
                 child.close()
                 self.pipes.append(parent)

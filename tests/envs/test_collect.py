@@ -300,3 +300,23 @@ def test_a_torchrl_collector_over_a_discrete_env_takes_index_actions():
     assert 0 < end < t
     for key in ["observation", "action", ("next", "observation"), ("next", "reward")]:
         torch.testing.assert_close(ours[key][:, :end + 1], theirs[key][:, :end + 1].to(ours[key].dtype).reshape(ours[key][:, :end + 1].shape))
+
+
+def test_async_vector_env_starts_from_a_script_without_a_main_guard(tmp_path):
+    """Review of 4fb0c45: forkserver workers re-ran the parent's main script, so a script without an
+    ``if __name__ == "__main__"`` guard failed with multiprocessing's bootstrapping error (blamed on the env
+    as ConnectionResetError). The workers now start without it, as rlfunc's own env workers do."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from rlfunc.envs.collect import make_vec_env\n"
+                      "v = make_vec_env('CartPole-v1', 2, vectorization='async')\n"
+                      "o, _ = v.reset(seed=0)\nprint('ok', tuple(o.shape))\nv.close()\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok (2, 4)", out.stderr[-2000:]
+    assert "bootstrapping" not in out.stderr
