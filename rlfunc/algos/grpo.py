@@ -136,11 +136,6 @@ class GRPOConfig:
             raise ConfigError(f"aggregation={self.aggregation!r}: expected 'token', 'sequence' or 'constant'")
         if self.advantage_std not in ("group", "batch", "none"):
             raise ConfigError(f"advantage_std={self.advantage_std!r}: expected 'group', 'batch' or 'none'")
-        other = {"grpo": "gspo", "gspo": "grpo"}.get(self.loss)
-        for name in OTHER_LOSS_FIELDS.get(self.loss, ()):  # the other loss's settings were taken and ignored, silently
-            if getattr(self, name) != _DEFAULTS[name]:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: a setting of {other}, which loss={self.loss!r} does not read "
-                                  f"(train {other} for it: `rlfunc train {other}`)")
         if self.run.compile == "on" and not self.compilable:
             raise ConfigError(f"run.compile='on': {self.loss} compiles its plain gradient step only; expected no step transform "
                               "(oscillation_damping) and adaptive_clip=False with it (or --compile off)")
@@ -233,9 +228,26 @@ OTHER_LOSS_FIELDS = {"grpo": ("gspo_clip_epsilon", "gspo_clip_epsilon_high", "gs
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
 
 
+def check_loss_fields(config: GRPOConfig) -> None:
+    """ConfigError for a field only the other loss reads, set away from its default (grpo took
+    --gspo-variant and gspo took --aggregation, recorded them in config.json and trained as without
+    them). Checked where a run is configured (:func:`preset`, ``rlfunc train``), not on every config:
+    runs saved with such a field still evaluate and resume."""
+    other = {"grpo": "gspo", "gspo": "grpo"}.get(config.loss)
+    for name in OTHER_LOSS_FIELDS.get(config.loss, ()):
+        if getattr(config, name) != _DEFAULTS[name]:
+            raise ConfigError(f"{name}={getattr(config, name)!r}: a setting of {other}, which loss={config.loss!r} does not read "
+                              f"(train {other} for it: `rlfunc train {other}`)")
+
+
 def preset(env: str, loss: str = "grpo", **overrides) -> GRPOConfig:
-    """The preset for (``env``, ``loss``) (defaults for pairs without one) with ``overrides`` applied."""
-    return replace(GRPOConfig(), **{**PRESETS.get((env, loss), {}), "env": env, "loss": loss, **overrides})
+    """The preset for (``env``, ``loss``) (defaults for pairs without one) with ``overrides`` applied.
+
+    Raises:
+        ConfigError: as :class:`GRPOConfig`, or an override only the other loss reads (:func:`check_loss_fields`)."""
+    config = replace(GRPOConfig(), **{**PRESETS.get((env, loss), {}), "env": env, "loss": loss, **overrides})
+    check_loss_fields(config)
+    return config
 
 
 class GRPO(NamedTuple):

@@ -12,11 +12,12 @@ LOSS_TITLES = {"grpo": "GRPO (per-step ratio)", "gspo": "GSPO (one ratio per epi
 def train(algo: str, argv: list[str]) -> int:
     """``rlfunc train grpo|gspo ARGV...`` (:func:`rlfunc.cli.common.train_command`): a GRPOConfig with
     ``loss=algo``, from the (env, algo) preset."""
-    from rlfunc.algos.grpo import preset
+    from rlfunc.algos.grpo import check_loss_fields, preset
 
     def check(config) -> None:
         if config.loss != algo:
             raise ConfigError(f"--loss={config.loss}: the loss is chosen by the subcommand (`rlfunc train {config.loss}`)")
+        check_loss_fields(config)
 
     return train_command(
         algo, argv, default=lambda env: preset(env, algo), check=check, also="evaluate it with `rlfunc eval {run_dir}`",

@@ -623,3 +623,15 @@ def test_the_other_losss_settings_are_refused(loss, field, value):
     with pytest.raises(ConfigError, match=rf"{field}={value!r}: a setting of {other}, which loss='{loss}' does not read"):
         preset("Pendulum-v1", loss, **{field: value})
     assert getattr(preset("Pendulum-v1", other, **{field: value}), field) == value  # its own loss takes it
+    # a run saved with it before the check (it trained as without it) still loads, to evaluate and resume
+    import dataclasses
+
+    assert getattr(dataclasses.replace(preset("Pendulum-v1", loss), **{field: value}), field) == value
+
+
+def test_the_cli_refuses_the_other_losss_flag(tmp_path, capsys):
+    from rlfunc.cli.commands import main
+
+    assert main(["train", "gspo", "--env", "Pendulum-v1", "--aggregation", "constant", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "aggregation='constant': a setting of grpo, which loss='gspo' does not read" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
