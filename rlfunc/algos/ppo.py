@@ -280,6 +280,16 @@ class PPO(NamedTuple):
 AUTO_COMPILE_STEPS = 20_000
 
 
+def check_new_run(config: PPOConfig, spec: EnvSpec) -> None:
+    """ConfigError for a setting a new run on ``spec``'s env would take and not use: ``init_log_std`` with
+    Discrete or MultiDiscrete actions (the categorical policy has no log std; it was recorded in
+    config.json and changed nothing). For a new run only: a saved one with it still evaluates and resumes."""
+    kind = getattr(spec, "action_kind", "box")
+    if kind != "box" and config.init_log_std != PPOConfig.init_log_std:
+        raise ConfigError(f"init_log_std={config.init_log_std}: env={config.env!r} has {kind} actions, whose categorical "
+                          f"policy has no log std; leave it at {PPOConfig.init_log_std}")
+
+
 def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) -> PPO:
     """Build PPO's pure pieces for ``config`` on envs described by ``spec``.
 
@@ -308,9 +318,6 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     if discrete and config.exploration != "gaussian":
         raise ConfigError(f"exploration={config.exploration!r}: env={config.env!r} has {kind} actions, which "
                           "the categorical policy explores by sampling; expected exploration='gaussian' (gSDE needs Box actions)")
-    if discrete and config.init_log_std != PPOConfig.init_log_std:  # taken, recorded in config.json, and without effect
-        raise ConfigError(f"init_log_std={config.init_log_std}: env={config.env!r} has {kind} actions, whose categorical "
-                          f"policy has no log std; leave it at {PPOConfig.init_log_std}")
     nvec = spec.nvec if kind == "multi_discrete" else None  # the heads of categorical_* (None: one head)
     action_tail = (spec.act_dim,) if kind != "discrete" else ()  # per-env action shape in the batch
     if discrete:

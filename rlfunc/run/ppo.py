@@ -42,7 +42,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos import ppo_parallel
 from rlfunc.algos import registry as algorithms
-from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, make_ppo
+from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, check_new_run, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import seeds_summary, success_summary
 from rlfunc.config import check_episodes, replace
@@ -268,6 +268,8 @@ class PPORun(Run):
                 torch.set_num_threads(config.run.torch_threads)
             self.spec = env_spec(self.venv, config.env)
             warn_bounds_without_zero(self.spec, config.env)
+            if not resumed:
+                check_new_run(config, self.spec)
             self.algo: PPO = make_ppo(config, self.spec, device, dist)
             self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
             if dist is not None:  # the same init on every rank, by seed; made certain

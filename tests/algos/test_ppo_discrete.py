@@ -151,9 +151,13 @@ def test_gsde_on_discrete_actions_is_a_config_error():
     spec = _spec("CartPole-v1")
     with pytest.raises(ConfigError, match="exploration='gsde'.*discrete"):
         make_ppo(_config(exploration="gsde"), spec, CPU)
-    # flags pass: --init-log-std on CartPole was taken, recorded in config.json and changed nothing
+    # flags pass: --init-log-std on CartPole was taken, recorded in config.json and changed nothing; a new run
+    # refuses it, a saved one with it still builds (to evaluate and resume)
+    from rlfunc.algos.ppo import check_new_run
+
     with pytest.raises(ConfigError, match=r"init_log_std=3.0: env='CartPole-v1' has discrete actions, whose categorical policy has no log std"):
-        make_ppo(_config(init_log_std=3.0), spec, CPU)
+        check_new_run(_config(init_log_std=3.0), spec)
+    make_ppo(_config(init_log_std=3.0), spec, CPU)
 
 
 @pytest.mark.parametrize("env", ["CartPole-v1", TWO_HEADS])
