@@ -76,7 +76,7 @@ FORMAT = "rlfunc.version"
 FORMAT_VERSION = 2  # 1: one file per blob (never released)
 MAIN = "main"
 PARAMS_PREFIX = "learner.params."  # keys whose per-layer change is tracked (the trainer's layout)
-BLOCK_ROWS = 4096  # a tensor of more rows (a replay buffer's key; not a parameter) is stored as blocks of this many
+BLOCK_ROWS = 4096  # a 2-D (or wider) tensor of more rows outside the parameters (a replay buffer's key) is stored in blocks of this many
 BLOCK_SEP = ".."  # "buffer.reward..3": block 3 of "buffer.reward" (a name snapshots never hold: an empty key part)
 
 _ID = re.compile(r"v(\d{6,})")
@@ -100,13 +100,13 @@ def tensor_hash(t: torch.Tensor) -> str:
 
 
 def _row_blocks(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` with each one of more than BLOCK_ROWS rows outside the parameters split into blocks of
+    """``tensors`` with each 2-D or wider one of more than BLOCK_ROWS rows outside the parameters split into blocks of
     BLOCK_ROWS rows (views), named ``name..0``, ``name..1`` ... A replay buffer's key is one tensor of every
     filled row, which changes each iteration: whole, each version stored the buffer anew (the storage grew
     with the square of the run's length); in blocks, a version stores the blocks its iteration wrote."""
     out = {}
     for name, t in tensors.items():
-        if name.startswith(PARAMS_PREFIX) or t.dim() == 0 or t.shape[0] <= BLOCK_ROWS:
+        if name.startswith(PARAMS_PREFIX) or t.dim() < 2 or t.shape[0] <= BLOCK_ROWS:  # rows of features: not a 1-D rng state
             out[name] = t
         else:
             for i, block in enumerate(t.split(BLOCK_ROWS)):
@@ -196,23 +196,47 @@ def save_version(
         (root / sub).mkdir(parents=True, exist_ok=True)
     _clean_temps(root)
     manifests = _manifests(root, cached=True, skip_bad=[], warn=False)  # the run warned when it started (head)
-    stored = {spec["blob"]: spec["pack"] for m in manifests.values() for spec in m["tensors"].values()}
+    packs_of: dict[str, set[str]] = {}
+    for m in manifests.values():
+        for spec in m["tensors"].values():
+            packs_of.setdefault(spec["blob"], set()).add(spec["pack"])
     # a blob is reused only from a pack that opens and holds it: a truncated pack (the bug) was reused by
     # every later version, which then could not be loaded either; its blobs are stored anew instead
-    readable = {pack: _pack_keys(root, pack) for pack in set(stored.values())}
-    stored = {blob: pack for blob, pack in stored.items() if blob in readable[pack]}
+    readable = {pack: _pack_keys(root, pack) for packs in packs_of.values() for pack in packs}
+    stored = {}
+    for blob, packs in packs_of.items():
+        held = sorted(p for p in packs if blob in readable[p])
+        checked = [p for p in held if (str(root), p, blob) in _VERIFIED]
+        if held:
+            stored[blob] = (checked or held)[0]
 
     table, new = {}, {}
     for name, t in sorted(stored_as.items()):
         digest = tensor_hash(t)
         table[name] = {"blob": digest, "pack": stored.get(digest), "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-        if digest not in stored:
-            new[digest] = t.clone() if t._base is not None else t  # a block is a view; a pack's tensors own their storage
+    # a reused blob is read back once per process: a flipped bit in a pack spread to every later version that
+    # shared the blob (replay-buffer blocks are shared for the whole run), each then unloadable; stored anew instead
+    unchecked = {n: spec for n, spec in table.items() if spec["pack"] is not None and (str(root), spec["pack"], spec["blob"]) not in _VERIFIED}
+    damaged = _damaged(root, unchecked)
+    for name, spec in unchecked.items():
+        if name in damaged:
+            warnings.warn(f"blob {spec['blob'][:16]}... (pack {_pack_path(root, spec['pack'])}), key {name!r}: content hash "
+                          "mismatch; the pack is corrupt, so this version stores the tensor anew", stacklevel=2)
+            spec["pack"] = None
+        else:
+            if len(_VERIFIED) >= _VERIFIED_SIZE:  # bounded, as the manifest cache: a long run reads blobs back again
+                _VERIFIED.clear()
+            _VERIFIED.add((str(root), spec["pack"], spec["blob"]))
+    for name, spec in table.items():
+        if spec["pack"] is None:
+            t = stored_as[name]
+            new[spec["blob"]] = t.clone() if t._base is not None else t  # a block is a view; a pack's tensors own their storage
     written_bytes = 0
     if new:
         data = st_save(new)
         pack = hashlib.sha256(data).hexdigest()
         written_bytes = _atomic_write(_pack_path(root, pack), data)
+        _VERIFIED.update((str(root), pack, blob) for blob in new)
         for spec in table.values():
             if spec["pack"] is None:
                 spec["pack"] = pack
@@ -632,6 +656,8 @@ def _alive(pid: int) -> bool:
 # Parsed, verified manifests by (path, inode, mtime, size). A manifest file is never modified in
 # place (written once via os.replace, later only unlinked), so an entry is valid while that key holds;
 # without it every save re-parsed and re-hashed every kept manifest (~2 ms each, bench/versions.py).
+_VERIFIED: set[tuple[str, str, str]] = set()  # (store, pack, blob) this process wrote or read back intact
+_VERIFIED_SIZE = 200_000
 _MANIFEST_CACHE: dict[tuple, dict] = {}
 _MANIFEST_CACHE_SIZE = 4096
 
@@ -704,6 +730,22 @@ def _manifests(root: Path, *, cached: bool = False, skip_bad: list | None = None
 def _version_ids(root: Path) -> list[str]:
     """Every version id with a manifest file, readable or not."""
     return [m.group(1) for e in os.scandir(root / "manifests") if (m := re.fullmatch(r"(v\d{6,})\.json", e.name))]
+
+
+def _damaged(root: Path, table: Mapping[str, dict]) -> set[str]:
+    """The keys of ``table`` ({key: {"blob", "pack", ...}}) whose blob does not read back with its content
+    hash (an unreadable pack: all of its keys)."""
+    by_pack: dict[str, list[str]] = {}
+    for name, spec in table.items():
+        by_pack.setdefault(spec["pack"], []).append(name)
+    bad = set()
+    for pack, names in by_pack.items():
+        try:
+            with safe_open(str(_pack_path(root, pack)), framework="pt", device="cpu") as f:
+                bad.update(n for n in names if tensor_hash(f.get_tensor(table[n]["blob"])) != table[n]["blob"])
+        except Exception:  # SafetensorError, OSError ...: its blobs are stored anew
+            bad.update(names)
+    return bad
 
 
 def _read_blobs(root: Path, table: Mapping[str, dict], version: str) -> dict[str, torch.Tensor]:

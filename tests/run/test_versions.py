@@ -667,6 +667,29 @@ def test_a_corrupt_blob_of_the_head_version_does_not_stop_the_next_versions(tmp_
     assert torch.equal(versions.load_version(tmp_path, "v000004")[0]["learner", "params", "w"], torch.tensor([3.0, 8.0]))
 
 
+def test_a_damaged_shared_blob_is_stored_anew_not_reused(tmp_path, monkeypatch):
+    """Review pass: a flipped bit in a replay-buffer block (shared by every later version: it no longer
+    changes) was reused by the next version without a word, which then could not be loaded. A reused
+    blob is read back once per process; a damaged one is stored anew, with a warning."""
+    rows = torch.randn(2 * versions.BLOCK_ROWS, 3, generator=torch.Generator().manual_seed(1))
+    versions.save_version(tmp_path, _state([1.0], [0.0], extra=rows), {}, iteration=1, step=1)
+    m = versions.save_version(tmp_path, _state([2.0], [0.0], extra=rows), {}, iteration=2, step=2)
+    spec = m["tensors"]["extra..0"]
+    path = tmp_path / "versions" / "packs" / f"{spec['pack']}.safetensors"
+    data = bytearray(path.read_bytes())  # flip a bit inside that blob's bytes, the header intact
+    n = int.from_bytes(data[:8], "little")
+    start = json.loads(data[8:8 + n])[spec["blob"]]["data_offsets"][0]
+    data[8 + n + start + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(versions, "_VERIFIED", set())  # a new process: nothing read back yet
+    with pytest.warns(UserWarning, match=r"key 'extra..0': content hash mismatch; the pack is corrupt, so this version stores the tensor anew"):
+        new = versions.save_version(tmp_path, _state([3.0], [0.0], extra=rows), {}, iteration=3, step=3)
+    assert new["tensors"]["extra..0"]["pack"] != spec["pack"] and new["tensors"]["extra..1"]["pack"] == spec["pack"]
+    assert torch.equal(versions.load_version(tmp_path, "v000003")[0]["extra"], rows)
+    later = versions.save_version(tmp_path, _state([4.0], [0.0], extra=rows), {}, iteration=4, step=4)  # the good copy is reused
+    assert later["tensors"]["extra..0"]["pack"] == new["tensors"]["extra..0"]["pack"] and later["written"]["blobs"] == 1
+
+
 def test_a_branch_record_that_is_not_an_object_is_one_error(tmp_path):
     """Versions pass: a branch record of valid JSON but not an object (["v000004"]) was an AttributeError
     traceback from retention after a training iteration."""
