@@ -13,8 +13,9 @@ import torch
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> torch.Size:
-    """The shape that ``shapes`` broadcast to (NumPy's rules: trailing dims aligned, each pair equal or
-    one of them 1), as ``torch.broadcast_shapes``.
+    """The shape that ``shapes`` (sequences of non-negative ints: ``torch.Size``, tuples, lists) broadcast to
+    (NumPy's rules: trailing dims aligned, each pair equal or one of them 1), as ``torch.broadcast_shapes``
+    gives for them (torch's also takes a bare int for a 1-D shape; this one does not).
 
     Raises:
         RuntimeError: two shapes do not broadcast (as torch's, so that callers catch one error type).
