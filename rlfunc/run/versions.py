@@ -216,6 +216,8 @@ def save_version(
         table[name] = {"blob": digest, "pack": stored.get(digest), "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
     # a reused blob is read back once per process: a flipped bit in a pack spread to every later version that
     # shared the blob (replay-buffer blocks are shared for the whole run), each then unloadable; stored anew instead
+    if len(_VERIFIED) >= _VERIFIED_SIZE:  # bounded, as the manifest cache: a long run reads its blobs back once more
+        _VERIFIED.clear()
     unchecked = {n: spec for n, spec in table.items() if spec["pack"] is not None and (str(root), spec["pack"], spec["blob"]) not in _VERIFIED}
     damaged = _damaged(root, unchecked)
     for name, spec in unchecked.items():
@@ -224,8 +226,6 @@ def save_version(
                           "mismatch; the pack is corrupt, so this version stores the tensor anew", stacklevel=2)
             spec["pack"] = None
         else:
-            if len(_VERIFIED) >= _VERIFIED_SIZE:  # bounded, as the manifest cache: a long run reads blobs back again
-                _VERIFIED.clear()
             _VERIFIED.add((str(root), spec["pack"], spec["blob"]))
     for name, spec in table.items():
         if spec["pack"] is None:
