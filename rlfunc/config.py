@@ -125,6 +125,28 @@ def require_default(run: RunConfig, **why: str) -> None:
             raise ConfigError(f"run.{name}={value!r}: {reason}")
 
 
+def check_dependents(config: Any, base: Any) -> None:
+    """ConfigError for a field that ``config`` sets away from ``base`` (what the run was configured
+    from: the class defaults or an env preset) while the switch that field serves is off, so the run
+    would record it and train as without it (``--sde-sample-freq 8`` without gSDE). The rules are the
+    config class's ``dependents`` (a ClassVar beside its fields; none without it): (the switch in
+    words, ``on(config) -> bool``, the fields only it reads). Checked where a new run is configured
+    (``rlfunc train``, the algorithms' ``preset``), not on every config: runs saved with such a field
+    still evaluate and resume.
+
+    Raises:
+        ConfigError: "NAME=VALUE: read only with SWITCH, which this run does not have ...".
+    """
+    for switch, on, names in getattr(type(config), "dependents", ()):
+        if on(config):
+            continue
+        for name in names:
+            value = getattr(config, name)
+            if value != getattr(base, name):
+                raise ConfigError(f"{name}={value!r}: read only with {switch}, which this run does not have (it would be "
+                                  f"recorded and change nothing); set that too, or leave {name} at {getattr(base, name)!r}")
+
+
 def check_env_workers(run: RunConfig, num_envs: int, per: str = "") -> None:
     """ConfigError unless ``run.env_workers`` (0: no workers) divides ``num_envs``, the envs one
     process steps (``per`` says how they were counted, e.g. "num_envs=8 x num_seeds=2"): each
@@ -206,6 +228,12 @@ def _check_hint(name: str, value: Any, hint: Any) -> Any:
         if type(None) in options or not any(o in (int, float) for o in options):
             return value
         raise ConfigError(f"{name}=None: expected {'an integer' if float not in options else 'a number'}")
+    numeric = [o for o in options if o is not type(None)]
+    if (type(None) in options and numeric and all(o in (int, float) for o in numeric)
+            and (isinstance(value, bool) or not isinstance(value, numbers.Real))):
+        # a `float | None` field (clip_epsilon_high) took "x" and failed in a comparison, naming nothing (one
+        # that is not Optional is named by _check_kind, from the kind of its default)
+        raise ConfigError(f"{name}={value!r}: expected {'an integer' if float not in options else 'a number'} or None")
     if int in options and float not in options and isinstance(value, numbers.Real) and not isinstance(value, bool):
         if not isinstance(value, numbers.Integral):
             raise ConfigError(f"{name}={value!r}: expected an integer")

@@ -279,3 +279,74 @@ def test_an_initial_log_std_that_overflows_and_a_horizon_of_zero_are_named():
     assert PPOConfig(init_log_std=-20.0).init_log_std == -20.0
     with pytest.raises(ConfigError, match=r"^horizon=0: expected a positive integer$"):
         ActorSpec(horizon=0, act_steps=1)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["ppo", "--env", "CartPole-v1", "--sde-sample-freq", "4"], "sde_sample_freq"),  # gSDE off (and no Box actions)
+    (["ppo", "--env", "Pendulum-v1", "--priority-alpha", "0.9"], "priority_alpha"),
+    (["ppo", "--env", "CartPole-v1", "--reward-clip", "3"], "reward_clip"),  # the preset normalises no reward
+    (["ppo", "--env", "Pendulum-v1", "--hessian-interval", "3"], "hessian_interval"),
+    (["ppo", "--env", "PushState-v0", "--no-normalize-rewards", "--reward-clip", "3"], "reward_clip"),  # ppo-encoder
+    (["grpo", "--env", "Pendulum-v1", "--no-normalize-observations", "--obs-clip", "3"], "obs_clip"),
+    (["sac", "--env", "Pendulum-v1", "--no-autotune", "--target-entropy", "-3"], "target_entropy"),
+    (["sac-diffusion", "--no-autotune", "--alpha-lr", "0.1"], "alpha_lr"),
+    (["mappo", "--loss", "grpo", "--critic", "mean"], "critic"),
+    (["mappo", "--loss", "gspo", "--clip-epsilon", "0.3"], "clip_epsilon"),
+])
+def test_a_flag_whose_switch_is_off_is_refused(argv, field, tmp_path, capsys):
+    """New-user pass: `rlfunc train ppo --env CartPole-v1 --sde-sample-freq 4` (no gSDE), `--reward-clip 3`
+    without reward normalisation, `sac --no-autotune --target-entropy -3`, `mappo --loss grpo --critic mean`
+    ... trained to the end as without the flag, which config.json recorded: one line, exit 2, no run dir."""
+    from rlfunc.cli.commands import main
+
+    run_dir = tmp_path / "r"
+    assert main(["train", *argv, "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rlfunc: error: {field}=") and "read only with" in err and len(err.splitlines()) == 1
+    assert not run_dir.exists()
+
+
+def test_a_presets_own_dependent_field_is_not_the_users():
+    """What an env preset sets is not refused when the user turns its switch off (Pendulum's gSDE preset
+    has sde_sample_freq 4: `--exploration gaussian` alone is fine), nor a field whose switch a shaping
+    preset turns on; what the user sets with the switch off is refused by every algorithm's preset()."""
+    from rlfunc.algos import grpo, mappo, ppo, sac
+
+    assert ppo.preset("Pendulum-v1", exploration="gaussian").sde_sample_freq == 4
+    assert ppo.preset("Pendulum-v1", shaping="ppo-shaped", hessian_interval=3).hessian_interval == 3
+    assert ppo.preset("Pendulum-v1", exploration="gaussian", obs_clip=5.0, normalize_observations=True).obs_clip == 5.0
+    assert mappo.preset("Warehouse-v0", loss="grpo").sequence_reward == "agent"  # the preset's, for the grouped losses
+    for make, kw in [(ppo.preset, dict(env="Pendulum-v1", exploration="gaussian", full_std=False)),
+                     (grpo.preset, dict(env="Pendulum-v1", adaptive_clip=False, clip_epsilon_decay=0.9)),
+                     (sac.preset, dict(env="Pendulum-v1", autotune=False, alpha_lr=1e-2)),
+                     (mappo.preset, dict(env="Warehouse-v0", loss="ppo", advantage_std="batch"))]:
+        field = list(kw)[-1]
+        with pytest.raises(ConfigError, match=rf"^{field}=.*: read only with "):
+            make(**kw)
+    # a run saved with such a field before the check (it trained as without it) still loads
+    loaded = from_dict(PPOConfig, {"env": "CartPole-v1", "sde_sample_freq": 4, "reward_clip": 3.0})
+    assert (loaded.sde_sample_freq, loaded.reward_clip) == (4, 3.0)
+
+
+def test_every_algorithms_dependents_name_its_fields():
+    """Each rule of a config's ``dependents`` names fields of that config, and its switch reads the
+    class defaults (a misspelt field would make the check a silent no-op)."""
+    checked = 0
+    for name in registry.names(commands=False):
+        cls = registry.resolve(registry.lookup(name).config)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for switch, on, names in getattr(cls, "dependents", ()):
+            assert isinstance(on(cls()), bool) and set(names) <= fields, (name, switch, names)
+            checked += 1
+    assert checked >= 12
+
+
+@pytest.mark.parametrize("cls, field, value, expected", [
+    (GRPOConfig, "clip_epsilon_high", "x", "a number or None"), (PPOConfig, "target_kl", "0.1", "a number or None"),
+    (GRPOConfig, "clip_epsilon_high", True, "a number or None"), (PPOConfig, "value_clip_epsilon", [0.2], "a number or None"),
+])
+def test_an_optional_number_field_refuses_a_non_number(cls, field, value, expected):
+    """New-user pass: GRPOConfig(clip_epsilon_high="x") was a raw TypeError from a comparison in
+    __post_init__ (every other field of the wrong type names itself)."""
+    with pytest.raises(ConfigError, match=rf"^{field}={value!r}: expected {expected}$".replace("[", r"\[").replace("]", r"\]")):
+        cls(**{field: value})

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -36,7 +36,7 @@ from rlfunc.algos import data_parallel, shaped
 from rlfunc.algos.ppo_parallel import local_share
 from rlfunc.algos.ppo import EnvSpec, PPOConfig, make_ppo
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_env_workers, check_fields, replace, require_default
+from rlfunc.config import RunConfig, check_dependents, check_env_workers, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import gaussian_log_prob
 from rlfunc.core.normalize import normalize, update_running_stats
@@ -99,6 +99,8 @@ class GRPOConfig:
     activation: str = "tanh"  # tanh | relu | elu | silu
     init_log_std: float = 0.0  # initial log standard deviation of the actions
     run: RunConfig = field(default_factory=RunConfig)  # seeds, device, snapshots, final evaluation (deterministic actions) (rlfunc.config.RunConfig)
+    # (switch, on, the fields only it reads): rlfunc.config.check_dependents
+    dependents: ClassVar[tuple] = (("normalize_observations", lambda c: c.normalize_observations, ("obs_clip",)), *shaped.DEPENDENTS)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -244,9 +246,12 @@ def preset(env: str, loss: str = "grpo", **overrides) -> GRPOConfig:
     """The preset for (``env``, ``loss``) (defaults for pairs without one) with ``overrides`` applied.
 
     Raises:
-        ConfigError: as :class:`GRPOConfig`, or an override only the other loss reads (:func:`check_loss_fields`)."""
-    config = replace(GRPOConfig(), **{**PRESETS.get((env, loss), {}), "env": env, "loss": loss, **overrides})
+        ConfigError: as :class:`GRPOConfig`, an override only the other loss reads (:func:`check_loss_fields`),
+            or one that a switch which is off leaves unread (:attr:`GRPOConfig.dependents`)."""
+    base = replace(GRPOConfig(), **{**PRESETS.get((env, loss), {}), "env": env, "loss": loss})
+    config = replace(base, **overrides)
     check_loss_fields(config)
+    check_dependents(config, base)
     return config
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_episodes, check_fields, replace, require_default
+from rlfunc.config import RunConfig, check_dependents, check_episodes, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import categorical_entropy, categorical_log_prob, categorical_sample, masked_logits
 from rlfunc.core.returns import generalized_advantage_estimate, group_relative_advantage
@@ -101,6 +101,13 @@ class MAPPOConfig:
     advantage_std: Literal["group", "batch", "none"] = "group"  # grpo/gspo: group_relative_advantage's std
     eval_seeds: tuple[int, ...] = (1000, 1001, 1002)  # env seeds of the final evaluation
     eval_greedy: bool = False  # evaluate the argmax action instead of sampling
+    # (switch, on, the fields only it reads): rlfunc.config.check_dependents
+    dependents: ClassVar[tuple] = (
+        ("loss='ppo'", lambda c: c.loss == "ppo", ("critic", "rollout_steps", "value_coef")),
+        ("loss='grpo' or 'gspo'", lambda c: c.loss != "ppo", ("group_size", "sequence_reward", "advantage_std")),
+        ("loss='ppo' or 'grpo'", lambda c: c.loss != "gspo", ("clip_epsilon",)),
+        ("loss='gspo'", lambda c: c.loss == "gspo", ("gspo_clip_epsilon", "gspo_clip_epsilon_high")),
+    )
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8))  # seed (parameters, action sampling, envs), device, snapshots (rlfunc.config.RunConfig); torch's threads left as they are, a snapshot only at the end, 2 kept, 8 warehouses (or rware episodes) per eval seed
 
     def __post_init__(self) -> None:
@@ -209,8 +216,15 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(env: str, **overrides) -> MAPPOConfig:
-    """The preset of ``env`` (MAPPOConfig's defaults for envs without one), then ``overrides``."""
-    return replace(MAPPOConfig(), **{**PRESETS.get(env, {}), "env": env, **overrides})
+    """The preset of ``env`` (MAPPOConfig's defaults for envs without one), then ``overrides``.
+
+    Raises:
+        ConfigError: as :class:`MAPPOConfig`, or an override the chosen loss does not read
+            (:attr:`MAPPOConfig.dependents`)."""
+    base = replace(MAPPOConfig(), **{**PRESETS.get(env, {}), "env": env})
+    config = replace(base, **overrides)
+    check_dependents(config, base)
+    return config
 
 
 def critic_input(observation: Tensor, critic: str) -> Tensor:

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -30,7 +30,7 @@ from rlfunc.algos import data_parallel
 from rlfunc.algos import ppo_parallel as parallel
 from rlfunc.algos import shaped
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import RunConfig, check_env_workers, check_fields, replace, require_default
+from rlfunc.config import RunConfig, check_dependents, check_env_workers, check_fields, replace, require_default
 from rlfunc.core import func
 from rlfunc.core.distributions import (
     categorical_entropy, categorical_log_prob, categorical_mode, categorical_sample, gaussian_entropy, gaussian_log_prob,
@@ -94,6 +94,16 @@ class PPOConfig:
     vectorization: Literal["sync", "async"] = "sync"  # gymnasium vector env mode
     freeze_threshold: float = 0.0  # skip updates of a param leaf whose relative change over a window is below this (0: off)
     freeze_window: int = 10  # iterations per measuring window, and per frozen spell, of freeze_threshold
+    # (switch, on, the fields only it reads): set while the switch is off, they were recorded and unread
+    # (--sde-sample-freq without gSDE, --reward-clip without reward normalisation): rlfunc.config.check_dependents
+    dependents: ClassVar[tuple] = (
+        ("exploration='gsde'", lambda c: c.exploration == "gsde", ("sde_sample_freq", "full_std", "sde_learn_features")),
+        ("prioritized_minibatches", lambda c: c.prioritized_minibatches, ("priority_alpha", "priority_beta")),
+        ("normalize_observations", lambda c: c.normalize_observations, ("obs_clip",)),
+        ("normalize_rewards", lambda c: c.normalize_rewards, ("reward_clip",)),
+        ("freeze_threshold > 0", lambda c: c.freeze_threshold > 0, ("freeze_window",)),
+        *shaped.DEPENDENTS,
+    )
     run: RunConfig = field(default_factory=lambda: RunConfig(version_every=1, eval_episodes=100))  # seeds, device, snapshots (rlfunc.config.RunConfig); a version per iteration, 100 evaluation episodes (deterministic actions; the protocol asks >= 50)
 
     def __post_init__(self) -> None:
@@ -239,10 +249,17 @@ SHAPING_PRESETS: dict[str, dict] = {
 
 def preset(env: str, shaping: str | None = None, **overrides) -> PPOConfig:
     """The preset for ``env`` (defaults for envs without one), then the gradient-shaping preset
-    ``shaping`` (a key of SHAPING_PRESETS, e.g. "ppo-shaped"; None: off), then ``overrides``."""
+    ``shaping`` (a key of SHAPING_PRESETS, e.g. "ppo-shaped"; None: off), then ``overrides``.
+
+    Raises:
+        ConfigError: as :class:`PPOConfig`, or an override that a switch which is off would leave
+            unread (:attr:`PPOConfig.dependents`)."""
     if shaping is not None and shaping not in SHAPING_PRESETS:
         raise ConfigError(f"shaping={shaping!r}: expected None or one of {', '.join(map(repr, SHAPING_PRESETS))}")
-    return replace(PPOConfig(), **{**PRESETS.get(env, {}), **SHAPING_PRESETS.get(shaping, {}), "env": env, **overrides})
+    base = replace(PPOConfig(), **{**PRESETS.get(env, {}), **SHAPING_PRESETS.get(shaping, {}), "env": env})
+    config = replace(base, **overrides)
+    check_dependents(config, base)
+    return config
 
 
 class EnvSpec(NamedTuple):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -103,6 +103,7 @@ class PPOEncoderConfig:
     encoder_blocks: tuple[int, ...] = (1, 1, 1, 1)  # BasicBlocks per stage (ResNet-18: 2 2 2 2)
     freeze_vision: bool = False  # no gradient to the ResNet trunk (pools, proprio, text and fusion still train)
     checkpoint_vision: bool = False  # recompute the trunk's activations in backward (less memory, more compute)
+    dependents: ClassVar[tuple] = (("normalize_rewards", lambda c: c.normalize_rewards, ("reward_clip",)),)  # rlfunc.config.check_dependents
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0))  # seed (parameters, env resets, action/minibatch noise), device, precision (autocast of the networks, rlfunc.optim.amp), snapshots, final evaluation (deterministic actions) (rlfunc.config.RunConfig); torch's default threads
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyCo
                                    stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
-from rlfunc.config import replace
+from rlfunc.config import check_dependents, replace
 from rlfunc.core import func
 from rlfunc.core.distributions import tanh_gaussian_log_prob, tanh_gaussian_sample
 from rlfunc.errors import ConfigError
@@ -65,6 +65,7 @@ class SACConfig(OffPolicyConfig):
     init_alpha: float = 1.0  # initial temperature alpha (> 0)
     target_entropy: float | None = None  # H_bar of the temperature loss (None: -dim(A))
     autotune: bool = True  # learn alpha (False: alpha stays init_alpha)
+    dependents: ClassVar[tuple] = (("autotune", lambda c: c.autotune, ("target_entropy", "alpha_lr")),)  # rlfunc.config.check_dependents
     redq_subset: int | None = None  # REDQ: min over this many members drawn per step in the target, mean over all in the actor loss (None: min over all)
 
     def __post_init__(self) -> None:
@@ -91,7 +92,10 @@ PRESETS: dict[str, dict] = {
 
 def preset(env: str, **overrides) -> SACConfig:
     """The preset for ``env`` (the defaults for envs without one), then ``overrides``."""
-    return replace(SACConfig(), **{**PRESETS.get(env, {}), "env": env, **overrides})
+    base = replace(SACConfig(), **{**PRESETS.get(env, {}), "env": env})
+    config = replace(base, **overrides)
+    check_dependents(config, base)  # rlfunc.config: an override that autotune=False leaves unread
+    return config
 
 
 def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) -> OffPolicy:

@@ -77,6 +77,7 @@ class SACDiffusionConfig(ReplayDiffusionConfig):
     init_alpha: float = 3.0  # initial alpha (DACER: 3; on PointReach-v0 1.0 kept one goal only)
     autotune: bool = True  # adapt alpha to the entropy estimate (False: alpha stays init_alpha)
     target_entropy: float | None = None  # H_bar (None: -0.9 * horizon * act_dim, DACER's)
+    dependents: ClassVar[tuple] = (("autotune", lambda c: c.autotune, ("target_entropy", "alpha_lr")),)  # rlfunc.config.check_dependents
     noise_scale: float = 0.15  # std of the noise on a0 per unit alpha (DACER: 0.15; 0.1 for some envs)
     entropy_every: int = 20  # updates between entropy estimates and alpha steps (DACER: 10000 of 1M; here ~190 alpha steps in the default 120k-step run)
     entropy_states: int = 16  # minibatch states the entropy is estimated at (DACER: the whole minibatch; 16 x 200 chains cost ~0.4 s on 2 CPU cores)

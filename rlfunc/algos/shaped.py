@@ -48,6 +48,13 @@ def check_config(config) -> None:
         raise ConfigError(f"trust_radius_scale={config.trust_radius_scale}: expected a finite value > 0")
 
 
+# (switch, on, the fields it reads) of the shaping fields, for rlfunc.config.check_dependents
+DEPENDENTS = (
+    ("oscillation_damping", lambda c: c.oscillation_damping, ("damping_strength", "hessian_interval")),
+    ("adaptive_clip", lambda c: c.adaptive_clip, ("clip_epsilon_decay", "trust_radius_scale")),
+)
+
+
 def enabled(config) -> bool:
     """Whether ``config`` turns on a step transform (damping or the adaptive clip radius)."""
     return bool(config.oscillation_damping or config.adaptive_clip)

@@ -240,6 +240,7 @@ def train_command(name: str, argv: list[str], *, description: str, default: Call
         The exit code: 0; 130 / 143 when SIGINT / SIGTERM stopped the run (a snapshot saved).
     """
     from rlfunc.algos import registry
+    from rlfunc.config import check_dependents
     from rlfunc.envs.collect import check_env_id
     from rlfunc.run import train
 
@@ -254,13 +255,15 @@ def train_command(name: str, argv: list[str], *, description: str, default: Call
     if check_env and "-h" not in rest and "--help" not in rest:
         check_env_id(known.env)
     extras = {dest: getattr(known, dest) for dest in (flag.lstrip("-").replace("-", "_") for flag in extra_flags)}
+    default_config = cls() if default is None else default(known.env, **extras)
     config = parse_config(
-        cls, args=["--env", known.env, *rest], default=cls() if default is None else default(known.env, **extras),
+        cls, args=["--env", known.env, *rest], default=default_config,
         prog=f"rlfunc train {command}",
         description=f"{description} Also: --run-dir DIR, the output directory (default runs/ENV-{name}-sSEED-TIME).",
     )
     if check is not None:
         check(config)
+    check_dependents(config, default_config)  # a flag whose switch is off: it would be recorded and unread
     run_dir = known.run_dir or default_run_dir(config.env, name if tag is None else tag(config), config.run.seed)
     launched = launch(["train", command, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
     if launched is not None:
