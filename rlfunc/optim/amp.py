@@ -239,7 +239,8 @@ def transform_step(transform: GradientTransform, opt_state: TensorDictBase, para
         params: the leaves to step; those whose ``.grad`` is None are left out of the update.
         prec: the precision policy; None is float32.
         extra: the links' per-step arguments (``lr=``); ``grad_norm=`` is given here ([1], the norm
-            below), so a clipping link does not compute it again.
+            below), so a clipping link does not compute it again (a ``stacked=True`` one, whose norms
+            are per member, computes its own).
 
     Returns:
         (the global L2 norm of the (unscaled) gradients before any clipping, 0-dim; whether the step was

@@ -128,34 +128,37 @@ def _flatten(td: TensorDictBase, out: list[Tensor], top: bool) -> tuple:
     return tuple(spec)
 
 
-def leaves_at(td: TensorDictBase, treedef: tuple, what: str) -> list[Tensor]:
+def leaves_at(td: TensorDictBase, treedef: tuple, what: str, *, names: tuple[str, str] = ("gradients", "state")) -> list[Tensor]:
     """The leaves of ``td`` at the keys of ``treedef`` (:func:`flatten`), in its order; ``td`` may
     hold more keys (the state of frozen leaves left out of the gradients).
 
     Raises:
-        ShapeError: a key of ``treedef`` is missing from ``td`` (named, with ``what``).
+        ShapeError: a key of ``treedef`` is missing from ``td`` (named, with ``what``; ``names``: what
+            the two are, for the message: "key K of the gradients is not a leaf of the state").
     """
-    return leaves_at_each((td,), treedef, what)[0]
+    return leaves_at_each((td,), treedef, what, names=names)[0]
 
 
-def leaves_at_each(tds: Sequence[TensorDictBase], treedef: tuple, what: str) -> list[list[Tensor]]:
+def leaves_at_each(tds: Sequence[TensorDictBase], treedef: tuple, what: str, *,
+                   names: tuple[str, str] = ("gradients", "state")) -> list[list[Tensor]]:
     """:func:`leaves_at` of each of ``tds`` (TensorDicts with the same keys), in one walk."""
     outs: list[list[Tensor]] = [[] for _ in tds]
-    _leaves_at([_dict(td) for td in tds], treedef, outs, (), what)
+    _leaves_at([_dict(td) for td in tds], treedef, outs, (), what, names)
     return outs
 
 
-def _leaves_at(dicts: list[dict], treedef: tuple, outs: list[list[Tensor]], path: tuple, what: str) -> None:
+def _leaves_at(dicts: list[dict], treedef: tuple, outs: list[list[Tensor]], path: tuple, what: str,
+               names: tuple[str, str]) -> None:
     for k, sub in treedef:
         values = [d.get(k) for d in dicts]
         for v in values:
             if v is None or (sub is None) == _is_node(v):
-                raise ShapeError(f"{what}: key {path + (k,)!r} of the gradients is not a leaf of the state")
+                raise ShapeError(f"{what}: key {path + (k,)!r} of the {names[0]} is not a leaf of the {names[1]}")
         if sub is None:
             for out, v in zip(outs, values):
                 out.append(v)
         else:
-            _leaves_at([_dict(v) for v in values], sub, outs, path + (k,), what)
+            _leaves_at([_dict(v) for v in values], sub, outs, path + (k,), what, names)
 
 
 def unflatten(treedef: tuple, tensors: Sequence[Tensor], device=None) -> TensorDict:
@@ -168,15 +171,16 @@ def _unflatten(treedef: tuple, it, device) -> TensorDict:
     return node(d, device)
 
 
-def check_shapes(got: Sequence[Tensor], want: Sequence[Tensor], treedef: tuple, what: str, *, dtypes: bool = False) -> None:
+def check_shapes(got: Sequence[Tensor], want: Sequence[Tensor], treedef: tuple, what: str, *, dtypes: bool = False,
+                 names: tuple[str, str] = ("gradients", "state")) -> None:
     """ShapeError naming the first leaf whose shape (and, with ``dtypes``, dtype) differs between
-    ``got`` (the gradients) and ``want``."""
+    ``got`` (the gradients) and ``want`` (the state; ``names`` says what the two are, for the message)."""
     for i, (g, w) in enumerate(zip(got, want)):
         if g.shape != w.shape:
-            raise ShapeError(f"{what}: {_key(treedef, i)!r} has shape {list(g.shape)} in the gradients, "
-                             f"{list(w.shape)} in the state")
+            raise ShapeError(f"{what}: {_key(treedef, i)!r} has shape {list(g.shape)} in the {names[0]}, "
+                             f"{list(w.shape)} in the {names[1]}")
         if dtypes and g.dtype != w.dtype:
-            raise ShapeError(f"{what}: {_key(treedef, i)!r} has dtype {g.dtype} in the gradients, {w.dtype} in the state")
+            raise ShapeError(f"{what}: {_key(treedef, i)!r} has dtype {g.dtype} in the {names[0]}, {w.dtype} in the {names[1]}")
 
 
 def tree_keys(treedef: tuple) -> list[tuple]:
@@ -208,9 +212,18 @@ def chain(*transforms: GradientTransform) -> GradientTransform:
     def init(params: TensorDictBase) -> TensorDict:
         return TensorDict({str(i): t.init(params) for i, t in enumerate(transforms)}, batch_size=[], device=params.device)
 
+    links = {str(i) for i in range(len(transforms))}
+
+    def parts_of(state: TensorDictBase) -> dict:
+        parts = _dict(state)
+        if parts.keys() != links:  # a state of another transform (a link added or removed): was a bare KeyError
+            raise ShapeError(f"chain: a state with links {sorted(parts)}, this chain has {len(transforms)} "
+                             f"({sorted(links)}): a state of another transform; init it with this chain")
+        return parts
+
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None, **extra):
         new = {}
-        parts = _dict(state)
+        parts = parts_of(state)
         for i, t in enumerate(transforms):
             grads, new[str(i)] = t.update(grads, parts[str(i)], params, **extra)
         return grads, node(new, state.device)
@@ -218,7 +231,7 @@ def chain(*transforms: GradientTransform) -> GradientTransform:
     def update_leaves(grads: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None,
                       **extra):
         new = {}
-        parts = _dict(state)
+        parts = parts_of(state)
         for i, t in enumerate(transforms):
             grads, new[str(i)] = update_leaves_of(t, grads, treedef, parts[str(i)], params, **extra)
         return grads, node(new, state.device)
@@ -295,8 +308,10 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
         ShapeError: a key of ``updates`` is missing from ``params`` or has another shape.
     """
     deltas, treedef = flatten(updates)
-    targets = leaves_at(params, treedef, "apply_updates")
-    check_shapes(deltas, targets, treedef, "apply_updates")
+    if not deltas:  # no updates (every leaf frozen): nothing moves (_foreach_add_ of none was a RuntimeError)
+        return params
+    targets = leaves_at(params, treedef, "apply_updates", names=("updates", "params"))
+    check_shapes(deltas, targets, treedef, "apply_updates", names=("updates", "params"))
     with torch.no_grad():
         torch._foreach_add_(targets, deltas)
     return params

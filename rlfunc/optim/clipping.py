@@ -9,7 +9,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.optim.base import GradientTransform, from_leaves, node, tree_leaves
+from rlfunc.optim.base import GradientTransform, _dict, from_leaves, node, tree_leaves
 from rlfunc.optim.torch_optim import member_grad_norms
 
 
@@ -65,11 +65,26 @@ def clip_by_global_norm(max_norm: float, stacked: bool = False) -> GradientTrans
 
     def update_leaves(g: list[Tensor], treedef: tuple, state: TensorDictBase, params: TensorDictBase | None = None, *,
                       grad_norm: Tensor | None = None, **extra):
-        norms = member_grad_norms(g, stacked) if grad_norm is None else grad_norm
+        if not g:  # no gradients (every leaf frozen): nothing to scale (torch.stack of none was a RuntimeError)
+            return [], state
+        members = g[0].shape[0] if stacked and g[0].dim() > 0 else 1
+        # a caller's norm of another count is not per member (amp.transform_step's and dynamic_loss_scale's one
+        # global norm [1]: every member was clipped by all members' norm): computed here per member then
+        if grad_norm is None or grad_norm.shape != (members,):
+            if stacked:  # leaves of different leading dims: torch.stack's RuntimeError, naming nothing
+                _check_stacked(g)
+            norms = member_grad_norms(g, stacked)
+        else:
+            norms = grad_norm
+        before = _dict(state).get("norm")
+        if before is not None and before.shape != norms.shape:
+            raise ShapeError(f"clip_by_global_norm: gradients of {norms.shape[0]} member(s), a state of {before.shape[0]} "
+                             "(a state of other params: init it with these)")
         scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
         scale = torch.where(norms.isfinite(), scale, torch.ones_like(scale))
-        if stacked and scale.numel() > 1:  # one multi-tensor op, each leaf times its members' scales
-            out = list(torch._foreach_mul(g, [scale.view(-1, *([1] * (x.dim() - 1))) for x in g]))
+        if stacked and scale.numel() > 1:  # one multi-tensor op, each leaf times its members' scales (in its dtype:
+            # a float32 scale promoted a bfloat16 leaf's gradient to float32, which adam then refused)
+            out = list(torch._foreach_mul(g, [scale.to(x.dtype).view(-1, *([1] * (x.dim() - 1))) for x in g]))
         else:  # one member
             out = list(torch._foreach_mul(g, scale.reshape(())))
         new_state = node({"norm": norms.detach()}, state.device)

@@ -13,8 +13,11 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.optim.base import GradientTransform, _dict, _key, check_shapes, from_leaves, leaves_at, leaves_at_each, tree_leaves, tree_like
+from rlfunc.optim.base import (GradientTransform, _dict, _key, check_shapes, flatten, from_leaves, leaves_at, leaves_at_each, tree_keys,
+                               tree_leaves, tree_like)
 
+
+_ADAM_KEYS = frozenset(("exp_avg", "exp_avg_sq", "step"))
 
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, *,
          weight_decay: float = 0.0) -> GradientTransform:
@@ -91,6 +94,10 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
 
     def init(params: TensorDictBase) -> TensorDict:
         leaves = [p.detach() for p in tree_leaves(params)]
+        for i, p in enumerate(leaves):  # an integer leaf was taken here and failed inside torch's adam at the first update
+            if not p.is_floating_point():
+                raise ShapeError(f"adam: params {tree_keys(flatten(params)[1])[i]!r} has dtype {p.dtype}: expected "
+                                 "floating-point leaves (keep counters and indices out of the params)")
         return TensorDict(
             {
                 "step": tree_like(params, [torch.zeros((), dtype=torch.float32, device=p.device) for p in leaves]),
@@ -106,6 +113,9 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         if not g:  # params without leaves: nothing to step (leaves_at_each's steps[0] was an IndexError)
             return [], state
         parts = _dict(state)
+        if not _ADAM_KEYS <= parts.keys():  # a state of another transform: was a bare KeyError
+            raise ShapeError(f"adam: a state with keys {sorted(parts)}, expected {sorted(_ADAM_KEYS)}: a state of "
+                             "another transform; init it with this one")
         m, v, steps = leaves_at_each((parts["exp_avg"], parts["exp_avg_sq"], parts["step"]), treedef, "adam")
         # v and the steps come with m from init (or a checked snapshot); the bug: double or integer gradients
         # for float32 moments were a RuntimeError from inside torch's adam
@@ -119,8 +129,8 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         if weight_decay:
             if params is None:
                 raise ConfigError("adam(weight_decay > 0).update: expected the params (the decay is of their values)")
-            old = [p.detach() for p in leaves_at(params, treedef, "adam")]
-            check_shapes(g, old, treedef, "adam")
+            old = [p.detach() for p in leaves_at(params, treedef, "adam", names=("gradients", "params"))]
+            check_shapes(g, old, treedef, "adam", names=("gradients", "params"))
             updates = [p.clone(memory_format=torch.preserve_format) for p in old]  # stepped, then less the old values
             kw["decoupled_weight_decay"] = True
         else:

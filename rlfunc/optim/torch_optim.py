@@ -49,14 +49,25 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def member_grad_norms(grads: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
-    """Global L2 norm of the gradients, per member: ``[M]`` when ``stacked`` else ``[1]``."""
-    sq = torch._foreach_mul(grads, grads) if grads else []  # one multi-tensor op for the squares (pow(2) per leaf was one each)
+    """Global L2 norm of the gradients, per member: ``[M]`` when ``stacked`` else ``[1]``; half-precision
+    gradients are squared and summed in float32 (in float16 a gradient of 256 squared overflowed:
+    a norm of inf, and clipping skipped finite steps).
+
+    Raises:
+        ShapeError: no gradients."""
+    if not grads:
+        raise ShapeError("member_grad_norms: no gradients (an empty list)")
+    grads = [g.float() if g.dtype in _HALF else g for g in grads]
+    sq = torch._foreach_mul(grads, grads)  # one multi-tensor op for the squares (pow(2) per leaf was one each)
     if stacked:  # a sum over the trailing dims, not over a reshape: a transposed gradient (a weight's, from bmm's
         # backward) then reduces in its memory order, which inductor vectorises (it ran a scalar loop over the reshape)
         sq = [x.sum(dim=tuple(range(1, x.dim()))) if x.dim() > 1 else x for x in sq]
     else:
         sq = [x.sum().reshape(1) for x in sq]
     return torch.stack(sq).sum(0).sqrt()
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def clip_grads_(

@@ -502,3 +502,75 @@ def test_a_chain_with_a_link_of_only_update_has_update_leaves():
     for key, u in zip(("b", "w"), updates):
         torch.testing.assert_close(u, expected[key])
         torch.testing.assert_close(reference[key], expected[key])
+
+
+def test_stacked_clipping_under_a_loss_scale_and_transform_step_clips_each_member():
+    """New-user pass: transform_step and dynamic_loss_scale hand the inner chain one global norm [1]; a
+    stacked clip then scaled every member by all members' norm (member 1, norm 0.1, came out 10x
+    smaller, beside member 0's norm 10) and its state's norm became [1] instead of [S]."""
+    from rlfunc.optim.amp import dynamic_loss_scale, transform_step
+
+    g = torch.tensor([[6.0, 8.0], [0.06, 0.08]])  # member norms 10 and 0.1
+    want = torch.stack([g[0] / (10 + 1e-6), g[1]])  # member 0 clipped to norm 1, member 1 left
+    clip = clip_by_global_norm(1.0, stacked=True)
+    params = TensorDict({"w": torch.zeros(2, 2).requires_grad_()}, batch_size=[])
+    params["w"].grad = g.clone()
+    _, taken, state = transform_step(clip, clip.init(params), params)
+    assert taken and state["norm"].shape == (2,)
+    torch.testing.assert_close(params["w"].detach(), want)
+    scaled = dynamic_loss_scale(clip, init_scale=1.0)
+    updates, state = scaled.update(TensorDict({"w": g.clone()}, batch_size=[]), scaled.init(params), params)
+    torch.testing.assert_close(updates["w"], want)
+    assert state["inner", "norm"].shape == (2,)
+
+
+def test_stacked_clipping_keeps_each_leafs_dtype_and_half_norms_do_not_overflow():
+    """New-user pass: a float32 per-member scale promoted a bfloat16 leaf's gradient to float32 (adam then
+    refused it, blaming the gradients), and float16 gradients of 300 squared in float16 gave a norm of
+    inf (600 in float32), so clipping left them unscaled and a chain skipped every finite step."""
+    params = TensorDict({"w": torch.randn(2, 3), "h": torch.randn(2, 3).bfloat16()}, batch_size=[])
+    tx = chain(clip_by_global_norm(0.1, stacked=True), adam(1e-3))
+    updates, _ = tx.update(params.clone(), tx.init(params), params)
+    assert updates["h"].dtype == torch.bfloat16 and updates["w"].dtype == torch.float32
+    half = TensorDict({"w": torch.full((4,), 300.0, dtype=torch.float16)}, batch_size=[])
+    torch.testing.assert_close(global_norm(half, False), torch.tensor([600.0]))
+    clipped, _ = clip_by_global_norm(1.0).update(half, clip_by_global_norm(1.0).init(half))
+    torch.testing.assert_close(clipped["w"].float(), torch.full((4,), 0.5), atol=1e-3, rtol=1e-3)
+
+
+def test_no_gradients_are_a_no_op_and_a_foreign_state_is_one_line():
+    """New-user pass: with every leaf frozen (no gradients) chain(clip, adam).update and apply_updates were
+    RuntimeErrors from torch.stack / _foreach_add_; a state of another transform (a link added, adam given a
+    chain's state) a bare KeyError; integer params passed adam.init and failed inside torch's adam; and
+    messages named "the state" where the params were missing the key or had the other shape."""
+    params = TensorDict({"w": torch.randn(3)}, batch_size=[])
+    tx = chain(clip_by_global_norm(1.0), adam(1e-3))
+    state = tx.init(params)
+    updates, new_state = tx.update(TensorDict({}, batch_size=[]), state, params)
+    assert list(updates.keys()) == [] and apply_updates(params, updates) is params
+    assert torch.equal(new_state["0", "norm"], state["0", "norm"])
+    grads = TensorDict({"w": torch.ones(3)}, batch_size=[])
+    with pytest.raises(ShapeError, match=r"^chain: a state with links \['0', '1'\], this chain has 3"):
+        chain(clip_by_global_norm(1.0), adam(1e-3), clip_by_global_norm(1.0)).update(grads, state, params)
+    with pytest.raises(ShapeError, match=r"^adam: a state with keys \['0', '1'\], expected \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        adam(1e-3).update(grads, state, params)
+    with pytest.raises(ShapeError, match=r"^adam: params \('count',\) has dtype torch.int64"):
+        adam(1e-3).init(TensorDict({"count": torch.arange(3)}, batch_size=[]))
+    other = TensorDict({"b": torch.ones(3)}, batch_size=[])
+    with pytest.raises(ShapeError, match=r"^adam: key \('b',\) of the gradients is not a leaf of the params$"):
+        adam(1e-3, weight_decay=0.1).update(other, adam(1e-3).init(other), params)
+    with pytest.raises(ShapeError, match=r"^apply_updates: key \('x',\) of the updates is not a leaf of the params$"):
+        apply_updates(params, TensorDict({"x": torch.ones(3)}, batch_size=[]))
+    with pytest.raises(ShapeError, match=r"^apply_updates: \('w',\) has shape \[4\] in the updates, \[3\] in the params$"):
+        apply_updates(params, TensorDict({"w": torch.ones(4)}, batch_size=[]))
+
+
+def test_stacked_clipping_refuses_gradients_of_other_members():
+    """New-user pass: leaves of different leading dims were torch.stack's RuntimeError naming no key, and a
+    state built for 3 members took the gradients of 5 (its norm silently became [5])."""
+    clip = clip_by_global_norm(1.0, stacked=True)
+    state = clip.init(TensorDict({"w": torch.ones(3, 2)}, batch_size=[]))
+    with pytest.raises(ShapeError, match=r"share no leading seed dim"):
+        clip.update(TensorDict({"a": torch.ones(2, 3), "b": torch.ones(3, 3)}, batch_size=[]), state)
+    with pytest.raises(ShapeError, match=r"^clip_by_global_norm: gradients of 5 member\(s\), a state of 3"):
+        clip.update(TensorDict({"w": torch.ones(5, 2)}, batch_size=[]), state)
