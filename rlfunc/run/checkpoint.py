@@ -604,7 +604,11 @@ def _check_meta(meta: Mapping) -> dict:
     if not isinstance(meta, Mapping):
         raise CheckpointError(f"meta must be a dict, got {type(meta).__name__}")
     meta = dict(meta)
-    _check_json(meta, "meta", set())
+    try:
+        _check_json(meta, "meta", set())
+        json.dumps(meta)  # what the walk does not see: an int past Python's 4300-digit str limit (a raw ValueError)
+    except (ValueError, RecursionError) as e:  # nested thousands deep: a RecursionError
+        raise CheckpointError(f"meta cannot be written as JSON: {_one_line(e)}") from None
     return meta
 
 

@@ -150,6 +150,20 @@ def test_non_json_meta_names_the_key(tmp_path, meta, where):
     assert os.listdir(tmp_path) == []
 
 
+def test_meta_json_cannot_write_is_one_error(tmp_path):
+    """New-user pass: an int past Python's 4300-digit str limit was json's raw ValueError, and a meta nested
+    5000 deep a RecursionError, where the docstring promises a CheckpointError; nothing is left behind."""
+    deep: dict = {}
+    inner = deep
+    for _ in range(5000):
+        inner["a"] = {}
+        inner = inner["a"]
+    for meta in ({"big": 10**5000}, {"deep": deep}):
+        with pytest.raises(CheckpointError, match=r"^meta cannot be written as JSON: (ValueError|RecursionError)"):
+            save_snapshot(tmp_path / "snap", _state(), meta)
+    assert os.listdir(tmp_path) == []
+
+
 def test_refuses_to_replace_a_directory_that_is_not_a_snapshot(tmp_path):
     target = tmp_path / "precious"
     target.mkdir()
