@@ -262,7 +262,9 @@ def evaluate_state(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict, e
 
     Args:
         episodes: how many (>= 1), run in rounds of at most ``max_envs`` envs; round r's envs are
-            seeded ``seed + r`` (default seed: the run's + 1_000_003).
+            seeded ``seed + 1_000_003 + r`` (``seed``: the run's by default; as every algorithm's
+            ``rlfunc eval --seed``, a stand-in for the run's seed, so the episodes never reuse the
+            training envs' reset seeds).
 
     Returns:
         {"env", "mean", "std", "episodes", "ci95", "env_steps"}: the episodes' returns (env units)
@@ -275,7 +277,9 @@ def evaluate_state(config: PPOEncoderConfig, info: EnvInfo, state: TensorDict, e
             that ended; "unfinished" counts the others).
     """
     algo = make_ppo_encoder(config, info, device)
-    base = (config.run.seed + EVAL_SEED_OFFSET) if seed is None else seed
+    # the bug: --seed S seeded the envs with S itself, so `rlfunc eval RUN --seed 0` of a seed-0 run
+    # evaluated on the training envs' start states (ppo, grpo, sac ... add the offset to either)
+    base = (config.run.seed if seed is None else seed) + EVAL_SEED_OFFSET
     returns, successes, done = [], [], 0
     limit = None
     for r in range(-(-episodes // max_envs)):

@@ -217,3 +217,16 @@ def test_resume_under_fp16_is_exact_after_the_loss_scale_backed_off(tmp_path):
     assert _metrics(part) == _metrics(tmp_path / "full")
     (sa, _), (sb, _) = _tensors(tmp_path / "full"), _tensors(part)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)  # the loss scale included
+
+
+def test_eval_seed_stands_in_for_the_runs_seed(tmp_path):
+    """New-user pass: `rlfunc eval RUN --seed S` seeded the evaluation envs with S itself (every other
+    algorithm adds the evaluation offset to it), so --seed 0 of a seed-0 run scored the policy on the
+    training envs' start states; --seed of the run's own seed now gives its default evaluation."""
+    from rlfunc.run.ppo_encoder import evaluate_run
+
+    run = _layout_1_run(tmp_path)
+    seed = json.loads((run / "config.json").read_text())["seed"]
+    default, same = evaluate_run(run, 2, device="cpu"), evaluate_run(run, 2, seed=seed, device="cpu")
+    assert default["mean"] == same["mean"] and default["std"] == same["std"]
+    assert evaluate_run(run, 2, seed=seed + 1, device="cpu")["mean"] != default["mean"]
