@@ -19,10 +19,13 @@ al. (2025), "DAPO", eq. 8 and sec. 3.1 / 3.3; the constant normaliser from Liu e
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.errors import ConfigError, ShapeError
 
 AGGREGATIONS = ("token", "sequence", "constant")
@@ -39,18 +42,30 @@ def masked_aggregate(x: Tensor, mask: Tensor, aggregation: str = "token") -> Ten
       that does not depend on the lengths (Dr. GRPO).
 
     Args:
-        x: [*B, T, 1] float, one value per step; values at invalid steps are ignored (even NaN/inf).
-        mask: [*B, T, 1] bool, True at the valid steps.
+        x: [*B, T, 1] float, one value per step (or any shape that broadcasts to ``mask``'s); values at
+            invalid steps are ignored (even NaN/inf).
+        mask: [*B, T, 1] bool (or 0/1 numbers, as the losses take), True at the valid steps.
         aggregation: ``"token"`` | ``"sequence"`` | ``"constant"``.
 
     Returns:
         0-dim tensor of ``x``'s dtype; 0 when no step is valid.
 
     Raises:
-        ConfigError: an unknown ``aggregation``.
+        ConfigError: an unknown ``aggregation``. ShapeError: ``mask`` not a [*B, T, 1] tensor that ``x``
+            broadcasts to (a [*B, T] mask against [*B, T, 1] values broadcast to [*B, T, T] and gave a
+            "mean" above every value, silently).
     """
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"aggregation={aggregation!r}: expected one of {', '.join(map(repr, AGGREGATIONS))}")
+    if (not isinstance(mask, Tensor) or not isinstance(x, Tensor) or mask.dim() < 2 or mask.shape[-1] != 1
+            or not _broadcasts_to(x.shape, mask.shape)):
+        shape = lambda t: tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__  # noqa: E731
+        raise ShapeError(f"masked_aggregate: mask has shape {shape(mask)}, x {shape(x)}: expected a [*B, T, 1] mask "
+                         "that x broadcasts to")
+    if mask.dtype != torch.bool:
+        if mask.is_complex():
+            raise ShapeError(f"masked_aggregate: mask must be bool (or 0/1 numbers), got dtype {mask.dtype}")
+        mask = mask != 0
     xm = torch.where(mask, x, torch.zeros_like(x))
     if aggregation == "token":
         return xm.sum() / mask.sum().clamp_min(1).to(x.dtype)
@@ -60,6 +75,13 @@ def masked_aggregate(x: Tensor, mask: Tensor, aggregation: str = "token") -> Ten
     per_sequence = xm.sum(-2) / count.clamp_min(1).to(x.dtype)
     has = count > 0
     return torch.where(has, per_sequence, torch.zeros_like(per_sequence)).sum() / has.sum().clamp_min(1).to(x.dtype)
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return broadcast_shapes(shape, target) == target
+    except RuntimeError:  # they do not broadcast at all
+        return False
 
 
 def k3_kl(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
@@ -120,7 +142,16 @@ def check_advantage(fn: str, advantage: Tensor, log_prob: Tensor, per_step: bool
         raise ShapeError(f"{fn}: advantage has shape {got}, expected {want}")
 
 
+def _check_number(fn: str, name: str, value) -> None:
+    """ConfigError unless ``value`` is a real number (a str or a bool was a TypeError from a comparison,
+    naming nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{fn}: {name}={value!r}: expected a number")
+
+
 def check_clip(fn: str, clip_epsilon: float, clip_epsilon_high: float) -> None:
+    _check_number(fn, "clip_epsilon", clip_epsilon)
+    _check_number(fn, "clip_epsilon_high", clip_epsilon_high)
     if not 0.0 < clip_epsilon < 1.0:
         raise ConfigError(f"{fn}: clip_epsilon={clip_epsilon}: expected a value in (0, 1)")
     if not clip_epsilon_high > 0.0 or clip_epsilon_high == float("inf"):
@@ -128,6 +159,7 @@ def check_clip(fn: str, clip_epsilon: float, clip_epsilon_high: float) -> None:
 
 
 def check_kl(fn: str, kl_coef: float, ref_log_prob: Tensor | None) -> None:
+    _check_number(fn, "kl_coef", kl_coef)
     if not 0.0 <= kl_coef < float("inf"):
         raise ConfigError(f"{fn}: kl_coef={kl_coef}: expected a finite value >= 0")
     if kl_coef > 0 and ref_log_prob is None:

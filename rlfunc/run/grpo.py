@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict
 
 from rlfunc.algos import registry as algorithms
-from rlfunc.algos.grpo import GRPOConfig, make_grpo
+from rlfunc.algos.grpo import GRPOConfig, check_loss_fields, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.core.stats import seeds_summary, success_summary
 from rlfunc.device import resolve_device, span
@@ -139,6 +139,8 @@ class GRPORun(Run):
 
     def __init__(self, config: GRPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         collect.check_env_id(config.env)
+        if not resumed:  # a new run from Python (train(config, ...)), as preset() and the CLI do: the other
+            check_loss_fields(config)  # loss's settings were recorded and unread; a saved run still resumes
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, config.loss

@@ -629,9 +629,51 @@ def test_the_other_losss_settings_are_refused(loss, field, value):
     assert getattr(dataclasses.replace(preset("Pendulum-v1", loss), **{field: value}), field) == value
 
 
+def test_a_new_run_from_python_refuses_the_other_losss_setting(tmp_path):
+    """New-user pass: train(GRPOConfig(loss="gspo", aggregation="sequence", clip_epsilon=0.5), run_dir) trained
+    exactly as without the two (metrics identical), where preset() and the CLI refuse them."""
+    import dataclasses
+
+    from rlfunc.algos.grpo import GRPOConfig
+    from rlfunc.run import train
+
+    config = GRPOConfig(env="PointReach-v0", loss="gspo", num_groups=2, group_size=2, minibatch_size=2, num_epochs=1,
+                        total_steps=60, aggregation="sequence")
+    with pytest.raises(ConfigError, match=r"aggregation='sequence': a setting of grpo, which loss='gspo' does not read"):
+        train(config, tmp_path / "r", progress=False, tensorboard=False)
+    done = train(dataclasses.replace(config, aggregation="token"), tmp_path / "ok", progress=False, tensorboard=False,
+                 evaluate=False)
+    assert int(done.state["iteration"]) == 1
+
+
 def test_the_cli_refuses_the_other_losss_flag(tmp_path, capsys):
     from rlfunc.cli.commands import main
 
     assert main(["train", "gspo", "--env", "Pendulum-v1", "--aggregation", "constant", "--run-dir", str(tmp_path / "r")]) == 2
     assert "aggregation='constant': a setting of grpo, which loss='gspo' does not read" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_masked_aggregate_refuses_a_mask_it_would_broadcast_and_takes_a_number_mask():
+    """New-user pass: a [B, T] mask beside [B, T, 1] values broadcast to [B, T, T] and gave a "mean" of 30
+    for values 0..15 (silently); a 0/1 integer mask, which the losses take, was torch.where's RuntimeError."""
+    x = torch.arange(16.0).view(4, 4, 1)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[:, 2:] = False
+    want = x[:, :2].mean()  # 6.5: the valid steps' mean
+    assert masked_aggregate(x, mask[..., None], "token") == want
+    assert masked_aggregate(x, mask[..., None].long(), "token") == want
+    for bad in (mask, mask[:3, :, None], mask.view(16)):
+        with pytest.raises(ShapeError, match=r"^masked_aggregate: mask has shape .*: expected a \[\*B, T, 1\] mask"):
+            masked_aggregate(x, bad, "token")
+
+
+@pytest.mark.parametrize("loss", [grpo_loss, gspo_loss])
+@pytest.mark.parametrize("name, value", [("clip_epsilon", "0.2"), ("clip_epsilon_high", "x"), ("kl_coef", "0.1"),
+                                         ("clip_epsilon", True)])
+def test_a_non_numeric_loss_setting_names_itself(loss, name, value):
+    """New-user pass: grpo_loss(..., clip_epsilon="0.2") was "TypeError: '<' not supported between instances
+    of 'float' and 'str'", naming nothing."""
+    lp = torch.zeros(2, 3, 1)
+    with pytest.raises(ConfigError, match=rf": {name}={value!r}: expected a number$"):
+        loss(lp, lp, torch.zeros(2, 1, 1), **{name: value})
