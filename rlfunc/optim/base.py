@@ -59,7 +59,9 @@ def from_leaves(init: Callable[[TensorDictBase], TensorDict], update_leaves: Cal
 def tree_leaves(td: TensorDictBase) -> list[Tensor]:
     """The tensors of ``td`` in the order of :func:`rlfunc.core.func.leaves` (keys sorted as ``str``:
     at the top level the nested groups before the plain leaves, below it by name), the order
-    torch.optim's state of the same leaves is numbered in."""
+    torch.optim's state of the same leaves is numbered in. The two orders agree for keys of letters,
+    digits, "_" and "." (every module's parameter names); a key with a character that sorts before
+    "'" (a space, "#") can order a group apart from it (PPO and GRPO check that they agree)."""
     return flatten(td)[0]
 
 
