@@ -430,7 +430,7 @@ class BCRun(DiffusionRun):
         self.state = self.algo.init(self.dataset)  # its "optim_actor" is AdamW's state: the learner owns the optimizer
         if dist is not None:  # the same init on every rank, by seed; made certain
             dist.broadcast_state(self.state)
-        self.pending, self.count = None, 0  # metrics summed since the last metrics line
+        self.pending, self.count, self.update_s = None, 0, 0.0  # metrics and update seconds summed since the last metrics line
         self.compile_s: float | None = None  # the compiled step's first-call seconds, until a metrics line reports it
         self.total = config.num_updates
 
@@ -456,18 +456,20 @@ class BCRun(DiffusionRun):
         (run_dir / "demos.json").write_text(json.dumps(self.demos) + "\n")
 
     def step(self, i: int, stopping: bool) -> dict | None:
+        t0 = time.perf_counter()
         with span("update"):
             self.state, metrics = self.algo.iteration(self.state, self.dataset, self.gen, self.prec)
+        self.update_s += time.perf_counter() - t0
         if "compile_s" in metrics.keys():  # the compiled step's first call: once, in the next metrics line, not averaged
             self.compile_s = float(metrics.pop("compile_s"))
         self.pending = metrics if self.pending is None else self.pending + metrics
         self.count += 1
         if not (i % self.config.run.log_every == 0 or i == self.total or stopping):
             return None
-        record = {"iteration": i, "step": i, **(self.pending / self.count).to_dict()}
+        record = {"iteration": i, "step": i, **(self.pending / self.count).to_dict(), "update_s": self.update_s / self.count}
         if self.compile_s is not None:
             record["compile_s"], self.compile_s = self.compile_s, None
-        self.pending, self.count = None, 0
+        self.pending, self.count, self.update_s = None, 0, 0.0
         return record
 
 
@@ -502,16 +504,19 @@ class DPPORun(DiffusionRun):
         return out
 
     def step(self, i: int, stopping: bool) -> dict:
+        t0 = time.perf_counter()
         with span("rollout"):
             batch = self.algo.rollout(self.state, self.env, self.gen)
+        t1 = time.perf_counter()
         with span("update"):
             self.state, metrics = self.algo.iteration(self.state, batch, self.gen, self.prec)
+        times = {"collect_s": t1 - t0, "update_s": time.perf_counter() - t1}
         episodes = batch
         if self.dist is not None and self.dist.active:  # every rank's episodes: their flags and statistics, gathered
             ended = self.dist.all_gather_batch(batch["next"].exclude(*self.info.obs_keys), dim=0)  # [N, T]
             episodes = TensorDict({"next": ended}, batch_size=ended.batch_size)
         return {"iteration": i, "step": int(self.state["env_steps"]), **_episode_metrics(episodes, self.config.env),
-                **metrics.to_dict()}
+                **metrics.to_dict(), **times}
 
 
 # the algorithm each replay-buffer config builds (the registry entry names the config type)
@@ -608,6 +613,7 @@ class ReplayDiffusionRun(DiffusionRun):
     def step(self, i: int, stopping: bool) -> dict:
         state, act_steps = self.state, self.config.actor.act_steps
         extra = {}
+        t0 = time.perf_counter()
         if self.config.async_collection:
             batch, extra = self._next_rollout()
             with span("rollout"):
@@ -620,10 +626,13 @@ class ReplayDiffusionRun(DiffusionRun):
                 self.buffer.extend(self.algo.transitions(state, batch))
         state["env_steps"] = state["env_steps"] + batch.numel() * act_steps
         record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env), **extra}
+        t1 = time.perf_counter()
+        record["collect_s"], record["update_s"] = t1 - t0, 0.0  # (asynchronous: the wait for the worker's rollout too)
         if int(state["env_steps"]) >= self.config.warmup_steps:
             with span("update"):
                 self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
             record.update(metrics.to_dict())
+            record["update_s"] = time.perf_counter() - t1
             if self.config.async_collection:
                 self._publish(self.config.updates_per_iteration)
         else:

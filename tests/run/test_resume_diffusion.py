@@ -72,7 +72,8 @@ def _records(run_dir) -> list[dict]:
 
 
 def _without_time(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+    """The records without their wall-clock fields (they differ between runs)."""
+    return [{k: v for k, v in r.items() if k not in ("time", "collect_s", "update_s")} for r in records]
 
 
 def test_bc_n_stop_resume_n_equals_2n(tmp_path):
@@ -405,3 +406,21 @@ def test_a_replay_run_whose_warmup_covers_its_budget_warns_that_it_takes_no_grad
         result = train(_td3(warmup_steps=5_000, total_steps=6 * 80, checkpoint_every=0), tmp_path / "r", **QUIET)
     steps = result.state["optim_critic", "1", "step"].values(True, True)
     assert all(int(s.max()) == 0 for s in steps)  # Adam never stepped
+
+
+def test_the_diffusion_runs_metrics_lines_time_their_phases(tmp_path):
+    """The design's metrics lines carry per-phase times; bc, dppo, td3-diffusion and sac-diffusion had none
+    (a user could not tell collection from the update). dppo and the replay algorithms: collect_s and
+    update_s per iteration (the warm-up iterations update nothing: 0); bc: update_s per update, the mean
+    over the line's updates. Each phase's seconds fit within the run's elapsed time."""
+    train(_bc(), tmp_path / "bc", evaluate=False, **QUIET)
+    bc = _records(tmp_path / "bc")
+    assert all(r["update_s"] > 0 and "collect_s" not in r for r in bc)
+    assert sum(r["update_s"] * n for r, n in zip(bc, (3, 3, 3, 1))) <= bc[-1]["time"]
+    for name, config in (("dppo", _dppo(total_steps=2 * 128)), ("td3", _td3(total_steps=3 * 80))):
+        train(config, tmp_path / name, evaluate=False, **QUIET)
+        records = _records(tmp_path / name)
+        assert all(r["collect_s"] > 0 for r in records)
+        warm = [r["step"] < getattr(config, "warmup_steps", 0) for r in records]
+        assert [r["update_s"] > 0 for r in records] == [not w for w in warm] and any(warm) == (name == "td3")
+        assert sum(r["collect_s"] + r["update_s"] for r in records) <= records[-1]["time"]
