@@ -400,6 +400,7 @@ def evaluate_chunks(
     max_chunks: int | None = None,
     encoder_params: TensorDict | None = None,
     episode_metrics: Callable[[TensorDictBase], TensorDictBase] | None = None,
+    frozen: tuple[TensorDict, int] | None = None,
 ) -> dict[str, float]:
     """One episode per env of ``env`` (a TorchRL env taking [N, act_steps, A] chunks, from
     :func:`make_env`) with the actor sampling by DDIM (``eta = 0``: deterministic given the initial noise).
@@ -407,6 +408,9 @@ def evaluate_chunks(
     Args:
         episode_metrics: the env's own statistics of ended episodes (its registry entry's
             :attr:`EnvEntry.episode_metrics`), or None.
+        frozen: (the frozen pretrained weights, K') of an actor that fine-tuned only its last K'
+            denoising steps (dppo's ``finetune_steps``): the first K - K' steps run those weights, as in
+            its rollouts (:func:`rlfunc.diffusion.ddim.sample`'s ``frozen_params``); None: all K ``params``.
 
     Returns:
         "episode_return" (mean over envs of their first episode's return), "returns" ([n] float,
@@ -419,7 +423,8 @@ def evaluate_chunks(
 
     def policy(td: TensorDict) -> TensorDict:
         cond = actor.condition(encoder_params, obs_stats, td)
-        x = actor.act(params, schedule, cond, actor.noise(cond.shape[0], generator), eta=eta)
+        steps = {} if frozen is None else {"frozen_params": frozen[0], "finetune_steps": frozen[1]}
+        x = actor.act(params, schedule, cond, actor.noise(cond.shape[0], generator), eta=eta, **steps)
         td["action"] = actor.env_action(x)
         return td
 
@@ -463,6 +468,7 @@ def evaluate_episodes(
     eta: float = 0.0,
     encoder_params: TensorDict | None = None,
     max_envs: int | None = None,
+    frozen: tuple[TensorDict, int] | None = None,
 ) -> dict[str, float]:
     """:func:`evaluate_chunks` over ``episodes`` episodes of ``env_id``, run in rounds of at most
     ``max_envs`` parallel envs (default: all at once for a torch-batched env, 50 for gymnasium envs,
@@ -471,7 +477,7 @@ def evaluate_episodes(
     evaluation protocol's spread, as floats: "episode_return_std", "episode_return_ci95_low" /
     "_high" (Student-t 95% interval of the mean return, :func:`rlfunc.core.stats.summarize_returns`) and,
     for an env that reports success (:func:`reports_success`), "success_ci95_low" / "_high" (Wilson
-    interval of the success rate)."""
+    interval of the success rate). ``frozen``: as :func:`evaluate_chunks`'."""
     entry = registry.find(env_id)
     metrics = None if entry is None else entry.episode_metrics
     success = metrics is None and reports_success(env_id)
@@ -485,7 +491,7 @@ def evaluate_episodes(
         try:
             gen = torch.Generator(device=actor.device).manual_seed(seed + r)
             out = evaluate_chunks(actor, params, obs_stats, schedule, env, gen, eta=eta, encoder_params=encoder_params, success=success,
-                                  episode_metrics=metrics)
+                                  episode_metrics=metrics, frozen=frozen)
         finally:
             env.close()
         returns.append(out.pop("returns"))

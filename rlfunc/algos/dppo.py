@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -71,7 +71,10 @@ class DPPOConfig:
     critic_lr: float = 1e-3  # Adam lr of the critic
     gamma: float = 0.9  # discount per chunk step (act_steps env steps), in [0, 1]
     lmbda: float = 0.95  # GAE lambda, in [0, 1]
-    finetune_steps: int | None = None  # K': fine-tune the last K' denoising steps (None: all K)
+    finetune_steps: int | None = None  # K': fine-tune the last K' denoising steps (None: all K); chain likelihood only
+    # (switch, on, the fields only it reads): the output-noise update samples all K steps with the trained
+    # weights, so --finetune-steps was recorded and unread there (rlfunc.config.check_dependents)
+    dependents: ClassVar[tuple] = (("likelihood='chain'", lambda c: c.likelihood == "chain", ("finetune_steps",)),)
     eta: float = 1.0  # DDIM eta while collecting (chain likelihood); evaluation uses eval_eta
     eval_eta: float = 0.0  # DDIM eta at evaluation (0: deterministic given the initial noise)
     sample_std_floor: float = 0.1  # min std of a denoising step while collecting (chain)

@@ -64,7 +64,7 @@ from rlfunc.device import resolve_device, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
-from rlfunc.config import check_episodes, check_eval_seed
+from rlfunc.config import check_dependents, check_episodes, check_eval_seed
 from rlfunc.errors import CheckpointError
 from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import Run
@@ -118,13 +118,25 @@ class LoadedActor(NamedTuple):
     meta: dict
     info: EnvInfo
     encoder: TensorDict | None  # the multimodal encoder's (EMA for bc), None for a Box observation
+    frozen: tuple[TensorDict, int] | None = None  # dppo fine-tuning its last K' steps only: (the frozen first steps' weights, K')
+
+
+def frozen_steps(finetune_steps, likelihood, ddim_steps: int, base: TensorDict | None) -> tuple[TensorDict, int] | None:
+    """(``base``, K') for a dppo actor that fine-tuned only its last K' < K denoising steps on the chain
+    likelihood: its rollouts ran the first K - K' steps on ``base`` (the frozen pretrained weights),
+    and so must its evaluation (the bug: it ran all K on the fine-tuned weights, a policy never
+    trained at the high-noise steps). None for every other actor (output-noise never froze steps)."""
+    if base is None or finetune_steps is None or likelihood != "chain" or finetune_steps >= ddim_steps:
+        return None
+    return base, int(finetune_steps)
 
 
 def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     """Load a diffusion actor from a run dir (latest snapshot) or a snapshot dir.
 
-    Returns (spec, actor params, obs_stats, meta, env info, encoder params): the EMA weights for a bc
-    snapshot, the trained actor for dppo / td3-diffusion. The stored schedule must equal the one the
+    Returns (spec, actor params, obs_stats, meta, env info, encoder params, frozen): the EMA weights for a
+    bc snapshot, the trained actor for dppo / td3-diffusion; ``frozen`` (:func:`frozen_steps`) for a dppo
+    actor that fine-tuned only its last denoising steps. The stored schedule must equal the one the
     spec defines, and the weights' shapes the ones the spec and env info define.
 
     Raises:
@@ -150,7 +162,13 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
     if info.is_dict:
         _check_shapes(loaded[enc_key], func.params_from_module(actor.encoder), snap, "encoder")
         encoder = func.as_leaves(loaded[enc_key].clone())
-    return LoadedActor(spec, func.as_leaves(loaded[key].clone()), loaded["learner", "obs_stats"], meta, info, encoder)
+    config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    base = loaded.get(("learner", "base"), None) if meta["algo"] == "dppo" else None
+    frozen = frozen_steps(config.get("finetune_steps"), config.get("likelihood", "chain"), spec.ddim_steps, base)
+    if frozen is not None:
+        _check_shapes(frozen[0], func.params_from_module(actor.net), snap, "frozen actor (base)")
+        frozen = (func.as_leaves(frozen[0].clone()), frozen[1])
+    return LoadedActor(spec, func.as_leaves(loaded[key].clone()), loaded["learner", "obs_stats"], meta, info, encoder, frozen)
 
 
 def _check_schedule(where, schedule: TensorDict, expected: TensorDict) -> None:
@@ -201,7 +219,8 @@ def evaluate_run(
             or ``seed`` outside [0, 2**31).
     """
     dev = resolve_device(device)
-    spec, params, obs_stats, meta, info, encoder = load_actor(run_dir, dev)
+    loaded = load_actor(run_dir, dev)
+    spec, params, obs_stats, meta, info, encoder = loaded[:6]
     config = meta.get("config")
     try:
         run = config.get("run", config)  # RunConfig's fields nested, or flat (written before RunConfig)
@@ -215,7 +234,7 @@ def evaluate_run(
     actor = DiffusionActor(spec, info, info.act_dim, dev)
     env_id = config.get("env", "PointReach-v0")
     summary = evaluate_episodes(actor, params, obs_stats, schedule_for(spec, dev), env_id, episodes,
-                                seed=seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder)
+                                seed=seed + EVAL_SEED_OFFSET, eta=eta, encoder_params=encoder, frozen=loaded.frozen)
     return evaluation_json(meta["algo"], episodes, summary)
 
 
@@ -233,6 +252,11 @@ def _init_actor(config, device, resumed: bool = False):
     if config.init_from is None or resumed:
         return config, info, None, None, None
     loaded = load_actor(config.init_from, device)
+    if loaded.frozen is not None:  # one actor cannot hold it: the first steps would run the fine-tuned weights
+        raise CheckpointError(
+            f"init_from={config.init_from!r}: a dppo run that fine-tuned only the last {loaded.frozen[1]} of its "
+            f"{loaded.spec.ddim_steps} denoising steps acts with two sets of weights (its pretrained ones for the first "
+            "steps); a new run starts from one actor: start from the run it was fine-tuned from (its init_from)")
     if loaded.info != info:
         env = loaded.meta.get("config", {}).get("env", "?")
         raise CheckpointError(
@@ -392,9 +416,12 @@ class DiffusionRun(Run):
         weights (bc: the EMA), DDIM with eta ``eval_eta`` (dppo; else 0)."""
         key, encoder_key = algorithms.lookup(self.name).deploy
         config, state = self.config, self.state
+        frozen = frozen_steps(getattr(config, "finetune_steps", None), getattr(config, "likelihood", None),
+                              config.actor.ddim_steps, state.get("base", None))
         summary = evaluate_episodes(self.algo.actor, state[key], state["obs_stats"], state["schedule"], config.env,
                                     config.run.eval_episodes, seed=config.run.seed + EVAL_SEED_OFFSET,
-                                    eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None))
+                                    eta=getattr(config, "eval_eta", 0.0), encoder_params=state.get(encoder_key, None),
+                                    frozen=frozen)
         # the keys of evaluate_run's, so `rlfunc eval RUN_DIR` repeats eval.json exactly
         return evaluation_json(self.name, config.run.eval_episodes, summary)
 
@@ -482,6 +509,8 @@ class DPPORun(DiffusionRun):
     optim_keys = ("optim_all",)
 
     def __init__(self, config: DPPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
+        if not resumed:  # a new run from Python too (dppo has no presets: the defaults are what it is configured from)
+            check_dependents(config, DPPOConfig())
         super().__init__(config, device, dist)
         self._finetune(make_dppo, config, resumed)
         self.total = self.config.num_iterations(self.config.actor.act_steps)

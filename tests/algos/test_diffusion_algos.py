@@ -157,6 +157,42 @@ def test_dppo_finetune_steps_keeps_the_frozen_prefix(bc_run):
         make_dppo(DPPOConfig(finetune_steps=11), SMALL, 6, 2, CPU)
 
 
+def test_a_dppo_run_fine_tuning_its_last_steps_is_evaluated_as_it_acted(bc_run, tmp_path):
+    """New-user pass: with finetune_steps K' the rollouts ran the first K - K' denoising steps on the frozen
+    pretrained weights, but the final evaluation, `rlfunc eval` and --init-from ran all K on the fine-tuned
+    ones (a policy never trained at the high-noise steps: success 0.11 where the policy that acted had 0.17).
+    And --finetune-steps with the output-noise likelihood was recorded and changed nothing."""
+    from rlfunc.algos.diffusion_actor import DiffusionActor, evaluate_episodes
+
+    config = replace(DPPOConfig(), init_from=str(bc_run.run_dir), finetune_steps=2, total_steps=32 * 8 * 4, num_envs=32,
+                     num_steps=8, minibatch_size=256, num_epochs=2, actor_lr=1e-3, eval_episodes=64, device="cpu")
+    result = train(config, tmp_path / "ft", progress=False, tensorboard=False)
+    assert json.loads((tmp_path / "ft" / "eval.json").read_text())["episode_return"] == result.evaluation["episode_return"]
+    # a snapshot whose fine-tuned weights are far from the frozen ones: the two policies clearly apart
+    loaded, meta = checkpoint.load_snapshot(checkpoint.latest_snapshot(tmp_path / "ft"))
+    tuned, base = loaded["learner", "params", "actor"], loaded["learner", "base"]
+    for p in func.leaves(tuned):
+        p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    snap = checkpoint.save_snapshot(tmp_path / "snap", loaded, meta)
+    actor = DiffusionActor(SMALL, 6, 2, CPU)
+
+    def episodes(frozen):
+        return evaluate_episodes(actor, tuned, loaded["learner", "obs_stats"], loaded["learner", "schedule"], "PointReach-v0",
+                                 64, seed=config.run.seed + 1_000_003, frozen=frozen)
+
+    as_acted, all_tuned = episodes((base, 2)), episodes(None)
+    assert as_acted["episode_return"] != all_tuned["episode_return"]
+    assert evaluate_run(snap, 64, device="cpu")["episode_return"] == as_acted["episode_return"]
+    assert load_actor(snap, CPU).frozen[1] == 2 and load_actor(bc_run.run_dir, CPU).frozen is None
+    with pytest.raises(CheckpointError, match=r"init_from=.*fine-tuned only the last 2 of its 10 denoising steps"):
+        train(replace(DPPOConfig(), init_from=str(tmp_path / "ft"), total_steps=80, device="cpu"), tmp_path / "again",
+              progress=False, tensorboard=False)
+    noise = replace(config, likelihood="output-noise")
+    with pytest.raises(ConfigError, match=r"^finetune_steps=2: read only with likelihood='chain'"):
+        train(noise, tmp_path / "noise", progress=False, tensorboard=False)
+    assert noise.finetune_steps == 2  # a run saved with it (it trained all K steps) still loads
+
+
 def test_dppo_refuses_gradient_checkpointing_with_the_chain_likelihood():
     # it was accepted with the default likelihood, checkpointed nothing (0 checkpoint calls) and turned compiling off
     with pytest.raises(ConfigError, match="gradient_checkpointing=True: the chain likelihood"):
