@@ -221,6 +221,13 @@ def _denoise(
     return mean + coefs[4] * noise
 
 
+def _under_functorch() -> bool:
+    """Whether a torch.func transform (grad, vjp, vmap ...) is tracing this call: torch.utils.checkpoint
+    raises there ("don't yet support saved tensor hooks")."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def sample(
     apply: Apply,
     params: Any,
@@ -262,7 +269,9 @@ def sample(
         return_chain: also return every intermediate sample.
         checkpoint: recompute each step's activations in the backward pass
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping them: activation memory of
-            one step instead of K, for about one extra forward. Same values and gradients.
+            one step instead of K, for about one extra forward. Same values and gradients. Under a
+            torch.func transform (``grad``, ``vjp`` ...), which torch's checkpoint does not support
+            (saved-tensor hooks), the steps keep their activations: the same numbers, K steps' memory.
         frozen_params: with ``finetune_steps``, the parameters of the first K - K' steps, which run
             under ``torch.no_grad()`` (DPPO fine-tunes only the last K' denoising steps).
         finetune_steps: K' in [0, K], the number of last steps that use ``params``; requires
@@ -315,7 +324,7 @@ def sample(
         if i < frozen:
             with torch.no_grad():
                 x = _denoise(apply, frozen_params, *args)
-        elif checkpoint and torch.is_grad_enabled():
+        elif checkpoint and torch.is_grad_enabled() and not _under_functorch():
             x = torch.utils.checkpoint.checkpoint(_denoise, apply, params, *args, use_reentrant=False)
         else:
             x = _denoise(apply, params, *args)

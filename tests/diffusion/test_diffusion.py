@@ -455,6 +455,24 @@ def test_gradient_reaches_every_parameter_with_and_without_checkpoint(eta):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_checkpointed_sampling_under_torch_func_grad():
+    """New-user pass: sample(checkpoint=True) under torch.func.grad (how rlfunc differentiates elsewhere) was
+    "RuntimeError: torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks" from deep in
+    torch.utils.checkpoint; it keeps the activations there, with the gradients of the eager backward."""
+    apply, params = _denoiser()
+    schedule = make_schedule("cosine", 100)
+    cond, noise = _inputs(5, batch=(4,))
+    target = torch.randn(4, H, A, generator=torch.Generator().manual_seed(9))
+
+    def loss(p, ckpt):
+        return (sample(apply, p, cond, noise, schedule, 5, 1.0, std_floor=0.01, checkpoint=ckpt) - target).square().mean()
+
+    want = _grads(params, loss(params, True))
+    got = torch.func.grad(loss)(params.detach(), True)
+    for a, b in zip(want, func.leaves(got)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_gradient_reaches_cond():
     apply, params = _denoiser()
     schedule = make_schedule("cosine", 100)
