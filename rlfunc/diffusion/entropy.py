@@ -60,6 +60,8 @@ def _check_samples(samples: Tensor, num_components: int) -> None:
         raise ConfigError(f"num_components={num_components!r}: expected an int >= 1")
     if samples.shape[-2] < num_components:
         raise ConfigError(f"num_components={num_components}: more than the {samples.shape[-2]} samples per state")
+    if samples.shape[-1] == 0:  # was a reshape RuntimeError
+        raise ShapeError(f"samples: shape {tuple(samples.shape)} has actions of 0 dims; expected [*B, M, A] with A >= 1")
 
 
 def _component_log_pdf(x: Tensor, means: Tensor, scale_tril: Tensor) -> Tensor:
@@ -146,8 +148,8 @@ def fit_gmm(
     _check_samples(samples, num_components)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ConfigError(f"iters={iters!r}: expected an int >= 0")
-    if not reg_covar > 0:
-        raise ConfigError(f"reg_covar={reg_covar}: expected a value > 0")
+    if not (reg_covar > 0 and math.isfinite(reg_covar)):  # inf was blamed on the samples (a covariance "not positive definite")
+        raise ConfigError(f"reg_covar={reg_covar}: expected a finite value > 0")
     batch, (m, a) = samples.shape[:-2], samples.shape[-2:]
     x = samples.detach().reshape(-1, m, a).to(_work_dtype(samples.dtype))
     labels = _kmeans_pp_labels(x, num_components, generator)
@@ -192,7 +194,20 @@ def gmm_sample(mixture: GaussianMixture, num_samples: int, generator: torch.Gene
 
     Returns:
         [*B, num_samples, A] float, without gradient.
+
+    Raises:
+        ConfigError: ``num_samples`` not an int >= 1. ShapeError: the mixture's weights [*B, K], means
+            [*B, K, A] and scale_tril [*B, K, A, A] disagree, or a weight is negative or not finite
+            (these were torch.multinomial's or a reshape's errors).
     """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ConfigError(f"gmm_sample: num_samples={num_samples!r}: expected an int >= 1")
+    means, weights, tril = mixture.means, mixture.weights, mixture.scale_tril
+    if (means.dim() < 2 or weights.shape != means.shape[:-1] or tril.shape != (*means.shape, means.shape[-1])):
+        raise ShapeError(f"gmm_sample: weights {tuple(weights.shape)}, means {tuple(means.shape)}, scale_tril "
+                         f"{tuple(tril.shape)}: expected [*B, K], [*B, K, A] and [*B, K, A, A]")
+    if not bool(((weights >= 0) & weights.isfinite()).all()):
+        raise ShapeError("gmm_sample: weights: expected finite values >= 0 (mixing weights)")
     batch, (k, a) = mixture.means.shape[:-2], mixture.means.shape[-2:]
     w = mixture.weights.reshape(-1, k)
     c = torch.multinomial(w, num_samples, replacement=True, generator=generator)  # [N, S]

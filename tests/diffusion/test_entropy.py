@@ -180,3 +180,23 @@ def test_samples_too_large_to_fit_are_one_line_and_sac_diffusion_bounds_its_nois
         with pytest.raises(ConfigError, match=r"expected noise_scale \* init_alpha <= 10"):
             SACDiffusionConfig(**kw)
     assert SACDiffusionConfig(init_alpha=3.0, noise_scale=0.15).init_alpha == 3.0
+
+
+def test_gmm_sample_and_fit_refuse_bad_input_in_one_line():
+    """New-user pass: gmm_sample(num_samples=0) was torch.multinomial's RuntimeError, a mixture whose weights
+    and means disagree in K a reshape error, negative weights multinomial's; fit_gmm(reg_covar=inf) blamed the
+    samples ("a fitted covariance is not positive definite"); samples of 0-dim actions a reshape error."""
+    g = torch.Generator().manual_seed(0)
+    mixture = fit_gmm(torch.randn(2, 40, 2, generator=g), 3, generator=g)
+    assert gmm_sample(mixture, 5, generator=g).shape == (2, 5, 2)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match=rf"^gmm_sample: num_samples={bad!r}: expected an int >= 1$"):
+            gmm_sample(mixture, bad)
+    with pytest.raises(ShapeError, match=r"^gmm_sample: weights \(2, 2\), means \(2, 3, 2\)"):
+        gmm_sample(mixture._replace(weights=mixture.weights[:, :2]), 5)
+    with pytest.raises(ShapeError, match=r"^gmm_sample: weights: expected finite values >= 0"):
+        gmm_sample(mixture._replace(weights=-mixture.weights), 5)
+    with pytest.raises(ConfigError, match=r"^reg_covar=inf: expected a finite value > 0$"):
+        fit_gmm(torch.randn(40, 2, generator=g), 2, reg_covar=math.inf)
+    with pytest.raises(ShapeError, match=r"^samples: shape \(40, 0\) has actions of 0 dims"):
+        fit_gmm(torch.randn(40, 0), 2)
