@@ -21,6 +21,7 @@ and delayed actor steps, eagerly (:func:`make_td3`'s ``dist``; why, and what it 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,9 +64,9 @@ class TD3Config(OffPolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("exploration_noise", "policy_noise", "noise_clip"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: expected >= 0")
+        for name in ("exploration_noise", "policy_noise", "noise_clip"):  # inf: bang-bang actions, NaN smoothing noise
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name}={getattr(self, name)}: expected a finite value >= 0")
         if isinstance(self.policy_delay, bool) or not isinstance(self.policy_delay, int) or self.policy_delay < 1:
             raise ConfigError(f"policy_delay={self.policy_delay!r}: expected a positive integer")
 

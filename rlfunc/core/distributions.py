@@ -82,8 +82,22 @@ def _affine(low: Tensor | float | None, high: Tensor | float | None, like: Tenso
         return None
     if low is None or high is None:
         raise ConfigError(f"low={low!r}, high={high!r}: give both action bounds or neither")
+    low_t, high_t = check_action_bounds(low, high, like)
+    return (high_t + low_t) / 2, (high_t - low_t) / 2
+
+
+def check_action_bounds(low: Tensor | float, high: Tensor | float, like: Tensor) -> tuple[Tensor, Tensor]:
+    """The action box [low, high] as tensors of ``like``'s dtype and device, checked: numbers finite with
+    low < high (without a device sync: tensor values are not read), tensors of a last dim 1 or ``like``'s.
+
+    Raises:
+        ConfigError: number bounds not finite or not low < high (low > high gave NaN, low == high +inf,
+            silently), or not numbers. ShapeError: a tensor bound of another last dim.
+    """
+    for name, v in (("low", low), ("high", high)):
+        if not isinstance(v, Tensor) and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+            raise ConfigError(f"{name}={v!r}: expected a number or a tensor (an action bound)")
     if isinstance(low, numbers.Real) and isinstance(high, numbers.Real) and not (math.isfinite(low) and math.isfinite(high) and low < high):
-        # numbers, so checked without a device sync (low > high gave NaN, low == high +inf, silently)
         raise ConfigError(f"low={low!r}, high={high!r}: expected finite bounds with low < high")
     low_t = torch.as_tensor(low, dtype=like.dtype, device=like.device)
     high_t = torch.as_tensor(high, dtype=like.dtype, device=like.device)
@@ -91,7 +105,7 @@ def _affine(low: Tensor | float | None, high: Tensor | float | None, like: Tenso
     for name, t in (("low", low_t), ("high", high_t)):
         if t.ndim > 0 and t.shape[-1] not in (1, d):
             raise ShapeError(f"{name}: last dim is {t.shape[-1]}, expected 1 or the action dim {d}")
-    return (high_t + low_t) / 2, (high_t - low_t) / 2
+    return low_t, high_t
 
 
 def standard_normal(

@@ -19,14 +19,13 @@ al. (2025), "DAPO", eq. 8 and sec. 3.1 / 3.3; the constant normaliser from Liu e
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.checks import check_number
 
 AGGREGATIONS = ("token", "sequence", "constant")
 
@@ -142,16 +141,9 @@ def check_advantage(fn: str, advantage: Tensor, log_prob: Tensor, per_step: bool
         raise ShapeError(f"{fn}: advantage has shape {got}, expected {want}")
 
 
-def _check_number(fn: str, name: str, value) -> None:
-    """ConfigError unless ``value`` is a real number (a str or a bool was a TypeError from a comparison,
-    naming nothing)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{fn}: {name}={value!r}: expected a number")
-
-
 def check_clip(fn: str, clip_epsilon: float, clip_epsilon_high: float) -> None:
-    _check_number(fn, "clip_epsilon", clip_epsilon)
-    _check_number(fn, "clip_epsilon_high", clip_epsilon_high)
+    check_number("clip_epsilon", clip_epsilon, fn=fn, finite=False)
+    check_number("clip_epsilon_high", clip_epsilon_high, fn=fn, finite=False)
     if not 0.0 < clip_epsilon < 1.0:
         raise ConfigError(f"{fn}: clip_epsilon={clip_epsilon}: expected a value in (0, 1)")
     if not clip_epsilon_high > 0.0 or clip_epsilon_high == float("inf"):
@@ -159,7 +151,7 @@ def check_clip(fn: str, clip_epsilon: float, clip_epsilon_high: float) -> None:
 
 
 def check_kl(fn: str, kl_coef: float, ref_log_prob: Tensor | None) -> None:
-    _check_number(fn, "kl_coef", kl_coef)
+    check_number("kl_coef", kl_coef, fn=fn, finite=False)
     if not 0.0 <= kl_coef < float("inf"):
         raise ConfigError(f"{fn}: kl_coef={kl_coef}: expected a finite value >= 0")
     if kl_coef > 0 and ref_log_prob is None:

@@ -27,6 +27,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.checks import check_number
 from rlfunc.losses.td3 import critic_loss, td3_target
 
 __all__ = ["ensemble_min", "sac_actor_loss", "sac_critic_loss", "soft_q_target", "temperature_loss"]
@@ -54,6 +55,7 @@ def _alpha(alpha: Tensor | float) -> Tensor | float:
         if alpha.numel() != 1:
             raise ShapeError(f"alpha: expected a scalar (0-d or one element), got shape {tuple(alpha.shape)}")
         return alpha.detach().reshape(())
+    check_number("alpha", alpha)  # None or "0.1" was a TypeError from the comparison; inf gave inf targets
     if not alpha >= 0:
         raise ConfigError(f"alpha={alpha}: expected a temperature >= 0")
     return alpha
@@ -119,7 +121,7 @@ def soft_q_target(
         [*B, 1] float, without gradient.
 
     Raises:
-        ConfigError: gamma outside [0, 1], a float alpha < 0. ShapeError: shapes disagree.
+        ConfigError: gamma outside [0, 1], a float alpha not a finite number >= 0. ShapeError: shapes disagree.
     """
     _check_scalar("next_log_prob", next_log_prob)
     _check_scalar("reward", reward)
@@ -164,7 +166,7 @@ def sac_actor_loss(q_pi: Tensor, log_prob: Tensor, alpha: Tensor | float) -> tup
         single-sample estimate.
 
     Raises:
-        ShapeError: shapes disagree. ConfigError: a float alpha < 0.
+        ShapeError: shapes disagree. ConfigError: a float alpha not a finite number >= 0.
     """
     _check_scalar("log_prob", log_prob)
     q = _as_ensemble("q_pi", q_pi, log_prob).min(0).values
@@ -195,12 +197,14 @@ def temperature_loss(log_alpha: Tensor, log_prob: Tensor, target_entropy: float)
 
     Raises:
         ShapeError: ``log_alpha`` has more than one element or ``log_prob`` is not [*B, 1] float.
-        ConfigError: ``target_entropy`` is not finite.
+        ConfigError: ``target_entropy`` is not a finite number.
     """
     if not isinstance(log_alpha, Tensor) or log_alpha.numel() != 1 or not log_alpha.is_floating_point():
         raise ShapeError(f"log_alpha: expected a one-element float tensor, got {getattr(log_alpha, 'shape', type(log_alpha).__name__)}")
     _check_scalar("log_prob", log_prob)
-    if not isinstance(target_entropy, Tensor) and not math.isfinite(target_entropy):  # NaN made the loss NaN, silently
+    if not isinstance(target_entropy, Tensor):  # None or "x" was "must be real number"; NaN made the loss NaN, silently
+        check_number("target_entropy", target_entropy)
+    if not isinstance(target_entropy, Tensor) and not math.isfinite(target_entropy):
         raise ConfigError(f"target_entropy={target_entropy!r}: expected a finite number (e.g. -dim(A))")
     log_alpha = log_alpha.reshape(())
     loss = -(log_alpha * (log_prob.detach() + target_entropy)).mean()

@@ -9,11 +9,15 @@ The soft (SAC) variants of the target and critic loss reuse these in :mod:`rlfun
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.core.distributions import check_action_bounds
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.checks import check_number
 
 
 def td3_target(
@@ -38,15 +42,22 @@ def td3_target(
     Raises:
         ConfigError: gamma outside [0, 1]. ShapeError: shapes disagree.
     """
+    check_number("gamma", gamma, finite=False)
     if not 0.0 <= gamma <= 1.0:
         raise ConfigError(f"gamma={gamma}: expected a value in [0, 1]")
+    for name, t in (("next_q", next_q), ("reward", reward), ("terminated", terminated)):
+        if not isinstance(t, Tensor):  # a list was "'list' object has no attribute 'shape'"
+            raise ShapeError(f"td3_target: {name}: expected a tensor, got {type(t).__name__}")
+    if not next_q.is_floating_point() or not reward.is_floating_point():  # an int64 next_q passed, unlike soft_q_target's
+        raise ShapeError(f"td3_target: next_q {next_q.dtype} and reward {reward.dtype}: expected float tensors")
     if next_q.shape[1:] != reward.shape or terminated.shape != reward.shape:
         raise ShapeError(
             f"td3_target: next_q {tuple(next_q.shape)} must be [E, *reward.shape] and terminated "
             f"{tuple(terminated.shape)} like reward {tuple(reward.shape)}"
         )
-    if discount is not None and (discount.shape != reward.shape or not discount.is_floating_point()):
-        raise ShapeError(f"discount: {tuple(discount.shape)} {discount.dtype}, expected a float tensor shaped like reward {tuple(reward.shape)}")
+    if discount is not None and (not isinstance(discount, Tensor) or discount.shape != reward.shape or not discount.is_floating_point()):
+        got = f"{tuple(discount.shape)} {discount.dtype}" if isinstance(discount, Tensor) else repr(discount)
+        raise ShapeError(f"discount: {got}, expected a float tensor shaped like reward {tuple(reward.shape)} (gamma takes a number)")
     with torch.no_grad():
         scale = gamma if discount is None else discount
         return reward + scale * (~terminated.bool()).to(reward.dtype) * next_q.min(0).values
@@ -75,16 +86,22 @@ def smoothed_target_action(
         [*B, A] float in [low, high], without gradient.
 
     Raises:
-        ConfigError: ``policy_noise`` or ``noise_clip`` < 0 or NaN. ShapeError: ``noise`` is not shaped like
-            ``target_action`` or either is not floating.
+        ConfigError: ``policy_noise`` not a finite number >= 0, ``noise_clip`` not a number >= 0; bounds that are not finite
+            with low < high (:func:`rlfunc.core.distributions.check_action_bounds`). ShapeError: ``noise``
+            is not shaped like ``target_action`` or either is not floating; tensor bounds of another width.
     """
+    check_number("policy_noise", policy_noise, finite=False)
+    check_number("noise_clip", noise_clip, finite=False)
     if not (policy_noise >= 0 and noise_clip >= 0):  # not "< 0": NaN passed that and made every action NaN
         raise ConfigError(f"policy_noise={policy_noise}, noise_clip={noise_clip}: expected values >= 0")
+    if policy_noise == math.inf:  # inf x a zero draw is NaN (noise_clip may be inf: no clip)
+        raise ConfigError(f"policy_noise={policy_noise}: expected a finite value")
     for name, t in (("target_action", target_action), ("noise", noise)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise ShapeError(f"{name}: expected a float tensor [*B, A], got {getattr(t, 'dtype', type(t).__name__)}")
     if noise.shape != target_action.shape:
         raise ShapeError(f"noise: shape {tuple(noise.shape)}, expected target_action's {tuple(target_action.shape)}")
+    check_action_bounds(low, high, target_action)  # low > high gave [-1, ...] and a NaN bound NaN, silently
     with torch.no_grad():
         smooth = (policy_noise * noise).clamp(-noise_clip, noise_clip)
         action = target_action + smooth
@@ -123,8 +140,11 @@ def critic_loss(q: Tensor, target: Tensor) -> tuple[Tensor, TensorDict]:
         (loss 0-dim, metrics {"loss_critic", "q_mean"}).
 
     Raises:
-        ShapeError: ``q`` is not [E, *target.shape].
+        ShapeError: ``q`` is not [E, *target.shape], or either is not a float tensor.
     """
+    for name, t in (("q", q), ("target", target)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():  # a list: no attribute 'shape'; int q: mean()'s dtype error
+            raise ShapeError(f"critic_loss: {name}: expected a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if q.shape[1:] != target.shape:
         raise ShapeError(f"critic_loss: q {tuple(q.shape)} must be [E, *target.shape], target {tuple(target.shape)}")
     err = (q - target.detach().unsqueeze(0)).pow(2)  # a target with a graph leaked gradient into it

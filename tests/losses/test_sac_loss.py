@@ -124,3 +124,55 @@ def test_ensemble_min_subset_by_hand():
 def test_temperature_loss_refuses_a_nan_target_entropy():
     with pytest.raises(ConfigError, match="target_entropy=nan"):  # the loss was NaN, silently
         temperature_loss(torch.zeros((), requires_grad=True), torch.zeros(4, 1), float("nan"))
+
+
+def test_off_policy_losses_name_a_bad_argument_in_one_line():
+    """New-user pass: a str or None hyperparameter was a TypeError from a comparison ("'<=' not supported
+    between instances of 'float' and 'str'"), a list or a float where a tensor goes an AttributeError, an int q
+    mean()'s dtype error; alpha=inf gave inf targets; smoothed_target_action took low > high (every action
+    -1) and a NaN bound (every action NaN) silently, where tanh_gaussian_sample refuses them."""
+    from rlfunc.losses.sac import sac_actor_loss, soft_q_target, temperature_loss
+    from rlfunc.losses.td3 import critic_loss, smoothed_target_action, td3_target
+
+    B = 4
+    q, r, lp, term = torch.zeros(2, B, 1), torch.zeros(B, 1), torch.zeros(B, 1), torch.zeros(B, 1, dtype=torch.bool)
+    cases = [
+        (lambda: soft_q_target(q, lp, r, term, "0.99", 0.1), ConfigError, r"^gamma='0.99': expected a number$"),
+        (lambda: td3_target(q, r, term, "0.99"), ConfigError, r"^gamma='0.99': expected a number$"),
+        (lambda: soft_q_target(q, lp, r, term, 0.99, None), ConfigError, r"^alpha=None: expected a number$"),
+        (lambda: soft_q_target(q, lp, r, term, 0.99, float("inf")), ConfigError, r"^alpha=inf: expected a finite number$"),
+        (lambda: sac_actor_loss(q, lp, "x"), ConfigError, r"^alpha='x': expected a number$"),
+        (lambda: temperature_loss(torch.zeros(()), lp, None), ConfigError, r"^target_entropy=None: expected a number$"),
+        (lambda: smoothed_target_action(r, r, policy_noise="0.2", noise_clip=0.5), ConfigError, r"^policy_noise='0.2'"),
+        (lambda: smoothed_target_action(r, r, policy_noise=float("inf"), noise_clip=0.5), ConfigError, r"^policy_noise=inf"),
+        (lambda: smoothed_target_action(r, r, policy_noise=0.2, noise_clip=0.5, low=1.0, high=-1.0), ConfigError,
+         r"^low=1.0, high=-1.0: expected finite bounds with low < high$"),
+        (lambda: smoothed_target_action(r, r, policy_noise=0.2, noise_clip=0.5, low=float("nan"), high=1.0), ConfigError,
+         r"^low=nan, high=1.0: expected finite bounds"),
+        (lambda: smoothed_target_action(torch.zeros(B, 2), torch.zeros(B, 2), policy_noise=0.2, noise_clip=0.5,
+                                        low=torch.zeros(3), high=torch.ones(3)), ShapeError, r"^low: last dim is 3"),
+        (lambda: soft_q_target(q, lp, r, term, 0.99, 0.1, discount=0.9), ShapeError, r"^discount: 0.9, expected a float tensor"),
+        (lambda: td3_target(q, r, [[False]] * B, 0.99), ShapeError, r"^td3_target: terminated: expected a tensor, got list$"),
+        (lambda: td3_target(q.long(), r, term, 0.99), ShapeError, r"^td3_target: next_q torch.int64"),
+        (lambda: critic_loss([1.0], r), ShapeError, r"^critic_loss: q: expected a float tensor, got list$"),
+        (lambda: critic_loss(q.long(), r), ShapeError, r"^critic_loss: q: expected a float tensor, got torch.int64$"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    # what they take still works: a tensor alpha and a tensor discount, tensor bounds of the action's width
+    y = soft_q_target(q + 1.0, lp, r, term, 0.99, torch.tensor(0.1), discount=torch.full((B, 1), 0.5))
+    assert torch.equal(y, torch.full((B, 1), 0.5))
+    a = smoothed_target_action(torch.zeros(B, 2), torch.ones(B, 2), policy_noise=0.2, noise_clip=0.5,
+                               low=torch.tensor([-1.0, -0.1]), high=torch.tensor([1.0, 0.1]))
+    assert torch.allclose(a, torch.tensor([[0.2, 0.1]] * B))
+
+
+def test_td3_config_refuses_infinite_noise():
+    """New-user pass: TD3Config(exploration_noise=inf) gave bang-bang actions, policy_noise=inf NaN smoothing
+    wherever the draw was 0, where SACConfig refuses inf settings."""
+    from rlfunc.algos.td3 import TD3Config
+
+    for name in ("exploration_noise", "policy_noise"):
+        with pytest.raises(ConfigError, match=rf"^{name}=inf: expected a finite value >= 0$"):
+            TD3Config(**{name: float("inf")})
