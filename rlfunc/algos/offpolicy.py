@@ -231,7 +231,7 @@ class OffPolicyConfig:
     num_envs: int = 1  # parallel envs (sync vector env)
     num_steps: int = 1_000  # vector-env steps per iteration (a metrics line, and the snapshot cadence's unit)
     buffer_size: int = 1_000_000  # replay capacity, transitions (kept on the device)
-    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
+    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it (its warm-up's worth) before updating
     batch_size: int = 256  # transitions per gradient step
     learning_starts: int = 100  # env steps of uniform random actions before the actor acts and updates begin
     updates_per_step: int = 1  # gradient steps per env step (the update-to-data ratio, UTD)

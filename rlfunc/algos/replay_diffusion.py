@@ -59,7 +59,7 @@ class ReplayDiffusionConfig:
     updates_per_iteration: int = 64  # gradient steps after each rollout
     warmup_steps: int = 5_000  # env steps of uniform random actions before the actor acts
     buffer_size: int = 200_000  # replay capacity, transitions (kept on the device)
-    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it
+    checkpoint_buffer: bool = True  # snapshots hold the replay buffer (exact resume); False: smaller, a resumed run refills it (its warm-up's worth) before updating
     batch_size: int = 256  # transitions per gradient step
     actor_lr: float = 3e-4  # Adam lr of the denoiser
     critic_lr: float = 1e-3  # Adam lr of the critics

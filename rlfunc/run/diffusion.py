@@ -616,6 +616,7 @@ class ReplayDiffusionRun(DiffusionRun):
         config = self.config
         self.optim_keys = self.algo.optim_keys
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
+        self.refill = 0  # after a resume without a saved buffer: the transitions to gather before updating again
         self.collector: AsyncCollector | None = None  # async_collection: started by the first step
         self.total = config.num_iterations()
         if config.num_updates() == 0:
@@ -634,7 +635,9 @@ class ReplayDiffusionRun(DiffusionRun):
 
     def restore(self, loaded: TensorDict, meta: dict) -> None:
         super().restore(loaded, meta)
-        restore_buffer(self.buffer, loaded, self._point(meta))
+        config = self.config  # without a saved buffer: the warm-up's transitions (chunks of act_steps) before updating again
+        refill = max(1, min(-(-config.warmup_steps // config.actor.act_steps), config.buffer_size))
+        self.refill = 0 if restore_buffer(self.buffer, loaded, self._point(meta), refill) else refill
         if self.config.async_collection:
             warnings.warn(f"{self._point(meta).snapshot}: async_collection: the collector's envs are not in snapshots, so the "
                           "resumed run starts new episodes", stacklevel=3)
@@ -657,7 +660,7 @@ class ReplayDiffusionRun(DiffusionRun):
         record = {"iteration": i, "step": int(state["env_steps"]), **_episode_metrics(batch, self.config.env), **extra}
         t1 = time.perf_counter()
         record["collect_s"], record["update_s"] = t1 - t0, 0.0  # (asynchronous: the wait for the worker's rollout too)
-        if int(state["env_steps"]) >= self.config.warmup_steps:
+        if int(state["env_steps"]) >= self.config.warmup_steps and len(self.buffer) >= self.refill:
             with span("update"):
                 self.state, metrics = self.algo.iteration(state, self.buffer, self.gen, self.prec)
             record.update(metrics.to_dict())

@@ -154,6 +154,9 @@ class OffPolicyRun(Run):
             self.buffer = ReplayBuffer(storage=LazyTensorStorage(config.buffer_size, device=device), batch_size=config.batch_size)
             self.collector: AsyncCollector | None = None  # async_collection: started by the first step
             self.publishes = 0
+            # transitions the buffer must hold before an update: 0, but after a resume whose snapshot had no buffer
+            # (checkpoint_buffer=False) its warm-up's worth (it updated at once on 1 transition, 100 times over)
+            self.refill = 0
         except BaseException:
             self.venv.close()
             raise
@@ -186,7 +189,7 @@ class OffPolicyRun(Run):
                 returns.extend(batch["next", "episode_reward"][done].tolist())
             t1 = time.perf_counter()
             collect_s += t1 - t0
-            if steps >= config.learning_starts and len(self.buffer):  # (empty: every transition so far not finite)
+            if steps >= config.learning_starts and len(self.buffer) >= max(1, self.refill):  # (empty: every transition so far not finite)
                 with span("update"):
                     state, m = self.algo.iteration(state, self.buffer, self.gen, per_step)
                 for key, value in m.items():  # td3's actor metrics come only every policy_delay-th step
@@ -253,7 +256,7 @@ class OffPolicyRun(Run):
             # straddles learning_starts): the in-process loop's gradient steps, taken together
             first = max(1, -(-(config.learning_starts - (steps - N * K)) // N))
             updating = config.updates_per_step * N * max(0, K - first + 1)
-            if updating and len(self.buffer):
+            if updating and len(self.buffer) >= max(1, self.refill):
                 with span("update"):
                     state, m = self.algo.iteration(state, self.buffer, self.gen, updating)
                 self.since_publish += updating
@@ -311,7 +314,8 @@ class OffPolicyRun(Run):
             self.carry = collect.reset(self.venv, self._own(self.seeds))
             warnings.warn(f"{point.snapshot}: holds no env state, so the resumed run starts new episodes and is not "
                           "identical to an uninterrupted one", stacklevel=3)
-        restore_buffer(self.buffer, loaded, point)
+        refill = max(1, min(self.config.learning_starts, self.config.buffer_size))
+        self.refill = 0 if restore_buffer(self.buffer, loaded, point, refill) else refill
 
     def evaluate(self) -> dict:
         return {"algo": self.name, **evaluate_policy(self.algo, self.state, self.config, self.config.run.eval_episodes, self.config.run.seed,

@@ -309,9 +309,11 @@ def buffer_snapshot(buffer, keep: bool) -> tuple[dict, dict]:
     return rows, {"buffer": {"length": n, "writer": writer}}
 
 
-def restore_buffer(buffer, loaded: TensorDict, point: ResumePoint) -> None:
+def restore_buffer(buffer, loaded: TensorDict, point: ResumePoint, refill: int = 0) -> bool:
     """Refill ``buffer`` (empty) with what :func:`buffer_snapshot` saved, at the same storage
-    positions, and its writer's cursor; a UserWarning (an empty buffer) when the snapshot holds none.
+    positions, and its writer's cursor; a UserWarning (an empty buffer) when the snapshot holds none,
+    saying that the run's updates wait for ``refill`` transitions (its warm-up's worth) again.
+    Returns whether the snapshot held the buffer.
 
     Raises:
         CheckpointError: the saved rows or cursor do not fit ``buffer``.
@@ -320,9 +322,10 @@ def restore_buffer(buffer, loaded: TensorDict, point: ResumePoint) -> None:
     if saved is None:
         warnings.warn(
             f"{point.snapshot}: holds no replay buffer (checkpoint_buffer=False, or saved before buffers were), "
-            "so the resumed run starts with an empty buffer and is not identical to an uninterrupted one", stacklevel=3,
+            "so the resumed run starts with an empty buffer and is not identical to an uninterrupted one"
+            + (f"; its updates wait until the buffer holds {refill} transitions again" if refill > 1 else ""), stacklevel=3,
         )
-        return
+        return False
     try:
         n = int(saved["length"])
         if n:
@@ -331,6 +334,7 @@ def restore_buffer(buffer, loaded: TensorDict, point: ResumePoint) -> None:
         buffer.writer.load_state_dict(dict(saved["writer"]))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{point.snapshot}: its replay buffer cannot be restored ({e})") from None
+    return True
 
 
 # ------------------------------------------------------------------------------ the iteration loop

@@ -151,6 +151,8 @@ def test_td3_without_the_buffer_in_snapshots_warns_on_resume(tmp_path):
     with pytest.warns(UserWarning, match="empty buffer"):
         resumed = resume(tmp_path / "run", 4 * 80, **QUIET)
     assert int(resumed.state["iteration"]) == 4
+    # it waited for the warm-up's 160 transitions again (2 iterations of 80) before updating: none in iteration 4
+    assert "loss_critic" not in _records(tmp_path / "run")[-1] and "loss_critic" in _records(tmp_path / "run")[-2]
 
 
 def test_bc_crash_after_a_snapshot_resumes_exactly_with_its_metrics(tmp_path, monkeypatch):

@@ -66,6 +66,20 @@ def test_without_the_buffer_in_snapshots_a_resume_warns(tmp_path):
     assert int(resumed.state["iteration"]) == 2
 
 
+def test_a_resume_without_the_buffer_waits_for_the_warm_up_transitions(tmp_path):
+    """New-user pass: a --no-checkpoint-buffer run resumed with an empty buffer and took its gradient steps at
+    once, the first ones on 1 transition (100 of them in a Pendulum iteration). It now gathers learning_starts
+    transitions again first (acting with its trained policy): 60 transitions of 2 envs fill after 30 of the
+    iteration's 50 vector steps, so 21 x 2 gradient steps (as the first iteration's, from step 60) instead of 50 x 2."""
+    config = replace(SACConfig(), **{**SMALL, "checkpoint_buffer": False, "total_steps": 200})
+    first = train(config, tmp_path / "run", max_iterations=1, **QUIET)
+    before = int(first.state["updates"])
+    with pytest.warns(UserWarning, match=r"empty buffer .*its updates wait until the buffer holds 60 transitions again"):
+        resumed = resume(tmp_path / "run", **QUIET)
+    assert before == 21 * 2 and int(resumed.state["updates"]) - before == 21 * 2
+    assert _records(tmp_path / "run")[-1]["updates"] == int(resumed.state["updates"])
+
+
 def test_a_snapshot_of_no_registered_algorithm_is_refused(tmp_path):
     # the snapshot's "algo" picks the run a resume builds: td3's continues as td3; one naming an algorithm
     # no entry is registered as is refused in one line, and nothing is written
