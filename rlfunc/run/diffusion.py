@@ -163,8 +163,9 @@ def load_actor(path: str | Path, device: torch.device) -> LoadedActor:
         _check_shapes(loaded[enc_key], func.params_from_module(actor.encoder), snap, "encoder")
         encoder = func.as_leaves(loaded[enc_key].clone())
     config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-    base = loaded.get(("learner", "base"), None) if meta["algo"] == "dppo" else None
-    frozen = frozen_steps(config.get("finetune_steps"), config.get("likelihood", "chain"), spec.ddim_steps, base)
+    # a config that fine-tuned only its last steps (dppo's finetune_steps) over a learner holding the frozen weights
+    frozen = frozen_steps(config.get("finetune_steps"), config.get("likelihood", "chain"), spec.ddim_steps,
+                          loaded.get(("learner", "base"), None))
     if frozen is not None:
         _check_shapes(frozen[0], func.params_from_module(actor.net), snap, "frozen actor (base)")
         frozen = (func.as_leaves(frozen[0].clone()), frozen[1])
