@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,33 +29,57 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+MIRRORED = "mirrored.txt"  # in RUN_DIR/tb: a digest of each metrics.jsonl line TensorBoard holds (written at close)
+
+
+def _digest(line: str) -> str:
+    return hashlib.blake2b(line.encode(), digest_size=8).hexdigest()
+
+
 class MetricsLogger:
-    """Appends one JSON object per call to ``RUN_DIR/metrics.jsonl``; mirrors scalars to TensorBoard."""
+    """Appends one JSON object per call to ``RUN_DIR/metrics.jsonl``; mirrors scalars to TensorBoard.
+
+    On a resume (RUN_DIR/tb exists) TensorBoard must show metrics.jsonl's lines, which the resume has
+    cut back to its snapshot (a crash, an older snapshot) or replaced (a rollback onto another
+    branch: the version's own history). When the lines are a prefix of those TensorBoard holds (the
+    digests the last logger wrote at close), its points from the step after the last line on are
+    purged (``purge_step``); otherwise (a replaced file, or a crash: events not flushed) it is rebuilt
+    from metrics.jsonl. Purging alone kept an abandoned branch's points at steps the new lines do not
+    reach; rebuilding on every resume cost ~22 s for a 20,000-line run."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._tb = None
+        self._tb, self._mirrored = None, None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 tb = Path(run_dir) / "tb"
                 resumed = tb.is_dir()
-                self._tb = SummaryWriter(str(tb), purge_step=0 if resumed else None)
-                if resumed:  # TensorBoard rebuilt from metrics.jsonl, which a resume has cut back (a crash) or
-                    # replaced (a rollback: the version's own history). Purging only past its last line kept an
-                    # abandoned branch's points at steps the new lines do not reach, two values at one step
-                    for record in read_metrics(self.path) if self.path.is_file() else []:
+                lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines() if resumed and self.path.is_file() else []
+                digests = [_digest(line) for line in lines]
+                mirrored = tb / MIRRORED
+                held = mirrored.read_text().split() if mirrored.is_file() else None
+                mirrored.unlink(missing_ok=True)  # until this logger closes, after its events are flushed
+                records = read_metrics(self.path) if lines else []
+                step = records[-1].get("step") if records else None
+                prefix = held is not None and held[:len(digests)] == digests and isinstance(step, (int, float)) and not isinstance(step, bool)
+                self._tb = SummaryWriter(str(tb), purge_step=(int(step) + 1 if prefix else 0) if resumed else None)
+                if resumed and not prefix:
+                    for record in records:
                         self._scalars(record)
+                self._mirrored = (mirrored, digests)
             except ImportError:
                 self._tb = None
         self._file = self.path.open("a", buffering=1)
 
     def log(self, record: dict[str, Any]) -> None:
         record = to_jsonable(record)
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record)
+        self._file.write(line + "\n")
         if self._tb is not None:
             self._scalars(record)
+            self._mirrored[1].append(_digest(line))
 
     def _scalars(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)
@@ -67,7 +93,11 @@ class MetricsLogger:
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
-            self._tb.close()
+            self._tb.close()  # flushed: the lines whose digests follow are in TensorBoard's files
+            path, digests = self._mirrored
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("\n".join(digests) + "\n")
+            os.replace(tmp, path)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -80,3 +80,42 @@ def test_learning_curve_of_seeds_without_an_ended_episode_draws_no_legend(tmp_pa
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "episode_return": [null, null]}\n')
     assert plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png").stat().st_size > 1000
     assert not [w for w in recwarn if "legend" in str(w.message)]
+
+
+def test_a_clean_resume_purges_instead_of_rebuilding_and_a_crash_rebuilds(tmp_path):
+    """A resume rebuilt TensorBoard from metrics.jsonl every time (~22 s for a 20,000-line run). After a clean
+    close, whose digests say which lines TensorBoard holds, a resume whose lines are a prefix of them only
+    purges past its last line: the new event file holds the new points alone. After a crash (no close:
+    events maybe unflushed, no digests) it rebuilds, and TensorBoard still equals metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from rlfunc.run.resume import truncate_metrics
+
+    def new_file_steps(before: set) -> list[int]:
+        (new,) = set((tmp_path / "tb").glob("events.*")) - before
+        return sorted({e.step for e in EventFileLoader(str(new)).Load() if e.summary.value})
+
+    logger = MetricsLogger(tmp_path)
+    for i in range(1, 5):
+        logger.log({"iteration": i, "step": 100 * i, "time": float(i), "loss": -1.0 * i})
+    logger.close()
+    assert len((tmp_path / "tb" / "mirrored.txt").read_text().split()) == 4
+    truncate_metrics(tmp_path, 2)
+    before = set((tmp_path / "tb").glob("events.*"))
+    logger = MetricsLogger(tmp_path)
+    logger.log({"iteration": 3, "step": 300, "time": 3.0, "loss": 30.0})
+    logger.close()
+    assert new_file_steps(before) == [300]  # purged, not rebuilt
+    logger = MetricsLogger(tmp_path)  # a crash: this logger never closes
+    logger.log({"iteration": 4, "step": 400, "time": 4.0, "loss": 40.0})
+    logger._file.close()
+    assert not (tmp_path / "tb" / "mirrored.txt").exists()
+    before = set((tmp_path / "tb").glob("events.*"))
+    logger = MetricsLogger(tmp_path)
+    logger.close()
+    assert new_file_steps(before) == [100, 200, 300, 400]  # rebuilt from metrics.jsonl
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert points == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(100, -1.0), (200, -2.0), (300, 30.0), (400, 40.0)]
