@@ -144,7 +144,7 @@ def step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     grads = [p.grad for p in leaves if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else torch.zeros(())
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])) if grads else torch.zeros(())
     finite = bool(norm.isfinite())
     if max_grad_norm is not None and finite:
         torch.nn.utils.clip_grad_norm_(leaves, max_grad_norm, foreach=True)
@@ -195,7 +195,7 @@ def dynamic_loss_scale(inner: GradientTransform, *, init_scale: float = 2.0**16,
         extra.pop("grad_norm", None)  # of the scaled gradients: this link gives the unscaled one
         inv_scale = state["scale"].reciprocal()
         unscaled = torch._foreach_mul(grads, inv_scale)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unscaled]))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in unscaled]))
         finite = bool(norm.isfinite())
         if finite:
             updates, inner_state = update_leaves_of(inner, unscaled, treedef, state["inner"], params,
@@ -269,7 +269,7 @@ def transform_step(transform: GradientTransform, opt_state: TensorDictBase, para
     if prec is not None and prec.loss_scaled:
         raise ConfigError("transform_step: fp16 scales the loss, but the optimizer state holds no loss scale; "
                           "expected the transform wrapped by rlfunc.optim.amp.with_loss_scale")
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in leaves]))
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in leaves]))  # fp16 overflowed
     if not bool(norm.isfinite()):
         return norm, False, opt_state
     updates, new_state = transform.update(grads, opt_state, params, grad_norm=norm.reshape(1), **extra)

@@ -13,8 +13,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.optim.base import (GradientTransform, _dict, _key, check_shapes, flatten, from_leaves, leaves_at, leaves_at_each, tree_keys,
-                               tree_leaves, tree_like)
+from rlfunc.optim.base import GradientTransform, _dict, _key, check_shapes, from_leaves, leaves_at, leaves_at_each, tree_leaves, tree_like
 
 
 _ADAM_KEYS = frozenset(("exp_avg", "exp_avg_sq", "step"))
@@ -94,10 +93,6 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
 
     def init(params: TensorDictBase) -> TensorDict:
         leaves = [p.detach() for p in tree_leaves(params)]
-        for i, p in enumerate(leaves):  # an integer leaf was taken here and failed inside torch's adam at the first update
-            if not p.is_floating_point():
-                raise ShapeError(f"adam: params {tree_keys(flatten(params)[1])[i]!r} has dtype {p.dtype}: expected "
-                                 "floating-point leaves (keep counters and indices out of the params)")
         return TensorDict(
             {
                 "step": tree_like(params, [torch.zeros((), dtype=torch.float32, device=p.device) for p in leaves]),
@@ -120,6 +115,10 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         # v and the steps come with m from init (or a checked snapshot); the bug: double or integer gradients
         # for float32 moments were a RuntimeError from inside torch's adam
         check_shapes(g, m, treedef, "adam", dtypes=True)
+        for i, x in enumerate(g):  # an integer leaf with a gradient failed inside torch's adam ("lerp_kernel_scalar"
+            if not x.is_floating_point():  # not implemented for 'Long'); without one (a BatchNorm's counter) it is left out
+                raise ShapeError(f"adam: {_key(treedef, i)!r} has dtype {x.dtype} in the gradients: Adam steps "
+                                 "floating-point leaves only (give no gradient for counters and indices)")
         if not torch.compiler.is_compiling():  # a traced step's arguments are the ones its eager first call checked
             _check_lr(lr)
             if mask is not None:
