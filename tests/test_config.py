@@ -292,6 +292,9 @@ def test_an_initial_log_std_that_overflows_and_a_horizon_of_zero_are_named():
     (["sac-diffusion", "--no-autotune", "--alpha-lr", "0.1"], "alpha_lr"),
     (["mappo", "--loss", "grpo", "--critic", "mean"], "critic"),
     (["mappo", "--loss", "gspo", "--clip-epsilon", "0.3"], "clip_epsilon"),
+    (["dppo", "--likelihood", "output-noise", "--eta", "0.5"], "eta"),  # the chain's settings (a review pass)
+    (["dppo", "--likelihood", "output-noise", "--denoising-discount", "0.5"], "denoising_discount"),
+    (["dppo", "--output-noise-std", "0.3"], "output_noise_std"),
 ])
 def test_a_flag_whose_switch_is_off_is_refused(argv, field, tmp_path, capsys):
     """New-user pass: `rlfunc train ppo --env CartPole-v1 --sde-sample-freq 4` (no gSDE), `--reward-clip 3`

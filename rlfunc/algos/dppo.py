@@ -72,9 +72,14 @@ class DPPOConfig:
     gamma: float = 0.9  # discount per chunk step (act_steps env steps), in [0, 1]
     lmbda: float = 0.95  # GAE lambda, in [0, 1]
     finetune_steps: int | None = None  # K': fine-tune the last K' denoising steps (None: all K); chain likelihood only
-    # (switch, on, the fields only it reads): the output-noise update samples all K steps with the trained
-    # weights, so --finetune-steps was recorded and unread there (rlfunc.config.check_dependents)
-    dependents: ClassVar[tuple] = (("likelihood='chain'", lambda c: c.likelihood == "chain", ("finetune_steps",)),)
+    # (switch, on, the fields only it reads): the output-noise update samples all K steps deterministically
+    # with the trained weights and scores one Gaussian, so the chain's settings were recorded and unread there,
+    # and output_noise_std under the chain (rlfunc.config.check_dependents)
+    dependents: ClassVar[tuple] = (
+        ("likelihood='chain'", lambda c: c.likelihood == "chain",
+         ("finetune_steps", "eta", "sample_std_floor", "logprob_std_floor", "clip_min", "clip_rate", "denoising_discount")),
+        ("likelihood='output-noise'", lambda c: c.likelihood == "output-noise", ("output_noise_std",)),
+    )
     eta: float = 1.0  # DDIM eta while collecting (chain likelihood); evaluation uses eval_eta
     eval_eta: float = 0.0  # DDIM eta at evaluation (0: deterministic given the initial noise)
     sample_std_floor: float = 0.1  # min std of a denoising step while collecting (chain)

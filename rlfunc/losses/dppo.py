@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.checks import check_number
 from rlfunc.losses.ppo import check_coefficient, explained_variance, normalize_advantage
 
 
@@ -36,6 +37,8 @@ def clip_schedule(num_steps: int, clip_min: float, clip_max: float, rate: float 
     """
     if num_steps < 1:
         raise ConfigError(f"num_steps={num_steps}: expected >= 1")
+    for name, value in (("clip_min", clip_min), ("clip_max", clip_max), ("rate", rate)):  # a str: TypeError; inf/nan rate: NaN
+        check_number(name, value)
     if not 0 < clip_min <= clip_max:
         raise ConfigError(f"clip_min={clip_min}, clip_max={clip_max}: expected 0 < clip_min <= clip_max")
     if num_steps == 1:

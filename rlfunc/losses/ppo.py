@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
+from rlfunc.losses.checks import check_number
 
 
 def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> None:
@@ -51,6 +52,7 @@ def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
     """
     if not isinstance(advantage, Tensor) or not advantage.is_floating_point():
         raise ShapeError(f"normalize_advantage: advantage: expected a floating-point torch.Tensor, got {_shape_dtype(advantage)}")
+    check_number("eps", eps)  # NaN made every output NaN
     if advantage.numel() == 0:
         return advantage
     mean = advantage.mean()
@@ -78,7 +80,9 @@ def clipped_surrogate(log_prob: Tensor, sample_log_prob: Tensor, advantage: Tens
     Returns:
         (objective [*B, 1], ratio [*B, 1]); the objective is to be maximised.
     """
-    if isinstance(clip_epsilon, numbers.Real) and not 0 < clip_epsilon < math.inf:  # a tensor's: not read (a host sync)
+    if not isinstance(clip_epsilon, Tensor):  # a tensor's values are not read (a host sync)
+        check_number("clip_epsilon", clip_epsilon, finite=False)  # a str or None was a TypeError from clamp
+    if isinstance(clip_epsilon, numbers.Real) and not 0 < clip_epsilon < math.inf:
         raise ConfigError(f"clip_epsilon={clip_epsilon!r}: expected a finite number > 0")  # -1 gave a garbage objective
     for name, t in (("sample_log_prob", sample_log_prob), ("advantage", advantage)):  # [B] against [B, 1] broadcast to [B, B]
         if not isinstance(t, Tensor) or not isinstance(log_prob, Tensor) or t.shape != log_prob.shape:

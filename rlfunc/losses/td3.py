@@ -164,8 +164,12 @@ def diffusion_ql_actor_loss(q: Tensor, denoising: Tensor, *, q_coef: float = 1.0
         scale: 0-dim, the normaliser E[|Q|] when it is not this ``q``'s: a data-parallel rank, whose
             ``q`` is its share of the minibatch, passes the mean over every rank's share (None: ``q``'s).
     """
+    check_number("q_coef", q_coef, finite=False)  # a str was a TypeError from the comparison
+    check_number("bc_coef", bc_coef, finite=False)
     if not (q_coef >= 0 and bc_coef >= 0):  # NaN passed "< 0" and made the loss NaN
         raise ConfigError(f"q_coef={q_coef}, bc_coef={bc_coef}: expected >= 0")
+    if math.isinf(q_coef) or math.isinf(bc_coef):  # an inf weight gave a loss of -inf
+        raise ConfigError(f"q_coef={q_coef}, bc_coef={bc_coef}: expected finite values")
     scale = (q.detach().abs().mean() if scale is None else scale.detach()).clamp_min(1e-6)
     loss_q = -q.mean() / scale
     loss = bc_coef * denoising + q_coef * loss_q

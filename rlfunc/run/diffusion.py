@@ -254,10 +254,13 @@ def _init_actor(config, device, resumed: bool = False):
         return config, info, None, None, None
     loaded = load_actor(config.init_from, device)
     if loaded.frozen is not None:  # one actor cannot hold it: the first steps would run the fine-tuned weights
+        origin = loaded.meta.get("config", {}).get("init_from") if isinstance(loaded.meta.get("config"), dict) else None
         raise CheckpointError(
             f"init_from={config.init_from!r}: a dppo run that fine-tuned only the last {loaded.frozen[1]} of its "
-            f"{loaded.spec.ddim_steps} denoising steps acts with two sets of weights (its pretrained ones for the first "
-            "steps); a new run starts from one actor: start from the run it was fine-tuned from (its init_from)")
+            f"{loaded.spec.ddim_steps} denoising steps acts with two sets of weights (its frozen ones for the first "
+            "steps); a new run starts from one actor: "
+            + (f"start from the run it was fine-tuned from ({origin})" if origin else
+               "it started from no run (its frozen weights are its initial ones), so start from a bc run"))
     if loaded.info != info:
         env = loaded.meta.get("config", {}).get("env", "?")
         raise CheckpointError(

@@ -194,8 +194,9 @@ def test_gmm_sample_and_fit_refuse_bad_input_in_one_line():
             gmm_sample(mixture, bad)
     with pytest.raises(ShapeError, match=r"^gmm_sample: weights \(2, 2\), means \(2, 3, 2\)"):
         gmm_sample(mixture._replace(weights=mixture.weights[:, :2]), 5)
-    with pytest.raises(ShapeError, match=r"^gmm_sample: weights: expected finite values >= 0"):
-        gmm_sample(mixture._replace(weights=-mixture.weights), 5)
+    for bad in (-mixture.weights, torch.zeros_like(mixture.weights)):  # all-zero: multinomial's "invalid distribution"
+        with pytest.raises(ShapeError, match=r"^gmm_sample: weights: expected finite values >= 0"):
+            gmm_sample(mixture._replace(weights=bad), 5)
     with pytest.raises(ConfigError, match=r"^reg_covar=inf: expected a finite value > 0$"):
         fit_gmm(torch.randn(40, 2, generator=g), 2, reg_covar=math.inf)
     with pytest.raises(ShapeError, match=r"^samples: shape \(40, 0\) has actions of 0 dims"):

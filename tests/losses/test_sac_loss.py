@@ -168,6 +168,29 @@ def test_off_policy_losses_name_a_bad_argument_in_one_line():
     assert torch.allclose(a, torch.tensor([[0.2, 0.1]] * B))
 
 
+def test_the_other_public_losses_name_a_bad_setting():
+    """Review pass: diffusion_ql_actor_loss(q_coef="x") was a TypeError and q_coef=inf a loss of -inf,
+    clipped_surrogate(clip_epsilon=None) a TypeError, normalize_advantage(eps=nan) all NaN, and
+    clip_schedule(rate=inf) NaN clip ranges."""
+    from rlfunc.losses.dppo import clip_schedule
+    from rlfunc.losses.ppo import clipped_surrogate, normalize_advantage
+    from rlfunc.losses.td3 import diffusion_ql_actor_loss
+
+    x = torch.zeros(3, 1)
+    cases = [
+        (lambda: diffusion_ql_actor_loss(torch.randn(4, 1), torch.tensor(0.5), q_coef="x"), r"^q_coef='x': expected a number$"),
+        (lambda: diffusion_ql_actor_loss(torch.randn(4, 1), torch.tensor(0.5), bc_coef=float("inf")), r"expected finite values$"),
+        (lambda: clipped_surrogate(x, x, x, None), r"^clip_epsilon=None: expected a number$"),
+        (lambda: normalize_advantage(torch.randn(5), eps=float("nan")), r"^eps=nan: expected a finite number$"),
+        (lambda: clip_schedule(5, 0.1, 0.2, rate=float("inf")), r"^rate=inf: expected a finite number$"),
+        (lambda: clip_schedule(5, "x", 0.2), r"^clip_min='x': expected a number$"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            call()
+    assert clipped_surrogate(x, x, x, torch.full((3, 1), 0.2))[0].shape == (3, 1)  # a tensor clip stays unread
+
+
 def test_td3_config_refuses_infinite_noise():
     """New-user pass: TD3Config(exploration_noise=inf) gave bang-bang actions, policy_noise=inf NaN smoothing
     wherever the draw was 0, where SACConfig refuses inf settings."""
