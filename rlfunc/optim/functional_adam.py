@@ -18,6 +18,7 @@ from rlfunc.optim.base import GradientTransform, _dict, _key, check_shapes, from
 
 _ADAM_KEYS = frozenset(("exp_avg", "exp_avg_sq", "step"))
 
+
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, *,
          weight_decay: float = 0.0) -> GradientTransform:
     """Adam (Kingma & Ba 2015, Algorithm 1): per leaf, with t the leaf's step count,
