@@ -110,5 +110,6 @@ register("PointReach-v0", EnvEntry(torch_env=lazy("envs.point_reach:PointReachEn
 register("PushState-v0", EnvEntry(demonstrations=push_demonstrations))
 register("Push-v0", EnvEntry(demonstrations=push_demonstrations))
 register("Warehouse-v0", EnvEntry(multi_agent_env=warehouse_env, multi_agent_eval=warehouse_eval, settable_state=True,
-                                  multi_agent_split=True))
+                                  multi_agent_split=True,
+                                  multi_agent_fields=("n_agents", "episode_steps", "shaping_scale", "conflict_penalty")))
 register("rware-*", EnvEntry(multi_agent_env=rware_env, multi_agent_eval=rware_eval))

@@ -68,6 +68,18 @@ CRITICS = ("local", "mean", "concat")
 AUTO_COMPILE_UPDATES = 15_000
 
 
+ENV_FIELDS = ("n_agents", "episode_steps", "shaping_scale", "conflict_penalty")  # what an env's builder may read
+
+
+def _env_reads_all(env: str) -> bool:
+    """Whether the env registry's builder of ``env`` reads :data:`ENV_FIELDS` (an unknown id: left to
+    the run's own EnvError)."""
+    from rlfunc.envs import registry
+
+    entry = registry.find(env)
+    return entry is None or set(ENV_FIELDS) <= set(entry.multi_agent_fields)
+
+
 @dataclass(frozen=True)
 class MAPPOConfig:
     """Every hyperparameter of shared-parameter multi-agent PPO / GRPO / GSPO, with its default."""
@@ -107,6 +119,9 @@ class MAPPOConfig:
         ("loss='grpo' or 'gspo'", lambda c: c.loss != "ppo", ("group_size", "sequence_reward", "advantage_std")),
         ("loss='ppo' or 'grpo'", lambda c: c.loss != "gspo", ("clip_epsilon",)),
         ("loss='gspo'", lambda c: c.loss == "gspo", ("gspo_clip_epsilon", "gspo_clip_epsilon_high")),
+        # an rware id fixes its agents and episode length and has no shaping: they were recorded and unread there
+        ("an env that reads it (its registry entry's multi_agent_fields: Warehouse-v0's)", lambda c: _env_reads_all(c.env),
+         ENV_FIELDS),
     )
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8))  # seed (parameters, action sampling, envs), device, snapshots (rlfunc.config.RunConfig); torch's threads left as they are, a snapshot only at the end, 2 kept, 8 warehouses (or rware episodes) per eval seed
 
@@ -123,6 +138,8 @@ class MAPPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: expected an int >= 1")
+        if not self.hidden or any(h <= 0 for h in self.hidden):  # 0 trained a bias-only policy; -3 was torch's traceback
+            raise ConfigError(f"hidden={self.hidden}: expected at least one layer width, each positive")
         require_default(self.run, env_workers="mappo's envs step in the learner's process (torch-batched on the device, or rware's)", num_seeds="mappo trains one seed per run", vmap="mappo trains one seed per run",
                         precision="mappo has no mixed precision", log_every="mappo logs every iteration")
         if self.loss != "ppo" and self.group_size < 2:  # a group of one has advantage 0: no gradient, silently
@@ -377,8 +394,12 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
     it is left out of their gradients, so it and its Adam state stay at their initial values.
     """
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)
+    per_env = n_agents * (config.rollout_steps if config.loss == "ppo" else 1)  # samples of one env's rollout
+    if config.num_minibatches > config.num_envs * per_env:  # empty minibatches: ppo_loss's error after the first rollout
+        raise ConfigError(f"num_minibatches={config.num_minibatches}: more than the {config.num_envs * per_env} samples of an "
+                          f"iteration (num_envs={config.num_envs} x {n_agents} agents"
+                          f"{f' x rollout_steps={config.rollout_steps}' if config.loss == 'ppo' else ' sequences'})")
     if W > 1:
-        per_env = n_agents * (config.rollout_steps if config.loss == "ppo" else 1)  # samples of one env's rollout
         data_parallel.check_divides(W, num_envs=config.num_envs,
                                     minibatch_size=max(1, config.num_envs * per_env // config.num_minibatches))
         if config.run.compile == "on":

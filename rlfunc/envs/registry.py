@@ -54,8 +54,9 @@ class EnvEntry:
       ("agents", "observation" | "action") keys and ("agents", "action_mask") where it masks actions,
       on ``device`` or on the host; ``config`` is the run's
       :class:`rlfunc.algos.mappo.MAPPOConfig` (its env fields: ``env``, ``n_agents``, ``episode_steps``,
-      ``shaping_scale``, ``conflict_penalty``). With ``multi_agent_split``, a data-parallel run passes
-      ``split=(rank, world_size)`` and ``any_done_of_split`` as to ``torch_env``.
+      ``shaping_scale``, ``conflict_penalty``; ``multi_agent_fields`` names those it reads, and a
+      new run refuses the others set away from their defaults). With ``multi_agent_split``, a
+      data-parallel run passes ``split=(rank, world_size)`` and ``any_done_of_split`` as to ``torch_env``.
     - ``multi_agent_eval(config, act, device)`` -> eval.json's content for the policy
       ``act(observation [N, A, D], action_mask [N, A, K] | None) -> action [N, A]``.
     """
@@ -67,6 +68,7 @@ class EnvEntry:
     multi_agent_eval: Callable[..., dict] | None = None  # final evaluation of a multi-agent policy (see above)
     settable_state: bool = False  # multi-agent: state / set_state / rng_state capture it (grouped resets, exact resume)
     multi_agent_split: bool = False  # multi-agent: multi_agent_env takes split= and any_done_of_split= (a data-parallel run)
+    multi_agent_fields: tuple[str, ...] = ()  # multi-agent: the MAPPOConfig env fields multi_agent_env reads (see above)
 
 
 _ENTRIES: dict[str, EnvEntry] = {}

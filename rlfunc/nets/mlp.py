@@ -21,7 +21,8 @@ class MLP(nn.Sequential):
     may be empty (one linear layer). ``activation``: one of "tanh", "relu", "elu", "silu".
 
     Raises:
-        ConfigError: ``activation`` is not one of those names.
+        ConfigError: ``activation`` is not one of those names, or a width of ``hidden`` is not a positive int
+            (0 built a network that ignores its input, -3 was torch's "negative dimension" traceback).
     """
 
     def __init__(
@@ -34,6 +35,8 @@ class MLP(nn.Sequential):
     ) -> None:
         if not isinstance(activation, str) or activation not in _ACTIVATIONS:
             raise ConfigError(f"MLP: activation={activation!r}: expected one of {', '.join(map(repr, _ACTIVATIONS))}")
+        if any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in hidden):
+            raise ConfigError(f"MLP: hidden={tuple(hidden)}: expected positive int widths")
         layers: list[nn.Module] = []
         sizes = [in_features, *hidden]
         for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):

@@ -270,3 +270,26 @@ def test_eval_episodes_are_capped_with_the_eval_seeds_counted():
         preset("Warehouse-v0", eval_episodes=5000)
     assert preset("Warehouse-v0", eval_episodes=3333).run.eval_episodes == 3333
     assert preset("Warehouse-v0", eval_episodes=5000, eval_seeds=(7,)).run.eval_episodes == 5000  # one seed: 5000 envs
+
+
+def test_mappo_refuses_what_it_would_record_and_not_use():
+    """New-user pass: --hidden 0 trained a bias-only policy that ignored its observation (exit 0) and
+    --hidden 64 -3 was a 45-line torch traceback; on an rware id --n-agents, --episode-steps,
+    --shaping-scale and --conflict-penalty were recorded and changed nothing (rware fixes its agents and
+    episode length); 25 minibatches of 24 samples failed in ppo_loss after the first rollout."""
+    from rlfunc.algos.mappo import preset
+    from rlfunc.nets.mlp import MLP
+
+    for bad in ((0,), (64, -3)):
+        with pytest.raises(ConfigError, match=r"^hidden=.*: expected at least one layer width, each positive$"):
+            MAPPOConfig(hidden=bad)
+        with pytest.raises(ConfigError, match=r"^MLP: hidden=.*: expected positive int widths$"):
+            MLP(4, 2, bad)
+    for field, value in (("n_agents", 7), ("episode_steps", 3), ("shaping_scale", 5.0), ("conflict_penalty", 9.0)):
+        with pytest.raises(ConfigError, match=rf"^{field}={value!r}: read only with an env that reads it"):
+            preset("rware-tiny-2ag-v2", **{field: value})
+        assert getattr(preset("Warehouse-v0", **{field: value}), field) == value  # Warehouse-v0 reads them
+    config = MAPPOConfig(n_agents=3, num_envs=2, rollout_steps=4, num_minibatches=25)
+    with pytest.raises(ConfigError, match=r"^num_minibatches=25: more than the 24 samples of an iteration"):
+        make_mappo(config, 10, 3, 5, torch.device("cpu"))
+    assert make_mappo(replace(config, num_minibatches=24), 10, 3, 5, torch.device("cpu")) is not None
