@@ -189,6 +189,17 @@ class WarehouseEnv(SplitEnv, EnvBase):
         return self._output(self._state, reward, counts)
 
 
+def _action(agent: str, value) -> int:
+    """``value`` as agent ``agent``'s action index: an integer (Python, numpy, or a 0-d integer array) in
+    [0, N_ACTIONS). EnvError otherwise (1.7 was truncated to 1 silently, "x" a bare ValueError)."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, np.integer)) or (
+            isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.integer))):
+        raise EnvError(f"step(): action of {agent!r} is {value!r}: expected an integer in [0, {core.N_ACTIONS})")
+    if not 0 <= int(value) < core.N_ACTIONS:
+        raise EnvError(f"step(): action of {agent!r} is {int(value)}: expected an integer in [0, {core.N_ACTIONS})")
+    return int(value)
+
+
 class WarehouseParallelEnv(ParallelEnv):
     """One Warehouse-v0 instance as a PettingZoo ``ParallelEnv`` (numpy in and out, torch core inside).
 
@@ -257,7 +268,7 @@ class WarehouseParallelEnv(ParallelEnv):
         if unknown:
             raise EnvError(f"step(): action keys {unknown[:3]!r}{' ...' if len(unknown) > 3 else ''} are not agents; "
                            f"expected names such as {self.possible_agents[0]!r} (an agent left out stays in place)")
-        action = torch.tensor([[int(actions.get(agent, 0)) for agent in self.possible_agents]], dtype=torch.int64)
+        action = torch.tensor([[_action(agent, actions.get(agent, 0)) for agent in self.possible_agents]], dtype=torch.int64)
         self.state_td, reward, _, flags = core.step_state(self.layout, self.state_td, action, self.config)
         flag_np = {
             "delivered": flags["delivered"][0].numpy(),
@@ -279,7 +290,12 @@ class WarehouseParallelEnv(ParallelEnv):
         return out
 
     def state(self) -> np.ndarray:
-        """Global state: [H, W, 4] float32 of obstacle, agents, pick stations, drop stations (rows, cols)."""
+        """Global state: [H, W, 4] float32 of obstacle, agents, pick stations, drop stations (rows, cols).
+
+        Raises:
+            EnvError: before the first ``reset()``."""
+        if self.state_td is None:  # was "'NoneType' object is not subscriptable"
+            raise EnvError("state() before reset(): call reset() first")
         static = core._padded_static(self.layout, 0).clone()
         pos = self.state_td["position"][0]
         static[1, pos[:, 0], pos[:, 1]] = 1.0

@@ -352,3 +352,23 @@ def test_layout_and_bad_input_errors():
         core.step_state(env.layout, env.state, torch.zeros(2, 4), SMALL)
     with pytest.raises(ShapeError, match=r"\[0, 5\)"):
         env.step(td.set(("agents", "action"), torch.full((2, 4), 5, dtype=torch.int64)))
+
+
+def test_the_parallel_env_refuses_an_action_that_is_not_an_index():
+    """New-user pass: WarehouseParallelEnv.step({'agv_0': 1.7}) moved agv_0 by action 1 (truncated, where the
+    TorchRL env refuses float actions), "x" was a bare ValueError naming no agent, and state() before reset()
+    a TypeError."""
+    import numpy as np
+
+    from envs.warehouse.env import WarehouseParallelEnv
+    from rlfunc.errors import EnvError
+
+    env = WarehouseParallelEnv()
+    with pytest.raises(EnvError, match=r"^state\(\) before reset\(\)"):
+        env.state()
+    env.reset(seed=0)
+    for bad in (1.7, "x", 7, -1, True):
+        with pytest.raises(EnvError, match=rf"^step\(\): action of 'agv_0' is .*: expected an integer in \[0, 5\)$"):
+            env.step({"agv_0": bad})
+    for good in (2, np.int64(3), np.array(1)):
+        env.step({"agv_0": good})
