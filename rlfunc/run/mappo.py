@@ -219,6 +219,11 @@ class MAPPORun(Run):
     requires_format = True  # its snapshots from before it was resumable lack meta "resume_format"
 
     def __init__(self, config: MAPPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
+        if not resumed and config.run.seed in config.eval_seeds:  # the training envs' generator is seeded with run.seed,
+            # each evaluation's with its eval seed: the same task draws, silently
+            warnings.warn(f"run.seed={config.run.seed} is one of eval_seeds={config.eval_seeds}: the training warehouses draw "
+                          "that evaluation's tasks, so it is not on unseen ones; pick another --seed or other --eval-seeds",
+                          stacklevel=3)
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, f"mappo-{config.loss}"

@@ -293,3 +293,15 @@ def test_mappo_refuses_what_it_would_record_and_not_use():
     with pytest.raises(ConfigError, match=r"^num_minibatches=25: more than the 24 samples of an iteration"):
         make_mappo(config, 10, 3, 5, torch.device("cpu"))
     assert make_mappo(replace(config, num_minibatches=24), 10, 3, 5, torch.device("cpu")) is not None
+
+
+def test_a_new_mappo_run_seeded_like_an_evaluation_warns(tmp_path, recwarn):
+    """New-user pass: the training warehouses' generator is seeded with run.seed and each evaluation's with its
+    eval seed, so `--seed 1000` (eval seeds 1000-1002) trained on the evaluation's task draws, silently."""
+    config = replace(MAPPOConfig(), n_agents=3, num_envs=2, rollout_steps=4, episode_steps=12, hidden=(8,), total_steps=8,
+                     eval_seeds=(1000,), eval_episodes=1, seed=1000, device="cpu")
+    with pytest.warns(UserWarning, match=r"^run.seed=1000 is one of eval_seeds=\(1000,\): the training warehouses draw"):
+        train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
+    recwarn.clear()
+    train(replace(config, seed=1001), tmp_path / "ok", progress=False, tensorboard=False, evaluate=False)
+    assert not [w for w in recwarn if "eval_seeds" in str(w.message)]
