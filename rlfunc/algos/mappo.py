@@ -71,13 +71,13 @@ AUTO_COMPILE_UPDATES = 15_000
 ENV_FIELDS = ("n_agents", "episode_steps", "shaping_scale", "conflict_penalty")  # what an env's builder may read
 
 
-def _env_reads_all(env: str) -> bool:
-    """Whether the env registry's builder of ``env`` reads :data:`ENV_FIELDS` (an unknown id: left to
-    the run's own EnvError)."""
+def _env_reads(env: str, field: str) -> bool:
+    """Whether the env registry's builder of ``env`` reads the config field ``field`` (one of
+    :data:`ENV_FIELDS`; an unknown id: left to the run's own EnvError)."""
     from rlfunc.envs import registry
 
     entry = registry.find(env)
-    return entry is None or set(ENV_FIELDS) <= set(entry.multi_agent_fields)
+    return entry is None or field in entry.multi_agent_fields
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,9 @@ class MAPPOConfig:
         ("loss='ppo' or 'grpo'", lambda c: c.loss != "gspo", ("clip_epsilon",)),
         ("loss='gspo'", lambda c: c.loss == "gspo", ("gspo_clip_epsilon", "gspo_clip_epsilon_high")),
         # an rware id fixes its agents and episode length and has no shaping: they were recorded and unread there
-        ("an env that reads it (its registry entry's multi_agent_fields: Warehouse-v0's)", lambda c: _env_reads_all(c.env),
-         ENV_FIELDS),
+        # (episode_steps is also the grouped losses' rollout length, read on any env)
+        *((f"an env that reads it (its registry entry's multi_agent_fields, e.g. Warehouse-v0's)",
+           lambda c, f=f: _env_reads(c.env, f) or (f == "episode_steps" and c.loss != "ppo"), (f,)) for f in ENV_FIELDS),
     )
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8))  # seed (parameters, action sampling, envs), device, snapshots (rlfunc.config.RunConfig); torch's threads left as they are, a snapshot only at the end, 2 kept, 8 warehouses (or rware episodes) per eval seed
 

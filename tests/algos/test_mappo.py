@@ -305,3 +305,23 @@ def test_a_new_mappo_run_seeded_like_an_evaluation_warns(tmp_path, recwarn):
     recwarn.clear()
     train(replace(config, seed=1001), tmp_path / "ok", progress=False, tensorboard=False, evaluate=False)
     assert not [w for w in recwarn if "eval_seeds" in str(w.message)]
+
+
+def test_an_env_fields_rule_is_per_field_and_grouped_rollouts_read_episode_steps(monkeypatch):
+    """Review pass: an env entry declaring some of the env fields (multi_agent_fields=("n_agents",)) had all four
+    refused, the declared one too; and episode_steps, the grouped losses' rollout length on any env, was refused
+    with grpo on such an env."""
+    from envs import registry_entries as entries
+    from rlfunc.config import check_dependents
+    from rlfunc.envs import registry
+
+    registry.ensure_loaded()
+    monkeypatch.setitem(registry._ENTRIES, "Toy-v0", registry.EnvEntry(
+        multi_agent_env=entries.warehouse_env, multi_agent_eval=entries.warehouse_eval, settable_state=True,
+        multi_agent_fields=("n_agents",)))
+    base = MAPPOConfig(env="Toy-v0")
+    check_dependents(MAPPOConfig(env="Toy-v0", n_agents=4), base)
+    check_dependents(MAPPOConfig(env="Toy-v0", loss="grpo", episode_steps=50), base)
+    for field, value in (("episode_steps", 50), ("shaping_scale", 1.0)):
+        with pytest.raises(ConfigError, match=rf"^{field}={value!r}: read only with an env that reads it"):
+            check_dependents(MAPPOConfig(env="Toy-v0", **{field: value}), base)
