@@ -190,8 +190,10 @@ class WarehouseEnv(SplitEnv, EnvBase):
 
 
 def _action(agent: str, value) -> int:
-    """``value`` as agent ``agent``'s action index: an integer (Python, numpy, or a 0-d integer array) in
+    """``value`` as agent ``agent``'s action index: an integer (Python, numpy, a 0-d integer array or tensor) in
     [0, N_ACTIONS). EnvError otherwise (1.7 was truncated to 1 silently, "x" a bare ValueError)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point() and value.dtype != torch.bool:
+        value = int(value)  # a torch policy's argmax
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, np.integer)) or (
             isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.integer))):
         raise EnvError(f"step(): action of {agent!r} is {value!r}: expected an integer in [0, {core.N_ACTIONS})")
