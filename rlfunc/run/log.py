@@ -39,7 +39,8 @@ def _digest(line: str) -> str:
 class MetricsLogger:
     """Appends one JSON object per call to ``RUN_DIR/metrics.jsonl``; mirrors scalars to TensorBoard.
 
-    On a resume (RUN_DIR/tb exists) TensorBoard must show metrics.jsonl's lines, which the resume has
+    On a resume (RUN_DIR/tb, or lines in metrics.jsonl: a run that trained with TensorBoard off is
+    rebuilt) TensorBoard must show metrics.jsonl's lines, which the resume has
     cut back to its snapshot (a crash, an older snapshot) or replaced (a rollback onto another
     branch: the version's own history). When the lines are a prefix of those TensorBoard holds (the
     digests the last logger wrote at close), its points from the step after the last line on are
@@ -55,8 +56,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 tb = Path(run_dir) / "tb"
-                resumed = tb.is_dir()
-                lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines() if resumed and self.path.is_file() else []
+                lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines() if self.path.is_file() else []
+                resumed = tb.is_dir() or bool(lines)  # (a run resumed with TensorBoard on after training without it: rebuilt)
                 digests = [_digest(line) for line in lines]
                 mirrored = tb / MIRRORED
                 held = mirrored.read_text().split() if mirrored.is_file() else None

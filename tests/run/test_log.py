@@ -119,3 +119,20 @@ def test_a_clean_resume_purges_instead_of_rebuilding_and_a_crash_rebuilds(tmp_pa
     events.Reload()
     points = [(e.step, e.value) for e in events.Scalars("loss")]
     assert points == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(100, -1.0), (200, -2.0), (300, 30.0), (400, 40.0)]
+
+
+def test_tensorboard_turned_on_at_a_resume_holds_the_earlier_lines_too(tmp_path):
+    """Review pass: a run trained with TensorBoard off and resumed with it on had no tb/, so TensorBoard showed
+    the resumed lines only (6-12 of 12, the same before today's purge change)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for i in (1, 2):
+        logger.log({"iteration": i, "step": 100 * i, "time": float(i), "loss": -1.0 * i})
+    logger.close()
+    logger = MetricsLogger(tmp_path)
+    logger.log({"iteration": 3, "step": 300, "time": 3.0, "loss": 30.0})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(100, -1.0), (200, -2.0), (300, 30.0)]
