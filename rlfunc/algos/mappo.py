@@ -121,7 +121,7 @@ class MAPPOConfig:
         ("loss='gspo'", lambda c: c.loss == "gspo", ("gspo_clip_epsilon", "gspo_clip_epsilon_high")),
         # an rware id fixes its agents and episode length and has no shaping: they were recorded and unread there
         # (episode_steps is also the grouped losses' rollout length, read on any env)
-        *((f"an env that reads it (its registry entry's multi_agent_fields, e.g. Warehouse-v0's)",
+        *(("an env that reads it (its registry entry's multi_agent_fields, e.g. Warehouse-v0's)",
            lambda c, f=f: _env_reads(c.env, f) or (f == "episode_steps" and c.loss != "ppo"), (f,)) for f in ENV_FIELDS),
     )
     run: RunConfig = field(default_factory=lambda: RunConfig(torch_threads=0, checkpoint_every=0, keep_checkpoints=2, eval_episodes=8))  # seed (parameters, action sampling, envs), device, snapshots (rlfunc.config.RunConfig); torch's threads left as they are, a snapshot only at the end, 2 kept, 8 warehouses (or rware episodes) per eval seed

@@ -1,11 +1,14 @@
-"""Argument checks the losses share: a hyperparameter that is not a real number, or not a finite
-one, is one ConfigError naming it (a str or None was a TypeError from a comparison, naming nothing;
+"""Argument checks the losses share (ppo, dppo, grpo/gspo, sac, td3): a hyperparameter that is not
+a real number, or not a finite one, is one ConfigError naming it (a str or None was a TypeError from a comparison, naming nothing;
 inf passed "not x < 0" and gave inf targets)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+
+import torch
+from torch import Tensor
 
 from rlfunc.errors import ConfigError
 
@@ -18,3 +21,15 @@ def check_number(name: str, value, *, fn: str = "", finite: bool = True) -> None
         raise ConfigError(f"{prefix}{name}={value!r}: expected a number")
     if finite and not math.isfinite(value):
         raise ConfigError(f"{prefix}{name}={value!r}: expected a finite number")
+
+
+def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> None:
+    """ConfigError naming ``name`` unless ``value`` is a finite real number (or tensor of them) that is
+    >= 0 (> 0 with ``positive``); NaN passes ``value < 0``, so it is refused here explicitly."""
+    if not isinstance(value, Tensor):
+        check_number(name, value, fn=fn, finite=False)
+        ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    else:
+        ok = bool((torch.isfinite(value) & ((value > 0) if positive else (value >= 0))).all())
+    if not ok:
+        raise ConfigError(f"{fn}: {name}={value}: expected a finite number {'> 0' if positive else '>= 0'}")

@@ -19,8 +19,8 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.checks import check_number
-from rlfunc.losses.ppo import check_coefficient, explained_variance, normalize_advantage
+from rlfunc.losses.checks import check_coefficient, check_number
+from rlfunc.losses.ppo import explained_variance, normalize_advantage
 
 
 def clip_schedule(num_steps: int, clip_min: float, clip_max: float, rate: float = 3.0, *, device=None) -> Tensor:

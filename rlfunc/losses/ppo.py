@@ -15,20 +15,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.checks import check_number
-
-
-def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> None:
-    """ConfigError naming ``name`` unless ``value`` is a finite real number (or tensor of them) that is
-    >= 0 (> 0 with ``positive``); NaN passes ``value < 0``, so it is refused here explicitly."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
-        raise ConfigError(f"{fn}: {name}={value!r}: expected a number")
-    if isinstance(value, Tensor):
-        ok = bool((torch.isfinite(value) & ((value > 0) if positive else (value >= 0))).all())
-    else:
-        ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-    if not ok:
-        raise ConfigError(f"{fn}: {name}={value}: expected a finite number {'> 0' if positive else '>= 0'}")
+from rlfunc.losses.checks import check_coefficient, check_number
 
 
 def normalize_advantage(advantage: Tensor, eps: float = 1e-8) -> Tensor:
