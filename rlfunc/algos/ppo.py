@@ -600,7 +600,10 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         p = priorities(torch.where(usable, magnitude, torch.ones_like(magnitude)), config.priority_alpha)
         return p, importance_weights(p, config.priority_beta)
 
-    def member_loss(params: TensorDict, mb: TensorDict, clip_epsilon: float = config.clip_epsilon) -> tuple[Tensor, TensorDict]:
+    def member_loss(params: TensorDict, mb: TensorDict, clip_epsilon: float = config.clip_epsilon,
+                    check: bool = True) -> tuple[Tensor, TensorDict]:
+        """One member's (loss, metrics) on a minibatch; ``params`` and ``mb`` TensorDicts or nested dicts of
+        its tensors; ``check`` False skips ppo_loss's argument checks (an iteration's later minibatches)."""
         # without an entropy bonus the entropy is a metric: computed outside the graph, so that the backward
         # skips it (the gradients are the same; its term added -0 x dH/dtheta)
         metric_only = torch.no_grad if config.entropy_coef == 0 else contextlib.nullcontext
@@ -627,7 +630,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             clip_epsilon=clip_epsilon, value_clip_epsilon=config.value_clip_epsilon,
             entropy_coef=config.entropy_coef, value_coef=config.value_coef,
             normalize_advantages=config.normalize_advantages and W == 1,  # data parallel: normalised over the global minibatch
-            sample_weight=mb.get("sample_weight", None),
+            sample_weight=mb.get("sample_weight", None), check=check,
         )
 
     def member_log_prob_and_value(params: TensorDict, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
@@ -783,17 +786,32 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                 probs, weights = minibatch_priorities(params, flat, log_prob_grads, data_ok, frozen_names)
         loss_fn = vmap(member_loss, in_dims=(0, 0, None)) if config.adaptive_clip else vmap(member_loss)
         loss_args = (clip_epsilon,) if config.adaptive_clip else ()
+        # one seed, one process, no shaping (the defaults): the loss on the member's squeezed tensors in plain
+        # dicts, not through vmap's loop over TensorDicts (their indexing and rebuilding was ~1/4 of a small
+        # MLP's eager step: bench/RESULTS.md "PPO's eager step, one seed"); the same ops, the same numbers
+        single = S == 1 and W == 1 and not traced and transform is None and not config.adaptive_clip and probs is None
+        if single:
+            param_paths = [k if isinstance(k, tuple) else (k,) for k in keys]
+            param_leaves = [params.get(k) for k in keys]  # stepped in place: the same tensors all iteration
+            columns = {k: v[0] for k, v in flat.items()}
+        metric_keys = None
         for _ in range(config.num_epochs):
             if probs is None:
                 perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
             else:  # B draws with replacement by priority
                 perm = sample_prioritized(probs, B, generators)
             # one gather per epoch; minibatches are then slices (data parallel: of this rank's share)
-            shuffled = flat[rows, perm if W == 1 else parallel.local_share(perm, config.minibatch_size, rank, W)]
+            if single:
+                shuffled = {k: v[perm[0]] for k, v in columns.items()}
+            else:
+                shuffled = flat[rows, perm if W == 1 else parallel.local_share(perm, config.minibatch_size, rank, W)]
             if probs is not None:
                 shuffled["sample_weight"] = weights.gather(1, perm).unsqueeze(-1)
             for k in range(num_mb):
-                mb = shuffled if num_mb == 1 and W == 1 else shuffled[:, k * share : (k + 1) * share]
+                if single:
+                    mb = shuffled if num_mb == 1 else {key: v[k * share : (k + 1) * share] for key, v in shuffled.items()}
+                else:
+                    mb = shuffled if num_mb == 1 and W == 1 else shuffled[:, k * share : (k + 1) * share]
                 if W > 1 and config.normalize_advantages:
                     mb["advantage"] = parallel.normalized_share(
                         vmap(normalize_advantage), flat["advantage"], rows,
@@ -813,7 +831,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     optim_state = TensorDict({"0": {"norm": norms}, "1": optim_state["1"]}, batch_size=[])
                     skipped += torch.stack([~data_ok, data_ok & ~loss.isfinite(), data_ok & loss.isfinite() & ~norms.isfinite()], 1).long()
                 else:
-                    loss, metrics = loss_fn(params, mb, *loss_args)
+                    if single:  # loss 0-dim, metrics of 0-dim values
+                        member = _nested(param_paths, [p.squeeze(0) for p in param_leaves])
+                        loss, metrics = member_loss(member, mb, check=updates == 0)
+                    else:
+                        loss, metrics = loss_fn(params, mb, *loss_args, check=updates == 0)
                     for p in leaves:
                         p.grad = None
                     with_curvature = transform is not None and shaped.curvature_due(config, optim_state)
@@ -843,8 +865,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                             metrics[key] = value
                     if config.adaptive_clip:
                         metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
-                metrics["grad_norm"] = norms
-                metric_sum = metrics.clone() if metric_sum is None else metric_sum.add_(metrics)  # in place: half a new TensorDict's cost
+                # the metrics summed as one stacked tensor [K(, S)]: one op per step
+                values = torch.stack([*metrics.values(), norms.squeeze(0) if single else norms])
+                if metric_keys is None:
+                    metric_keys, metric_sum = [*metrics.keys(), "grad_norm"], values
+                else:
+                    metric_sum += values
                 updates += 1
                 if config.target_kl is not None:
                     active = active & ~(metrics["approx_kl"] > config.target_kl)
@@ -859,7 +885,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2] * W
         out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)
-        metrics = metric_sum / updates
+        means = (metric_sum / updates).unbind(0)
+        metrics = TensorDict({k: v.unsqueeze(0) if single else v for k, v in zip(metric_keys, means)}, batch_size=[S])
         metrics["skipped_data"] = skipped[:, 0]
         metrics["skipped_loss"] = skipped[:, 1]
         metrics["skipped_gradient"] = skipped[:, 2]
@@ -874,6 +901,18 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         return out, metrics
 
     return PPO(init, iteration, policy, net)
+
+
+def _nested(paths: list[tuple], tensors: list[Tensor]) -> dict:
+    """Nested dicts holding ``tensors`` at ``paths`` (("actor", "0", "weight"), ...): a parameter tree
+    without TensorDict's per-lookup cost."""
+    out: dict = {}
+    for path, tensor in zip(paths, tensors):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = tensor
+    return out
 
 
 register("ppo", AlgorithmEntry(

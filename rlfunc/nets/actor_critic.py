@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -111,9 +111,11 @@ def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *
     return (out, x) if return_hidden else out
 
 
-def _linear(layer: nn.Linear, params: TensorDictBase, name: str, x: Tensor) -> Tensor:
-    """``layer``'s F.linear with its weight (and bias, if the layer has one: ``bias=False`` has none) from ``params``."""
-    return F.linear(x, params[name, "weight"], params[name, "bias"] if layer.bias is not None else None)
+def _linear(layer: nn.Linear, params: TensorDictBase | Mapping, name: str, x: Tensor) -> Tensor:
+    """``layer``'s F.linear with its weight (and bias, if the layer has one: ``bias=False`` has none) from
+    ``params`` (a TensorDict, or nested dicts: PPO's single-seed step passes dicts, ~50x cheaper to index)."""
+    layer_params = params[name]
+    return F.linear(x, layer_params["weight"], layer_params["bias"] if layer.bias is not None else None)
 
 
 def actor_critic_apply(net: GaussianActorCritic, params: TensorDictBase, observation: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
