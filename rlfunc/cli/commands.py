@@ -200,7 +200,8 @@ def _resume_from(a, snap) -> int:
             replace(registry.config_from_meta(meta, where), nproc=nproc)
         flags = [*(["--total-steps", str(a.total_steps)] if a.total_steps is not None else []),
                  *(["--device", a.device] if a.device is not None else [])]
-        launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir))
+        device = a.device if a.device is not None else (run.get("device") if isinstance(run, dict) else None)
+        launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir), device if isinstance(device, str) else None)
         if launched is not None:
             return launched
     from rlfunc.run.loop import resume

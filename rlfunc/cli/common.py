@@ -163,7 +163,7 @@ def failed_rank(failures: dict) -> tuple[int, Any]:
     raise ValueError("failures: expected at least one failed rank")
 
 
-def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
+def launch(command: list[str], nproc: int, run_dir: str, device: str | None = None) -> int | None:
     """``rlfunc COMMAND...`` in ``nproc`` data-parallel processes on this node, started by torchrun
     (``torch.distributed.run --standalone --nproc-per-node NPROC -m rlfunc COMMAND... --run-dir RUN_DIR``,
     torch's elastic launcher: its c10d rendezvous on a free local port); its exit code. None when
@@ -171,12 +171,19 @@ def launch(command: list[str], nproc: int, run_dir: str) -> int | None:
     Across nodes, run torchrun yourself (README: "Data-parallel training").
 
     ``rlfunc resume RUN_DIR`` of a run trained with ``--nproc N`` comes here too and continues on N ranks.
+    ``device`` (the run's name for it) is resolved here first: a device this machine lacks is one line,
+    not one per rank and the launcher's.
 
     Raises:
-        ConfigError: a rank failed; the message names the first failed rank and its exit code or signal.
+        ConfigError: ``device`` is not on this machine (:func:`rlfunc.device.resolve_device`); a rank
+            failed: the message names the first failed rank and its exit code or signal.
     """
     if nproc <= 1 or under_torchrun():
         return None
+    if device is not None:
+        from rlfunc.device import resolve_device
+
+        resolve_device(device)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -265,7 +272,7 @@ def train_command(name: str, argv: list[str], *, description: str, default: Call
         check(config)
     check_dependents(config, default_config)  # a flag whose switch is off: it would be recorded and unread
     run_dir = known.run_dir or default_run_dir(config.env, name if tag is None else tag(config), config.run.seed)
-    launched = launch(["train", command, *argv], config.run.nproc, run_dir)  # --nproc N: N ranks under torchrun
+    launched = launch(["train", command, *argv], config.run.nproc, run_dir, config.run.device)  # --nproc N: N ranks under torchrun
     if launched is not None:
         return launched
     result = train(config, run_dir)

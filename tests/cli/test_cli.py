@@ -741,3 +741,14 @@ def test_a_run_dir_removed_after_an_interrupt_before_its_first_iteration_is_said
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"rlfunc: interrupted before the run's first iteration ended; {run} was removed (nothing to resume)"
     assert not run.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_missing_device_with_nproc_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    # the bug (data-parallel pass): each of the 2 ranks printed "device='cuda': this machine has no CUDA
+    # device", then the launcher a third line; the device is resolved before torchrun now
+    code = main(["train", "ppo", "--env", "Pendulum-v1", "--total-steps", "256", "--num-envs", "4", "--num-steps", "32",
+                 "--minibatch-size", "64", "--nproc", "2", "--device", "cuda", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "device='cuda': this machine has no CUDA device" in err[0], err
+    assert not (tmp_path / "run").exists()
