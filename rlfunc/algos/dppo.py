@@ -37,7 +37,7 @@ from rlfunc.device import compile_step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
-from rlfunc.losses.ppo import normalize_advantage
+from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, minibatch_epochs, partition,
                           unflatten)
@@ -316,6 +316,7 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
             total_steps=K if config.likelihood == "chain" else 1,
             value_coef=config.value_coef,
             normalize_advantages=config.normalize_advantages and W == 1,  # data parallel: over the whole minibatch, before the share
+            poolable=W > 1 or config.micro_batch_size is not None,  # the minibatch's explained variance from its parts'
         )
 
     # --compile: one minibatch's gradient step as one pure function of flat leaf lists (the form
@@ -372,13 +373,15 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
                     mb["advantage"] = normalize_advantage(mb["advantage"])
                 mb = data_parallel.share(mb, rank, W)
             if compiled_step is not None:
-                return TensorDict(compiled_step(w, opt_leaves, schedule_w, {k: mb[k] for k in mb_keys}), batch_size=[])
+                return pool_explained_variance(TensorDict(compiled_step(w, opt_leaves, schedule_w, {k: mb[k] for k in mb_keys}), batch_size=[]))
             for leaf in leaves:
                 leaf.grad = None
             loss, metrics = accumulate_gradients(lambda micro: loss_fn(params, state["schedule"], micro), mb,
-                                                 config.micro_batch_size, prec=prec, scale=loss_scale_of(opt["state"]))
-            if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
-                _, metrics = data_parallel.average_grads_(reduce, leaves, loss, metrics)
+                                                 config.micro_batch_size, prec=prec, scale=loss_scale_of(opt["state"]),
+                                                 maxima=("ratio_max",))
+            if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics (ratio_max: the max)
+                _, metrics = data_parallel.average_grads_(reduce, leaves, loss, metrics, maxima=("ratio_max",), rank=rank, world_size=W)
+            metrics = pool_explained_variance(metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], params, prec)
             metrics["grad_norm"] = norm
             metrics["skipped"] = torch.tensor(float(not ok))

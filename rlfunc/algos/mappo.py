@@ -53,7 +53,7 @@ from rlfunc.device import compile_step
 from rlfunc.errors import ConfigError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
-from rlfunc.losses.ppo import normalize_advantage, ppo_loss
+from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
 from rlfunc.optim.leaves import chain_state, chain_step
@@ -306,11 +306,12 @@ def per_agent_gae(config: MAPPOConfig, batch: TensorDict) -> tuple[Tensor, Tenso
 
 
 def ppo_agent_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: TensorDict,
-                   normalize_advantages: bool = True) -> tuple[Tensor, TensorDict]:
+                   normalize_advantages: bool = True, poolable: bool = False) -> tuple[Tensor, TensorDict]:
     """PPO loss of a minibatch of agent-steps [M]: "observation" [M, D], "critic_observation" [M, C],
     "action_mask" [M, K] bool, "action" [M] int64, "sample_log_prob", "advantage", "value_target",
     "state_value" [M, 1] float. Advantages are normalised over the minibatch (ppo_loss's default;
-    ``normalize_advantages=False``: already normalised, as a data-parallel rank's share is)."""
+    ``normalize_advantages=False``: already normalised, as a data-parallel rank's share is; ``poolable``:
+    ppo_loss's, for a rank's share)."""
     logits = masked_logits(func.apply(nets.actor, params["actor"], mb["observation"]), mb.get("action_mask", None))
     log_prob = categorical_log_prob(logits, mb["action"])
     value = func.apply(nets.critic, params["critic"], mb["critic_observation"])
@@ -318,6 +319,7 @@ def ppo_agent_loss(nets: Nets, config: MAPPOConfig, params: TensorDict, mb: Tens
         log_prob, mb["sample_log_prob"], mb["advantage"], value, mb["value_target"],
         entropy=categorical_entropy(logits), clip_epsilon=config.clip_epsilon,
         entropy_coef=config.entropy_coef, value_coef=config.value_coef, normalize_advantages=normalize_advantages,
+        poolable=poolable,
     )
 
 
@@ -526,7 +528,7 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
                     continue
                 if W > 1 and config.loss == "ppo":  # the whole minibatch's advantages normalised (as the loss would), then the share
                     mb["advantage"] = normalize_advantage(data["advantage"][index])[rank * share:(rank + 1) * share]
-                    loss, metrics = loss_fn(nets, config, params, mb, normalize_advantages=False)
+                    loss, metrics = loss_fn(nets, config, params, mb, normalize_advantages=False, poolable=True)
                 else:
                     loss, metrics = loss_fn(nets, config, params, mb)
                 for p in leaves:
@@ -535,6 +537,7 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in leaves]
                 if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
                     grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
+                    metrics = pool_explained_variance(metrics)  # the minibatch's, from the shares' parts
                 norms = member_grad_norms(grads, stacked=False)
                 if not bool(loss.isfinite() & norms.isfinite().all()):
                     raise FloatingPointError(f"mappo: non-finite loss {float(loss)} or gradient norm at update {updates}")

@@ -41,7 +41,7 @@ from rlfunc.core.sde import EPSILON as SDE_EPSILON
 from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
 from rlfunc.device import compile_policy, compile_step, span
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.ppo import normalize_advantage, ppo_loss
+from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance, ppo_loss
 from rlfunc.nets.actor_critic import CategoricalActorCritic, GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
 from rlfunc.optim import adam, all_reduce_mean, clip_by_global_norm, flatten, linear_lr, member_grad_norms
@@ -631,6 +631,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             entropy_coef=config.entropy_coef, value_coef=config.value_coef,
             normalize_advantages=config.normalize_advantages and W == 1,  # data parallel: normalised over the global minibatch
             sample_weight=mb.get("sample_weight", None), check=check,
+            poolable=W > 1,  # data parallel: the minibatch's explained variance from the shares' parts
         )
 
     def member_log_prob_and_value(params: TensorDict, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
@@ -826,6 +827,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         t0 = time.perf_counter()
                         with span("all_reduce"):
                             grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, TensorDict(metrics, batch_size=[S]))
+                            metrics = pool_explained_variance(metrics)
                         comm_s += time.perf_counter() - t0
                         norms = compiled_apply(detached, treedef, adam_leaves, grads, loss, lr_tensor, data_ok & active)
                     optim_state = TensorDict({"0": {"norm": norms}, "1": optim_state["1"]}, batch_size=[])
@@ -847,6 +849,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         t0 = time.perf_counter()
                         with span("all_reduce"):
                             grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
+                            metrics = pool_explained_variance(metrics)
                         comm_s += time.perf_counter() - t0
                     norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is
                     ok = data_ok & loss.isfinite() & norms.isfinite()

@@ -52,7 +52,7 @@ from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.core.normalize import init_running_stats, scale_reward, update_running_stats
 from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.errors import ConfigError, EnvError
-from rlfunc.losses.ppo import normalize_advantage, ppo_loss
+from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.device import compile_step
 from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, minibatch_epochs,
@@ -366,6 +366,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             entropy=entropy, old_state_value=mb["state_value"], clip_epsilon=config.clip_epsilon,
             value_clip_epsilon=config.value_clip_epsilon, entropy_coef=config.entropy_coef,
             value_coef=config.value_coef, normalize_advantages=False,
+            poolable=W > 1 or config.micro_batch_size is not None,  # the minibatch's explained variance from its parts'
         )
 
     def prepare(state: TensorDict, batch: TensorDict) -> tuple[TensorDict, dict, TensorDict]:
@@ -486,7 +487,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
 
         def update(mb: TensorDict) -> TensorDict:
             if compiled_step is not None:
-                return TensorDict(compiled_step(w, opt_leaves, const, {k: mb[k] for k in mb_keys}, lr_t), batch_size=[])
+                return pool_explained_variance(TensorDict(compiled_step(w, opt_leaves, const, {k: mb[k] for k in mb_keys}, lr_t), batch_size=[]))
             if config.normalize_advantages:  # over the whole minibatch, before the share and the micro-batches
                 mb["advantage"] = normalize_advantage(mb["advantage"])
             mb = data_parallel.share(mb, rank, W)
@@ -496,6 +497,7 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
                                                   scale=loss_scale_of(opt["state"]))
             if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
                 _, metrics = data_parallel.average_grads_(reduce, leaves, total, metrics)
+            metrics = pool_explained_variance(metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], stepped, prec, lr=lr)
             metrics["grad_norm"] = norm.detach().to(device)
             metrics["skipped"] = torch.tensor(float(not ok))

@@ -24,8 +24,8 @@ collecting ``num_envs / W`` of them (rank r: envs r*N/W .. (r+1)*N/W - 1 of the 
    finiteness mask, the grad norms, clipping, Adam and ``target_kl`` decide alike on every rank.
 
 What stays approximate: float rounding (a sum over halves then a mean, not one sum; Chan merges
-of the statistics, not one pass), and the "explained_variance" metric, which is the mean over the
-ranks' shares rather than that of the whole minibatch.
+of the statistics, not one pass; the "explained_variance" metric pooled from the shares' moments,
+:func:`rlfunc.losses.ppo.pool_explained_variance`).
 """
 
 from __future__ import annotations

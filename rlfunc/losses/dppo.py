@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.checks import check_coefficient, check_number
-from rlfunc.losses.ppo import explained_variance, normalize_advantage
+from rlfunc.losses.ppo import explained_variance, explained_variance_parts, normalize_advantage
 
 
 def clip_schedule(num_steps: int, clip_min: float, clip_max: float, rate: float = 3.0, *, device=None) -> Tensor:
@@ -64,6 +64,7 @@ def dppo_loss(
     normalize_advantages: bool = True,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    poolable: bool = False,
 ) -> tuple[Tensor, TensorDict]:
     """DPPO loss ``-E_{b,k}[min(r_bk A_bk, clip(r_bk, 1 -+ eps_k) A_bk)] + c_v 0.5 E[(V - V_target)^2]``.
 
@@ -86,6 +87,8 @@ def dppo_loss(
         normalize_advantages: as in :func:`rlfunc.losses.ppo.ppo_loss`.
         entropy: optional [B, 1] entropy estimate for a bonus weighted by ``entropy_coef``.
         entropy_coef: finite and >= 0.
+        poolable: also return the explained variance's parts, as :func:`rlfunc.losses.ppo.ppo_loss`'s
+            ``poolable`` (ratio_max pools as a max: ``accumulate_gradients``/``average``'s ``maxima``).
 
     Returns:
         (loss 0-dim, metrics TensorDict of 0-dim floats: loss_objective, loss_critic, approx_kl
@@ -168,6 +171,7 @@ def dppo_loss(
                 "clip_fraction": ((ratio - 1.0).abs() > eps).float().mean(),
                 "ratio_max": ratio.max(),
                 "explained_variance": explained_variance(state_value, value_target),
+                **(explained_variance_parts(state_value, value_target) if poolable else {}),
             },
             batch_size=[],
         )

@@ -11,7 +11,7 @@ import math
 import numbers
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from rlfunc.errors import ConfigError, ShapeError
@@ -106,6 +106,7 @@ def ppo_loss(
     normalize_advantages: bool = True,
     sample_weight: Tensor | None = None,
     check: bool = True,
+    poolable: bool = False,
 ) -> tuple[Tensor, TensorDict]:
     """PPO loss ``-E[min(r A, clip(r) A)] + c_v * 0.5 E[(V - V_target)^2] - c_e * E[H]``.
 
@@ -139,6 +140,9 @@ def ppo_loss(
         check: False skips the argument checks below (~20% of this function's time on a 256-sample
             minibatch of a small MLP), for a caller that passed the same shapes, dtypes and
             coefficients through them once (rlfunc.algos.ppo: every minibatch after an iteration's first).
+        poolable: also put the parts of the explained variance (:func:`explained_variance_parts`) among
+            the metrics, for a caller that averages the metrics over the parts of a minibatch
+            (micro-batches, data-parallel ranks' shares) and then calls :func:`pool_explained_variance`.
 
     Returns:
         (loss 0-dim float, metrics TensorDict of 0-dim floats: loss_objective, loss_critic,
@@ -187,6 +191,7 @@ def ppo_loss(
                 "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
                 "clip_fraction": ((ratio - 1.0).abs() > clip_epsilon).float().mean(),
                 "explained_variance": _explained_variance(state_value, value_target),  # checked with the loss's inputs
+                **(explained_variance_parts(state_value, value_target) if poolable else {}),
             },
             batch_size=[],
         )
@@ -244,6 +249,45 @@ def _explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
     # within 4 ulps of max |target|, squared, is none (the bug: -1e12 there, where 0 is documented)
     rounding = (4 * torch.finfo(target.dtype).eps * target.detach().abs().amax()).square()
     return torch.where(var_t > rounding, ev, torch.zeros_like(ev))
+
+
+EV_PARTS = ("ev_target_mean", "ev_target_mean_sq", "ev_target_var", "ev_residual_mean", "ev_residual_mean_sq",
+            "ev_residual_var", "ev_target_absmax")
+
+
+def explained_variance_parts(prediction: Tensor, target: Tensor) -> dict[str, Tensor]:
+    """The moments of :func:`explained_variance` on a part of a batch, 0-dim each (:data:`EV_PARTS`):
+    the means and population variances of the target and of the residual ``target - prediction``,
+    the squared means, and max |target|. Their means over the parts, weighted by the parts' sizes
+    (micro-batches, data-parallel ranks' shares: what ``accumulate_gradients`` and an
+    ``all_reduce_mean`` compute), give the whole batch's variances by the law of total variance
+    (E[var] + E[mean^2] - E[mean]^2), hence its explained variance (:func:`pool_explained_variance`);
+    the mean of the parts' explained variances is not it (a share of 8 samples gave -1.37 where the
+    minibatch's was 0.25). Shapes and dtypes as :func:`explained_variance`'s arguments (unchecked)."""
+    residual = target - prediction
+    target_mean, residual_mean = target.mean(), residual.mean()
+    return {
+        "ev_target_mean": target_mean, "ev_target_mean_sq": target_mean.square(), "ev_target_var": target.var(correction=0),
+        "ev_residual_mean": residual_mean, "ev_residual_mean_sq": residual_mean.square(),
+        "ev_residual_var": residual.var(correction=0), "ev_target_absmax": target.abs().amax(),
+    }
+
+
+def pool_explained_variance(metrics: TensorDictBase) -> TensorDictBase:
+    """``metrics`` with "explained_variance" recomputed from the averaged parts of
+    :func:`explained_variance_parts` (any batch shape: [] or a seed dim [S]) and the parts removed;
+    ``metrics`` unchanged when it has no parts. With one part it is :func:`explained_variance` exactly;
+    the no-spread rule reads the mean of the parts' max |target| (all targets equal: every part's alike)."""
+    if EV_PARTS[0] not in metrics.keys():
+        return metrics
+    p = {k: metrics[k] for k in EV_PARTS}
+    var_t = p["ev_target_var"] + (p["ev_target_mean_sq"] - p["ev_target_mean"].square())  # one part: + 0 exactly
+    var_r = p["ev_residual_var"] + (p["ev_residual_mean_sq"] - p["ev_residual_mean"].square())
+    ev = 1.0 - var_r / var_t.clamp_min(1e-12)
+    rounding = (4 * torch.finfo(var_t.dtype).eps * p["ev_target_absmax"]).square()
+    out = metrics.exclude(*EV_PARTS)
+    out["explained_variance"] = torch.where(var_t > rounding, ev, torch.zeros_like(ev))
+    return out
 
 
 def _shape_dtype(x) -> str:

@@ -21,7 +21,7 @@ batch, such as per-minibatch advantage normalisation, sees micro-batch statistic
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -83,6 +83,7 @@ def accumulate_gradients(
     prec: Precision | None = None,
     batch_dim: int = 0,
     scale: Tensor | None = None,
+    maxima: Collection[str] = (),
 ) -> tuple[Tensor, TensorDictBase]:
     """Backpropagate ``loss_fn`` over ``batch`` in micro-batches; gradients accumulate in ``.grad``.
 
@@ -97,9 +98,11 @@ def accumulate_gradients(
         prec: autocast/loss scaling policy (:func:`precision`); None is float32.
         scale: the loss scale of a :func:`dynamic_loss_scale` link (``loss_scale_of(opt_state)``), 0-dim
             float32; None: ``prec``'s GradScaler (fp16) or no scaling.
+        maxima: the metrics that are maxima over the samples (dppo's "ratio_max"): the max over the
+            micro-batches, not their mean.
 
     Returns:
-        (loss, metrics): the batch-mean loss (detached) and the batch-mean metrics.
+        (loss, metrics): the batch-mean loss (detached) and the batch-mean metrics (``maxima``: batch maxima).
 
     Raises:
         ConfigError: ``micro_batch_size < 1``.
@@ -116,9 +119,16 @@ def accumulate_gradients(
             loss, metrics = loss_fn(micro)
         scaled = loss.float() * weight
         backward(scaled, prec, scale)
-        metrics = metrics.detach() * weight
+        metrics = metrics.detach()
+        peaks = {k: metrics[k] for k in maxima if k in metrics.keys()}
+        metrics = metrics * weight
         total_loss = scaled.detach() if total_loss is None else total_loss + scaled.detach()
-        total_metrics = metrics if total_metrics is None else total_metrics + metrics
+        if total_metrics is not None:
+            peaks = {k: torch.maximum(total_metrics[k], v) for k, v in peaks.items()}
+            metrics = total_metrics + metrics
+        for k, v in peaks.items():
+            metrics[k] = v
+        total_metrics = metrics
     return total_loss, total_metrics
 
 

@@ -113,7 +113,11 @@ def test_dppo_two_ranks_with_half_of_every_minibatch_equal_one_process(gloo, tmp
     ranks = [torch.load(tmp_path / f"dppo{r}.pt") for r in range(2)]
     _compare([r[0] for r in ranks], want, likelihood)
     assert int(ranks[0][0]["env_steps"]) == N * 4 * SPEC.act_steps  # counted over every rank's envs
-    for name in ("loss_objective", "loss_critic", "approx_kl", "clip_fraction", "grad_norm", "updates"):
+    assert set(ranks[0][1]) == set(metrics.keys())  # the explained variance's parts pooled away
+    # ratio_max: the max over the ranks (it was the mean of their maxima); explained_variance: pooled from the
+    # shares' parts (the mean of the shares' values had the other sign on 8-sample shares)
+    for name in ("loss_objective", "loss_critic", "approx_kl", "clip_fraction", "grad_norm", "updates", "ratio_max",
+                 "explained_variance"):
         torch.testing.assert_close(ranks[0][1][name], metrics[name], rtol=1e-5, atol=1e-6)
 
 

@@ -99,8 +99,8 @@ def test_two_ranks_with_half_of_the_warehouses_equal_one_process(gloo, tmp_path,
             if key[0] == "params":
                 worst = max(worst, float((got[key] - value).abs().max()))
         assert set(got_metrics) == set(metrics)
-        for name in ("loss_objective", "approx_kl", "grad_norm"):
-            assert abs(got_metrics[name] - metrics[name]) < 1e-5, name
+        for name in ("loss_objective", "approx_kl", "grad_norm", *(("explained_variance",) if loss == "ppo" else ())):
+            assert abs(got_metrics[name] - metrics[name]) < 1e-5, name  # explained_variance: pooled from the shares' parts
     assert int(want["env_steps"]) == N * T  # counted over every rank's warehouses
     print(loss, f"max |difference| of a parameter: {worst:.1e}")
 

@@ -89,16 +89,23 @@ def test_loss_equals_the_ppo_loss_computed_by_hand():
 
 
 def test_micro_batches_give_the_gradient_of_the_whole_minibatch():
-    grads = []
+    from rlfunc.losses.ppo import pool_explained_variance
+    from rlfunc.optim.amp import accumulate_gradients
+
+    grads, metrics = [], []
     for micro in (None, 2):
         config = replace(PPOEncoderConfig(), env="none", **{**TINY, "micro_batch_size": micro, "num_envs": 1, "minibatch_size": 8, "num_epochs": 1})
         algo = make_ppo_encoder(config, INFO, CPU)
         state = algo.init()
-        from rlfunc.optim.amp import accumulate_gradients
-
-        accumulate_gradients(lambda m: algo.loss(state["params"], state["proprio_stats"], m), _batch(8, 1), micro)
+        _, m = accumulate_gradients(lambda m: algo.loss(state["params"], state["proprio_stats"], m), _batch(8, 1), micro)
         grads.append(torch.cat([p.grad.flatten() for p in func.leaves(state["params"])]))
+        metrics.append(pool_explained_variance(m))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    # and the metrics of the whole minibatch: the explained variance pooled from the 4 micro-batches' parts
+    # (the mean of their own values, 2 samples each, was another number)
+    assert set(metrics[0].keys()) == set(metrics[1].keys())
+    for name in ("explained_variance", "loss_critic", "approx_kl"):
+        torch.testing.assert_close(metrics[1][name], metrics[0][name], rtol=1e-4, atol=1e-6)
 
 
 def test_policy_log_prob_is_the_gaussian_density_of_the_action():

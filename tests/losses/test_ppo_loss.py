@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.ppo import clipped_surrogate, explained_variance, normalize_advantage, ppo_loss
+from rlfunc.losses.ppo import (
+    EV_PARTS,
+    clipped_surrogate,
+    explained_variance,
+    explained_variance_parts,
+    normalize_advantage,
+    pool_explained_variance,
+    ppo_loss,
+)
 
 E5 = math.exp(0.5)  # 1.6487212707
 EM5 = math.exp(-0.5)  # 0.6065306597
@@ -362,3 +370,35 @@ def test_normalize_advantage_names_a_non_float_input():
     for bad, got in ((torch.arange(4), "dtype torch.int64"), ([1.0, 2.0], "list")):  # a deep RuntimeError / AttributeError
         with pytest.raises(ShapeError, match=f"advantage: expected a floating-point torch.Tensor, got {got}"):
             normalize_advantage(bad)
+
+
+@pytest.mark.parametrize("sizes", [(8, 8), (5, 11, 3, 13), (32,)])
+def test_pooled_explained_variance_is_the_whole_batchs(sizes):
+    # parts of a batch (micro-batches of any sizes, data-parallel shares) averaged with their sizes as weights,
+    # as accumulate_gradients and an all_reduce_mean do: the whole batch's explained variance, in float64;
+    # the mean of the parts' own values is not it (a sign flip here on 8-sample halves)
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(sum(sizes), 1, generator=g, dtype=torch.float64) * 2 + 5
+    prediction = target + torch.randn(sum(sizes), 1, generator=g, dtype=torch.float64) * 1.5
+    from tensordict import TensorDict
+
+    pooled = sum(TensorDict(explained_variance_parts(p, t), batch_size=[]) * (len(t) / len(target))
+                 for p, t in zip(prediction.split(sizes), target.split(sizes)))
+    pooled["explained_variance"] = torch.zeros((), dtype=torch.float64)
+    out = pool_explained_variance(pooled)
+    assert set(out.keys()) == {"explained_variance"}  # the parts removed
+    assert float(out["explained_variance"]) == pytest.approx(float(explained_variance(prediction, target)), abs=1e-12)
+    if len(sizes) == 1:  # one part: explained_variance itself, exactly
+        assert float(out["explained_variance"]) == float(explained_variance(prediction, target))
+    # equal targets: 0, as explained_variance's no-spread rule
+    flat = TensorDict(explained_variance_parts(prediction, torch.full_like(target, 1.7)), batch_size=[])
+    assert float(pool_explained_variance(flat)["explained_variance"]) == 0.0
+
+
+def test_ppo_loss_poolable_adds_the_parts_and_nothing_else():
+    lp, slp, adv, v, vt = (torch.randn(16, 1, generator=torch.Generator().manual_seed(i)) for i in range(5))
+    _, plain = ppo_loss(lp, slp, adv, v, vt)
+    _, parts = ppo_loss(lp, slp, adv, v, vt, poolable=True)
+    assert set(parts.keys()) == set(plain.keys()) | set(EV_PARTS)
+    assert float(pool_explained_variance(parts)["explained_variance"]) == float(plain["explained_variance"])
+    assert pool_explained_variance(plain) is plain  # nothing to pool

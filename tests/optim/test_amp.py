@@ -184,3 +184,21 @@ def test_dynamic_loss_scale_moves_its_scale_as_grad_scaler_does_over_infs_and_gr
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     with pytest.raises(ConfigError, match="backoff_factor"):
         dynamic_loss_scale(adam(1e-2), backoff_factor=1.5)
+
+
+@pytest.mark.parametrize("micro", [5, 8])
+def test_accumulated_maxima_are_the_batch_maxima(micro):
+    # a metric that is a max over the samples (dppo's ratio_max) is the max over the micro-batches, not
+    # their size-weighted mean (which was below the batch's max); the means stay means
+    params, batch, _ = _setup()
+
+    def loss_fn(mb):
+        err = (mb["y"] - mb["x"]).abs().flatten(1).amax(1)
+        return err.mean() + 0 * func.leaves(params)[0].sum(), TensorDict({"err_max": err.max(), "err_mean": err.mean()}, batch_size=[])
+
+    _, whole = accumulate_gradients(loss_fn, batch, None, maxima=("err_max",))
+    _, parts = accumulate_gradients(loss_fn, batch, micro, maxima=("err_max",))
+    assert float(parts["err_max"]) == float(whole["err_max"])
+    torch.testing.assert_close(parts["err_mean"], whole["err_mean"], rtol=1e-6, atol=1e-7)
+    _, averaged = accumulate_gradients(loss_fn, batch, micro)  # without maxima: the weighted mean, smaller
+    assert float(averaged["err_max"]) < float(whole["err_max"])
