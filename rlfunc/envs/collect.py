@@ -17,6 +17,7 @@ Batch keys (TorchRL conventions), all ``[N, T, ...]``: "observation", "action", 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
@@ -36,7 +37,7 @@ from rlfunc.core.returns import forward_discounted_sum
 from rlfunc.device import span
 from rlfunc.envs import registry
 from rlfunc.envs.state import env_state, set_env_state  # noqa: F401  (env state for exact resume: re-exported)
-from rlfunc.errors import EnvError
+from rlfunc.errors import EnvError, RLFuncError
 
 Policy = Callable[[Tensor], tuple[Tensor, Tensor]]
 
@@ -239,9 +240,26 @@ def _action_codec(space: gym.Space) -> tuple[tuple[int, ...], torch.dtype, Calla
     raise EnvError(f"action space {space}: expected Box, Discrete or MultiDiscrete")
 
 
+@contextlib.contextmanager
+def _env_errors(venv: gym.vector.VectorEnv, what: str):
+    """An exception from the env's own code in ``venv``'s ``what`` ("step", "reset") as one EnvError
+    line naming the env and the exception (chained: ``__cause__`` keeps its traceback for the Python
+    API), as a worker process's is (a traceback of gymnasium's frames and exit 1 before)."""
+    try:
+        yield
+    except (RLFuncError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        spec = getattr(venv, "spec", None)
+        name = f"env={spec.id!r}" if getattr(spec, "id", None) else "the env"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise EnvError(f"{name}: its {what} raised {type(e).__name__}: {first}") from e
+
+
 def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:
     """Reset every env with its seed; returns :func:`empty_carry` holding the first observations."""
-    obs, _ = venv.reset(seed=list(seeds))
+    with _env_errors(venv, "reset"):
+        obs, _ = venv.reset(seed=list(seeds))
     first = _flat_obs(obs, venv.num_envs)
     carry = empty_carry(venv.num_envs, first.shape[-1])
     carry["observation"] = first
@@ -306,7 +324,8 @@ def rollout(
             env_action = _env_action(action[t], bounds, space.shape) if box else to_env(action[t])
             with span("env_step"):
                 t0 = time.perf_counter()
-                next_obs, rew, term, trunc, info = venv.step(env_action)
+                with _env_errors(venv, "step"):
+                    next_obs, rew, term, trunc, info = venv.step(env_action)
                 env_wait += time.perf_counter() - t0
             reward[t], terminated[t], truncated[t] = rew, term, trunc
             observation[t + 1] = _flat_obs(next_obs, n)
@@ -454,7 +473,8 @@ def episode_outcomes(
         act = act.cpu()
         if act.is_floating_point():
             acted_nan |= ~finished & act.isnan().reshape(n, -1).any(1).numpy()
-        next_obs, rew, term, trunc, info = venv.step(to_env(act))
+        with _env_errors(venv, "step"):
+            next_obs, rew, term, trunc, info = venv.step(to_env(act))
         total += np.where(finished, 0.0, rew)
         ended = (term | trunc) & ~finished
         flags = _final_success(info, ended)

@@ -320,3 +320,45 @@ def test_async_vector_env_starts_from_a_script_without_a_main_guard(tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok (2, 4)", out.stderr[-2000:]
     assert "bootstrapping" not in out.stderr
+
+
+class _Raising(gym.Env):
+    """Raises in step (or in reset with ``where="reset"``): a user's env with a bug."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self, where="step"):
+        self.where = where
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if self.where == "reset":
+            raise ValueError("boom in reset")
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        raise RuntimeError("boom in step\nsecond line")
+
+
+def test_an_env_that_raises_is_one_env_error_line_with_its_cause():
+    # new-user pass (gymnasium envs): in this process it was a 17-frame traceback through gymnasium's
+    # vector env, exit 1; in worker processes one line: now both are one EnvError line
+    import gymnasium as gym
+
+    gym.register("RaisingTest-v0", entry_point=_Raising)
+    venv = collect.make_vec_env("RaisingTest-v0", 2)
+    try:
+        carry = collect.reset(venv, [1, 2])
+        policy = lambda obs: (torch.zeros(obs.shape[0], 1), torch.zeros(obs.shape[0], 1))  # noqa: E731
+        with pytest.raises(EnvError, match=r"^env='RaisingTest-v0': its step raised RuntimeError: boom in step$") as info:
+            collect.rollout(venv, policy, carry, 3, device=torch.device("cpu"))
+        assert isinstance(info.value.__cause__, RuntimeError)  # the env's traceback, for the Python API
+    finally:
+        venv.close()
+    venv = collect.make_vec_env("RaisingTest-v0", 1, where="reset")
+    try:
+        with pytest.raises(EnvError, match=r"^env='RaisingTest-v0': its reset raised ValueError: boom in reset$"):
+            collect.reset(venv, [0])
+    finally:
+        venv.close()
