@@ -128,7 +128,10 @@ class ActionScale(NamedTuple):
 
 
 def action_scale(low: Sequence[float], high: Sequence[float], device: torch.device) -> ActionScale:
-    """:class:`ActionScale` of a Box with finite bounds ``low`` < ``high``.
+    """:class:`ActionScale` of a Box with finite bounds ``low`` < ``high`` (float32: a bound past its
+    range, ~3.4e38, is not finite). The centre and half-range are halves summed (exact, the same
+    numbers as (high + low) / 2), so a range wider than float32's, [-2e38, 2e38], stays finite (its
+    half-range was inf, and every step's data non-finite and skipped).
 
     Raises:
         ConfigError: a bound is not finite, or low >= high somewhere.
@@ -138,7 +141,7 @@ def action_scale(low: Sequence[float], high: Sequence[float], device: torch.devi
     if not (lo.isfinite().all() and hi.isfinite().all() and (hi > lo).all()):
         raise ConfigError(f"action bounds low={list(low)}, high={list(high)}: expected finite bounds with low < high "
                           "(a squashed or clipped actor needs a bounded Box)")
-    return ActionScale(((hi + lo) / 2).to(device), ((hi - lo) / 2).to(device))
+    return ActionScale((hi / 2 + lo / 2).to(device), (hi / 2 - lo / 2).to(device))
 
 
 def uniform_policy(scale: ActionScale, generator: torch.Generator, own=None) -> Policy:

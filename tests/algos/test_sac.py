@@ -172,3 +172,19 @@ def test_a_skipped_step_is_counted_and_moves_nothing():
         assert float(metrics["skipped_critic"]) == 1.0, type(config).__name__
         critic = {k: v for k, v in _leaves(state["params"]).items() if k[0] == "critic"}
         assert all(torch.equal(v, before[k]) for k, v in critic.items())
+
+
+def test_action_bounds_wider_than_float32_keep_a_finite_scale():
+    # new-user pass (gymnasium envs): Box(-2e38, 2e38) passed the finiteness check, but (high - low) / 2
+    # overflowed float32 to inf: every step's data non-finite and skipped, 0 updates, a NaN-acting policy
+    from rlfunc.algos.offpolicy import action_scale
+
+    wide = action_scale([-2e38, -1.0], [2e38, 3.0], torch.device("cpu"))
+    assert wide.center.tolist() == [0.0, 1.0] and torch.isfinite(wide.half_range).all()
+    assert float(wide.half_range[0]) == pytest.approx(2e38, rel=1e-6) and float(wide.half_range[1]) == 2.0
+    lo, hi = torch.randn(1000) * 100, torch.rand(1000) * 100 + 1e-3
+    hi = lo + hi
+    scale = action_scale(lo.tolist(), hi.tolist(), torch.device("cpu"))  # the same numbers as (hi +- lo) / 2
+    assert torch.equal(scale.center, (hi + lo) / 2) and torch.equal(scale.half_range, (hi - lo) / 2)
+    with pytest.raises(ConfigError, match="expected finite bounds"):
+        action_scale([-1e39], [1e39], torch.device("cpu"))  # past float32: inf, refused
