@@ -47,6 +47,7 @@ import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import safetensors
 import torch
@@ -314,6 +315,24 @@ def check_generator_device(where: str, loaded: TensorDictBase, like: TensorDictB
     """
     found, like_flat = _table(_flatten(loaded, "loaded")), _flatten(like, "like")
     _refuse_generators_of_another_device(where, _generators_of_another_device(found, _table(like_flat)), found, like_flat)
+
+
+def check_env_spec(where: str, meta: dict, spec: Any) -> None:
+    """CheckpointError unless the env a snapshot was trained on (its meta's "env_spec") is the env
+    ``spec`` describes now (an EnvSpec NamedTuple, or None: nothing to check; a meta without one,
+    from before it was recorded, passes): a changed action layout of the same size (MultiDiscrete
+    [3, 5] registered anew as [4, 4]: the same 8 logits split into other heads) or changed bounds
+    loaded, and the actor acted in another layout, silently; a changed size was caught by the shapes."""
+    recorded = meta.get("env_spec")
+    if not hasattr(spec, "_asdict") or not isinstance(recorded, dict):
+        return
+    now = json.loads(json.dumps(spec._asdict()))  # the meta's JSON form: tuples as lists
+    first = ("action_kind", "nvec", "obs_dim", "act_dim")  # the layout before the bounds it implies
+    for key, value in sorted(now.items(), key=lambda kv: first.index(kv[0]) if kv[0] in first else len(first)):
+        if key in recorded and recorded[key] != value:
+            raise CheckpointError(f"{where}: trained on an env whose {key} was {recorded[key]!r}; env "
+                                  f"{(meta.get('config') or {}).get('env', '?')!r} now has {value!r} (its registration "
+                                  "changed?): the snapshot's actor would act in another layout; train a new run on this env")
 
 
 def check_learner(where: str, loaded: TensorDictBase | None, like: TensorDictBase, *,

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -115,12 +116,17 @@ def _rollout_fn(config: GRPOConfig, device: torch.device):
     return env.rollout, env.close
 
 
-def _spec(env_id: str) -> EnvSpec:
+def _spec(env_id: str, algo: str = "grpo") -> EnvSpec:
+    """The env's spec for ``algo`` ("grpo" or "gspo", named in the errors): Box observations and actions."""
     venv = collect.make_vec_env(env_id, 1)
     try:
-        spec = env_spec(venv, env_id)
+        if not isinstance(venv.single_observation_space, gym.spaces.Box):  # PPO's message offered Discrete actions
+            raise EnvError(f"env={env_id!r}: {algo} needs Box observations and Box actions; got "
+                           f"{type(venv.single_observation_space).__name__} observations (a gymnasium wrapper such as "
+                           "FlattenObservation, registered as your own env id, converts others)")
+        spec = env_spec(venv, env_id, algo)
         if spec.action_kind != "box":  # grpo's actor is PPO's Gaussian one
-            raise EnvError(f"env={env_id!r}: grpo needs Box actions; got {type(venv.single_action_space).__name__} actions")
+            raise EnvError(f"env={env_id!r}: {algo} needs Box actions; got {type(venv.single_action_space).__name__} actions")
         return spec
     finally:
         venv.close()
@@ -145,7 +151,7 @@ class GRPORun(Run):
             torch.set_num_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, config.loss
         self.world_size = 1 if dist is None else dist.world_size
-        self.spec = _spec(config.env)
+        self.spec = _spec(config.env, config.loss)
         self.algo = make_grpo(config, self.spec, device, dist)
         self.state = self.algo.init()  # its "optim" is Adam's state: the optimizer is part of the learner
         if dist is not None:  # the same init on every rank, by seed; made certain
@@ -244,7 +250,8 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     check_episodes(episodes, config.run.num_seeds)
     check_eval_seed(seed)
     dev = resolve_device(device)
-    spec = _spec(config.env)
+    spec = _spec(config.env, config.loss)
+    checkpoint.check_env_spec(str(snap), meta, spec)
     like = make_grpo(config, spec, dev).init().exclude("optim")
     loaded, _ = checkpoint.load_snapshot(snap, device=dev)
     # evaluation draws nothing from the generator states: those of another device type are replaced

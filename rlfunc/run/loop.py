@@ -236,6 +236,7 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
         loaded = with_shaping_in_chain(loaded, fresh)
     if check is None:
         checkpoint.check_learner(name, loaded.exclude(*run.variable), like)
+    checkpoint.check_env_spec(name, meta, getattr(run, "spec", None))  # the env it was trained on (ppo, grpo, sac, td3)
     try:
         run.restore(loaded, meta)
     except (KeyError, IndexError, ValueError, TypeError) as e:  # meta's env or RNG state damaged: was a traceback

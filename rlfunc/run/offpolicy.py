@@ -352,6 +352,7 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
         spec = env_spec(venv, config.env)
     finally:
         venv.close()
+    checkpoint.check_env_spec(str(path), meta, spec)
     algo = MAKERS[type(config)](config, spec, dev)
     state = algo.init()
     loaded, _ = checkpoint.load_snapshot(path, device=dev)

@@ -58,15 +58,16 @@ EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset s
 LAYOUT_1_COMMIT = "c0e6595"  # the last rlfunc that wrote PPO snapshots of state layout 1 (torch.optim's state)
 
 
-def env_spec(venv: gym.vector.VectorEnv, env_id: str | None = None) -> EnvSpec:
+def env_spec(venv: gym.vector.VectorEnv, env_id: str | None = None, algo: str = "PPO") -> EnvSpec:
     """Sizes, action kind and bounds of a vector env (:class:`rlfunc.algos.ppo.EnvSpec`; shapes
-    flattened); EnvError (naming ``env_id``) unless observations are a Box and actions a floating Box
-    (Gaussian actor), Discrete or MultiDiscrete (categorical actor)."""
+    flattened, a scalar Box's too); EnvError (naming ``env_id`` and ``algo``, the algorithm asking)
+    unless observations are a Box and actions a floating Box (Gaussian actor), Discrete or
+    MultiDiscrete (categorical actor)."""
     obs_space, act_space = venv.single_observation_space, venv.single_action_space
     env = "" if env_id is None else f"env={env_id!r}: "
     if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
         raise EnvError(
-            f"{env}PPO needs Box observations and Box (Gaussian actor), Discrete or MultiDiscrete (categorical actor) "
+            f"{env}{algo} needs Box observations and Box (Gaussian actor), Discrete or MultiDiscrete (categorical actor) "
             f"actions; got {type(obs_space).__name__} observations and {type(act_space).__name__} actions (a gymnasium "
             "wrapper such as FlattenObservation, registered as your own env id, converts others)"
         )
@@ -82,9 +83,9 @@ def env_spec(venv: gym.vector.VectorEnv, env_id: str | None = None) -> EnvSpec:
         nvec, start = act_space.nvec.reshape(-1), act_space.start.reshape(-1)
         return EnvSpec(obs_dim, int(nvec.size), start.astype(float).tolist(), (start + nvec - 1).astype(float).tolist(),
                        "multi_discrete", tuple(int(n) for n in nvec))
-    return EnvSpec(
+    return EnvSpec(  # flattened: a (2, 2) or () Box's nested list or bare float failed in the bounds' check
         obs_dim, int(np.prod(act_space.shape)),
-        act_space.low.astype(float).tolist(), act_space.high.astype(float).tolist(),
+        act_space.low.astype(float).reshape(-1).tolist(), act_space.high.astype(float).reshape(-1).tolist(),
     )
 
 
@@ -434,9 +435,11 @@ def evaluate(
     if episodes is not None:
         check_episodes(episodes)
     path = checkpoint.snapshot_to_read(run_dir if snapshot is None else snapshot)
-    trained = algorithms.config_from_meta(checkpoint.load_meta(path), path, of=PPOConfig)
+    meta = checkpoint.load_meta(path)
+    trained = algorithms.config_from_meta(meta, path, of=PPOConfig)
 
     def snapshot_learner(spec: EnvSpec, dev: torch.device) -> TensorDict:
+        checkpoint.check_env_spec(str(path), meta, spec)
         like = make_ppo(trained, spec, dev).init()  # the trained run's structure, to validate the snapshot
         carry = collect.empty_carry(trained.run.num_seeds * trained.num_envs, spec.obs_dim)
         freeze = init_freeze(like["params"]) if trained.freeze_threshold > 0 else None

@@ -677,3 +677,16 @@ def test_a_non_numeric_loss_setting_names_itself(loss, name, value):
     lp = torch.zeros(2, 3, 1)
     with pytest.raises(ConfigError, match=rf": {name}={value!r}: expected a number$"):
         loss(lp, lp, torch.zeros(2, 1, 1), **{name: value})
+
+
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_an_env_it_cannot_train_on_is_named_with_this_algorithm(loss):
+    # new-user pass (gymnasium envs): grpo on FrozenLake-v1 printed PPO's message (which offers Discrete
+    # actions: a user who flattened the observations was then told "grpo needs Box actions"); gspo called
+    # itself grpo
+    from rlfunc.run.grpo import _spec
+
+    with pytest.raises(EnvError, match=rf"^env='FrozenLake-v1': {loss} needs Box observations and Box actions; got Discrete observations"):
+        _spec("FrozenLake-v1", loss)
+    with pytest.raises(EnvError, match=rf"^env='CartPole-v1': {loss} needs Box actions; got Discrete actions"):
+        _spec("CartPole-v1", loss)

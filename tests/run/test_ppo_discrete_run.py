@@ -150,3 +150,66 @@ def test_a_callable_entry_point_is_recorded_without_a_memory_address():
     finally:
         venv.close()
     assert "entry_point=<function " in registration and "<lambda>>" in registration and " at 0x" not in registration
+
+
+def test_box_actions_of_any_shape_give_flat_bounds():
+    """New-user pass (gymnasium envs): a (2, 2) Box gave nested bound lists and a () Box a bare float,
+    and PPO failed in the bounds' check with a TypeError traceback; the spec's bounds are flat now."""
+    import gymnasium as gym
+    import numpy as np
+    from rlfunc.run import ppo
+
+    square = ppo.env_spec(_spaces(gym.spaces.Box(-1.0, np.array([[1.0, 2.0], [3.0, 4.0]]), dtype=np.float32)), "Square-v0")
+    assert square.act_dim == 4 and square.action_low == [-1.0] * 4 and square.action_high == [1.0, 2.0, 3.0, 4.0]
+    scalar = ppo.env_spec(_spaces(gym.spaces.Box(-2.0, 2.0, (), np.float32)), "Scalar-v0")
+    assert scalar.act_dim == 1 and scalar.action_low == [-2.0] and scalar.action_high == [2.0]
+    ppo.warn_bounds_without_zero(square, "Square-v0")  # no TypeError
+    ppo.warn_bounds_without_zero(scalar, "Scalar-v0")
+
+
+class _Heads:
+    """A bandit whose MultiDiscrete action heads are set from outside (a registration that changed)."""
+
+    nvec = [3, 5]
+
+    def __new__(cls, **kwargs):
+        import gymnasium as gym
+        import numpy as np
+
+        class Env(gym.Env):
+            observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+            action_space = gym.spaces.MultiDiscrete(cls.nvec)
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                return np.zeros(2, np.float32), {}
+
+            def step(self, action):
+                return np.zeros(2, np.float32), float(action[0] == 1), True, False, {}
+
+        return Env()
+
+
+def test_a_snapshot_of_a_changed_env_is_refused_in_eval_and_resume(tmp_path):
+    """New-user pass (gymnasium envs): a run on MultiDiscrete([3, 5]) evaluated and resumed after the
+    env id was registered anew as MultiDiscrete([4, 4]) (the same 8 logits, other heads), exit 0 and a
+    policy acting in another layout; meta.json's env_spec recorded the change and nobody read it."""
+    import gymnasium as gym
+
+    from rlfunc.errors import CheckpointError
+
+    if "HeadsTest-v0" not in gym.registry:
+        gym.register("HeadsTest-v0", entry_point=_Heads)
+    _Heads.nvec = [3, 5]
+    config = preset("HeadsTest-v0", total_steps=2 * 64, num_envs=2, num_steps=32, minibatch_size=64, num_epochs=1,
+                    checkpoint_every=1, device="cpu")
+    train(config, tmp_path / "run", max_iterations=1, progress=False, tensorboard=False, evaluate=False)
+    assert evaluate(tmp_path / "run", 2)["episodes"] == 2  # the same env: evaluates
+    try:
+        _Heads.nvec = [4, 4]
+        with pytest.raises(CheckpointError, match=r"trained on an env whose nvec was \[3, 5\]; env 'HeadsTest-v0' now has \[4, 4\]"):
+            evaluate(tmp_path / "run", 2)
+        with pytest.raises(CheckpointError, match=r"nvec was \[3, 5\]"):
+            train(config, tmp_path / "run", resume=True, progress=False, tensorboard=False, evaluate=False)
+    finally:
+        _Heads.nvec = [3, 5]
