@@ -288,6 +288,6 @@ register("bc", AlgorithmEntry(
     needs="expert",  # a scripted expert (envs.registry) and bounded Box actions
     family="diffusion", budget="num_updates", unit="updates",
     deploy=(("ema",), ("encoder_ema",)),  # the EMA weights (actor, encoder)
-    usage="    rlfunc train bc [--env PointReach-v0|PushState-v0|Push-v0] [--demos N] [--actor.denoiser mlp|unet] [...]\n"
+    usage="    rlfunc train bc [--env PointReach-v0|PushState-v0|Push-v0] [--num-demos N] [--actor.denoiser mlp|unet] [...]\n"
           "                                            diffusion BC on the env's scripted-expert demos",
 ))

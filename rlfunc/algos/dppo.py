@@ -407,5 +407,5 @@ register("dppo", AlgorithmEntry(
     config="rlfunc.algos.dppo:DPPOConfig", run="rlfunc.run.diffusion:DPPORun", command="rlfunc.cli.diffusion:train_dppo",
     evaluate="rlfunc.run.diffusion:evaluate_run",
     needs="bounded-box-actions", family="diffusion", deploy=(("params", "actor"), ("encoder",)),
-    usage="    rlfunc train dppo [--env ENV_ID] [--init BC_RUN_DIR] [--likelihood chain|output-noise] [...]",
+    usage="    rlfunc train dppo [--env ENV_ID] [--init-from BC_RUN_DIR] [--likelihood chain|output-noise] [...]",
 ))
