@@ -12,10 +12,10 @@ with a :class:`rlfunc.run.distributed.Distributed` of W > 1 ranks.
   state keeps the single process's layout (snapshots move between world sizes).
 
 Metrics that are not means over the samples are pooled as the whole minibatch's: a max through
-``average``'s ``maxima`` (each rank's value in its own slot of the same collective), an explained
-variance from its parts (``ppo_loss(..., poolable=True)`` then
-:func:`rlfunc.losses.ppo.pool_explained_variance`; the mean of the ranks' values flipped its sign on
-8-sample shares). A mean over items whose
+``average``'s ``maxima``, an explained variance from its parts (``ppo_loss(..., poolable=True)``,
+``average``'s ``moments`` and ``maxima``, then :func:`rlfunc.losses.ppo.pool_explained_variance`; the
+mean of the ranks' values flipped its sign on 8-sample shares), each rank's value in its own slot of
+the same collective. A mean over items whose
 number differs between the shares (grpo's valid steps) is weighted first (:func:`count_weight`); a loss
 that is not a mean over the samples (Diffusion-QL's -E[Q] / E|Q|) needs its whole-minibatch statistic
 averaged inside the gradient (:func:`mean_in_graph`).
@@ -76,41 +76,50 @@ def mean_in_graph(x: Tensor, world_size: int, group=None) -> Tensor:
 
 
 def average(reduce: GradientTransform, grads: list[Tensor], treedef: tuple | None, loss: Tensor,
-            metrics: TensorDictBase, *, maxima: Collection[str] = (), rank: int = 0,
-            world_size: int = 1) -> tuple[list[Tensor], Tensor, TensorDict]:
+            metrics: TensorDictBase, *, maxima: Collection[str] = (), moments: Collection[tuple[str, str]] = (),
+            rank: int = 0, world_size: int = 1) -> tuple[list[Tensor], Tensor, TensorDict]:
     """(gradients, loss [*S], metrics [*S]) averaged over the ranks by the ``all_reduce_mean`` link
     ``reduce``, the loss and the metrics in the gradients' last bucket: one collective for all.
     ``loss`` and every metric share the shape [*S] (0-dim for one seed, [S] for stacked seeds).
-    The metrics named in ``maxima`` come back as their max over the ranks instead: rank r (``rank``
-    of ``world_size``) puts its value in slot r of W zeros, so the mean times W holds every rank's."""
+
+    Two kinds of metric are not averaged, each rank (``rank`` of ``world_size``) putting its value in
+    its own slot of W zeros, so that the mean times W holds every rank's: those named in ``maxima``
+    come back as their max over the ranks; the (mean, population variance) pairs of ``moments`` (the
+    explained variance's parts: equal shares) as the whole minibatch's, mean(m_r) and
+    mean(v_r) + mean((m_r - M)^2) (stable: no difference of large squares)."""
     peaks = sorted(k for k in maxima if k in metrics.keys())
-    names = sorted(k for k in metrics.keys() if k not in peaks)
+    pairs = [(mk, vk) for mk, vk in moments if mk in metrics.keys()]
+    slotted = [*peaks, *(k for pair in pairs for k in pair)]
+    names = sorted(k for k in metrics.keys() if k not in slotted)
     packed = torch.stack([loss.detach(), *[metrics[k].detach().to(loss.dtype) for k in names]], -1)  # [*S, 1 + K]
-    if peaks:
-        slots = loss.new_zeros(*loss.shape, len(peaks), world_size)
-        slots[..., rank] = torch.stack([metrics[k].detach().to(loss.dtype) for k in peaks], -1)
+    if slotted:
+        slots = loss.new_zeros(*loss.shape, len(slotted), world_size)
+        slots[..., rank] = torch.stack([metrics[k].detach().to(loss.dtype) for k in slotted], -1)
         packed = torch.cat([packed, slots.flatten(-2)], -1)  # [*S, 1 + K + P W]
     out, _ = reduce.update_leaves([*grads, packed], treedef, _EMPTY)
     packed = out[-1]
     mean = TensorDict({k: packed[..., i + 1] for i, k in enumerate(names)}, batch_size=metrics.batch_size)
-    if peaks:
-        slots = packed[..., 1 + len(names):].unflatten(-1, (len(peaks), world_size)) * world_size
-        for k, value in zip(peaks, slots.amax(-1).unbind(-1)):
-            mean[k] = value
+    if slotted:
+        every = dict(zip(slotted, (packed[..., 1 + len(names):].unflatten(-1, (len(slotted), world_size)) * world_size).unbind(-2)))
+        for k in peaks:  # [*S, W] each
+            mean[k] = every[k].amax(-1)
+        for mk, vk in pairs:
+            m = every[mk].mean(-1)
+            mean[mk], mean[vk] = m, every[vk].mean(-1) + (every[mk] - m.unsqueeze(-1)).square().mean(-1)
     return out[:-1], packed[..., 0], mean
 
 
 def average_grads_(reduce: GradientTransform, leaves: list[Tensor], loss: Tensor,
-                   metrics: TensorDictBase, **maxima) -> tuple[Tensor, TensorDict]:
+                   metrics: TensorDictBase, **slots) -> tuple[Tensor, TensorDict]:
     """The ``.grad`` of ``leaves`` (those that have one: every rank backpropagated the same graph)
     replaced by its mean over the ranks, with the loss and the metrics in the same collective
     (:func:`average`); returns (mean loss, mean metrics). Call it between the backward passes
     (:func:`rlfunc.optim.amp.accumulate_gradients`) and the step (:func:`rlfunc.optim.amp.transform_step`):
     an fp16 loss scale (:func:`rlfunc.optim.amp.dynamic_loss_scale`, learner state) is the same on every
     rank, and its check of the averaged gradients (non-finite on one rank: non-finite on all) decides alike.
-    ``maxima``: :func:`average`'s ``maxima``, ``rank`` and ``world_size``."""
+    ``slots``: :func:`average`'s ``maxima``, ``moments``, ``rank`` and ``world_size``."""
     stepped = [p for p in leaves if p.grad is not None]
-    grads, loss, metrics = average(reduce, [p.grad for p in stepped], None, loss, metrics, **maxima)
+    grads, loss, metrics = average(reduce, [p.grad for p in stepped], None, loss, metrics, **slots)
     for p, g in zip(stepped, grads):
         p.grad = g
     return loss, metrics

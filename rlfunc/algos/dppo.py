@@ -37,7 +37,7 @@ from rlfunc.device import compile_step
 from rlfunc.diffusion.ddim import chain_log_prob, sample
 from rlfunc.errors import ConfigError
 from rlfunc.losses.dppo import clip_schedule, dppo_loss
-from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance
+from rlfunc.losses.ppo import EV_MAXIMA, EV_MOMENTS, normalize_advantage, pool_explained_variance
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, minibatch_epochs, partition,
                           unflatten)
@@ -378,9 +378,10 @@ def make_dppo(config: DPPOConfig, spec: ActorSpec, obs_dim, act_dim: int, device
                 leaf.grad = None
             loss, metrics = accumulate_gradients(lambda micro: loss_fn(params, state["schedule"], micro), mb,
                                                  config.micro_batch_size, prec=prec, scale=loss_scale_of(opt["state"]),
-                                                 maxima=("ratio_max",))
+                                                 maxima=("ratio_max", *EV_MAXIMA), moments=EV_MOMENTS)
             if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics (ratio_max: the max)
-                _, metrics = data_parallel.average_grads_(reduce, leaves, loss, metrics, maxima=("ratio_max",), rank=rank, world_size=W)
+                _, metrics = data_parallel.average_grads_(reduce, leaves, loss, metrics, maxima=("ratio_max", *EV_MAXIMA),
+                                                          moments=EV_MOMENTS, rank=rank, world_size=W)
             metrics = pool_explained_variance(metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], params, prec)
             metrics["grad_norm"] = norm

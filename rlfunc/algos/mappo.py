@@ -53,7 +53,7 @@ from rlfunc.device import compile_step
 from rlfunc.errors import ConfigError
 from rlfunc.losses.grpo import grpo_loss
 from rlfunc.losses.gspo import gspo_loss
-from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance, ppo_loss
+from rlfunc.losses.ppo import EV_MAXIMA, EV_MOMENTS, normalize_advantage, pool_explained_variance, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.optim import adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, member_grad_norms, unflatten
 from rlfunc.optim.leaves import chain_state, chain_step
@@ -536,7 +536,8 @@ def make_mappo(config: MAPPOConfig, obs_dim: int, n_agents: int, n_actions: int,
                 loss.backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in leaves]
                 if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
-                    grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
+                    grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics, maxima=EV_MAXIMA,
+                                                                 moments=EV_MOMENTS, rank=rank, world_size=W)
                     metrics = pool_explained_variance(metrics)  # the minibatch's, from the shares' parts
                 norms = member_grad_norms(grads, stacked=False)
                 if not bool(loss.isfinite() & norms.isfinite().all()):

@@ -41,7 +41,7 @@ from rlfunc.core.sde import EPSILON as SDE_EPSILON
 from rlfunc.core.sde import draw_exploration_matrix, resample_due, sde_entropy, sde_log_prob
 from rlfunc.device import compile_policy, compile_step, span
 from rlfunc.errors import ConfigError, ShapeError
-from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance, ppo_loss
+from rlfunc.losses.ppo import EV_MAXIMA, EV_MOMENTS, normalize_advantage, pool_explained_variance, ppo_loss
 from rlfunc.nets.actor_critic import CategoricalActorCritic, GaussianActorCritic, actor_critic_apply, sequential_apply
 from rlfunc.nets.mlp import seeded_init
 from rlfunc.optim import adam, all_reduce_mean, clip_by_global_norm, flatten, linear_lr, member_grad_norms
@@ -826,7 +826,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         grads, loss, metrics = compiled_grads(detached, treedef, mb_tensors)
                         t0 = time.perf_counter()
                         with span("all_reduce"):
-                            grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, TensorDict(metrics, batch_size=[S]))
+                            grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, TensorDict(metrics, batch_size=[S]),
+                                                                         maxima=EV_MAXIMA, moments=EV_MOMENTS, rank=rank, world_size=W)
                             metrics = pool_explained_variance(metrics)
                         comm_s += time.perf_counter() - t0
                         norms = compiled_apply(detached, treedef, adam_leaves, grads, loss, lr_tensor, data_ok & active)
@@ -848,7 +849,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike
                         t0 = time.perf_counter()
                         with span("all_reduce"):
-                            grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics)
+                            grads, loss, metrics = data_parallel.average(reduce, grads, treedef, loss, metrics, maxima=EV_MAXIMA,
+                                                                         moments=EV_MOMENTS, rank=rank, world_size=W)
                             metrics = pool_explained_variance(metrics)
                         comm_s += time.perf_counter() - t0
                     norms = member_grad_norms(grads, stacked=True)  # non-finite iff some gradient is

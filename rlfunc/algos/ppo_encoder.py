@@ -52,12 +52,12 @@ from rlfunc.core.distributions import gaussian_entropy, gaussian_log_prob
 from rlfunc.core.normalize import init_running_stats, scale_reward, update_running_stats
 from rlfunc.core.returns import forward_discounted_sum, generalized_advantage_estimate
 from rlfunc.errors import ConfigError, EnvError
-from rlfunc.losses.ppo import normalize_advantage, pool_explained_variance, ppo_loss
+from rlfunc.losses.ppo import EV_MAXIMA, EV_MOMENTS, normalize_advantage, pool_explained_variance, ppo_loss
 from rlfunc.nets.mlp import MLP, seeded_init
 from rlfunc.device import compile_step
 from rlfunc.optim import (GradientTransform, adam, all_reduce_mean, chain, clip_by_global_norm, flatten, linear_lr, minibatch_epochs,
                           unflatten)
-from rlfunc.optim.amp import Precision, accumulate_gradients, loss_scale_of, transform_step, with_loss_scale
+from rlfunc.optim.amp import Precision, accumulate_gradients, loss_scale_of, merge_metrics, transform_step, with_loss_scale
 from rlfunc.optim.leaves import chain_state, chain_step, leaf_list
 
 ALGO = "ppo-encoder"  # the "algo" of this algorithm's snapshots
@@ -445,12 +445,12 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
                     params = params.update(unflatten(frozen_def, frozen_w))
                 value, m = loss(params, stats, part)
                 scaled = value.float() * weight
-                return scaled, (scaled.detach(), m.detach() * weight)
+                return scaled, (scaled.detach(), m.detach())
 
             g, (scaled, m) = torch.func.grad(objective, has_aux=True)(w)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             total = scaled if total is None else total + scaled
-            metrics = m if metrics is None else metrics + m
+            metrics = merge_metrics(metrics, start / M, m, weight, maxima=EV_MAXIMA, moments=EV_MOMENTS)  # as accumulate_gradients
         out = metrics.to_dict()
         out["grad_norm"] = chain_step(optimizer, grads, w, stepped_def, opt, total, lr=lr)
         out["skipped"] = (~(out["grad_norm"].isfinite() & total.isfinite())).float()
@@ -494,9 +494,10 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
             for leaf in leaves:
                 leaf.grad = None
             total, metrics = accumulate_gradients(lambda m: loss(params, stats, m), mb, config.micro_batch_size, prec=prec,
-                                                  scale=loss_scale_of(opt["state"]))
+                                                  scale=loss_scale_of(opt["state"]), maxima=EV_MAXIMA, moments=EV_MOMENTS)
             if W > 1:  # the mean over the ranks' shares: the whole minibatch's gradient, loss and metrics
-                _, metrics = data_parallel.average_grads_(reduce, leaves, total, metrics)
+                _, metrics = data_parallel.average_grads_(reduce, leaves, total, metrics, maxima=EV_MAXIMA, moments=EV_MOMENTS,
+                                                          rank=rank, world_size=W)
             metrics = pool_explained_variance(metrics)
             norm, ok, opt["state"] = transform_step(optimizer, opt["state"], stepped, prec, lr=lr)
             metrics["grad_norm"] = norm.detach().to(device)

@@ -114,7 +114,10 @@ def _eval_version(a, version: str) -> int:
         raise CheckpointError(f"{a.run_dir} version {version}: algo={algo!r}: expected one of {', '.join(registry.names(commands=False))}")
     with tempfile.TemporaryDirectory(prefix="rlfunc-eval-") as tmp:
         snap = checkpoint.save_snapshot(Path(tmp) / version, state, manifest["meta"])
-        result = registry.resolve(registry.lookup(algo).evaluate)(snap, a.episodes, seed=a.seed, device=a.device)
+        try:
+            result = registry.resolve(registry.lookup(algo).evaluate)(snap, a.episodes, seed=a.seed, device=a.device)
+        except CheckpointError as e:  # named by the version, not the temporary directory (review pass)
+            raise CheckpointError(str(e).replace(str(snap), f"{a.run_dir} version {version}")) from e
     from rlfunc.run.log import to_jsonable
 
     print(json.dumps(to_jsonable({**result, "version": version})))

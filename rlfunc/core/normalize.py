@@ -145,6 +145,15 @@ def _merge(mean_a: Tensor, var_a: Tensor, n_a: Tensor, mean_b: Tensor, var_b: Te
     return mean, var, n
 
 
+def merge_moments(mean_a: Tensor, var_a: Tensor, weight_a, mean_b: Tensor, var_b: Tensor, weight_b) -> tuple[Tensor, Tensor]:
+    """The (mean, population variance) of two parts of a batch of weights (sizes, numbers) ``weight_a``
+    and ``weight_b`` from theirs: :func:`merge_running_stats`'s pairwise update on bare tensors (it adds
+    the squared difference of the means: no difference of large squares)."""
+    mean, var, _ = _merge(mean_a, var_a, torch.tensor(float(weight_a), device=mean_a.device),
+                          mean_b, var_b, torch.tensor(float(weight_b), device=mean_a.device))
+    return mean, var
+
+
 def merge_running_stats(a: TensorDict, b: TensorDict) -> TensorDict:
     """Statistics of the union of two disjoint sample sets (Chan, Golub & LeVeque 1979):
 

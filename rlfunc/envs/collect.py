@@ -253,7 +253,7 @@ def _env_errors(venv: gym.vector.VectorEnv, what: str):
         spec = getattr(venv, "spec", None)
         name = f"env={spec.id!r}" if getattr(spec, "id", None) else "the env"
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise EnvError(f"{name}: its {what} raised {type(e).__name__}: {first}") from e
+        raise EnvError(f"{name}: its {what} raised {type(e).__name__}{': ' + first if first else ''}") from e
 
 
 def reset(venv: gym.vector.VectorEnv, seeds: Sequence[int]) -> TensorDict:

@@ -141,8 +141,8 @@ def ppo_loss(
             minibatch of a small MLP), for a caller that passed the same shapes, dtypes and
             coefficients through them once (rlfunc.algos.ppo: every minibatch after an iteration's first).
         poolable: also put the parts of the explained variance (:func:`explained_variance_parts`) among
-            the metrics, for a caller that averages the metrics over the parts of a minibatch
-            (micro-batches, data-parallel ranks' shares) and then calls :func:`pool_explained_variance`.
+            the metrics, for a caller that merges the metrics of the parts of a minibatch (micro-batches,
+            data-parallel ranks' shares) and then calls :func:`pool_explained_variance`.
 
     Returns:
         (loss 0-dim float, metrics TensorDict of 0-dim floats: loss_objective, loss_critic,
@@ -251,40 +251,39 @@ def _explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
     return torch.where(var_t > rounding, ev, torch.zeros_like(ev))
 
 
-EV_PARTS = ("ev_target_mean", "ev_target_mean_sq", "ev_target_var", "ev_residual_mean", "ev_residual_mean_sq",
-            "ev_residual_var", "ev_target_absmax")
+EV_MOMENTS = (("ev_target_mean", "ev_target_var"), ("ev_residual_mean", "ev_residual_var"))  # (mean, variance) pairs
+EV_MAXIMA = ("ev_target_absmax",)
+EV_PARTS = (*(k for pair in EV_MOMENTS for k in pair), *EV_MAXIMA)
 
 
 def explained_variance_parts(prediction: Tensor, target: Tensor) -> dict[str, Tensor]:
-    """The moments of :func:`explained_variance` on a part of a batch, 0-dim each (:data:`EV_PARTS`):
-    the means and population variances of the target and of the residual ``target - prediction``,
-    the squared means, and max |target|. Their means over the parts, weighted by the parts' sizes
-    (micro-batches, data-parallel ranks' shares: what ``accumulate_gradients`` and an
-    ``all_reduce_mean`` compute), give the whole batch's variances by the law of total variance
-    (E[var] + E[mean^2] - E[mean]^2), hence its explained variance (:func:`pool_explained_variance`);
-    the mean of the parts' explained variances is not it (a share of 8 samples gave -1.37 where the
-    minibatch's was 0.25). Shapes and dtypes as :func:`explained_variance`'s arguments (unchecked)."""
+    """What :func:`explained_variance` is made of, on a part of a batch, 0-dim each (:data:`EV_PARTS`):
+    the mean and population variance of the target and of the residual ``target - prediction``
+    (:data:`EV_MOMENTS`), and max |target| (:data:`EV_MAXIMA`). Parts merge into the whole batch's
+    exactly: the (mean, variance) pairs by Chan et al.'s pairwise update
+    (:func:`rlfunc.core.normalize.merge_moments`: ``accumulate_gradients``'s ``moments`` over micro-batches; ``rlfunc.algos.data_parallel.average``'s ``moments`` over ranks,
+    each rank's pair in its own slot of the all_reduce), max |target| as a max; then
+    :func:`pool_explained_variance`. The mean of the parts' explained variances is not the batch's (a
+    share of 8 samples gave -1.37 where the minibatch's was 0.25), nor is E[var] + E[mean^2] - E[mean]^2
+    in float32 (it cancels: targets of mean 1e4 gave 0.0 for 0.77). Shapes and dtypes as
+    :func:`explained_variance`'s arguments (unchecked)."""
     residual = target - prediction
-    target_mean, residual_mean = target.mean(), residual.mean()
     return {
-        "ev_target_mean": target_mean, "ev_target_mean_sq": target_mean.square(), "ev_target_var": target.var(correction=0),
-        "ev_residual_mean": residual_mean, "ev_residual_mean_sq": residual_mean.square(),
-        "ev_residual_var": residual.var(correction=0), "ev_target_absmax": target.abs().amax(),
+        "ev_target_mean": target.mean(), "ev_target_var": target.var(correction=0),
+        "ev_residual_mean": residual.mean(), "ev_residual_var": residual.var(correction=0),
+        "ev_target_absmax": target.abs().amax(),
     }
 
 
 def pool_explained_variance(metrics: TensorDictBase) -> TensorDictBase:
-    """``metrics`` with "explained_variance" recomputed from the averaged parts of
+    """``metrics`` with "explained_variance" computed from the merged parts of
     :func:`explained_variance_parts` (any batch shape: [] or a seed dim [S]) and the parts removed;
-    ``metrics`` unchanged when it has no parts. With one part it is :func:`explained_variance` exactly;
-    the no-spread rule reads the mean of the parts' max |target| (all targets equal: every part's alike)."""
+    ``metrics`` unchanged when it has no parts. With one part it is :func:`explained_variance` exactly."""
     if EV_PARTS[0] not in metrics.keys():
         return metrics
-    p = {k: metrics[k] for k in EV_PARTS}
-    var_t = p["ev_target_var"] + (p["ev_target_mean_sq"] - p["ev_target_mean"].square())  # one part: + 0 exactly
-    var_r = p["ev_residual_var"] + (p["ev_residual_mean_sq"] - p["ev_residual_mean"].square())
+    var_t, var_r, absmax = metrics["ev_target_var"], metrics["ev_residual_var"], metrics["ev_target_absmax"]
     ev = 1.0 - var_r / var_t.clamp_min(1e-12)
-    rounding = (4 * torch.finfo(var_t.dtype).eps * p["ev_target_absmax"]).square()
+    rounding = (4 * torch.finfo(var_t.dtype).eps * absmax).square()  # explained_variance's no-spread rule
     out = metrics.exclude(*EV_PARTS)
     out["explained_variance"] = torch.where(var_t > rounding, ev, torch.zeros_like(ev))
     return out

@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
+from rlfunc.core.normalize import merge_moments
 from rlfunc.device import autocast_dtype
 from rlfunc.errors import ConfigError
 from rlfunc.optim.base import GradientTransform, from_leaves, node, tree_leaves, update_leaves_of
@@ -84,6 +85,7 @@ def accumulate_gradients(
     batch_dim: int = 0,
     scale: Tensor | None = None,
     maxima: Collection[str] = (),
+    moments: Collection[tuple[str, str]] = (),
 ) -> tuple[Tensor, TensorDictBase]:
     """Backpropagate ``loss_fn`` over ``batch`` in micro-batches; gradients accumulate in ``.grad``.
 
@@ -100,6 +102,9 @@ def accumulate_gradients(
             float32; None: ``prec``'s GradScaler (fp16) or no scaling.
         maxima: the metrics that are maxima over the samples (dppo's "ratio_max"): the max over the
             micro-batches, not their mean.
+        moments: (mean, population variance) pairs of metrics over the samples (the explained
+            variance's parts, ``rlfunc.losses.ppo.EV_MOMENTS``): merged by
+            :func:`rlfunc.core.normalize.merge_moments`'s pairwise update, not averaged.
 
     Returns:
         (loss, metrics): the batch-mean loss (detached) and the batch-mean metrics (``maxima``: batch maxima).
@@ -111,7 +116,7 @@ def accumulate_gradients(
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size={micro_batch_size}: expected >= 1 or None")
     size = n if micro_batch_size is None else min(micro_batch_size, n)
-    total_loss, total_metrics = None, None
+    total_loss, total_metrics, done = None, None, 0.0
     for start in range(0, n, size):
         micro = batch.narrow(batch_dim, start, min(size, n - start)) if size < n else batch
         weight = micro.batch_size[batch_dim] / n
@@ -119,17 +124,32 @@ def accumulate_gradients(
             loss, metrics = loss_fn(micro)
         scaled = loss.float() * weight
         backward(scaled, prec, scale)
-        metrics = metrics.detach()
-        peaks = {k: metrics[k] for k in maxima if k in metrics.keys()}
-        metrics = metrics * weight
         total_loss = scaled.detach() if total_loss is None else total_loss + scaled.detach()
-        if total_metrics is not None:
-            peaks = {k: torch.maximum(total_metrics[k], v) for k, v in peaks.items()}
-            metrics = total_metrics + metrics
-        for k, v in peaks.items():
-            metrics[k] = v
-        total_metrics = metrics
+        total_metrics = merge_metrics(total_metrics, done, metrics.detach(), weight, maxima=maxima, moments=moments)
+        done += weight
     return total_loss, total_metrics
+
+
+def merge_metrics(total: TensorDictBase | None, done: float, metrics: TensorDictBase, weight: float, *,
+                  maxima: Collection[str] = (), moments: Collection[tuple[str, str]] = ()) -> TensorDictBase:
+    """The metrics of parts of a batch merged, one part at a time: ``total`` (the parts so far, of
+    weight ``done``; None before the first) with ``metrics`` (a part of weight ``weight``, its share
+    of the batch). Means over the samples are summed times their weights; ``maxima`` are maxed;
+    ``moments`` (mean, variance) pairs merged by :func:`rlfunc.core.normalize.merge_moments`. What
+    :func:`accumulate_gradients` and an unrolled (compiled) micro-batch loop share."""
+    kept = {k: metrics[k] for k in (*maxima, *(k for pair in moments for k in pair)) if k in metrics.keys()}
+    merged = metrics * weight
+    if total is not None:
+        for k in maxima:
+            if k in kept:
+                kept[k] = torch.maximum(total[k], kept[k])
+        for mk, vk in moments:
+            if mk in kept:
+                kept[mk], kept[vk] = merge_moments(total[mk], total[vk], done, kept[mk], kept[vk], weight)
+        merged = total + merged
+    for k, v in kept.items():
+        merged[k] = v
+    return merged
 
 
 def backward(loss: Tensor, prec: Precision | None = None, scale: Tensor | None = None) -> None:

@@ -158,3 +158,56 @@ def test_each_rank_draws_the_noise_of_its_envs(case):
             got = act(obs[:, 2 * r:2 * r + 2].reshape(-1, 3))[0].reshape(S, 2, 1)
             torch.testing.assert_close(got, w[:, 2 * r:2 * r + 2], rtol=1e-5, atol=1e-6)  # rows of 2 against 4: rounding
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(rank_gens, gens))
+
+
+class _SimulatedRanks:
+    """An all_reduce_mean link over simulated ranks: the first W calls record each rank's buffers (and
+    return them); after ``reduce()`` every call returns the mean over the recorded ranks."""
+
+    def __init__(self):
+        self.buffers, self.mean = [], None
+
+    def update_leaves(self, leaves, treedef, state):
+        if self.mean is None:
+            self.buffers.append(leaves[-1].clone())
+            return leaves, state
+        return [*leaves[:-1], self.mean], state
+
+    def reduce(self):
+        self.mean = torch.stack(self.buffers).mean(0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_average_pools_maxima_and_moments_over_the_ranks(world_size):
+    # the explained variance of the whole minibatch from W equal shares, also for float32 targets far from 0
+    # or all equal (review pass: E[mean^2] - E[mean]^2 cancelled), and a max as the max
+    from tensordict import TensorDict
+
+    from rlfunc.algos.data_parallel import average
+    from rlfunc.losses.ppo import EV_MAXIMA, EV_MOMENTS, explained_variance, explained_variance_parts, pool_explained_variance
+
+    g = torch.Generator().manual_seed(world_size)
+    cases = [(10.0 + torch.randn(48, 1, generator=g), 1.0), (1e4 + torch.randn(48, 1, generator=g), 0.5),
+             (torch.full((48, 1), 1.7), 0.01)]
+    for target, noise in cases:
+        prediction = target + noise * torch.randn(48, 1, generator=g)
+        link = _SimulatedRanks()
+        shares = list(zip(prediction.chunk(world_size), target.chunk(world_size)))
+
+        def metrics_of(p, t):
+            return TensorDict({**explained_variance_parts(p, t), "ratio_max": t.amax(), "loss_critic": t.mean()}, batch_size=[])
+
+        for r, (p, t) in enumerate(shares):  # each rank's buffer
+            average(link, [], None, torch.zeros(()), metrics_of(p, t), maxima=("ratio_max", *EV_MAXIMA), moments=EV_MOMENTS,
+                    rank=r, world_size=world_size)
+        link.reduce()
+        _, _, got = average(link, [], None, torch.zeros(()), metrics_of(*shares[1]), maxima=("ratio_max", *EV_MAXIMA),
+                            moments=EV_MOMENTS, rank=1, world_size=world_size)
+        got = pool_explained_variance(got)
+        assert float(got["ratio_max"]) == pytest.approx(float(target.amax()), rel=1e-6)
+        assert float(got["loss_critic"]) == pytest.approx(float(target.mean()), rel=1e-5)
+        want = float(explained_variance(prediction.double(), target.double()))
+        if noise == 0.01:  # equal targets: no spread, 0
+            assert float(got["explained_variance"]) == 0.0
+        else:
+            assert float(got["explained_variance"]) == pytest.approx(want, abs=0.02), (world_size, want)

@@ -328,8 +328,8 @@ class _Raising(gym.Env):
     observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
     action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
 
-    def __init__(self, where="step"):
-        self.where = where
+    def __init__(self, where="step", message="boom in step\nsecond line"):
+        self.where, self.message = where, message
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -338,7 +338,7 @@ class _Raising(gym.Env):
         return np.zeros(1, np.float32), {}
 
     def step(self, action):
-        raise RuntimeError("boom in step\nsecond line")
+        raise RuntimeError(self.message)
 
 
 def test_an_env_that_raises_is_one_env_error_line_with_its_cause():
@@ -354,6 +354,12 @@ def test_an_env_that_raises_is_one_env_error_line_with_its_cause():
         with pytest.raises(EnvError, match=r"^env='RaisingTest-v0': its step raised RuntimeError: boom in step$") as info:
             collect.rollout(venv, policy, carry, 3, device=torch.device("cpu"))
         assert isinstance(info.value.__cause__, RuntimeError)  # the env's traceback, for the Python API
+    finally:
+        venv.close()
+    venv = collect.make_vec_env("RaisingTest-v0", 1, message="")  # no message: no dangling ": " (review pass)
+    try:
+        with pytest.raises(EnvError, match=r"^env='RaisingTest-v0': its step raised RuntimeError$"):
+            collect.rollout(venv, policy, collect.reset(venv, [0]), 2, device=torch.device("cpu"))
     finally:
         venv.close()
     venv = collect.make_vec_env("RaisingTest-v0", 1, where="reset")

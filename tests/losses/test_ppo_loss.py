@@ -7,6 +7,7 @@ import torch
 
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.ppo import (
+    EV_MOMENTS,
     EV_PARTS,
     clipped_surrogate,
     explained_variance,
@@ -372,27 +373,55 @@ def test_normalize_advantage_names_a_non_float_input():
             normalize_advantage(bad)
 
 
-@pytest.mark.parametrize("sizes", [(8, 8), (5, 11, 3, 13), (32,)])
+def _merged_parts(prediction, target, sizes):
+    """The parts of explained_variance over splits of ``sizes`` merged as accumulate_gradients merges
+    micro-batches: Chan's pairwise update of the (mean, variance) pairs, max |target| as a max."""
+    from tensordict import TensorDict
+
+    from rlfunc.core.normalize import merge_moments
+
+    total, done = None, 0
+    for p, t in zip(prediction.split(sizes), target.split(sizes)):
+        part = TensorDict(explained_variance_parts(p, t), batch_size=[])
+        if total is not None:
+            for mk, vk in EV_MOMENTS:
+                part[mk], part[vk] = merge_moments(total[mk], total[vk], done, part[mk], part[vk], len(t))
+            part["ev_target_absmax"] = torch.maximum(total["ev_target_absmax"], part["ev_target_absmax"])
+        total, done = part, done + len(t)
+    total["explained_variance"] = torch.zeros((), dtype=target.dtype)
+    return total
+
+
+@pytest.mark.parametrize("sizes", [(8, 8), (5, 11, 3, 13), (32,), (24, 8)])
 def test_pooled_explained_variance_is_the_whole_batchs(sizes):
-    # parts of a batch (micro-batches of any sizes, data-parallel shares) averaged with their sizes as weights,
-    # as accumulate_gradients and an all_reduce_mean do: the whole batch's explained variance, in float64;
-    # the mean of the parts' own values is not it (a sign flip here on 8-sample halves)
+    # parts of a batch (micro-batches of any sizes, data-parallel shares) merged: the whole batch's explained
+    # variance, in float64; the mean of the parts' own values is not it
     g = torch.Generator().manual_seed(3)
     target = torch.randn(sum(sizes), 1, generator=g, dtype=torch.float64) * 2 + 5
     prediction = target + torch.randn(sum(sizes), 1, generator=g, dtype=torch.float64) * 1.5
-    from tensordict import TensorDict
-
-    pooled = sum(TensorDict(explained_variance_parts(p, t), batch_size=[]) * (len(t) / len(target))
-                 for p, t in zip(prediction.split(sizes), target.split(sizes)))
-    pooled["explained_variance"] = torch.zeros((), dtype=torch.float64)
-    out = pool_explained_variance(pooled)
+    out = pool_explained_variance(_merged_parts(prediction, target, sizes))
     assert set(out.keys()) == {"explained_variance"}  # the parts removed
     assert float(out["explained_variance"]) == pytest.approx(float(explained_variance(prediction, target)), abs=1e-12)
     if len(sizes) == 1:  # one part: explained_variance itself, exactly
         assert float(out["explained_variance"]) == float(explained_variance(prediction, target))
-    # equal targets: 0, as explained_variance's no-spread rule
-    flat = TensorDict(explained_variance_parts(prediction, torch.full_like(target, 1.7)), batch_size=[])
-    assert float(pool_explained_variance(flat)["explained_variance"]) == 0.0
+
+
+@pytest.mark.parametrize("sizes", [(24, 24, 16), (3,) * 21 + (1,), (1,) * 64, (8,) * 8, (5,) * 12 + (4,)])
+def test_pooled_explained_variance_of_float32_constant_or_far_off_targets(sizes):
+    # review pass: pooled as E[var] + E[mean^2] - E[mean]^2, float32 cancelled: equal targets 1.7 in
+    # micro-batches of 24 gave -261.6 (0 is right), targets 1e4 + N(0, 1) in parts of 8 gave 0.0 (0.83)
+    n = sum(sizes)
+    g = torch.Generator().manual_seed(5)
+    for c in (1.7, 1.0 / 3.0, 100.0 / 3.0):
+        target = torch.full((n, 1), c)
+        prediction = target + 0.01 * torch.randn(n, 1, generator=g)
+        assert float(pool_explained_variance(_merged_parts(prediction, target, sizes))["explained_variance"]) == 0.0
+    for mean in (1e3, 1e4, 3e4):
+        target = mean + torch.randn(n, 1, generator=g)
+        prediction = target + 0.5 * torch.randn(n, 1, generator=g)
+        want = float(explained_variance(prediction.double(), target.double()))
+        got = float(pool_explained_variance(_merged_parts(prediction, target, sizes))["explained_variance"])
+        assert got == pytest.approx(want, abs=0.02), (mean, got, want)
 
 
 def test_ppo_loss_poolable_adds_the_parts_and_nothing_else():

@@ -202,3 +202,18 @@ def test_accumulated_maxima_are_the_batch_maxima(micro):
     torch.testing.assert_close(parts["err_mean"], whole["err_mean"], rtol=1e-6, atol=1e-7)
     _, averaged = accumulate_gradients(loss_fn, batch, micro)  # without maxima: the weighted mean, smaller
     assert float(averaged["err_max"]) < float(whole["err_max"])
+
+
+@pytest.mark.parametrize("micro", [5, 7, 1])
+def test_accumulated_moments_are_the_batch_mean_and_variance(micro):
+    # (mean, variance) pairs over unequal micro-batches merged pairwise (Chan): the batch's, also far from 0
+    params, batch, _ = _setup()
+
+    def loss_fn(mb):
+        y = 1e4 + mb["y"].flatten(1).sum(1)
+        return 0 * func.leaves(params)[0].sum(), TensorDict({"y_mean": y.mean(), "y_var": y.var(correction=0)}, batch_size=[])
+
+    _, whole = accumulate_gradients(loss_fn, batch, None, moments=(("y_mean", "y_var"),))
+    _, parts = accumulate_gradients(loss_fn, batch, micro, moments=(("y_mean", "y_var"),))
+    torch.testing.assert_close(parts["y_mean"], whole["y_mean"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(parts["y_var"], whole["y_var"], rtol=1e-3, atol=0)

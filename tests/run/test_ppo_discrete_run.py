@@ -190,7 +190,7 @@ class _Heads:
         return Env()
 
 
-def test_a_snapshot_of_a_changed_env_is_refused_in_eval_and_resume(tmp_path):
+def test_a_snapshot_of_a_changed_env_is_refused_in_eval_and_resume(tmp_path, capsys):
     """New-user pass (gymnasium envs): a run on MultiDiscrete([3, 5]) evaluated and resumed after the
     env id was registered anew as MultiDiscrete([4, 4]) (the same 8 logits, other heads), exit 0 and a
     policy acting in another layout; meta.json's env_spec recorded the change and nobody read it."""
@@ -202,7 +202,7 @@ def test_a_snapshot_of_a_changed_env_is_refused_in_eval_and_resume(tmp_path):
         gym.register("HeadsTest-v0", entry_point=_Heads)
     _Heads.nvec = [3, 5]
     config = preset("HeadsTest-v0", total_steps=2 * 64, num_envs=2, num_steps=32, minibatch_size=64, num_epochs=1,
-                    checkpoint_every=1, device="cpu")
+                    checkpoint_every=1, version_every=1, device="cpu")
     train(config, tmp_path / "run", max_iterations=1, progress=False, tensorboard=False, evaluate=False)
     assert evaluate(tmp_path / "run", 2)["episodes"] == 2  # the same env: evaluates
     try:
@@ -211,5 +211,10 @@ def test_a_snapshot_of_a_changed_env_is_refused_in_eval_and_resume(tmp_path):
             evaluate(tmp_path / "run", 2)
         with pytest.raises(CheckpointError, match=r"nvec was \[3, 5\]"):
             train(config, tmp_path / "run", resume=True, progress=False, tensorboard=False, evaluate=False)
+        from rlfunc.cli import main  # a version's evaluation names the version, not its temporary directory
+
+        assert main(["eval", str(tmp_path / "run"), "--version", "v000001", "--episodes", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "run version v000001: trained on an env whose nvec" in err[0] and "rlfunc-eval-" not in err[0], err
     finally:
         _Heads.nvec = [3, 5]
