@@ -822,6 +822,18 @@ def _is_complete(path: Path) -> bool:
     return (path / META_FILE).is_file() and (path / STATE_FILE).is_file()
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` holding ``text``, whole or not at all: written to a temporary file beside it, synced,
+    then renamed over it; the temporary file is removed when a write fails (OSError, re-raised)."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _write_synced(tmp, text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_latest(ckpt: Path, name: str) -> None:
     tmp = ckpt / f".tmp-{LATEST_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
     try:

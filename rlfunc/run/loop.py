@@ -343,9 +343,13 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                         break
                 else:  # a signal during the last iteration (saved as the final one) still stopped the run
                     interrupted = agree(stop.signal)
-        finally:
-            if logger is not None:
-                logger.close()
+        except BaseException:  # the error in flight is the one to report: closing the logger on a full or
+            if logger is not None:  # read-only disk failed too, and its error replaced the snapshot's (review pass)
+                with contextlib.suppress(Exception):
+                    logger.close()
+            raise
+        if logger is not None:
+            logger.close()
     evaluation = None
     if not main:
         return RunResult(run.state, run_dir, None, interrupted)
@@ -358,8 +362,8 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                 raise RunInterrupted(run_dir, True, evaluating=True, signal=stop.signal) from e
         if stop.signal is not None:  # raised where Python could only print it (the bug: eval.json written, exit 0, or 130)
             raise RunInterrupted(run_dir, True, evaluating=True, signal=stop.signal)
-        if evaluation is not None:
-            (run_dir / "eval.json").write_text(json.dumps(to_jsonable(evaluation)) + "\n")
+        if evaluation is not None:  # atomic: a full disk left a 0-byte eval.json (review pass)
+            checkpoint.write_text_atomic(run_dir / "eval.json", json.dumps(to_jsonable(evaluation)) + "\n")
     return RunResult(run.state, run_dir, evaluation, interrupted)
 
 

@@ -218,3 +218,40 @@ def test_a_snapshot_of_a_changed_env_is_refused_in_eval_and_resume(tmp_path, cap
         assert len(err) == 1 and "run version v000001: trained on an env whose nvec" in err[0] and "rlfunc-eval-" not in err[0], err
     finally:
         _Heads.nvec = [3, 5]
+
+
+def test_a_failed_write_is_reported_not_the_loggers_close_after_it(tmp_path, monkeypatch):
+    """Filesystem pass: on a full or read-only disk a snapshot's write failed, then closing the metrics
+    logger (TensorBoard's mirrored.tmp) failed too, and that second error replaced the first: the user saw
+    "Permission denied: .../tb/mirrored.tmp" or a bare "No space left on device" without the path."""
+    from rlfunc.errors import CheckpointError
+    from rlfunc.run import log
+
+    def full(*args, **kwargs):
+        raise CheckpointError("checkpoints/step_x: could not write (OSError: [Errno 28] No space left on device)")
+
+    def close_fails(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_run_snapshot", full)
+    monkeypatch.setattr(log.MetricsLogger, "close", close_fails)
+    with pytest.raises(CheckpointError, match="checkpoints/step_x: could not write"):
+        train(preset("CartPole-v1", total_steps=2 * 128, **TINY), tmp_path / "run", progress=False, tensorboard=False, evaluate=False)
+
+
+def test_eval_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Filesystem pass: a disk that filled during the final evaluation left a 0-byte eval.json."""
+    target = tmp_path / "eval.json"
+    target.write_text('{"mean": 1.0}\n')
+
+    def torn(path, text):
+        path.write_text(text[:3])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_synced", torn)
+    with pytest.raises(OSError):
+        checkpoint.write_text_atomic(target, '{"mean": 2.0}\n')
+    assert target.read_text() == '{"mean": 1.0}\n' and [p.name for p in tmp_path.iterdir()] == ["eval.json"]
+    monkeypatch.undo()
+    checkpoint.write_text_atomic(target, '{"mean": 2.0}\n')
+    assert json.loads(target.read_text()) == {"mean": 2.0}
