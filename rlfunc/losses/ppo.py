@@ -243,11 +243,15 @@ def explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
 
 def _explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
     """:func:`explained_variance` without its argument checks."""
-    var_t = target.var(correction=0)
-    ev = 1.0 - (target - prediction).var(correction=0) / var_t.clamp_min(1e-12)
-    # equal targets have a float variance of rounding (5.7e-14 for 1000 x 1.7 in float32), not 0: a variance
-    # within 4 ulps of max |target|, squared, is none (the bug: -1e12 there, where 0 is documented)
-    rounding = (4 * torch.finfo(target.dtype).eps * target.detach().abs().amax()).square()
+    return _ev_of(target.var(correction=0), (target - prediction).var(correction=0), target.detach().abs().amax())
+
+
+def _ev_of(var_t: Tensor, var_r: Tensor, absmax: Tensor) -> Tensor:
+    """1 - var_r / var_t, or 0 where the targets have no spread. Equal targets have a float variance of
+    rounding (5.7e-14 for 1000 x 1.7 in float32), not 0: a variance within 4 ulps of max |target|,
+    squared, is none (the bug: -1e12 there, where 0 is documented)."""
+    ev = 1.0 - var_r / var_t.clamp_min(1e-12)
+    rounding = (4 * torch.finfo(var_t.dtype).eps * absmax).square()
     return torch.where(var_t > rounding, ev, torch.zeros_like(ev))
 
 
@@ -261,8 +265,9 @@ def explained_variance_parts(prediction: Tensor, target: Tensor) -> dict[str, Te
     the mean and population variance of the target and of the residual ``target - prediction``
     (:data:`EV_MOMENTS`), and max |target| (:data:`EV_MAXIMA`). Parts merge into the whole batch's
     exactly: the (mean, variance) pairs by Chan et al.'s pairwise update
-    (:func:`rlfunc.core.normalize.merge_moments`: ``accumulate_gradients``'s ``moments`` over micro-batches; ``rlfunc.algos.data_parallel.average``'s ``moments`` over ranks,
-    each rank's pair in its own slot of the all_reduce), max |target| as a max; then
+    (:func:`rlfunc.core.normalize.merge_moments`: ``accumulate_gradients``'s ``moments`` over
+    micro-batches; ``rlfunc.algos.data_parallel.average``'s ``moments`` over ranks, each rank's pair
+    in its own slot of the all_reduce), max |target| as a max; then
     :func:`pool_explained_variance`. The mean of the parts' explained variances is not the batch's (a
     share of 8 samples gave -1.37 where the minibatch's was 0.25), nor is E[var] + E[mean^2] - E[mean]^2
     in float32 (it cancels: targets of mean 1e4 gave 0.0 for 0.77). Shapes and dtypes as
@@ -281,11 +286,8 @@ def pool_explained_variance(metrics: TensorDictBase) -> TensorDictBase:
     ``metrics`` unchanged when it has no parts. With one part it is :func:`explained_variance` exactly."""
     if EV_PARTS[0] not in metrics.keys():
         return metrics
-    var_t, var_r, absmax = metrics["ev_target_var"], metrics["ev_residual_var"], metrics["ev_target_absmax"]
-    ev = 1.0 - var_r / var_t.clamp_min(1e-12)
-    rounding = (4 * torch.finfo(var_t.dtype).eps * absmax).square()  # explained_variance's no-spread rule
     out = metrics.exclude(*EV_PARTS)
-    out["explained_variance"] = torch.where(var_t > rounding, ev, torch.zeros_like(ev))
+    out["explained_variance"] = _ev_of(metrics["ev_target_var"], metrics["ev_residual_var"], metrics["ev_target_absmax"])
     return out
 
 
