@@ -775,6 +775,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         metric_sum, updates = None, 0
         skipped = torch.zeros(S, 3, dtype=torch.int64, device=device)  # data, loss, gradient
         active = torch.ones(S, dtype=torch.bool, device=device)  # seeds still updating (target_kl)
+        # several seeds under target_kl: a seed's metrics and update count are of the steps it took (the others'
+        # went on after it stopped); None: every seed takes every step
+        seed_updates = torch.zeros(S, dtype=torch.int64, device=device) if config.target_kl is not None and S > 1 else None
         # gradient shaping (rlfunc.algos.shaped; all off by default)
         clip_epsilon = shaped.clip_epsilon(config, config.clip_epsilon, state["iteration"])
         names, probs = shaped.trainable(params, frozen_names)[0], None
@@ -832,7 +835,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         comm_s += time.perf_counter() - t0
                         norms = compiled_apply(detached, treedef, adam_leaves, grads, loss, lr_tensor, data_ok & active)
                     optim_state = TensorDict({"0": {"norm": norms}, "1": optim_state["1"]}, batch_size=[])
-                    skipped += torch.stack([~data_ok, data_ok & ~loss.isfinite(), data_ok & loss.isfinite() & ~norms.isfinite()], 1).long()
+                    skipped += (torch.stack([~data_ok, data_ok & ~loss.isfinite(), data_ok & loss.isfinite() & ~norms.isfinite()], 1)
+                                & active[:, None]).long()
                 else:
                     if single:  # loss 0-dim, metrics of 0-dim values
                         member = _nested(param_paths, [p.squeeze(0) for p in param_leaves])
@@ -857,7 +861,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                     ok = data_ok & loss.isfinite() & norms.isfinite()
                     if not bool(ok.all()):
                         loss_ok = loss.isfinite()
-                        skipped += torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1).long()
+                        skipped += (torch.stack([~data_ok, data_ok & ~loss_ok, data_ok & loss_ok & ~norms.isfinite()], 1)
+                                    & active[:, None]).long()  # a seed stopped by target_kl skips no step
                         for g in grads:
                             g.nan_to_num_(0.0, 0.0, 0.0)
                     # the chain over the leaf lists (rlfunc.optim.base): no TensorDict per step
@@ -872,6 +877,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         metrics["clip_epsilon"] = torch.full((S,), clip_epsilon, device=device)
                 # the metrics summed as one stacked tensor [K(, S)]: one op per step
                 values = torch.stack([*metrics.values(), norms.squeeze(0) if single else norms])
+                if seed_updates is not None:  # [K, S]: the seeds that took this step
+                    values = torch.where(active, values, 0.0)
+                    seed_updates += active
                 if metric_keys is None:
                     metric_keys, metric_sum = [*metrics.keys(), "grad_norm"], values
                 else:
@@ -890,12 +898,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
         out["iteration"] = state["iteration"] + 1
         out["env_steps"] = state["env_steps"] + batch.batch_size[1] * batch.batch_size[2] * W
         out["rng"] = torch.stack([g.get_state() for g in generators]).to(device)
-        means = (metric_sum / updates).unbind(0)
+        means = (metric_sum / (updates if seed_updates is None else seed_updates)).unbind(0)
         metrics = TensorDict({k: v.unsqueeze(0) if single else v for k, v in zip(metric_keys, means)}, batch_size=[S])
         metrics["skipped_data"] = skipped[:, 0]
         metrics["skipped_loss"] = skipped[:, 1]
         metrics["skipped_gradient"] = skipped[:, 2]
-        metrics["updates"] = torch.full((S,), updates, device=device)
+        metrics["updates"] = torch.full((S,), updates, device=device) if seed_updates is None else seed_updates
         if W > 1:
             metrics["allreduce_s"] = torch.full((S,), comm_s, device=device)
         compile_s = [f.compile_s for f in (compiled_step, compiled_grads, compiled_apply, compiled_actor)

@@ -60,6 +60,30 @@ def test_seeds_as_a_batch_equal_separate_runs(tmp_path):
             torch.testing.assert_close(vmapped.state["params"].get(key)[i], value[0], atol=1e-5, rtol=1e-4)
 
 
+def test_seeds_as_a_batch_under_target_kl_log_each_seeds_own_steps(tmp_path):
+    # Regression (metrics pass): with several seeds and target_kl, a seed's metrics went on summing the
+    # steps the other seeds took after it stopped, and "updates" was the longest seed's count (seed 3
+    # alone: 2 updates at one iteration, beside seed 4: 3, and another approx_kl)
+    import json
+
+    base = dict(num_envs=4, num_steps=128, minibatch_size=64, num_epochs=4, total_steps=2048, target_kl=1e-5, device="cpu",
+                checkpoint_every=0, version_every=0)
+    train(preset("Pendulum-v1", seed=3, num_seeds=2, **base), tmp_path / "t", progress=False, tensorboard=False, evaluate=False)
+    together = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    counts = set()
+    for i, seed in enumerate((3, 4)):
+        train(preset("Pendulum-v1", seed=seed, **base), tmp_path / f"a{seed}", progress=False, tensorboard=False, evaluate=False)
+        alone = [json.loads(line) for line in (tmp_path / f"a{seed}" / "metrics.jsonl").read_text().splitlines()]
+        assert len(alone) == len(together) == 4
+        for a, t in zip(alone, together):
+            assert t["updates"][i] == a["updates"], (seed, a["iteration"])
+            counts.add((t["updates"][0], t["updates"][1]))
+            for key in ("approx_kl", "loss_critic", "loss_objective", "entropy", "grad_norm", "explained_variance"):
+                if a["iteration"] <= 2:  # later, the vmapped seeds' float drift (~1e-5 in params) shows in approx_kl ~1e-6
+                    assert t[key][i] == pytest.approx(a[key], rel=1e-3, abs=1e-9), (seed, a["iteration"], key)
+    assert any(x != y for x, y in counts)  # the seeds stopped at different steps in some iteration
+
+
 def test_non_finite_reward_skips_update_and_is_logged(tmp_path, monkeypatch):
     import rlfunc.envs.collect as collect
 
