@@ -89,6 +89,11 @@ same = all(torch.equal(whole.state[k], resumed.state[k]) for k in whole.state.ke
 print({"fp16_resume_exact": same, "scale": float(whole.state["optim_actor", "scale"]),
        "growth_tracker": int(whole.state["optim_actor", "growth_tracker"])})
 EOF
+  # the eager diffusion actor-critics on the device, a few updates each (a host tensor beside device ones fails only here)
+  for algo in sac-diffusion td3-diffusion; do
+    timeout 120 $PY -m rlfunc train $algo --env PointReach-v0 --device $DEV --compile off --total-steps 3840 --warmup-steps 1920 \
+      --updates-per-iteration 8 --eval-episodes 4 --run-dir $R/$algo > "$OUT/$algo.log" 2>&1; echo "rc=$?" >> "$OUT/$algo.log"
+  done
 ) &
 BG=$!
 # C, in the background on the host's idle cores: DPPO's compiled step on the CPU (issue 18's CPU target)
@@ -111,4 +116,4 @@ for mode in off on; do
   last sac_pendulum_compile_$mode $R/sac_$mode | tee -a "$OUT/results.jsonl"
 done
 wait $BG ${CPUJOB:-}
-cat "$OUT/results.jsonl"; tail -n 3 "$OUT/nccl1.log" "$OUT/nccl2.log"; tail -n 4 "$OUT/prof.log"; tail -n 2 "$OUT/fp16_resume.log"; grep -v "^$" "$OUT/compiled_dppo_cpu.txt" | tail -n 4
+cat "$OUT/results.jsonl"; tail -n 3 "$OUT/nccl1.log" "$OUT/nccl2.log"; tail -n 4 "$OUT/prof.log"; tail -n 2 "$OUT/fp16_resume.log" "$OUT/sac-diffusion.log" "$OUT/td3-diffusion.log"; grep -v "^$" "$OUT/compiled_dppo_cpu.txt" | tail -n 4

@@ -165,9 +165,10 @@ class OffPolicy(NamedTuple):
         "rng", "iteration", "env_steps", "updates").
     policy: ``(state, generator, deterministic) -> Policy`` acting in env units (exploration noise drawn
         from ``generator``; ``deterministic``: the mean action, no draw).
-    iteration: ``(state, buffer, generator, num_updates) -> (state, metrics)``: ``num_updates``
+    iteration: ``(state, buffer, generator, num_updates, into=None) -> (state, metrics)``: ``num_updates``
         gradient steps on minibatches of ``buffer`` (a TorchRL replay buffer of :func:`transitions`),
-        in place; metrics are their means.
+        in place; metrics are their means over the steps with a finite value and the skipped steps'
+        counts (:class:`StepMetrics`), or, given ``into`` (a metrics line's StepMetrics), added there.
     scale: the action map. optimizers: the learner's update-chain state keys.
     """
 
@@ -177,6 +178,52 @@ class OffPolicy(NamedTuple):
     scale: ActionScale
     optimizers: tuple[str, ...]
     extra: Any = None
+
+
+class StepMetrics:
+    """The gradient steps' metrics of one metrics line: each value summed where finite, with its
+    count, so a mean is over the steps that gave a finite value (a skipped step's inf or NaN loss
+    and norm are left out instead of making the whole line's mean non-finite; NaN, written null,
+    where no step gave one); the ``skipped_*`` flags (1.0 per skipped step) are summed into counts.
+    One stack per :meth:`add` of a dict of 0-dim tensors, no host read.
+
+    >>> acc = StepMetrics()
+    >>> for loss, flag in ((1.0, 0.0), (float("inf"), 1.0), (3.0, 0.0)):
+    ...     acc.add({"loss_critic": torch.tensor(loss), "skipped_critic": torch.tensor(flag)})
+    >>> {k: float(v) for k, v in acc.result().items()}
+    {'loss_critic': 2.0, 'skipped_critic': 1.0}
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, ...], list[Tensor]] = {}  # the keys of an add -> [sums, counts]
+
+    def add(self, metrics) -> None:
+        """Add one step's (or one part's) ``metrics``: a mapping of str -> 0-dim (or one-element) tensor."""
+        keys = tuple(metrics.keys())
+        if not keys:
+            return
+        # the metrics' device (an eager diffusion step's skip flag is a host tensor beside them): no device-to-host read
+        device = next((metrics[k].device for k in keys if metrics[k].device.type != "cpu"), torch.device("cpu"))
+        values = torch.stack([metrics[k].detach().to(device, torch.float32).reshape(()) for k in keys])
+        finite = values.isfinite()
+        part = self._parts.get(keys)
+        if part is None:
+            self._parts[keys] = [torch.where(finite, values, 0.0), finite.float()]
+        else:
+            part[0] += torch.where(finite, values, 0.0)
+            part[1] += finite
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def result(self) -> dict[str, Tensor]:
+        """{key: 0-dim float32}: ``skipped_*`` the count, every other key the mean over its finite values."""
+        sums: dict[str, Tensor] = {}
+        counts: dict[str, Tensor] = {}
+        for keys, (s, c) in self._parts.items():  # a key may come in several key sets (td3's critic steps with and without an actor step)
+            for i, k in enumerate(keys):
+                sums[k], counts[k] = (s[i], c[i]) if k not in sums else (sums[k] + s[i], counts[k] + c[i])
+        return {k: v if k.startswith("skipped_") else v / counts[k] for k, v in sums.items()}
 
 
 def stacked(treedef: tuple, leaves: list[Tensor], n: int) -> TensorDict:

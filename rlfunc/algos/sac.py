@@ -35,8 +35,8 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos import data_parallel
-from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
-                                   stacked)
+from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, StepMetrics, acting_forward, action_scale,
+                                   q_ensemble, sample, stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import check_dependents, replace
@@ -254,15 +254,18 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
     compiled_step = compile_step(step, device, config.run.compile, "sac", static_args=(0, 1, 2, 3, 4)) if compiled else None
     reported: list[bool] = []  # compile_s went into a metrics line already
 
-    def iteration(state: TensorDict, buffer, generator: torch.Generator, num_updates: int):
+    def iteration(state: TensorDict, buffer, generator: torch.Generator, num_updates: int, into: StepMetrics | None = None):
         """``num_updates`` steps of :func:`step` (compiled with ``--compile``) on minibatches of
         ``buffer``; per step the minibatch, the noise and REDQ's subset are drawn from ``generator``,
-        in that order. The leaf lists are taken once: the steps write into the state's tensors."""
+        in that order. The leaf lists are taken once: the steps write into the state's tensors.
+        Metrics: the steps' means (skipped counts); with ``into`` (a metrics line's
+        :class:`~rlfunc.algos.offpolicy.StepMetrics` over several calls) each step's go there and
+        the returned metrics hold only compile_s, if any."""
         params = state["params"]
         args = (leaf_list(params["actor"]), leaf_list(params["critic"]), [params["log_alpha"].detach()], leaf_list(state["target", "critic"]),
                 tuple(chain_state(state[k]) for k in ("optim_alpha", "optim_critic", "optim_actor")))
         fn = compiled_step if compiled_step is not None else step
-        metric_sum = None
+        metric_sum = StepMetrics() if into is None else into  # skipped_* counted; the rest the mean of the finite values
         for _ in range(num_updates):
             mb = sample(buffer, config.batch_size, generator, device)
             B = mb.batch_size[0]
@@ -274,13 +277,12 @@ def make_sac(config: SACConfig, spec: EnvSpec, device: torch.device, dist=None) 
             if W > 1:  # this rank's share of the single process's minibatch and noise
                 tensors = {k: data_parallel.share(v, rank, W) for k, v in tensors.items()}
                 noise_pi, noise_next = data_parallel.share(noise_pi, rank, W), data_parallel.share(noise_next, rank, W)
-            m = fn(*args, tensors, noise_pi, noise_next, subset)
-            metric_sum = m if metric_sum is None else {k: metric_sum[k] + v for k, v in m.items()}
+            metric_sum.add(fn(*args, tensors, noise_pi, noise_next, subset))
         state["updates"] = state["updates"] + num_updates
         state["rng"] = generator.get_state()
-        if metric_sum is None:
+        if not metric_sum:
             return state, TensorDict({}, batch_size=[])
-        metrics = TensorDict({k: v / num_updates for k, v in metric_sum.items()}, batch_size=[])
+        metrics = TensorDict(metric_sum.result() if into is None else {}, batch_size=[])
         if compiled_step is not None and compiled_step.compile_s is not None and not reported:
             acting = forward_of.compiled.compile_s if forward_of.compiled is not None else None  # the acting policy's
             metrics["compile_s"] = torch.tensor(compiled_step.compile_s + (acting or 0.0))  # in the first metrics line with updates

@@ -42,7 +42,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos.diffusion_actor import ActorSpec, DiffusionActor, schedule_for
-from rlfunc.algos.offpolicy import q_ensemble, stacked
+from rlfunc.algos.offpolicy import StepMetrics, q_ensemble, stacked
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.algos.replay_diffusion import (ReplayDiffusionConfig, minibatch, ranks, replay_rollout, replay_state,
                                           replay_transitions, side_steps)
@@ -323,27 +323,22 @@ def make_sac_diffusion(config: SACDiffusionConfig, spec: ActorSpec, obs_dim, act
         else:
             critic_side = lambda mb: critic_update(state, mb, generator, opt, prec)  # noqa: E731
             actor_side = lambda mb: actor_update(state, mb, generator, opt, prec)  # noqa: E731
-        critic_sum, actor_sum, n_actor = None, None, 0
+        metric_sum = StepMetrics()  # skipped_* counted; the rest the mean of the finite values (the actor's over its steps)
         updates = int(state["updates"])
         for _ in range(config.updates_per_iteration):
             idx = torch.randint(len(buffer), (config.batch_size,), generator=generator, device=device)
             mb = buffer[idx]  # the storage lives on the device: no host round trip
-            m = critic_side(mb)
-            critic_sum = m if critic_sum is None else critic_sum + m
+            metric_sum.add(critic_side(mb))
             if updates % config.entropy_every == 0:
                 alpha_update(state, mb, generator, opt)
             updates += 1
             if updates % config.policy_delay == 0 and updates <= config.critic_warmup_updates:  # the actor held
                 func.polyak_update_(state["target", "critic"], state["params", "critic"], config.tau)
             elif updates % config.policy_delay == 0:
-                am = actor_side(mb)
-                actor_sum = am if actor_sum is None else actor_sum + am
-                n_actor += 1
+                metric_sum.add(actor_side(mb))
                 if steps is None:  # the compiled actor step updated the targets
                     func.polyak_update_(state["target", "critic"], state["params", "critic"], config.tau)
-        metrics = critic_sum / config.updates_per_iteration
-        if actor_sum is not None:
-            metrics.update(actor_sum / n_actor)
+        metrics = TensorDict(metric_sum.result(), batch_size=[])
         compile_s = [getattr(f, "compile_s", None) for f in steps] if steps is not None else [None]  # none where compile_step ran eager
         if compile_s[0] is not None and not reported:
             metrics["compile_s"] = torch.tensor(compile_s[0] + (compile_s[1] or 0.0))  # the first metrics line with updates

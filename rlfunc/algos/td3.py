@@ -30,8 +30,8 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlfunc.algos import data_parallel
-from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, acting_forward, action_scale, q_ensemble, sample,
-                                   stacked)
+from rlfunc.algos.offpolicy import (AUTO_COMPILE_UPDATES, OffPolicy, OffPolicyConfig, StepMetrics, acting_forward, action_scale,
+                                   q_ensemble, sample, stacked)
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.registry import AlgorithmEntry, register
 from rlfunc.config import replace
@@ -207,16 +207,17 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
              if compiled else (critic_step, actor_step))
     reported: list[bool] = []  # compile_s went into a metrics line already
 
-    def iteration(state: TensorDict, buffer, generator: torch.Generator, num_updates: int):
+    def iteration(state: TensorDict, buffer, generator: torch.Generator, num_updates: int, into: StepMetrics | None = None):
         """``num_updates`` critic steps (compiled with ``--compile``), an actor step and the target
         updates after every ``policy_delay``-th; per step the minibatch and the smoothing noise come
-        from ``generator``. The leaf lists are taken once: the steps write into the state's tensors."""
+        from ``generator``. The leaf lists are taken once: the steps write into the state's tensors.
+        Metrics and ``into``: as sac's ``iteration``."""
         params, target = state["params"], state["target"]
         actor_w, critic_w = leaf_list(params["actor"]), leaf_list(params["critic"])
         target_actor_w, target_critic_w = leaf_list(target["actor"]), leaf_list(target["critic"])
         opt_critic, opt_actor = chain_state(state["optim_critic"]), chain_state(state["optim_actor"])
         critic_fn, actor_fn = steps
-        critic_sum, actor_sum, n_actor = None, None, 0
+        metric_sum = StepMetrics() if into is None else into  # skipped_* counted; the rest the mean of the finite values
         updates = int(state["updates"])
         for _ in range(num_updates):
             updates += 1
@@ -227,17 +228,12 @@ def make_td3(config: TD3Config, spec: EnvSpec, device: torch.device, dist=None) 
             if W > 1:  # this rank's share of the single process's minibatch and smoothing noise
                 tensors = {k: data_parallel.share(v, rank, W) for k, v in tensors.items()}
                 eps = data_parallel.share(eps, rank, W)
-            m = critic_fn(target_actor_w, critic_w, target_critic_w, opt_critic, tensors, eps)
-            critic_sum = m if critic_sum is None else {k: critic_sum[k] + v for k, v in m.items()}
+            metric_sum.add(critic_fn(target_actor_w, critic_w, target_critic_w, opt_critic, tensors, eps))
             if updates % config.policy_delay == 0:
-                am = actor_fn(actor_w, critic_w, target_actor_w, target_critic_w, opt_actor, tensors)
-                actor_sum = am if actor_sum is None else {k: actor_sum[k] + v for k, v in am.items()}
-                n_actor += 1
+                metric_sum.add(actor_fn(actor_w, critic_w, target_actor_w, target_critic_w, opt_actor, tensors))
         state["updates"] = torch.tensor(updates, device=device)
         state["rng"] = generator.get_state()
-        metrics = TensorDict({k: v / num_updates for k, v in critic_sum.items()} if critic_sum else {}, batch_size=[])
-        if actor_sum is not None:
-            metrics.update({k: v / n_actor for k, v in actor_sum.items()})
+        metrics = TensorDict(metric_sum.result() if into is None else {}, batch_size=[])
         if compiled and critic_fn.compile_s is not None and not reported:
             acting = forward_of.compiled.compile_s if forward_of.compiled is not None else None  # the acting policy's
             metrics["compile_s"] = torch.tensor(critic_fn.compile_s + (actor_fn.compile_s or 0.0) + (acting or 0.0))

@@ -42,7 +42,7 @@ from tensordict import TensorDict
 
 from rlfunc.algos import data_parallel
 from rlfunc.algos import registry as algorithms
-from rlfunc.algos.offpolicy import OffPolicy, finite_transitions, uniform_policy
+from rlfunc.algos.offpolicy import OffPolicy, StepMetrics, finite_transitions, uniform_policy
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.sac import SACConfig, make_sac
 from rlfunc.algos.td3 import TD3Config, make_td3
@@ -170,7 +170,7 @@ class OffPolicyRun(Run):
         acting = self.algo.policy(state, self.gen)
         warm = uniform_policy(self.algo.scale, self.gen, data_parallel.own_rows(self.rank, self.world_size))
         gather = self.dist is not None and self.dist.active
-        returns, sums, counts, skipped = [], {}, {}, 0
+        returns, metrics, skipped = [], StepMetrics(), 0
         collect_s = update_s = 0.0
         for _ in range(config.num_steps):
             t0 = time.perf_counter()
@@ -191,18 +191,17 @@ class OffPolicyRun(Run):
             collect_s += t1 - t0
             if steps >= config.learning_starts and len(self.buffer) >= max(1, self.refill):  # (empty: every transition so far not finite)
                 with span("update"):
-                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_step)
-                for key, value in m.items():  # td3's actor metrics come only every policy_delay-th step
-                    sums[key] = sums.get(key, 0.0) + value
-                    counts[key] = counts.get(key, 0) + 1
+                    state, m = self.algo.iteration(state, self.buffer, self.gen, per_step, into=metrics)  # the line's steps
+                metrics.add(m)  # compile_s, once
                 update_s += time.perf_counter() - t1
-        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s, skipped_data=skipped)
+        return self._record(i, state, steps, returns, metrics, collect_s, update_s, skipped_data=skipped)
 
-    def _record(self, i: int, state: TensorDict, steps: int, returns: list, sums: dict, counts: dict, collect_s: float,
+    def _record(self, i: int, state: TensorDict, steps: int, returns: list, metrics: StepMetrics, collect_s: float,
                 update_s: float, **extra: float) -> dict:
         """The iteration's end: the counters and generator state into ``state`` (the run's state
         from now on), and its metrics line: the mean return of the episodes that ended, each
-        metric's mean over the gradient steps that gave it (one host read per metric), ``extra``."""
+        metric's mean over the gradient steps that gave it a finite value, the skipped steps' counts
+        (:class:`~rlfunc.algos.offpolicy.StepMetrics`; one host read per metric), ``extra``."""
         state["env_steps"] = torch.tensor(steps, device=self.device)
         state["iteration"] = state["iteration"] + 1
         state["rng"] = self.gen.get_state()
@@ -213,7 +212,7 @@ class OffPolicyRun(Run):
                   "collect_s": collect_s, "update_s": update_s, "updates": int(state["updates"]), **extra}
         if finite:
             record["episode_return"] = sum(finite) / len(finite)
-        record.update({key: float(total / counts[key]) for key, total in sums.items()})
+        record.update({key: float(value) for key, value in metrics.result().items()})
         return record
 
     def _async_step(self, i: int) -> dict:
@@ -234,7 +233,7 @@ class OffPolicyRun(Run):
                 steps_per_item=config.async_steps)
             self.publishes, self.since_publish = 0, 0
         K = config.async_steps
-        returns, sums, counts, lag, skipped = [], {}, {}, 0, 0
+        returns, metrics, lag, skipped = [], StepMetrics(), 0, 0
         collect_s = update_s = 0.0
         for _ in range(config.num_steps // K):
             t0 = time.perf_counter()
@@ -258,16 +257,14 @@ class OffPolicyRun(Run):
             updating = config.updates_per_step * N * max(0, K - first + 1)
             if updating and len(self.buffer) >= max(1, self.refill):
                 with span("update"):
-                    state, m = self.algo.iteration(state, self.buffer, self.gen, updating)
+                    state, m = self.algo.iteration(state, self.buffer, self.gen, updating, into=metrics)
                 self.since_publish += updating
                 if self.since_publish >= config.sync_weights_every:
                     self.publishes = self.collector.publish(state["params"].select("actor"))
                     self.since_publish = 0
-                for key, value in m.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                    counts[key] = counts.get(key, 0) + 1
+                metrics.add(m)
                 update_s += time.perf_counter() - t1
-        return self._record(i, state, steps, returns, sums, counts, collect_s, update_s, policy_lag=lag / (config.num_steps // K),
+        return self._record(i, state, steps, returns, metrics, collect_s, update_s, policy_lag=lag / (config.num_steps // K),
                             skipped_data=skipped)
 
     def _own(self, items):

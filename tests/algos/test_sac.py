@@ -188,3 +188,64 @@ def test_action_bounds_wider_than_float32_keep_a_finite_scale():
     assert torch.equal(scale.center, (hi + lo) / 2) and torch.equal(scale.half_range, (hi - lo) / 2)
     with pytest.raises(ConfigError, match="expected finite bounds"):
         action_scale([-1e39], [1e39], torch.device("cpu"))  # past float32: inf, refused
+
+
+def test_a_metrics_line_counts_skipped_steps_and_averages_the_others():
+    """Metrics pass: sac/td3 reported skipped steps as the fraction of a line's steps (README: counted),
+    and one skipped step's inf loss and norm made the line's loss_critic and critic_grad_norm null (the
+    ~190 good steps beside it unreported). Now: counts, and means over the steps that gave a finite value."""
+    from rlfunc.algos.offpolicy import StepMetrics
+    from rlfunc.algos.td3 import TD3Config, make_td3
+
+    acc = StepMetrics()  # by hand: critic steps (loss, norm, skipped) and, on two of them, actor steps
+    for loss, norm, actor in ((1.0, 2.0, 5.0), (math.inf, math.nan, None), (4.0, 6.0, math.nan), (7.0, 1.0, None)):
+        acc.add({"loss_critic": torch.tensor(loss), "critic_grad_norm": torch.tensor(norm),
+                 "skipped_critic": torch.tensor(float(not math.isfinite(norm)))})
+        if actor is not None:
+            acc.add({"loss_actor": torch.tensor(actor), "skipped_actor": torch.tensor(float(actor != actor))})
+    got = {k: float(v) for k, v in acc.result().items()}
+    assert got == {"loss_critic": 4.0, "critic_grad_norm": 3.0, "skipped_critic": 1.0, "loss_actor": 5.0, "skipped_actor": 1.0}
+    on_device = StepMetrics()  # an eager diffusion step's host skip flag beside device metrics ("meta" stands in)
+    on_device.add({"loss_actor": torch.tensor(1.0, device="meta"), "skipped_actor": torch.tensor(0.0)})
+    assert {v.device.type for v in on_device.result().values()} == {"meta"}
+    only_bad = StepMetrics()
+    only_bad.add({"loss_critic": torch.tensor(math.inf), "skipped_critic": torch.tensor(1.0)})
+    assert math.isnan(float(only_bad.result()["loss_critic"]))  # no finite value: NaN (metrics.jsonl: null)
+
+    td3 = replace(TD3Config(), hidden=(16, 16), batch_size=32, device="cpu", policy_delay=1, compile="off")
+    for make, config in ((make_sac, _config(compile="off")), (make_td3, td3)):
+        algo = make(config, SPEC, CPU)
+        huge = _buffer()
+        huge.storage._storage["next", "reward"][:] = 3e38  # every critic step overflows: all 3 skipped
+        _, metrics = algo.iteration(algo.init(), huge, torch.Generator().manual_seed(0), 3)
+        assert float(metrics["skipped_critic"]) == 3.0, type(config).__name__
+        _, fine = algo.iteration(algo.init(), _buffer(), torch.Generator().manual_seed(0), 3)
+        assert float(fine["skipped_critic"]) == 0.0 and math.isfinite(float(fine["loss_critic"]))
+
+
+def test_a_metrics_line_over_several_iteration_calls_weighs_every_step_alike():
+    """Review pass: the run's line averaged each iteration call's means (2 updates per env step and one
+    skipped: the line's loss_critic 34.63 against 34.38 over the finite steps); the calls now add their
+    steps into the line's StepMetrics (``into``), so the line is the mean over all of its steps."""
+    from rlfunc.algos.offpolicy import StepMetrics
+    from rlfunc.algos.td3 import TD3Config, make_td3
+
+    td3 = replace(TD3Config(), hidden=(16, 16), batch_size=32, device="cpu", policy_delay=1, compile="off")
+    for make, config in ((make_sac, _config(compile="off")), (make_td3, td3)):
+        algo = make(config, SPEC, CPU)
+        acc, gen = StepMetrics(), torch.Generator().manual_seed(0)
+        state = algo.init()
+        for n in (1, 3):  # a line of two calls: 1 step, then 3
+            _, returned = algo.iteration(state, _buffer(), gen, n, into=acc)
+            assert not returned.keys()  # the steps went into acc
+        line = {k: float(v) for k, v in acc.result().items()}
+        state, gen = algo.init(), torch.Generator().manual_seed(0)
+        _, one = algo.iteration(state, _buffer(), gen, 1)
+        _, three = algo.iteration(state, _buffer(), gen, 3)
+        apart = []
+        for key in ("loss_critic", "critic_grad_norm", "loss_actor"):
+            want = (float(one[key]) + 3 * float(three[key])) / 4
+            assert line[key] == pytest.approx(want, rel=1e-5), (type(config).__name__, key)
+            apart.append(want != pytest.approx((float(one[key]) + float(three[key])) / 2, rel=1e-3))
+        assert any(apart)  # the weighting shows: not a mean of the calls' means
+        assert line["skipped_critic"] == 0.0
