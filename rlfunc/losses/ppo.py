@@ -247,12 +247,13 @@ def _explained_variance(prediction: Tensor, target: Tensor) -> Tensor:
 
 
 def _ev_of(var_t: Tensor, var_r: Tensor, absmax: Tensor) -> Tensor:
-    """1 - var_r / var_t, or 0 where the targets have no spread. Equal targets have a float variance of
-    rounding (5.7e-14 for 1000 x 1.7 in float32), not 0: a variance within 4 ulps of max |target|,
-    squared, is none (the bug: -1e12 there, where 0 is documented)."""
+    """1 - var_r / var_t, or 0 where the targets have no spread, NaN where they are not finite (the bug:
+    0.0 for a NaN target, a real-looking value beside the skipped step's null losses). Equal targets
+    have a float variance of rounding (5.7e-14 for 1000 x 1.7 in float32), not 0: a variance within 4
+    ulps of max |target|, squared, is none (the bug: -1e12 there, where 0 is documented)."""
     ev = 1.0 - var_r / var_t.clamp_min(1e-12)
     rounding = (4 * torch.finfo(var_t.dtype).eps * absmax).square()
-    return torch.where(var_t > rounding, ev, torch.zeros_like(ev))
+    return torch.where(var_t > rounding, ev, torch.where(var_t.isnan() | rounding.isnan(), torch.nan, 0.0).to(ev.dtype))
 
 
 EV_MOMENTS = (("ev_target_mean", "ev_target_var"), ("ev_residual_mean", "ev_residual_var"))  # (mean, variance) pairs

@@ -358,6 +358,19 @@ def test_explained_variance_of_equal_targets_is_zero_despite_rounding():
     assert float(explained_variance(spread, spread)) == pytest.approx(1.0)
 
 
+def test_explained_variance_of_non_finite_targets_is_nan_not_zero():
+    # Metrics pass: a NaN reward's skipped update logged loss_critic null beside explained_variance 0.0 (or a
+    # diluted mean of the minibatches' values), a real-looking number for data that trained nothing
+    target = torch.tensor([1.0, float("nan"), 3.0])
+    assert math.isnan(float(explained_variance(torch.zeros(3), target)))
+    assert math.isnan(float(explained_variance(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([1.0, 2.0, 3.0]))))
+    assert float(explained_variance(torch.zeros(3), torch.full((3,), 2.0))) == 0.0  # no spread: still 0
+    vt = torch.tensor([[1.0], [float("nan")], [3.0], [4.0]])
+    zeros = torch.zeros(4, 1)
+    _, metrics = ppo_loss(zeros, zeros, torch.randn(4, 1), zeros, vt)
+    assert math.isnan(float(metrics["explained_variance"]))
+
+
 def test_clipped_surrogate_refuses_shapes_that_would_broadcast():
     # [B] log-probabilities (a Normal(...).log_prob(a).sum(-1)) against a [B, 1] advantage made an [8, 8] objective
     lp = torch.zeros(8)
