@@ -223,6 +223,14 @@ def polyak_update_(target: TensorDictBase, online: TensorDictBase, tau: float) -
         torch._foreach_lerp_(dst, [p.detach() for p in src], tau)
 
 
+def under_transform() -> bool:
+    """Whether a torch.func transform (grad, vjp, vmap ...) is tracing this call: no host read of a
+    tensor's value there (vmap refuses ``.item()``), and torch.utils.checkpoint raises ("don't yet
+    support saved tensor hooks")."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-dim bool tensor, True when every element of every tensor is finite (no host sync)."""
     flags = [torch.isfinite(t).all() for t in tensors if t is not None]

@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from tensordict import TensorDictBase
 from torch import Tensor
 
+from rlfunc.core.func import under_transform
 from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.diffusion.schedule import alpha_prod, ddim_timesteps
 from rlfunc.errors import ConfigError, ShapeError
@@ -221,13 +222,6 @@ def _denoise(
     return mean + coefs[4] * noise
 
 
-def _under_functorch() -> bool:
-    """Whether a torch.func transform (grad, vjp, vmap ...) is tracing this call: torch.utils.checkpoint
-    raises there ("don't yet support saved tensor hooks")."""
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
-
-
 def sample(
     apply: Apply,
     params: Any,
@@ -324,7 +318,7 @@ def sample(
         if i < frozen:
             with torch.no_grad():
                 x = _denoise(apply, frozen_params, *args)
-        elif checkpoint and torch.is_grad_enabled() and not _under_functorch():
+        elif checkpoint and torch.is_grad_enabled() and not under_transform():
             x = torch.utils.checkpoint.checkpoint(_denoise, apply, params, *args, use_reentrant=False)
         else:
             x = _denoise(apply, params, *args)

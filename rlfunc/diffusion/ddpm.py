@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlfunc.core.func import under_transform
 from rlfunc.diffusion.schedule import alpha_prod
 from rlfunc.errors import ConfigError, ShapeError
 
@@ -54,11 +55,17 @@ def q_sample(x0: Tensor, t: Tensor, noise: Tensor, alphas_cumprod: Tensor) -> Te
 
     Raises:
         ShapeError: ``x0`` / ``noise`` are not float [*B, H, A] of one shape, or ``t`` is not int64 of
-            shape *B (or 0-d).
+            shape *B (or 0-d), or (on the CPU, where reading it is free; not under torch.compile or a
+            torch.func transform) has values outside [-1, T).
 
     Reference: Ho, Jain & Abbeel (2020), eq. 4.
     """
     _check_chunk(x0, noise, t)
+    if t.device.type == "cpu" and t.numel() and not (torch.compiler.is_compiling() or under_transform()):  # t = T was an IndexError
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -1 or hi >= alphas_cumprod.shape[-1]:
+            raise ShapeError(f"t: timesteps in [{lo}, {hi}], expected values in [-1, {alphas_cumprod.shape[-1] - 1}] "
+                             f"(T = {alphas_cumprod.shape[-1]} = len(alphas_cumprod); -1: x0 itself)")
     a = alpha_prod(alphas_cumprod, t)[..., None, None].to(x0.dtype)
     return a.sqrt() * x0 + (1.0 - a).sqrt() * noise
 
