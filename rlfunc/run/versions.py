@@ -759,6 +759,7 @@ def _read_blobs(root: Path, table: Mapping[str, dict], version: str) -> dict[str
         path = _pack_path(root, pack)
         first = table[names[0]]["blob"]
         if not path.is_file():
+            _check_not_retired(root, version)
             raise CheckpointError(f"blob {first[:16]}... of {version}, key {names[0]!r}: pack {path} is missing")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -777,10 +778,19 @@ def _read_blobs(root: Path, table: Mapping[str, dict], version: str) -> dict[str
         except CheckpointError:
             raise
         except Exception as e:  # SafetensorError, OSError ...: one line
+            _check_not_retired(root, version)
             raise CheckpointError(
                 f"blob {first[:16]}... of {version}, key {names[0]!r}: pack {path} is unreadable ({_one_line(e)})"
             ) from e
     return out
+
+
+def _check_not_retired(root: Path, version: str) -> None:
+    """CheckpointError if ``version``'s manifest is gone: a running run's retention deleted the version
+    (and its packs) after its manifest was read, which is not a damaged pack."""
+    if not (root / "manifests" / f"{version}.json").exists():
+        raise CheckpointError(f"{version} was deleted while it was read (the run's retention keeps its last "
+                              f"run.version_keep_last versions); list them again: rlfunc versions list {root.parent}")
 
 
 def _branch_records(root: Path) -> dict[str, dict]:

@@ -230,6 +230,30 @@ def test_retention_keeps_the_policy_set_and_gc_deletes_only_unreferenced_blobs(t
     assert versions.collect_garbage(tmp_path) == (1, 10) and not orphan.exists()
 
 
+def test_a_version_retired_while_it_is_read_is_named_so_not_as_a_damaged_pack(tmp_path, monkeypatch):
+    # Regression (filesystem pass): `rlfunc eval --version V` beside a running run whose retention deleted V
+    # after its manifest was read reported "pack ... is missing / unreadable", as if the store were damaged
+    for i in (1, 2, 3):  # no tensor shared: retiring a version deletes its pack
+        state = _state([float(i), 0.0], [float(i)])
+        state["const"] = torch.full((2, 3), i)
+        versions.save_version(tmp_path, state, {}, iteration=i, step=i)
+    read = versions.read_manifest
+
+    def read_then_retire(run_dir, version):
+        manifest = read(run_dir, version)
+        versions.apply_retention(run_dir, keep_last=1)  # the run's retention, between the two reads
+        return manifest
+
+    monkeypatch.setattr(versions, "read_manifest", read_then_retire)
+    with pytest.raises(CheckpointError, match=r"v000001 was deleted while it was read .*rlfunc versions list"):
+        versions.load_version(tmp_path, "v000001")
+    monkeypatch.setattr(versions, "read_manifest", read)
+    versions.load_version(tmp_path, "v000003")  # the kept one reads
+    (tmp_path / "versions" / "packs" / next(iter(_packs(tmp_path)))).with_suffix(".safetensors").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="unreadable"):  # a damaged pack of a listed version is still named so
+        versions.load_version(tmp_path, "v000003")
+
+
 # ------------------------------------------------------------------------------ crash safety
 
 def _writer(run: Path, start: int) -> None:
