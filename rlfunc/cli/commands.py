@@ -21,7 +21,7 @@ _TAIL = """
                                             success rate with its CI and goal shares (bc, dppo, td3-diffusion),
                                             eval.json's rates (mappo); of the latest snapshot, or of what the
                                             run continues from after a rollback, or of version ID
-    rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME] [--nproc N]
+    rlfunc resume RUN_DIR [--total-steps N] [--snapshot NAME] [--nproc N] [--profile N]
                                             continue a run from its latest snapshot (N: a new budget; NAME: an older snapshot;
                                             --nproc: ranks, default the run's)
     rlfunc versions list|show|diff|rollback|pin RUN_DIR ...   a run's versions, any algorithm (rlfunc versions --help)
@@ -137,6 +137,9 @@ def _resume(argv: list[str]) -> int:
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="continue on N data-parallel ranks on this node (default: as many as the run last trained on, "
                         "which its snapshots record; 1: in this process); N must divide the run's envs")
+    p.add_argument("--profile", type=int, default=None, metavar="N",
+                   help="record N iterations of this call with the device's profiler into RUN_DIR/profile (default: none; "
+                        "a run's own --profile is of its first call)")
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         raise ConfigError(f"nproc={a.nproc}: expected >= 1")
@@ -146,9 +149,10 @@ def _resume(argv: list[str]) -> int:
         what = "not a directory" if Path(a.run_dir).exists() else "no such directory"
         raise ConfigError(f"run_dir={a.run_dir!r}: {what} (rlfunc resume continues a run that `rlfunc train` wrote)")
     before = None
-    if a.snapshot is not None:
-        before = checkpoint.latest_snapshot(a.run_dir)
-        checkpoint.use_snapshot(a.run_dir, a.snapshot)
+    if a.snapshot is not None:  # under the run lock: a running run keeps its 'latest' (refused here, before the warning)
+        with checkpoint.hold_run_dir(Path(a.run_dir)):
+            before = checkpoint.latest_snapshot(a.run_dir)
+            checkpoint.use_snapshot(a.run_dir, a.snapshot)
     snap = checkpoint.latest_snapshot(a.run_dir)
     try:
         return _resume_from(a, snap)
@@ -202,14 +206,15 @@ def _resume_from(a, snap) -> int:
 
             replace(registry.config_from_meta(meta, where), nproc=nproc)
         flags = [*(["--total-steps", str(a.total_steps)] if a.total_steps is not None else []),
-                 *(["--device", a.device] if a.device is not None else [])]
+                 *(["--device", a.device] if a.device is not None else []),
+                 *(["--profile", str(a.profile)] if a.profile is not None else [])]
         device = a.device if a.device is not None else (run.get("device") if isinstance(run, dict) else None)
         launched = launch(["resume", str(a.run_dir), *flags], nproc, str(a.run_dir), device if isinstance(device, str) else None)
         if launched is not None:
             return launched
     from rlfunc.run.loop import resume
 
-    result = resume(a.run_dir, a.total_steps, device=a.device)
+    result = resume(a.run_dir, a.total_steps, device=a.device, profile=a.profile)
     return registry.resolve(registry.for_snapshot(meta.get("algo") if source is not None else None).report)(result)
 
 
@@ -235,6 +240,13 @@ def _torchrl_logs_to_stderr() -> None:
                 handler.setStream(sys.stderr)
 
 
+def _say(line: str) -> None:
+    """``line`` and its newline on stderr in one write: the ranks of a data-parallel job share the
+    stream, and print's two writes let another rank's line land between them (two errors on one line)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _torchrl_logs_to_stderr()
@@ -243,42 +255,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] not in COMMANDS:
         got = f"unknown command {argv[0]!r}" if argv else "no command"
-        print(f"rlfunc: error: {got}; expected one of: {', '.join(COMMANDS)} (rlfunc --help)", file=sys.stderr)
+        _say(f"rlfunc: error: {got}; expected one of: {', '.join(COMMANDS)} (rlfunc --help)")
         return 2
     default_format = warnings.formatwarning
     warnings.formatwarning = _one_line_warning(default_format)
     try:
         return COMMANDS[argv[0]](argv[1:])
     except RLFuncError as e:
-        print(f"rlfunc: error: {_rank_prefix()}{e}", file=sys.stderr)
+        _say(f"rlfunc: error: {_rank_prefix()}{e}")
         return 2
     except KeyboardInterrupt as e:  # a second signal, one during the final evaluation, or before a run began
         code = 143 if getattr(e, "signal", None) == "SIGTERM" else 130
         if not isinstance(e, RunInterrupted):
-            print(f"rlfunc: interrupted{f' {e}' if str(e) else ''}", file=sys.stderr)
+            _say(f"rlfunc: interrupted{f' {e}' if str(e) else ''}")
         elif e.evaluating:
-            print(f"rlfunc: interrupted during the final evaluation: {e.run_dir} keeps its snapshots; `rlfunc resume "
-                  f"{e.run_dir}` evaluates it and writes eval.json", file=sys.stderr)
+            _say(f"rlfunc: interrupted during the final evaluation: {e.run_dir} keeps its snapshots; `rlfunc resume "
+                 f"{e.run_dir}` evaluates it and writes eval.json")
         elif e.resumable:
-            print(f"rlfunc: interrupted; {e.run_dir} keeps its snapshots: continue with `rlfunc resume {e.run_dir}`",
-                  file=sys.stderr)
+            _say(f"rlfunc: interrupted; {e.run_dir} keeps its snapshots: continue with `rlfunc resume {e.run_dir}`")
         else:
-            print(f"rlfunc: interrupted before the run's first snapshot: {e.run_dir} holds its metrics but nothing "
-                  "to resume; remove it to train anew", file=sys.stderr)
+            _say(f"rlfunc: interrupted before the run's first snapshot: {e.run_dir} holds its metrics but nothing "
+                 "to resume; remove it to train anew")
         return code
     except BrokenPipeError:  # `rlfunc versions list RUN_DIR | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # a write outside the snapshot code (TensorBoard's event file, the learning curve, metrics
         # on a full disk, a run dir that is a dangling link ...): one line, not a traceback; written snapshots stay
-        print(f"rlfunc: error: {_rank_prefix()}{type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"rlfunc: error: {_rank_prefix()}{type(e).__name__}: {e}")
         return 2
     except Exception as e:  # a rank whose peer died: one line, not the collective's 40-line traceback
         if not _lost_a_peer(e):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"rlfunc: rank {os.environ.get('RANK', '?')}: a collective failed, another rank has stopped ({first[:200]})",
-              file=sys.stderr)
+        _say(f"rlfunc: rank {os.environ.get('RANK', '?')}: a collective failed, another rank has stopped ({first[:200]})")
         return 1
     finally:
         warnings.formatwarning = default_format

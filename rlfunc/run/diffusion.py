@@ -334,6 +334,9 @@ class DiffusionRun(Run):
         """What names a snapshot, and a version's step: env steps (bc: updates)."""
         return int(self.state["env_steps"])
 
+    def logged_step(self) -> int:
+        return self.steps()  # a metrics line's "step" too
+
     def carried(self) -> tuple[dict, dict]:
         """(tensors, meta) of the env's RNG and the run's carry (:func:`rlfunc.run.resume.env_rng_snapshot`)."""
         return env_rng_snapshot(self.env) if self.env is not None else ({}, {})
@@ -439,7 +442,8 @@ class BCRun(DiffusionRun):
     expert's demonstrations (collected from the config's seed on every start; demos.json holds the
     expert's statistics), a metrics line every ``log_every`` (the mean since the last line). A
     snapshot also holds the metrics summed since the last line ("pending_metrics"; meta
-    "pending_metrics": how many)."""
+    "pending_metrics": how many, "pending_update_s": their update seconds, so a resumed line's
+    update_s is of all its updates)."""
 
     carry = ("pending_metrics",)
     curve = "loss_denoise"  # against updates (a bc record's "step")
@@ -476,12 +480,15 @@ class BCRun(DiffusionRun):
                          for k in sorted(stepped[group].keys(include_nested=True, leaves_only=True), key=str)]
 
     def carried(self) -> tuple[dict, dict]:
-        return ({} if self.pending is None else {"pending_metrics": self.pending}), {"pending_metrics": self.count}
+        return ({} if self.pending is None else {"pending_metrics": self.pending}), {"pending_metrics": self.count,
+                                                                                    "pending_update_s": self.update_s}
 
     def restore(self, loaded: TensorDict, meta: dict) -> None:
         super().restore(loaded, meta)
         if "pending_metrics" in loaded.keys():
             self.pending, self.count = loaded["pending_metrics"], int(meta.get("pending_metrics", 0))
+            spent = meta.get("pending_update_s", 0.0)  # (absent in older snapshots: the line's update_s is then low)
+            self.update_s = float(spent) if isinstance(spent, (int, float)) and not isinstance(spent, bool) else 0.0
 
     def open(self, run_dir: Path) -> None:
         (run_dir / "demos.json").write_text(json.dumps(self.demos) + "\n")

@@ -6,6 +6,8 @@ import hashlib
 import json
 import math
 import os
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +45,21 @@ class MetricsLogger:
     rebuilt) TensorBoard must show metrics.jsonl's lines, which the resume has
     cut back to its snapshot (a crash, an older snapshot) or replaced (a rollback onto another
     branch: the version's own history). When the lines are a prefix of those TensorBoard holds (the
-    digests the last logger wrote at close), its points from the step after the last line on are
-    purged (``purge_step``); otherwise (a replaced file, or a crash: events not flushed) it is rebuilt
-    from metrics.jsonl. Purging alone kept an abandoned branch's points at steps the new lines do not
+    digests the last logger wrote at close), its points past ``resumed_step`` (the step the run
+    continues from: the resume cut the lines after it) are purged at once (``purge_step``), even by a
+    resume that writes no line; the points of iterations a metrics.jsonl cut short lost stay. Not
+    told the step, the writer opens at the first new line and purges from its step on. Otherwise (a
+    replaced file, or a crash: events not flushed) it is rebuilt from metrics.jsonl. Purging alone kept an abandoned branch's points at steps the new lines do not
     reach; rebuilding on every resume cost ~22 s for a 20,000-line run."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resumed_step: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._tb, self._mirrored = None, None
+        self._tb, self._mirrored, self._pending = None, None, None  # _pending: the tb dir whose writer opens at the first line
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
+                _quiet_writer_threads()
                 tb = Path(run_dir) / "tb"
                 lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines() if self.path.is_file() else []
                 resumed = tb.is_dir() or bool(lines)  # (a run resumed with TensorBoard on after training without it: rebuilt)
@@ -63,11 +68,14 @@ class MetricsLogger:
                 held = mirrored.read_text().split() if mirrored.is_file() else None
                 mirrored.unlink(missing_ok=True)  # until this logger closes, after its events are flushed
                 records = read_metrics(self.path) if lines else []
-                step = records[-1].get("step") if records else None
-                prefix = held is not None and held[:len(digests)] == digests and isinstance(step, (int, float)) and not isinstance(step, bool)
-                self._tb = SummaryWriter(str(tb), purge_step=(int(step) + 1 if prefix else 0) if resumed else None)
-                if resumed and not prefix:
-                    for record in records:
+                prefix = held is not None and held[:len(digests)] == digests  # (an emptied file too: TensorBoard keeps its points)
+                if resumed and prefix and resumed_step is not None:  # (a resume that writes no line purges too)
+                    self._tb = SummaryWriter(str(tb), purge_step=int(resumed_step) + 1)
+                elif resumed and prefix:
+                    self._pending = (SummaryWriter, tb, records)
+                else:
+                    self._tb = SummaryWriter(str(tb), purge_step=0 if resumed else None)
+                    for record in records if resumed else ():
                         self._scalars(record)
                 self._mirrored = (mirrored, digests)
             except ImportError:
@@ -78,9 +86,32 @@ class MetricsLogger:
         record = to_jsonable(record)
         line = json.dumps(record)
         self._file.write(line + "\n")
+        try:
+            if self._pending is not None:  # a resumed run's first line: TensorBoard's points from its step on are replaced
+                writer, tb, records = self._pending
+                gone = not tb.is_dir()  # deleted since: rebuilt from metrics.jsonl (its digests would claim the old points)
+                self._tb, self._pending = writer(str(tb), purge_step=0 if gone else int(record.get("step", 0))), None
+                for old in records if gone else ():
+                    self._scalars(old)
+            if self._tb is not None:
+                self._scalars(record)
+                self._mirrored[1].append(_digest(line))
+        except OSError as e:  # tb/ deleted, read-only or full: metrics.jsonl goes on
+            self._stop_tensorboard(e)
+
+    def _stop_tensorboard(self, error: OSError) -> None:
+        """TensorBoard's mirror failed (its event file or tb/ deleted, read-only, a full disk): warn once
+        and stop mirroring; metrics.jsonl keeps every line, and no digests are written, so the next
+        resume rebuilds tb/ from it. (The failure had ended the run, after TensorBoard's writer thread
+        printed its traceback.)"""
+        warnings.warn(f"TensorBoard stopped mirroring the metrics ({type(error).__name__}: {error}); metrics.jsonl keeps "
+                      "every line, and `rlfunc resume` rebuilds tb/ from it", stacklevel=3)
         if self._tb is not None:
-            self._scalars(record)
-            self._mirrored[1].append(_digest(line))
+            try:
+                self._tb.close()
+            except OSError:
+                pass
+        self._tb, self._pending, self._mirrored = None, None, None
 
     def _scalars(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)
@@ -93,12 +124,47 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()  # flushed: the lines whose digests follow are in TensorBoard's files
+        if self._tb is not None or self._pending is not None:
+            if self._tb is not None:
+                try:
+                    self._tb.close()  # flushed: the lines whose digests follow are in TensorBoard's files
+                except OSError as e:
+                    self._stop_tensorboard(e)
+                    return
             path, digests = self._mirrored
             tmp = path.with_suffix(".tmp")
-            tmp.write_text("\n".join(digests) + "\n")
-            os.replace(tmp, path)
+            try:
+                tmp.write_text("\n".join(digests) + "\n")
+                os.replace(tmp, path)
+            except OSError as e:  # tb/ deleted after the last flush: no digests, so the next resume rebuilds it
+                self._stop_tensorboard(e)
+
+
+_HOOK_LOCK = threading.Lock()
+_hooked = False
+
+
+def _quiet_writer_threads() -> None:
+    """Leave TensorBoard's event-writer threads out of ``threading.excepthook`` (once per process): such a
+    thread keeps its failed write's error for the writer's next call in the logging thread, where
+    :class:`MetricsLogger` handles it, and re-raises it too, which Python printed as a 20-line
+    "Exception in thread" traceback. Other threads go to the hook that was there before."""
+    global _hooked
+    with _HOOK_LOCK:
+        if _hooked:
+            return
+        try:
+            from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+        except ImportError:  # another tensorboard layout: its tracebacks stay
+            return
+        previous = threading.excepthook
+
+        def hook(args) -> None:
+            if not (isinstance(args.thread, _AsyncWriterThread) and getattr(args.thread, "exception", None) is args.exc_value):
+                previous(args)
+
+        threading.excepthook = hook
+        _hooked = True
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

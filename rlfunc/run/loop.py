@@ -100,6 +100,11 @@ class Run:
         """Iterations done (0 for a fresh run, the snapshot's after :meth:`restore`)."""
         return int(self.state["iteration"])
 
+    def logged_step(self) -> int | None:
+        """The "step" of the run now, as its metrics lines give it (env steps; bc: updates); None for a
+        state without "env_steps" (TensorBoard's points past a resumed run's snapshot then go at its first line)."""
+        return int(self.state["env_steps"]) if "env_steps" in self.state.keys() else None
+
     def step(self, i: int, stopping: bool) -> dict | None:
         """Run iteration ``i`` (1-based); its metrics record ("iteration", "step", ... without "time",
         which the loop adds), or None for an iteration that logs nothing. ``stopping``: a signal came,
@@ -281,7 +286,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         if end > start:  # the run goes past the policy an earlier eval.json scored (the bug: an interrupted
             (run_dir / "eval.json").unlink(missing_ok=True)  # final evaluation left it, stale)
         run.open(run_dir)
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard) if main else None
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard, resumed_step=run.logged_step() if run.done() else None) if main else None
     branch = versions.current_branch(run_dir)
     clock = time.perf_counter() - time_offset
     last_record: dict | None = None
@@ -402,7 +407,7 @@ def _scalar(value) -> float:
 
 def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int | None = None,
           device: str | None = None, max_iterations: int | None = None, evaluate: bool = True,
-          progress: bool = True, tensorboard: bool = True) -> RunResult:
+          progress: bool = True, tensorboard: bool = True, profile: int | None = None) -> RunResult:
     """A whole run of any registered algorithm (:mod:`rlfunc.algos.registry`): check ``run_dir``, on
     resume find the source (:func:`resume_source`) and its config, build the algorithm's
     :class:`Run` (its entry's ``run``), load the source into it, then :func:`run_loop`.
@@ -423,6 +428,9 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
         evaluate: once the budget is done, the run's final evaluation (``config.run.eval_episodes``
             deterministic episodes, :meth:`Run.evaluate`) into RUN_DIR/eval.json and the result.
         progress: a tqdm bar. tensorboard: mirror the metrics to RUN_DIR/tb.
+        profile: with ``resume``, iterations of this call to record with the profiler (None: 0); a new
+            run's is its ``config.run.profile``. A resumed run does not profile again because its first
+            call did (each such call wrote another trace).
 
     Under torchrun (WORLD_SIZE > 1 in the environment; ``rlfunc train ALGO --nproc N``) the process
     joins the group (:meth:`rlfunc.run.distributed.Distributed.from_env`, the device per local rank)
@@ -441,6 +449,10 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
     """
     if not isinstance(run_dir, (str, os.PathLike)):
         raise ConfigError(f"run_dir={run_dir!r}: expected a path")
+    if profile is not None and not resume:
+        raise ConfigError(f"profile={profile!r}: is for resume=True; set the config's run.profile instead")
+    if profile is not None and (isinstance(profile, bool) or not isinstance(profile, int) or profile < 0):
+        raise ConfigError(f"profile={profile!r}: expected None or an int >= 0 (iterations to record)")
     if max_iterations is not None and (isinstance(max_iterations, bool) or not isinstance(max_iterations, int)
                                        or max_iterations < (0 if resume else 1)):
         raise ConfigError(f"max_iterations={max_iterations!r}: expected None or an int >= {0 if resume else 1}"
@@ -471,7 +483,7 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
                 check_run_dir(run_dir, resume)  # another process may have written it before we held it
             if rank0:
                 checkpoint.remove_leftovers(run_dir)  # of saves a kill interrupted; none is under way while we hold it
-            return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard)
+            return _train(config, run_dir, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard, profile)
     except BaseException as e:
         if made and holding and _nothing_kept(run_dir):  # failed before its first iteration: no half-made run dir left
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -487,7 +499,7 @@ def train(config, run_dir: str | Path, *, resume: bool = False, total_steps: int
 
 def resume(run_dir: str | Path, total_steps: int | None = None, *, device: str | None = None, **kwargs) -> RunResult:
     """Continue the run in ``run_dir``, of whichever algorithm: ``train(None, run_dir, resume=True, ...)``
-    (``kwargs``: its ``max_iterations``, ``evaluate``, ``progress``, ``tensorboard``). A run that had
+    (``kwargs``: its ``max_iterations``, ``evaluate``, ``progress``, ``tensorboard``, ``profile``). A run that had
     already done its budget runs no iteration and is evaluated again. Raises as :func:`train`."""
     return train(None, run_dir, resume=True, total_steps=total_steps, device=device, **kwargs)
 
@@ -507,7 +519,8 @@ def _nothing_kept(run_dir: Path) -> bool:
             and not (metrics.is_file() and metrics.stat().st_size > 0))
 
 
-def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard) -> RunResult:
+def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, evaluate, progress, tensorboard,
+           profile=None) -> RunResult:
     """:func:`train` after its run-dir checks."""
     from rlfunc.algos import registry
 
@@ -584,9 +597,11 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
                 source = ("version", head["id"])
                 load(built, run_dir, source, device)
             if dist is None or dist.is_main:
-                time_offset = truncate_metrics(run_dir, built.done())
+                time_offset = truncate_metrics(run_dir, built.done(), getattr(getattr(config, "run", None), "log_every", 1))
         return run_loop(built, run_dir, when=cadence(config), time_offset=time_offset, max_iterations=max_iterations,
-                        progress=progress, tensorboard=tensorboard, profile=config.run.profile, device=device, dist=dist,
+                        progress=progress, tensorboard=tensorboard, device=device, dist=dist,
+                        # of this call: a resumed run's config keeps its first call's (the bug: every resume profiled again)
+                        profile=(profile or 0) if source is not None else config.run.profile,
                         evaluate=evaluate)
     finally:
         built.close()

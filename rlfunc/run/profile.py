@@ -3,7 +3,7 @@
 The loop makes one :class:`IterationProfiler` per run and calls :meth:`IterationProfiler.step` after
 every iteration. The first iteration of the call is skipped (allocations, lazy imports, the first
 env resets), the second is the profiler's warm-up, the next N are recorded; the trace goes to
-``RUN_DIR/profile/`` as ``rankR.<host>_<pid>.<time>.pt.trace.json`` for TensorBoard's profiler
+``RUN_DIR/profile/`` as ``rankR.<time_ns>.pt.trace.json`` for TensorBoard's profiler
 plugin (``tensorboard --logdir RUN_DIR/profile``) or chrome://tracing / Perfetto.
 
 Ranges (:func:`rlfunc.device.span`, ``torch.profiler.record_function`` while a profiler records) name the phases in the trace: ``iteration`` and

@@ -73,9 +73,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     )
 
 
-def truncate_metrics(run_dir: Path, iteration: int) -> float:
+def truncate_metrics(run_dir: Path, iteration: int, every: int = 1) -> float:
     """Drop the lines of RUN_DIR/metrics.jsonl whose "iteration" is past ``iteration`` (written after
     the snapshot a resume starts from, e.g. before a crash), atomically (a temporary file renamed).
+    Warns when the lines kept end ``every`` (the run's logging cadence: bc's ``log_every``) or more
+    iterations before ``iteration``: a file cut short or emptied, whose lost lines are not run again.
 
     Returns:
         the "time" (s) of the last line kept, so the resumed run's clock continues; 0.0 when none.
@@ -85,6 +87,12 @@ def truncate_metrics(run_dir: Path, iteration: int) -> float:
         return 0.0
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     kept = [r for r in read_metrics(path) if number(r.get("iteration", 0)) and r.get("iteration", 0) <= iteration]
+    # a file cut short (or emptied) loses the lines of iterations the resume does not run again: say which
+    last = max((r["iteration"] for r in kept if "iteration" in r), default=0)
+    if iteration - last >= max(1, every):
+        warnings.warn(f"{path}: no lines for iterations {last + 1}-{iteration}, which the resumed snapshot holds (the "
+                      "file was cut or emptied); they are not run again, so their metrics are lost there (TensorBoard's "
+                      "tb/ keeps the points it has, unless a crash makes a later resume rebuild it from this file)", stacklevel=2)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)

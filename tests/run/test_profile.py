@@ -63,3 +63,29 @@ def test_no_profile_writes_no_trace(tmp_path):
 def test_a_bad_profile_count_is_refused_in_one_line(tmp_path, bad):
     with pytest.raises(ConfigError, match="profile="):
         IterationProfiler(tmp_path, bad, torch.device("cpu"))
+
+
+def test_a_resumed_run_profiles_only_when_its_call_asks(tmp_path, capsys):
+    # Regression (metrics pass): a run's --profile N was in its saved config, so every `rlfunc resume` recorded
+    # N more iterations (another trace per call, 115 MB each at N=20) and could not be turned off; resuming a
+    # finished run warned "profile=2: the run took 0 iteration(s)"
+    import warnings
+
+    from rlfunc.cli.commands import main
+    from rlfunc import resume
+
+    run = tmp_path / "run"
+    train(preset("Pendulum-v1", total_steps=5 * 64, profile=2, **TINY), run, progress=False, tensorboard=False, evaluate=False)
+    assert len(list((run / PROFILE_DIR).glob("*.pt.trace.json"))) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "0 of 2 were recorded" warning
+        resume(run, 7 * 64, progress=False, tensorboard=False, evaluate=False)
+    assert len(list((run / PROFILE_DIR).glob("*.pt.trace.json"))) == 1
+    # the run's own --profile stays in its config (review pass: a plain resume recorded profile 1 -> 0)
+    assert json.loads((run / "config.json").read_text())["run"]["profile"] == 2
+    resume(run, 12 * 64, progress=False, tensorboard=False, evaluate=False, profile=2)  # asked for: recorded
+    assert len(list((run / PROFILE_DIR).glob("*.pt.trace.json"))) == 2
+    assert main(["resume", str(run), "--profile", "-1"]) == 2
+    assert "profile=-1: expected None or an int >= 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="profile=2: is for resume=True"):
+        train(preset("Pendulum-v1", total_steps=64, **TINY), tmp_path / "new", profile=2)

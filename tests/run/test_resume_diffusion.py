@@ -187,6 +187,25 @@ def test_bc_crash_after_a_snapshot_resumes_exactly_with_its_metrics(tmp_path, mo
     assert _without_time(_records(tmp_path / "split")) == _without_time(_records(tmp_path / "whole"))
 
 
+def test_a_resumed_bc_line_times_all_of_its_updates(tmp_path, monkeypatch):
+    """Metrics pass: a snapshot kept the metrics summed since the last line but not their update
+    seconds, so after a resume the next line's update_s was of the updates after the snapshot only
+    (70 of 100 at log_every 100). With a clock that moves 1 s per reading, every update takes 1 s."""
+    import types
+
+    import rlfunc.run.diffusion as run_diffusion
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(run_diffusion, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    config = _bc(num_updates=4, log_every=4, checkpoint_every=0)
+    train(config, tmp_path / "run", max_iterations=3, **QUIET)  # snapshot at update 3, its line still to come
+    _, meta = _snapshot(tmp_path / "run")
+    assert meta["pending_metrics"] == 3 and meta["pending_update_s"] == 3.0
+    resume(tmp_path / "run", **QUIET)
+    (line,) = _records(tmp_path / "run")
+    assert line["iteration"] == 4 and line["update_s"] == 1.0  # (3 s before the snapshot + 1 s after) / 4 updates
+
+
 def test_resume_of_a_finished_run_runs_nothing_and_evaluates(tmp_path):
     done = train(_bc(num_updates=4, log_every=2), tmp_path / "run", **QUIET)
     before = checkpoint.latest_snapshot(tmp_path / "run")

@@ -266,3 +266,31 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path):
             train(None, tmp_path, resume=True)
     with hold_run_dir(tmp_path):  # released at the end of the block
         pass
+
+
+def test_resume_snapshot_of_a_running_run_is_refused_before_latest_moves(tmp_path, capsys, monkeypatch):
+    # Regression (filesystem pass): `rlfunc resume RUN --snapshot OLDER` pointed 'latest' at OLDER
+    # before it took the run lock, so a running run's 'latest' moved under it (the refusal came after
+    # a warning); the run lock is now held around the move, and nothing is written when refused
+    from rlfunc.cli.commands import main
+    from rlfunc.run.checkpoint import hold_run_dir
+
+    run = tmp_path / "run"
+    train(_grpo_config("PointReach-v0", 2, checkpoint_every=1, version_every=1), run, progress=False, tensorboard=False,
+          evaluate=False)
+    snaps = [p.name for p in checkpoint.run_snapshots(run)]
+    assert len(snaps) == 2
+    latest = checkpoint.latest_snapshot(run)
+    pointer = (run / "checkpoints" / "latest").read_bytes() if (run / "checkpoints" / "latest").is_file() else None
+    older = min(snaps)
+    assert latest.name != older
+    moves = []
+    monkeypatch.setattr(checkpoint, "use_snapshot", lambda *a: moves.append(a))
+    with hold_run_dir(run):
+        assert main(["resume", str(run), "--snapshot", older]) == 2
+    assert moves == []  # 'latest' was never pointed elsewhere, not even for a moment
+    err = capsys.readouterr().err
+    assert "another process is running this run" in err and "warning" not in err.lower()
+    assert checkpoint.latest_snapshot(run) == latest
+    if pointer is not None:
+        assert (run / "checkpoints" / "latest").read_bytes() == pointer
