@@ -147,6 +147,20 @@ def test_alpha_prod_gathers_with_minus_one():
         alpha_prod(ac, t.int())
 
 
+def test_q_sample_per_sample_gradients_under_vmap():
+    """Regression: vmap(grad(q_sample)) with a 0-d t per sample raised vmap's .item() error in alpha_prod
+    (indexing by a 0-d tensor reads it as a Python int); each row is now the per-sample gradient, by hand
+    sqrt(abar_t) (1 for t = -1)."""
+    ac = make_schedule("cosine", 100)["alphas_cumprod"].double()
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(5, H, A, generator=g, dtype=torch.float64), torch.randn(5, H, A, generator=g, dtype=torch.float64)
+    t = torch.tensor([0, 3, 99, -1, 50])
+    grads = torch.func.vmap(torch.func.grad(lambda a, b, n: q_sample(a, b, n, ac).sum()))(x0, t, noise)
+    expected = torch.where(t >= 0, ac[t.clamp(min=0)], 1.0).sqrt()[:, None, None].expand(5, H, A)
+    torch.testing.assert_close(grads, expected, rtol=0, atol=1e-15)
+    assert alpha_prod(ac, torch.tensor(7)).shape == () and alpha_prod(ac, torch.zeros(2, 0, dtype=torch.int64)).shape == (2, 0)
+
+
 def test_check_schedule():
     s = make_schedule("cosine", 100)
     check_schedule(s, make_schedule("cosine", 100))
