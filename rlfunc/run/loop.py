@@ -320,7 +320,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
 
             kept: dict[str, str] = {}
             shown: dict[str, str] = {}
-            with tqdm(total=run.total, initial=start, desc=run.name, disable=not (progress and main), dynamic_ncols=True) as bar, \
+            with tqdm(total=run.total, initial=start, desc=run.name, dynamic_ncols=True, **_bar_options(progress and main)) as bar, \
                     _warnings_above(bar):
                 for i in range(start + 1, end + 1):
                     with span("iteration"):
@@ -334,7 +334,7 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
                             kept.update({k: f"{_scalar(record[k]):.3g}" for k in KEPT if k in record})
                             # an iteration in which no episode ended has no return (nan): the bar keeps the last one
                             shown.update({k: f"{v:.3g}" for k in SHOWN if k in record and math.isfinite(v := _scalar(record[k]))})
-                            bar.set_postfix({**shown, **kept})
+                            bar.set_postfix({**shown, **kept}, refresh=False)  # shown at the bar's next refresh (its mininterval)
                     bar.update(1)
                     signal_name = agree(stop.signal)  # read once: the loop stops here only after this iteration's final save
                     final = signal_name is not None or i == end
@@ -370,6 +370,16 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
         if evaluation is not None:  # atomic: a full disk left a 0-byte eval.json (review pass)
             checkpoint.write_text_atomic(run_dir / "eval.json", json.dumps(to_jsonable(evaluation)) + "\n")
     return RunResult(run.state, run_dir, evaluation, interrupted)
+
+
+def _bar_options(shown: bool) -> dict:
+    """tqdm's options beyond the defaults: ``disable`` when the bar is not ``shown``; off a terminal (a
+    job's log file) a refresh every 30 s, not every 0.1 s (each a "\\r" line: megabytes of log in a long
+    run). tqdm's own TQDM_MININTERVAL and TQDM_DISABLE (=1: no bar) in the environment win."""
+    if not shown or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes"):  # (tqdm reads it at import)
+        return {"disable": True}
+    tty = getattr(sys.stderr, "isatty", lambda: False)()
+    return {} if tty or "TQDM_MININTERVAL" in os.environ else {"mininterval": 30.0}
 
 
 @contextlib.contextmanager

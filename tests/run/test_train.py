@@ -254,6 +254,48 @@ def test_progress_bar_keeps_the_compile_time(tmp_path, capsys):
     assert [line.get("compile_s") for line in lines] == [12.5, None, None]
 
 
+def test_off_a_terminal_the_bar_refreshes_rarely_and_tqdm_disable_hides_it(tmp_path, capsys, monkeypatch):
+    """Regression: in a job's log (stderr not a terminal) the bar refreshed every 0.1 s, a "\\r" line each
+    (megabytes over a long run); now the first and the final state only within 30 s, and TQDM_DISABLE=1
+    (tqdm's own switch, which the explicit disable=False ignored) shows none; metrics.jsonl is whole."""
+    import dataclasses
+    import time as _time
+
+    from tensordict import TensorDict
+
+    from rlfunc.run.loop import Cadence, Run, run_loop
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        seed: int = 0
+
+    class Slow(Run):
+        total, name = 40, "slow"
+
+        def __init__(self):
+            self.config, self.state = Config(), TensorDict({"iteration": torch.zeros((), dtype=torch.int64)}, batch_size=[])
+
+        def step(self, i, stopping):
+            _time.sleep(0.01)  # 0.4 s in all: 4 refreshes at tqdm's default 0.1 s
+            self.state["iteration"] = torch.tensor(i)
+            return {"iteration": i, "step": 10 * i, "steps_per_s": 100.0}
+
+        def saved(self):
+            return self.state.clone(), {"algo": "fake", "config": {}, "iteration": int(self.state["iteration"]),
+                                        "env_steps": 10 * int(self.state["iteration"]), "state_layout": 2}
+
+    when = Cadence(checkpoint_every=0, keep_checkpoints=0, version_every=0, version_keep_last=0, version_keep_every=0)
+    monkeypatch.delenv("TQDM_MININTERVAL", raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    run_loop(Slow(), tmp_path / "a", when=when, tensorboard=False, evaluate=False)
+    frames = [f for f in capsys.readouterr().err.replace("\r", "\n").splitlines() if f.startswith("slow:")]
+    assert len(frames) == 2 and "0/40" in frames[0] and "40/40" in frames[-1], frames
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    run_loop(Slow(), tmp_path / "b", when=when, tensorboard=False, evaluate=False)
+    assert "slow:" not in capsys.readouterr().err
+    assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 40
+
+
 def test_a_run_that_fails_before_its_first_iteration_leaves_no_run_dir(tmp_path, monkeypatch):
     # Regression (new-user pass): a failed `--compile on` (the first iteration raised) left config.json, an
     # empty metrics.jsonl and tb/, so the same command with `--compile off`, as the error advised, was
