@@ -105,7 +105,13 @@ def _member(x: Any, dim: int | None, index: int, size: int) -> Any:
         return _squeeze0(x) if size == 1 and type(x) is TensorDict else x[index]
     if isinstance(x, torch.Tensor):
         return x.squeeze(dim) if size == 1 else x.select(dim, index)
+    if isinstance(x, (dict, list, tuple)):  # a pytree (torch.func.stack_module_state's dict): each leaf's member
+        return pytree.tree_map(lambda leaf: _member(leaf, dim, index, size), x, is_leaf=_is_leaf)
     raise ShapeError(f"vmap: cannot map over an input of type {type(x).__name__}")
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, (TensorDictBase, torch.Tensor))
 
 
 def _squeeze0(td: TensorDict) -> TensorDict:
@@ -118,6 +124,16 @@ def _squeeze0(td: TensorDict) -> TensorDict:
 def _size(x: Any, dim: int | None) -> int | None:
     if dim is None:
         return None
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ShapeError(f"vmap: in_dims entry {dim!r}: expected an int or None per argument (for per-leaf in_dims "
+                         "call torch.func.vmap itself)")
+    if isinstance(x, (dict, list, tuple)):  # a pytree: every leaf maps over ``dim``, with one member count
+        leaves = pytree.tree_flatten(x, is_leaf=_is_leaf)[0]
+        sizes = {_size(leaf, dim) for leaf in leaves}
+        if len(sizes) != 1:
+            raise ShapeError(f"vmap: the leaves of a {type(x).__name__} input have member counts {sorted(sizes)} along dim "
+                             f"{dim}: expected one" if sizes else f"vmap: a {type(x).__name__} input without tensors to map over")
+        return sizes.pop()
     shape = x.batch_size if isinstance(x, TensorDictBase) else getattr(x, "shape", None)
     if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):  # was "tuple index out of range"
         raise ShapeError(f"vmap: in_dims {dim!r} is not a dim of an input of shape {None if shape is None else tuple(shape)}")
@@ -148,13 +164,16 @@ def vmap(
 
     Args:
         fn: a function of tensors / TensorDicts returning a pytree of tensors / TensorDicts.
-        in_dims: per positional argument, the mapped dim or None (not mapped); an int maps all.
+        in_dims: per positional argument, the mapped dim or None (not mapped); an int maps all. An
+            argument may be a dict / list / tuple of tensors (e.g. ``torch.func.stack_module_state``'s
+            params), every leaf mapped over that dim.
             TensorDict arguments can only be mapped over dim 0 on the loop path.
         out_dims: where the member dim goes in every output.
         randomness: passed to ``torch.func.vmap`` ("error", "different", "same").
         use_loop: True forces the loop path, False forces torch.func.vmap; None (default) picks the
             loop on devices without vmap (``rlfunc.device.supports_vmap``) and when there is one member.
-        device: the device the inputs live on (used only to choose the path when use_loop is None).
+        device: the device the inputs live on, a torch.device or its name (used only to choose the path
+            when use_loop is None).
 
     Returns:
         A function with ``fn``'s arguments whose outputs carry the member dim at ``out_dims``;
@@ -177,7 +196,7 @@ def vmap(
             raise ShapeError("vmap: the mapped dim has size 0: no members to map over")
         loop = use_loop
         if loop is None:
-            dev = device if device is not None else _first_device(args)
+            dev = torch.device(device) if device is not None else _first_device(args)  # "cpu" was an AttributeError
             loop = size == 1 or (dev is not None and not supports_vmap(dev))
         if not loop:
             return torch.func.vmap(fn, in_dims=dims, out_dims=out_dims, randomness=randomness)(*args, **kwargs)
@@ -188,7 +207,7 @@ def vmap(
 
 
 def _first_device(args: Sequence[Any]) -> torch.device | None:
-    for a in args:
+    for a in pytree.tree_flatten(list(args), is_leaf=_is_leaf)[0]:  # (a dict of params: its tensors' device)
         if isinstance(a, (torch.Tensor, TensorDictBase)) and a.device is not None:
             return a.device
     return None
@@ -229,6 +248,14 @@ def under_transform() -> bool:
     support saved tensor hooks")."""
     peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
+
+
+def reads_values() -> bool:
+    """Whether an argument check may read tensor values on the host: not under torch.compile (a
+    traced step's arguments are the ones its eager first call checked) nor under a torch.func
+    transform (vmap refuses the read: a batched gamma, clip_epsilon or timestep). Where this is
+    False the check is skipped and the result computed as usual."""
+    return not (torch.compiler.is_compiling() or under_transform())
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

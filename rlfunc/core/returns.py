@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfunc.core.func import reads_values
 from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.errors import ConfigError, ShapeError
 
@@ -205,6 +206,8 @@ def _compute_dtype(*ts: Tensor, names: tuple[str, ...] = ()) -> torch.dtype:
 def _check_unit(name: str, value) -> None:
     """``value`` (a number or a tensor) must lie in [0, 1]; a tensor costs one device sync."""
     if isinstance(value, Tensor):
+        if not reads_values():  # under vmap (a batched gamma) or compile: no host read
+            return
         bad = bool(((value < 0) | (value > 1) | value.isnan()).any())
         if bad:
             raise ConfigError(
@@ -344,8 +347,8 @@ def forward_discounted_sum(
     # fold the carry into the first term: z_0 = x_0 + discount_0 * initial
     a = _discount_tensor(discount, x, dtype)
     first = a.expand_as(x).narrow(dim, 0, 1) if isinstance(a, Tensor) else a
-    xc = x.to(dtype, copy=True)
-    xc.narrow(dim, 0, 1).add_(first * initial.to(dtype))
+    xc = x.to(dtype)  # the first term out of place: under vmap a batched initial cannot be added into an unbatched x
+    xc = torch.cat([xc.narrow(dim, 0, 1) + first * initial.to(dtype), xc.narrow(dim, 1, xc.shape[dim] - 1)], dim)
     return _run(xc, a, dim, None, reverse=False).to(x.dtype)
 
 
@@ -462,10 +465,12 @@ def generalized_advantage_estimate(
     lm = _discount_tensor(lmbda, state_value, dtype, "lmbda")
     v = state_value.to(dtype)
     bootstrap = next_state_value.to(dtype).masked_fill(terminated, 0.0)
+    # out of place: under vmap an in-place op on an unbatched result of a batched operand fails (a critic
+    # ensemble's state_value against one shared next_state_value; a batched gamma)
     if isinstance(g, Tensor):
-        delta = torch.addcmul(reward.to(dtype), g, bootstrap).sub_(v)
+        delta = torch.addcmul(reward.to(dtype), g, bootstrap) - v
     else:
-        delta = torch.add(reward.to(dtype), bootstrap, alpha=g).sub_(v)
+        delta = torch.add(reward.to(dtype), bootstrap, alpha=g) - v
     advantage = _scan_cut(delta, g * lm, done, dim)
     value_target = advantage + v
     out = state_value.dtype

@@ -172,11 +172,17 @@ def sde_log_std(latent: Tensor, log_std: Tensor, *, epsilon: float = EPSILON) ->
     _check_log_std(log_std, latent)
     if not epsilon > 0:
         raise ConfigError(f"epsilon={epsilon!r}: expected > 0")
-    variance = latent.square() @ torch.exp(2.0 * log_std)
+    dtype = torch.promote_types(latent.dtype, log_std.dtype)  # as the Gaussian functions (a float64 latent, float32 log_std)
+    variance = latent.to(dtype).square() @ torch.exp(2.0 * log_std.to(dtype))
     return 0.5 * torch.log(variance + epsilon)
 
 
-def _expand(action_log_std: Tensor, act_dim: int) -> Tensor:
+def _expand(action_log_std: Tensor, act_dim: int, name: str) -> Tensor:
+    """The per-action log std [*B, A] from [*B, A'] (A' = 1: shared); ShapeError naming ``name`` (the
+    argument that gave A) when A' is neither 1 nor A (it was torch's "expanded size" error)."""
+    if action_log_std.shape[-1] not in (1, act_dim):
+        raise ShapeError(f"{name}: {act_dim} actions, but log_std has {action_log_std.shape[-1]} columns (expected 1, "
+                         f"shared, or {act_dim})")
     return action_log_std.expand(*action_log_std.shape[:-1], act_dim)
 
 
@@ -215,7 +221,7 @@ def sde_log_prob(
 
     Reference: Raffin et al. (2022), section 3.
     """
-    std_log = _expand(sde_log_std(latent, log_std, epsilon=epsilon), loc.shape[-1])
+    std_log = _expand(sde_log_std(latent, log_std, epsilon=epsilon), loc.shape[-1], f"loc (shape {tuple(loc.shape)})")
     if not squash:
         if pre_tanh is not None:
             raise ConfigError("pre_tanh is given but squash=False: the action is the Gaussian sample itself")
@@ -239,8 +245,14 @@ def sde_entropy(latent: Tensor, log_std: Tensor, act_dim: int, *, epsilon: float
 
     Returns:
         [*B, 1] float.
+
+    Raises:
+        ShapeError: as :func:`sde_log_std`, or ``log_std`` has neither 1 nor ``act_dim`` columns.
+        ConfigError: ``act_dim`` is not an int >= 1, or as :func:`sde_log_std`.
     """
-    return gaussian_entropy(_expand(sde_log_std(latent, log_std, epsilon=epsilon), act_dim))
+    if isinstance(act_dim, bool) or not isinstance(act_dim, int) or act_dim < 1:
+        raise ConfigError(f"act_dim={act_dim!r}: expected an int >= 1")
+    return gaussian_entropy(_expand(sde_log_std(latent, log_std, epsilon=epsilon), act_dim, f"act_dim={act_dim}"))
 
 
 def sde_sample(loc: Tensor, latent: Tensor, exploration_matrix: Tensor, *, squash: bool = False) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from rlfunc.core.func import under_transform
+from rlfunc.core.func import reads_values, under_transform
 from rlfunc.core.shapes import broadcast_shapes
 from rlfunc.diffusion.schedule import alpha_prod, ddim_timesteps
 from rlfunc.errors import ConfigError, ShapeError
@@ -182,7 +182,7 @@ def ddim_step(
             raise ShapeError(f"{name}: expected an int64 tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
         if tensor.ndim != 0 and tensor.shape != batch:
             raise ShapeError(f"{name}: shape {tuple(tensor.shape)}, expected the batch shape {tuple(batch)} of x (or 0-d)")
-    if not torch.compiler.is_compiling():  # values: one host read, eager calls only
+    if reads_values():  # values: one host read, eager calls only (not under compile or vmap)
         T = alphas_cumprod.shape[-1]
         if bool(((t < 0) | (t >= T)).any()):
             raise ConfigError(f"t: expected timesteps in [0, {T}) (the schedule's length), got {t.tolist()}")
@@ -364,7 +364,7 @@ def gaussian_chain_log_prob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor
         broadcast_shapes(std.shape, x_next.shape)
     except RuntimeError as err:
         raise ShapeError(f"std: shape {tuple(std.shape)} does not broadcast to {tuple(x_next.shape)}") from err
-    if not torch.compiler.is_compiling() and not bool((torch.isfinite(std) & (std > 0)).all()):  # std 0 gave NaN, silently
+    if reads_values() and not bool((torch.isfinite(std) & (std > 0)).all()):  # std 0 gave NaN, silently
         raise ConfigError(f"std: {int((~(torch.isfinite(std) & (std > 0))).sum())} of {std.numel()} values are <= 0, "
                           "NaN or inf; expected finite values > 0")
     return _gaussian_log_density(x_next, mean, std)

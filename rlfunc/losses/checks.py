@@ -10,6 +10,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from rlfunc.core.func import reads_values
 from rlfunc.errors import ConfigError
 
 
@@ -29,6 +30,8 @@ def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> N
     if not isinstance(value, Tensor):
         check_number(name, value, fn=fn, finite=False)
         ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    elif not reads_values():  # under vmap (a batched coefficient) or compile: no host read
+        return
     else:
         ok = bool((torch.isfinite(value) & ((value > 0) if positive else (value >= 0))).all())
     if not ok:

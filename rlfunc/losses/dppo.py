@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlfunc.core.func import reads_values
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.checks import check_coefficient, check_number
 from rlfunc.losses.ppo import explained_variance, explained_variance_parts, normalize_advantage
@@ -138,7 +139,7 @@ def dppo_loss(
     if eps.dim() > 1 or eps.numel() not in (1, k_ft):
         raise ShapeError(f"dppo_loss: clip_epsilon has shape {tuple(eps.shape)}, expected a number or [K'] = [{k_ft}] (one per step)")
     # a traced step was checked at its eager first call
-    if not torch.compiler.is_compiling() and not bool((torch.isfinite(eps) & (eps > 0)).all()):
+    if reads_values() and not bool((torch.isfinite(eps) & (eps > 0)).all()):
         raise ConfigError(f"dppo_loss: clip_epsilon={clip_epsilon}: expected finite values > 0")
     if value_clip_epsilon is not None and old_state_value is None:
         raise ConfigError("value_clip_epsilon is set but old_state_value was not given")

@@ -251,8 +251,9 @@ def _ev_of(var_t: Tensor, var_r: Tensor, absmax: Tensor) -> Tensor:
     0.0 for a NaN target, a real-looking value beside the skipped step's null losses). Equal targets
     have a float variance of rounding (5.7e-14 for 1000 x 1.7 in float32), not 0: a variance within 4
     ulps of max |target|, squared, is none (the bug: -1e12 there, where 0 is documented)."""
-    ev = 1.0 - var_r / var_t.clamp_min(1e-12)
     rounding = (4 * torch.finfo(var_t.dtype).eps * absmax).square()
+    # the spread's own variance, however small (the bug: clamped to 1e-12, targets of std 1e-7 gave 0.99 for a zero prediction)
+    ev = 1.0 - var_r / torch.where(var_t > rounding, var_t, torch.ones_like(var_t))
     return torch.where(var_t > rounding, ev, torch.where(var_t.isnan() | rounding.isnan(), torch.nan, 0.0).to(ev.dtype))
 
 

@@ -37,6 +37,8 @@ def _check_scalar(name: str, t: Tensor) -> None:
     if not isinstance(t, Tensor) or not t.is_floating_point() or t.ndim == 0 or t.shape[-1] != 1:
         shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ShapeError(f"{name}: expected a float tensor [*B, 1], got {shape} {getattr(t, 'dtype', '')}")
+    if t.numel() == 0:  # the mean over an empty minibatch was a NaN loss, silently
+        raise ShapeError(f"{name}: shape {tuple(t.shape)}, an empty minibatch: expected at least one sample")
 
 
 def _as_ensemble(name: str, q: Tensor, like: Tensor) -> Tensor:

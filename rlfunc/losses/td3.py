@@ -55,6 +55,8 @@ def td3_target(
             f"td3_target: next_q {tuple(next_q.shape)} must be [E, *reward.shape] and terminated "
             f"{tuple(terminated.shape)} like reward {tuple(reward.shape)}"
         )
+    if next_q.shape[0] == 0:  # min over no critic was an IndexError
+        raise ShapeError(f"td3_target: next_q {tuple(next_q.shape)}: an ensemble of 0 critics, expected E >= 1")
     if discount is not None and (not isinstance(discount, Tensor) or discount.shape != reward.shape or not discount.is_floating_point()):
         got = f"{tuple(discount.shape)} {discount.dtype}" if isinstance(discount, Tensor) else repr(discount)
         raise ShapeError(f"discount: {got}, expected a float tensor shaped like reward {tuple(reward.shape)} (gamma takes a number)")
@@ -126,6 +128,8 @@ def td3_actor_loss(q1_pi: Tensor) -> tuple[Tensor, TensorDict]:
     """
     if not isinstance(q1_pi, Tensor) or not q1_pi.is_floating_point() or q1_pi.ndim == 0 or q1_pi.shape[-1] != 1:
         raise ShapeError(f"q1_pi: expected a float tensor [*B, 1], got {getattr(q1_pi, 'shape', type(q1_pi).__name__)}")
+    if q1_pi.numel() == 0:  # the mean of nothing was a NaN loss, silently
+        raise ShapeError(f"q1_pi: shape {tuple(q1_pi.shape)}, an empty minibatch: expected at least one sample")
     loss = -q1_pi.mean()
     return loss, TensorDict({"loss_actor": loss.detach(), "q_policy": q1_pi.detach().mean()}, batch_size=[])
 
@@ -140,13 +144,16 @@ def critic_loss(q: Tensor, target: Tensor) -> tuple[Tensor, TensorDict]:
         (loss 0-dim, metrics {"loss_critic", "q_mean"}).
 
     Raises:
-        ShapeError: ``q`` is not [E, *target.shape], or either is not a float tensor.
+        ShapeError: ``q`` is not [E, *target.shape], either is not a float tensor, or it is empty (E = 0 or no sample).
     """
     for name, t in (("q", q), ("target", target)):
         if not isinstance(t, Tensor) or not t.is_floating_point():  # a list: no attribute 'shape'; int q: mean()'s dtype error
             raise ShapeError(f"critic_loss: {name}: expected a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if q.shape[1:] != target.shape:
         raise ShapeError(f"critic_loss: q {tuple(q.shape)} must be [E, *target.shape], target {tuple(target.shape)}")
+    if q.numel() == 0:  # an empty minibatch's mean was a NaN loss, silently; no critic (E = 0) a loss of 0
+        raise ShapeError(f"critic_loss: q {tuple(q.shape)}, target {tuple(target.shape)}: expected E >= 1 critics and at "
+                         "least one sample")
     err = (q - target.detach().unsqueeze(0)).pow(2)  # a target with a graph leaked gradient into it
     loss = err.flatten(1).mean(1).sum()
     return loss, TensorDict({"loss_critic": loss.detach(), "q_mean": q.detach().mean()}, batch_size=[])
@@ -170,6 +177,8 @@ def diffusion_ql_actor_loss(q: Tensor, denoising: Tensor, *, q_coef: float = 1.0
         raise ConfigError(f"q_coef={q_coef}, bc_coef={bc_coef}: expected >= 0")
     if math.isinf(q_coef) or math.isinf(bc_coef):  # an inf weight gave a loss of -inf
         raise ConfigError(f"q_coef={q_coef}, bc_coef={bc_coef}: expected finite values")
+    if scale is not None and not isinstance(scale, Tensor):  # a float was an AttributeError (.detach)
+        raise ShapeError(f"scale={scale!r}: expected None or a 0-dim tensor (the mean |Q| over every rank's share)")
     scale = (q.detach().abs().mean() if scale is None else scale.detach()).clamp_min(1e-6)
     loss_q = -q.mean() / scale
     loss = bc_coef * denoising + q_coef * loss_q

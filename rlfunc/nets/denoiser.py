@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from rlfunc.errors import ConfigError
 from rlfunc.nets.activations import Mish
-from rlfunc.nets.unet1d import SinusoidalStepEmbedding, _check_positive, flatten_denoiser_inputs
+from rlfunc.nets.unet1d import SinusoidalStepEmbedding, _check_positive, encode_steps, flatten_denoiser_inputs
 
 
 class _ResidualBlock(nn.Module):
@@ -99,7 +99,7 @@ class DiffusionMLP(nn.Module):
         x, t, cond, batch_shape = flatten_denoiser_inputs(
             "DiffusionMLP", x, t, cond, action_dim=self.action_dim, cond_dim=self.cond_dim,
             dtype=dtype, horizon=self.horizon)
-        parts = [x.flatten(1), self.step_encoder(t).to(dtype)]
+        parts = [x.flatten(1), encode_steps(self.step_encoder, t, dtype)]
         if cond is not None:
             parts.append(cond)
         out = self.mlp(torch.cat(parts, dim=-1))

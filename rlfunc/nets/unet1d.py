@@ -59,6 +59,16 @@ class SinusoidalStepEmbedding(nn.Module):
         return f"dim={self.dim}"
 
 
+def encode_steps(encoder: nn.Sequential, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``encoder`` (a :class:`SinusoidalStepEmbedding` then layers) of ``t``, the float32 embedding cast
+    to ``dtype`` (the parameters') before the layers: float64 or bf16 parameters without autocast
+    failed in the first Linear ("mat1 and mat2 must have the same dtype")."""
+    h = t
+    for i, layer in enumerate(encoder):
+        h = layer(h) if i else layer(h).to(dtype)
+    return h.to(dtype)  # (under autocast the layers' output is the autocast dtype)
+
+
 class Conv1dBlock(nn.Sequential):
     """``Conv1d(kernel_size, same padding) -> GroupNorm(n_groups) -> Mish`` on ``[N, C_in, L] -> [N, C_out, L]``.
 
@@ -214,7 +224,7 @@ class ConditionalUnet1D(nn.Module):
         if pad:
             x = torch.cat((x, x[:, -1:].expand(-1, pad, -1)), dim=1)
 
-        step = self.step_encoder(t).to(dtype)
+        step = encode_steps(self.step_encoder, t, dtype)
         feature = step if cond is None else torch.cat((step, cond), dim=-1)
 
         h = x.transpose(1, 2)  # [N, A, H]: actions are channels, the horizon is the length

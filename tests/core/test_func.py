@@ -427,3 +427,22 @@ def test_vmap_names_an_empty_member_dim_and_a_dim_the_input_lacks_on_both_paths(
         with pytest.raises(ShapeError, match=r"^vmap: in_dims 5 is not a dim of an input of shape \(2, 3\)$"):
             vmap(fn, in_dims=5, use_loop=use_loop)(torch.zeros(2, 3))
         assert torch.equal(vmap(fn, use_loop=use_loop)(torch.ones(2, 3)), torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("use_loop", [True, False, None])
+def test_vmap_maps_a_dict_of_stacked_params_and_takes_a_device_name(use_loop):
+    """Regression (functional-core pass): torch.func.stack_module_state's dict of params was "in_dims 0 is not
+    a dim of an input of shape None" on the loop path, and device="cpu" an AttributeError; both paths now
+    equal each member's own forward."""
+    from torch.func import functional_call, stack_module_state
+
+    torch.manual_seed(0)
+    members = [nn.Linear(3, 2) for _ in range(4)]
+    params, _ = stack_module_state(members)
+    obs = torch.randn(5, 3)
+    got = vmap(lambda p, o: functional_call(members[0], p, (o,)), (0, None), use_loop=use_loop, device="cpu")(params, obs)
+    torch.testing.assert_close(got, torch.stack([m(obs) for m in members]), rtol=0, atol=1e-6)
+    with pytest.raises(ShapeError, match=r"member counts \[3, 4\]"):
+        vmap(lambda p: p["a"], 0, use_loop=True)({"a": torch.ones(3), "b": torch.ones(4)})
+    with pytest.raises(ShapeError, match=r"in_dims entry \(0, 0\)"):
+        vmap(lambda p, o: o, ((0, 0), None), use_loop=use_loop)(params, obs)

@@ -415,3 +415,38 @@ def test_gae_under_torch_func_vmap_equals_the_loop():
             torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     batched = fn(value, next_value, reward, done)  # the stack as batch dims: the same numbers
     torch.testing.assert_close(batched[0], loop[0], rtol=0, atol=2e-6)
+
+
+def test_returns_under_vmap_over_hyperparameters_an_ensemble_and_an_initial_carry_match_a_loop():
+    """Regression (functional-core pass): vmap over a batched gamma raised vmap's data-dependent error in
+    the [0, 1] check (a host read); a batched state_value against one shared next_state_value, and a
+    batched initial carry, raised vmap's in-place errors. Each now equals the loop over members (float64)."""
+    from torch.func import vmap
+
+    import rlfunc
+
+    g = torch.Generator().manual_seed(3)
+    T = 6
+    v, nv, r = (torch.randn(T, 1, generator=g, dtype=torch.float64) for _ in range(3))
+    d = torch.zeros(T, 1, dtype=torch.bool)
+    d[2] = True
+    gammas = torch.tensor([0.0, 0.9, 0.99, 1.0], dtype=torch.float64)
+    got = vmap(lambda gm: rlfunc.generalized_advantage_estimate(gm, 0.95, v, nv, r, d)[0])(gammas)
+    loop = torch.stack([rlfunc.generalized_advantage_estimate(gm, 0.95, v, nv, r, d)[0] for gm in gammas])
+    torch.testing.assert_close(got, loop, rtol=0, atol=1e-12)
+    got = rlfunc.vmap(lambda gm: rlfunc.discounted_returns(r, d, gm), use_loop=False)(gammas)
+    loop = torch.stack([rlfunc.discounted_returns(r, d, gm) for gm in gammas])
+    torch.testing.assert_close(got, loop, rtol=0, atol=1e-12)
+    members = torch.randn(4, T, 1, generator=g, dtype=torch.float64)  # a critic ensemble's values, one shared target
+    got = vmap(lambda sv: rlfunc.generalized_advantage_estimate(0.99, 0.95, sv, nv, r, d))(members)
+    for i, sv in enumerate(members):
+        adv, target = rlfunc.generalized_advantage_estimate(0.99, 0.95, sv, nv, r, d)
+        torch.testing.assert_close(got[0][i], adv, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got[1][i], target, rtol=0, atol=1e-12)
+    initial = torch.randn(4, 1, 1, generator=g, dtype=torch.float64)
+    got = vmap(lambda i: rlfunc.forward_discounted_sum(r, 0.9, initial=i))(initial)
+    by_hand = torch.stack([torch.stack([sum(0.9 ** (t - k) * r[k] for k in range(t + 1)) + 0.9 ** (t + 1) * i[0] for t in range(T)])
+                           for i in initial])
+    torch.testing.assert_close(got, by_hand, rtol=0, atol=1e-12)
+    with pytest.raises(ConfigError, match="gamma must lie in"):  # eager calls still check
+        rlfunc.generalized_advantage_estimate(torch.tensor(1.5), 0.95, v, nv, r, d)

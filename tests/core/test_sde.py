@@ -243,3 +243,22 @@ def test_short_pendulum_run_with_gsde_improves(tmp_path):
     first = records[0]["episode_return"]  # -1289 here
     trained = evaluate(tmp_path / "r", episodes=10, device="cpu")
     assert trained["mean"] > first + 500, (first, trained)
+
+
+def test_sde_log_prob_and_entropy_name_a_mismatched_action_dim_and_promote_dtypes():
+    """Regression (functional-core pass): a log_std with neither 1 nor A columns was torch's "expanded size"
+    error, and a float64 latent with a float32 log_std a matmul dtype error (the Gaussian functions
+    promote); now a ShapeError naming loc / act_dim, and float64 results equal to the float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    z, loc, a = torch.randn(4, 3, generator=g), torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+    with pytest.raises(ShapeError, match=r"loc \(shape \(4, 5\)\): 5 actions, but log_std has 2 columns"):
+        sde_log_prob(a, loc, z, torch.zeros(3, 2))
+    with pytest.raises(ShapeError, match="act_dim=5: 5 actions, but log_std has 2 columns"):
+        sde_entropy(z, torch.zeros(3, 2), act_dim=5)
+    with pytest.raises(ConfigError, match="act_dim"):
+        sde_entropy(z, torch.zeros(3, 1), act_dim=0)
+    log_std = torch.full((3, 1), -0.5)
+    got = sde_log_prob(a.double(), loc.double(), z.double(), log_std)
+    want = sde_log_prob(a.double(), loc.double(), z.double(), log_std.double())
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    assert torch.equal(sde_entropy(z.double(), log_std, 5), sde_entropy(z.double(), log_std.double(), 5))

@@ -587,3 +587,24 @@ def test_chain_log_prob_errors():
         chain_log_prob(apply, params, cond, chain, schedule, 5, first_step=5)
     with pytest.raises(ConfigError, match="num_steps"):
         chain_log_prob(apply, params, cond, torch.zeros(3, 102, H, A), schedule, 101)
+
+
+def test_ddim_step_and_its_density_under_vmap_over_timesteps_match_a_loop():
+    """Regression (functional-core pass): ddim_step's timestep check and gaussian_chain_log_prob's std check
+    read values on the host under vmap (vmap's data-dependent error) though they skipped under compile;
+    per-sample timesteps now give each sample's eager step (float64), and eager calls still check."""
+    ac = make_schedule("cosine", 10)["alphas_cumprod"].double()
+    g = torch.Generator().manual_seed(2)
+    x, eps, z = (torch.randn(3, H, A, generator=g, dtype=torch.float64) for _ in range(3))
+    t, t_prev = torch.tensor([5, 6, 7]), torch.tensor([2, 3, 4])
+    step = lambda e, xx, tt, tp, zz: ddim_step(e, xx, tt, tp, ac, eta=1.0, noise=zz, clip_sample=None)  # noqa: E731
+    got = torch.func.vmap(step)(eps, x, t, t_prev, z)
+    for i in range(3):
+        for a, b in zip(got, step(eps[i], x[i], t[i], t_prev[i], z[i])):
+            torch.testing.assert_close(a[i], b, rtol=0, atol=1e-12)
+    std = got[2].expand(3, H, A)  # [3, 1, 1]: one std per sample
+    density = torch.func.vmap(gaussian_chain_log_prob)(got[0], got[1], std)
+    by_hand = Normal(got[1], std).log_prob(got[0]).sum((-2, -1))
+    torch.testing.assert_close(density.reshape(-1), by_hand.reshape(-1), rtol=0, atol=1e-12)
+    with pytest.raises(ConfigError, match="t_prev"):
+        ddim_step(eps, x, t, t, ac, eta=1.0)

@@ -444,3 +444,25 @@ def test_ppo_loss_poolable_adds_the_parts_and_nothing_else():
     assert set(parts.keys()) == set(plain.keys()) | set(EV_PARTS)
     assert float(pool_explained_variance(parts)["explained_variance"]) == float(plain["explained_variance"])
     assert pool_explained_variance(plain) is plain  # nothing to pool
+
+
+def test_ppo_loss_under_vmap_over_clip_epsilon_matches_a_loop():
+    """Regression (functional-core pass): a batched clip_epsilon (a sweep under torch.func.vmap) raised vmap's
+    data-dependent error in the coefficient check's host read; each member now equals the eager call."""
+    g = torch.Generator().manual_seed(5)
+    args = [torch.randn(16, 1, generator=g, dtype=torch.float64) for _ in range(5)]
+    eps = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64)
+    got = torch.func.vmap(lambda c: ppo_loss(*args, clip_epsilon=c)[0])(eps)
+    loop = torch.stack([ppo_loss(*args, clip_epsilon=float(c))[0] for c in eps])
+    torch.testing.assert_close(got, loop, rtol=0, atol=1e-12)
+    with pytest.raises(ConfigError, match="clip_epsilon"):  # an eager call still checks
+        ppo_loss(*args, clip_epsilon=torch.tensor(-0.1))
+
+
+def test_explained_variance_of_targets_with_a_tiny_spread_is_exact():
+    """Regression (functional-core pass): the targets' variance was clamped to 1e-12, so targets of std 1e-7
+    scored 0.99 for a zero prediction (exactly 0) and 0.96 for the negated one (exactly -3)."""
+    for dtype in (torch.float32, torch.float64):
+        t = torch.randn(100, 1, generator=torch.Generator().manual_seed(0), dtype=dtype) * 1e-7
+        torch.testing.assert_close(explained_variance(torch.zeros_like(t), t), torch.tensor(0.0, dtype=dtype), rtol=0, atol=1e-5)
+        torch.testing.assert_close(explained_variance(-t, t), torch.tensor(-3.0, dtype=dtype), rtol=0, atol=1e-5)

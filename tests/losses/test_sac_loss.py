@@ -7,6 +7,7 @@ import torch
 
 from rlfunc.errors import ConfigError, ShapeError
 from rlfunc.losses.sac import ensemble_min, sac_actor_loss, sac_critic_loss, soft_q_target, temperature_loss
+from rlfunc.losses.td3 import td3_actor_loss, td3_target
 
 # two states s'_1, s'_2; two target critics
 NEXT_Q = torch.tensor([[[2.0], [1.0]], [[1.5], [3.0]]])  # [E=2, B=2, 1]: min over E = [1.5, 1.0]
@@ -199,3 +200,23 @@ def test_td3_config_refuses_infinite_noise():
     for name in ("exploration_noise", "policy_noise"):
         with pytest.raises(ConfigError, match=rf"^{name}=inf: expected a finite value >= 0$"):
             TD3Config(**{name: float("inf")})
+
+
+def test_an_empty_minibatch_or_ensemble_is_refused_not_a_nan_loss():
+    """Regression (functional-core pass): the off-policy losses of an empty minibatch were NaN, silently
+    (ppo_loss and dppo_loss refuse one); an ensemble of 0 critics gave td3_target's IndexError and a
+    critic loss of 0."""
+    from rlfunc.losses.td3 import critic_loss, diffusion_ql_actor_loss
+
+    empty = torch.zeros(0, 1)
+    for call in (lambda: critic_loss(torch.zeros(2, 0, 1), empty), lambda: sac_critic_loss(torch.zeros(2, 0, 1), empty),
+                 lambda: critic_loss(torch.zeros(0, 4, 1), torch.zeros(4, 1)),
+                 lambda: sac_actor_loss(torch.zeros(2, 0, 1), empty, 0.1), lambda: td3_actor_loss(empty),
+                 lambda: temperature_loss(torch.zeros(()), empty, -1.0),
+                 lambda: td3_target(torch.zeros(0, 4, 1), torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.bool), gamma=0.99)):
+        with pytest.raises(ShapeError, match="empty minibatch|at least one sample|0 critics|E >= 1"):
+            call()
+    with pytest.raises(ShapeError, match="scale=2.0"):
+        diffusion_ql_actor_loss(torch.ones(4, 1), torch.tensor(0.5), scale=2.0)
+    loss, _ = critic_loss(torch.ones(2, 3, 1), torch.zeros(3, 1))  # a non-empty one: sum over critics of the mean square
+    assert float(loss) == 2.0

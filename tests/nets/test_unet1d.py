@@ -271,3 +271,23 @@ def test_config_errors():
         DiffusionMLP(2, 4, 8, hidden=(32, 64, 32), residual=True)
     with pytest.raises(ConfigError, match="horizon"):
         DiffusionMLP(2, 0, 8)
+
+
+@pytest.mark.parametrize("make", [lambda: DiffusionMLP(2, 4, 3, hidden=(8,)),
+                                  lambda: ConditionalUnet1D(2, 3, down_dims=(8, 16), n_groups=4, step_embed_dim=8)])
+def test_denoisers_in_float64_and_bf16_equal_their_float32_values(make):
+    """Regression (functional-core pass): parameters of any dtype but float32 failed ("mat1 and mat2 must
+    have the same dtype": the float32 step embedding went into the step MLP's Linear uncast), though the
+    docstrings cast x and cond to the parameters' dtype. float64 now equals float32 to float32's rounding."""
+    torch.manual_seed(0)
+    net = make()
+    x, t, cond = torch.randn(5, 4, 2), torch.randint(0, 100, (5,)), torch.randn(5, 3)
+    want = net(x, t, cond)
+    wide = make()
+    wide.load_state_dict(net.state_dict())
+    got = wide.double()(x.double(), t, cond.double())
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want.double(), rtol=1e-4, atol=1e-5)
+    narrow = make()
+    narrow.load_state_dict(net.state_dict())
+    assert narrow.bfloat16()(x, t, cond).dtype == torch.bfloat16
