@@ -536,6 +536,8 @@ def group_relative_advantage(
     if not isinstance(reward, Tensor) or reward.ndim == 0:
         raise ShapeError("reward: expected a tensor of shape [*B, G] with a group dim, got "
                          f"{type(reward).__name__ if not isinstance(reward, Tensor) else 'a 0-dim tensor'}")
+    if isinstance(group_dim, bool) or not isinstance(group_dim, int):  # 1.0 was a TypeError from the % below
+        raise ShapeError(f"group_dim={group_dim!r}: expected an int, one of reward's dims")
     if not -reward.ndim <= group_dim < reward.ndim:
         raise ShapeError(f"group_dim={group_dim} is outside the dims of reward with shape {tuple(reward.shape)}")
     dim = group_dim % reward.ndim

@@ -32,12 +32,12 @@ def clip_schedule(num_steps: int, clip_min: float, clip_max: float, rate: float 
         [K] float32. ``rate = 0`` gives a linear ramp; K = 1 gives ``[clip_max]``.
 
     Raises:
-        ConfigError: ``num_steps < 1`` or clip ranges not in 0 < clip_min <= clip_max.
+        ConfigError: ``num_steps`` not an int >= 1, or clip ranges not in 0 < clip_min <= clip_max.
 
     Reference: Ren et al. (2024), appendix C ("clip_ploss_coef" schedule).
     """
-    if num_steps < 1:
-        raise ConfigError(f"num_steps={num_steps}: expected >= 1")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:  # 2.5 was linspace's TypeError
+        raise ConfigError(f"num_steps={num_steps!r}: expected an int >= 1")
     for name, value in (("clip_min", clip_min), ("clip_max", clip_max), ("rate", rate)):  # a str: TypeError; inf/nan rate: NaN
         check_number(name, value)
     if not 0 < clip_min <= clip_max:

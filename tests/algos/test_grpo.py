@@ -690,3 +690,13 @@ def test_an_env_it_cannot_train_on_is_named_with_this_algorithm(loss):
         _spec("FrozenLake-v1", loss)
     with pytest.raises(EnvError, match=rf"^env='CartPole-v1': {loss} needs Box actions; got Discrete actions"):
         _spec("CartPole-v1", loss)
+
+
+def test_group_relative_advantage_refuses_a_float_group_dim():
+    """Regression (functional-core pass): group_dim=1.0 was a TypeError from a modulo deep inside."""
+    from rlfunc.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="group_dim=1.0: expected an int"):
+        group_relative_advantage(torch.ones(2, 4), group_dim=1.0)
+    torch.testing.assert_close(group_relative_advantage(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), group_dim=1, std="none"),
+                               torch.tensor([[0.5, -0.5], [-0.5, 0.5]]))

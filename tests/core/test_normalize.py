@@ -274,3 +274,15 @@ def test_float64_statistics_are_float64_accurate():
     flat = x.reshape(-1, 3)
     torch.testing.assert_close(s["mean"], flat.mean(0), rtol=0, atol=1e-13)
     torch.testing.assert_close(s["var"], flat.var(0, correction=0), rtol=0, atol=1e-13)
+
+
+def test_a_non_number_eps_or_clip_is_a_config_error_naming_it():
+    """Regression (functional-core pass): eps or clip given as a str or None was a bare TypeError."""
+    stats = update_running_stats(init_running_stats(2), torch.randn(10, 2))
+    x = torch.randn(3, 2)
+    for call, name in ((lambda: normalize(stats, x, eps="1e-8"), "eps="), (lambda: normalize(stats, x, clip="10"), "clip="),
+                       (lambda: denormalize(stats, x, eps=None), "eps="),
+                       (lambda: scale_reward(x[:, :1], init_running_stats(1), eps="0"), "eps=")):
+        with pytest.raises(ConfigError, match=name):
+            call()
+    torch.testing.assert_close(denormalize(stats, normalize(stats, x, eps=1e-8), eps=1e-8), x)  # numbers still pass

@@ -152,3 +152,10 @@ def test_bad_inputs_are_named(change, error, message):
     args = [kw.pop(k) for k in ("log_prob", "sample_log_prob", "advantage", "state_value", "value_target")]
     with pytest.raises(getattr(errors, error), match=message):
         dppo_loss(*args, **kw)
+
+
+def test_clip_schedule_refuses_a_fractional_step_count():
+    """Regression (functional-core pass): num_steps=2.5 was torch.linspace's TypeError."""
+    with pytest.raises(ConfigError, match="num_steps=2.5: expected an int"):
+        clip_schedule(2.5, 0.01, 0.1)
+    torch.testing.assert_close(clip_schedule(3, 0.01, 0.1, rate=0.0), torch.tensor([0.01, 0.055, 0.1]))
