@@ -800,10 +800,11 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
             columns = {k: v[0] for k, v in flat.items()}
         metric_keys = None
         for _ in range(config.num_epochs):
-            if probs is None and seed_updates is not None:  # a seed stopped by target_kl draws no more (as alone)
-                still = active.tolist()
-                perm = torch.stack([torch.randperm(B, generator=g, device=device) if on else torch.arange(B, device=device)
-                                    for g, on in zip(generators, still)])
+            if seed_updates is not None:  # a seed stopped by target_kl draws no more (as alone): no shuffle, no priorities
+                still, rest = active.tolist(), torch.arange(B, device=device)
+                perm = torch.stack([rest if not on else torch.randperm(B, generator=g, device=device) if probs is None
+                                    else torch.multinomial(probs[i], B, replacement=True, generator=g)  # as sample_prioritized
+                                    for i, (g, on) in enumerate(zip(generators, still))])
             elif probs is None:
                 perm = torch.stack([torch.randperm(B, generator=g, device=device) for g in generators])
             else:  # B draws with replacement by priority

@@ -130,10 +130,10 @@ def _size(x: Any, dim: int | None) -> int | None:
     if isinstance(x, (dict, list, tuple)):  # a pytree: every leaf maps over ``dim``, with one member count
         leaves = pytree.tree_flatten(x, is_leaf=_is_leaf)[0]
         sizes = {_size(leaf, dim) for leaf in leaves}
-        if len(sizes) != 1:
+        if len(sizes) > 1:
             raise ShapeError(f"vmap: the leaves of a {type(x).__name__} input have member counts {sorted(sizes)} along dim "
-                             f"{dim}: expected one" if sizes else f"vmap: a {type(x).__name__} input without tensors to map over")
-        return sizes.pop()
+                             f"{dim}: expected one")
+        return sizes.pop() if sizes else None  # no tensors (stack_module_state's buffers of a module without any): as is
     shape = x.batch_size if isinstance(x, TensorDictBase) else getattr(x, "shape", None)
     if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):  # was "tuple index out of range"
         raise ShapeError(f"vmap: in_dims {dim!r} is not a dim of an input of shape {None if shape is None else tuple(shape)}")
@@ -250,12 +250,23 @@ def under_transform() -> bool:
     return peek is not None and peek() is not None
 
 
-def reads_values() -> bool:
-    """Whether an argument check may read tensor values on the host: not under torch.compile (a
-    traced step's arguments are the ones its eager first call checked) nor under a torch.func
-    transform (vmap refuses the read: a batched gamma, clip_epsilon or timestep). Where this is
-    False the check is skipped and the result computed as usual."""
-    return not (torch.compiler.is_compiling() or under_transform())
+def reads_values(*tensors: Any) -> bool:
+    """Whether an argument check may read the values of ``tensors`` on the host: not under
+    torch.compile (a traced step's arguments are the ones its eager first call checked) and not when
+    one of them is batched by torch.func.vmap at some level (vmap refuses the read: a batched gamma,
+    clip_epsilon or timestep). Under grad / vjp, and for an unbatched tensor under vmap, the read
+    works and the check runs. Where this is False the check is skipped and the result computed."""
+    if torch.compiler.is_compiling():
+        return False
+    if not under_transform():
+        return True
+    functorch = torch._C._functorch
+    for t in tensors:
+        while isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t):
+            if functorch.is_batchedtensor(t):
+                return False
+            t = functorch.get_unwrapped(t)
+    return True
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -81,6 +81,8 @@ def _check_device(x: Tensor, stats: TensorDict, name: str) -> None:
 
 
 def _check_eps(eps: float) -> None:
+    if isinstance(eps, torch.Tensor):  # a tensor as before (its value not read: a host sync)
+        return
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0.0:  # a str or None was a TypeError
         raise ConfigError(f"eps={eps!r}: expected a number >= 0")
 
@@ -262,7 +264,8 @@ def normalize(stats: TensorDict, x: Tensor, *, clip: float | None = None, eps: f
     _check_sample(x, shape, "x")
     _check_device(x, stats, "x")
     _check_eps(eps)
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip > 0):
+    if clip is not None and not isinstance(clip, torch.Tensor) and (isinstance(clip, bool) or not isinstance(clip, numbers.Real)
+                                                                    or not clip > 0):
         raise ConfigError(f"clip={clip!r}: expected a number > 0 or None")
     y = (x - stats["mean"]) * torch.rsqrt(stats["var"] + eps)
     return y if clip is None else y.clamp(-clip, clip)

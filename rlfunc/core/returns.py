@@ -206,7 +206,7 @@ def _compute_dtype(*ts: Tensor, names: tuple[str, ...] = ()) -> torch.dtype:
 def _check_unit(name: str, value) -> None:
     """``value`` (a number or a tensor) must lie in [0, 1]; a tensor costs one device sync."""
     if isinstance(value, Tensor):
-        if not reads_values():  # under vmap (a batched gamma) or compile: no host read
+        if not reads_values(value):  # batched by vmap (a sweep of gammas) or under compile: no host read
             return
         bad = bool(((value < 0) | (value > 1) | value.isnan()).any())
         if bad:
@@ -443,7 +443,8 @@ def generalized_advantage_estimate(
 
     Raises:
         ConfigError: ``gamma`` or ``lmbda`` is outside [0, 1] (a tensor is checked with one
-            device sync), or ``time_dim`` is not an int.
+            device sync; not one batched by torch.func.vmap, nor under torch.compile), or ``time_dim``
+            is not an int.
         ShapeError: the five tensors differ in shape or device, the values are not floating
             point, or ``time_dim`` is not one of their dims.
 
@@ -536,11 +537,11 @@ def group_relative_advantage(
     if not isinstance(reward, Tensor) or reward.ndim == 0:
         raise ShapeError("reward: expected a tensor of shape [*B, G] with a group dim, got "
                          f"{type(reward).__name__ if not isinstance(reward, Tensor) else 'a 0-dim tensor'}")
-    if isinstance(group_dim, bool) or not isinstance(group_dim, int):  # 1.0 was a TypeError from the % below
+    if isinstance(group_dim, bool) or not isinstance(group_dim, numbers.Integral):  # 1.0 was a TypeError from the % below
         raise ShapeError(f"group_dim={group_dim!r}: expected an int, one of reward's dims")
     if not -reward.ndim <= group_dim < reward.ndim:
         raise ShapeError(f"group_dim={group_dim} is outside the dims of reward with shape {tuple(reward.shape)}")
-    dim = group_dim % reward.ndim
+    dim = int(group_dim) % reward.ndim
     dtype = _compute_dtype(reward, names=("reward",))
     if std not in _GROUP_STD:
         raise ConfigError(f"std={std!r}: expected one of {', '.join(map(repr, _GROUP_STD))}")

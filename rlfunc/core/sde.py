@@ -21,6 +21,7 @@ floor epsilon = 1e-6, detached features, optional tanh squashing) follow stable-
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -250,8 +251,9 @@ def sde_entropy(latent: Tensor, log_std: Tensor, act_dim: int, *, epsilon: float
         ShapeError: as :func:`sde_log_std`, or ``log_std`` has neither 1 nor ``act_dim`` columns.
         ConfigError: ``act_dim`` is not an int >= 1, or as :func:`sde_log_std`.
     """
-    if isinstance(act_dim, bool) or not isinstance(act_dim, int) or act_dim < 1:
+    if isinstance(act_dim, bool) or not isinstance(act_dim, numbers.Integral) or act_dim < 1:
         raise ConfigError(f"act_dim={act_dim!r}: expected an int >= 1")
+    act_dim = int(act_dim)
     return gaussian_entropy(_expand(sde_log_std(latent, log_std, epsilon=epsilon), act_dim, f"act_dim={act_dim}"))
 
 

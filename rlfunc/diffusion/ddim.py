@@ -155,7 +155,8 @@ def ddim_step(
 
     Raises:
         ConfigError: eta < 0, std_floor < 0, clip_sample <= 0, unknown ``prediction``, a ``t`` outside
-            [0, T) or a ``t_prev`` outside [-1, t).
+            [0, T) or a ``t_prev`` outside [-1, t) (values not checked under torch.compile, nor of
+            timesteps batched by torch.func.vmap: a host read).
         ShapeError: model_output / x / noise are not float [*B, H, A] of one shape, t / t_prev are
             not int64 of shape *B (or 0-d), or ``alphas_cumprod`` is not a float tensor [T] (the
             schedule TensorDict itself included: pass ``schedule["alphas_cumprod"]``).
@@ -182,7 +183,7 @@ def ddim_step(
             raise ShapeError(f"{name}: expected an int64 tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
         if tensor.ndim != 0 and tensor.shape != batch:
             raise ShapeError(f"{name}: shape {tuple(tensor.shape)}, expected the batch shape {tuple(batch)} of x (or 0-d)")
-    if reads_values():  # values: one host read, eager calls only (not under compile or vmap)
+    if reads_values(t, t_prev):  # values: one host read (not under compile, nor of timesteps batched by vmap)
         T = alphas_cumprod.shape[-1]
         if bool(((t < 0) | (t >= T)).any()):
             raise ConfigError(f"t: expected timesteps in [0, {T}) (the schedule's length), got {t.tolist()}")
@@ -349,7 +350,8 @@ def gaussian_chain_log_prob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor
     Raises:
         ShapeError: ``x_next`` and ``mean`` differ in shape or are below 2-d, or ``std`` is not a
             float / float tensor or does not broadcast.
-        ConfigError: a ``std`` that is <= 0, NaN or inf (not checked inside torch.compile: a host sync).
+        ConfigError: a ``std`` that is <= 0, NaN or inf (not checked inside torch.compile, nor of a std
+            batched by torch.func.vmap: a host read).
     """
     if x_next.ndim < 2 or x_next.shape != mean.shape:
         raise ShapeError(f"x_next {tuple(x_next.shape)} and mean {tuple(mean.shape)}: expected one shape [*B, H, A]")
@@ -364,7 +366,7 @@ def gaussian_chain_log_prob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor
         broadcast_shapes(std.shape, x_next.shape)
     except RuntimeError as err:
         raise ShapeError(f"std: shape {tuple(std.shape)} does not broadcast to {tuple(x_next.shape)}") from err
-    if reads_values() and not bool((torch.isfinite(std) & (std > 0)).all()):  # std 0 gave NaN, silently
+    if reads_values(std) and not bool((torch.isfinite(std) & (std > 0)).all()):  # std 0 gave NaN, silently
         raise ConfigError(f"std: {int((~(torch.isfinite(std) & (std > 0))).sum())} of {std.numel()} values are <= 0, "
                           "NaN or inf; expected finite values > 0")
     return _gaussian_log_density(x_next, mean, std)

@@ -61,7 +61,7 @@ def q_sample(x0: Tensor, t: Tensor, noise: Tensor, alphas_cumprod: Tensor) -> Te
     Reference: Ho, Jain & Abbeel (2020), eq. 4.
     """
     _check_chunk(x0, noise, t)
-    if t.device.type == "cpu" and t.numel() and reads_values():  # t = T was an IndexError
+    if t.device.type == "cpu" and t.numel() and reads_values(t):  # t = T was an IndexError
         lo, hi = int(t.min()), int(t.max())
         if lo < -1 or hi >= alphas_cumprod.shape[-1]:
             raise ShapeError(f"t: timesteps in [{lo}, {hi}], expected values in [-1, {alphas_cumprod.shape[-1] - 1}] "

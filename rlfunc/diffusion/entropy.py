@@ -207,7 +207,7 @@ def gmm_sample(mixture: GaussianMixture, num_samples: int, generator: torch.Gene
     if (means.dim() < 2 or weights.shape != means.shape[:-1] or tril.shape != (*means.shape, means.shape[-1])):
         raise ShapeError(f"gmm_sample: weights {tuple(weights.shape)}, means {tuple(means.shape)}, scale_tril "
                          f"{tuple(tril.shape)}: expected [*B, K], [*B, K, A] and [*B, K, A, A]")
-    if reads_values() and not bool(((weights >= 0) & weights.isfinite()).all() & (weights.sum(-1) > 0).all()):
+    if reads_values(weights) and not bool(((weights >= 0) & weights.isfinite()).all() & (weights.sum(-1) > 0).all()):
         raise ShapeError("gmm_sample: weights: expected finite values >= 0 with a positive sum per mixture (mixing weights)")
     batch, (k, a) = mixture.means.shape[:-2], mixture.means.shape[-2:]
     w = mixture.weights.reshape(-1, k)

@@ -205,8 +205,9 @@ def alpha_prod(alphas_cumprod: Tensor, t: Tensor) -> Tensor:
         )
     if not isinstance(t, Tensor) or t.dtype != torch.int64:
         raise ShapeError(f"t: expected an int64 tensor of timesteps, got {getattr(t, 'dtype', type(t).__name__)}")
-    # index_select, not alphas_cumprod[t]: a 0-d t indexes as a Python int, which torch.func.vmap refuses (.item())
-    picked = alphas_cumprod.index_select(0, t.clamp(min=0).reshape(-1)).reshape(t.shape)
+    # indexed by a 1-d tensor: a 0-d t indexes as a Python int, which torch.func.vmap refuses (.item()); (advanced
+    # indexing, not index_select, which refuses a CPU t with an accelerator's schedule)
+    picked = alphas_cumprod[t.clamp(min=0).reshape(-1)].reshape(t.shape)
     return torch.where(t >= 0, picked, 1.0)
 
 

@@ -26,11 +26,12 @@ def check_number(name: str, value, *, fn: str = "", finite: bool = True) -> None
 
 def check_coefficient(fn: str, name: str, value, *, positive: bool = False) -> None:
     """ConfigError naming ``name`` unless ``value`` is a finite real number (or tensor of them) that is
-    >= 0 (> 0 with ``positive``); NaN passes ``value < 0``, so it is refused here explicitly."""
+    >= 0 (> 0 with ``positive``); NaN passes ``value < 0``, so it is refused here explicitly. A tensor
+    batched by torch.func.vmap (a sweep) or one under torch.compile is not read (the check is skipped)."""
     if not isinstance(value, Tensor):
         check_number(name, value, fn=fn, finite=False)
         ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-    elif not reads_values():  # under vmap (a batched coefficient) or compile: no host read
+    elif not reads_values(value):  # batched by vmap (a sweep of coefficients) or under compile: no host read
         return
     else:
         ok = bool((torch.isfinite(value) & ((value > 0) if positive else (value >= 0))).all())

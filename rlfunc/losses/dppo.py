@@ -36,8 +36,9 @@ def clip_schedule(num_steps: int, clip_min: float, clip_max: float, rate: float 
 
     Reference: Ren et al. (2024), appendix C ("clip_ploss_coef" schedule).
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:  # 2.5 was linspace's TypeError
+    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) or num_steps < 1:  # 2.5 was linspace's TypeError
         raise ConfigError(f"num_steps={num_steps!r}: expected an int >= 1")
+    num_steps = int(num_steps)
     for name, value in (("clip_min", clip_min), ("clip_max", clip_max), ("rate", rate)):  # a str: TypeError; inf/nan rate: NaN
         check_number(name, value)
     if not 0 < clip_min <= clip_max:
@@ -139,7 +140,7 @@ def dppo_loss(
     if eps.dim() > 1 or eps.numel() not in (1, k_ft):
         raise ShapeError(f"dppo_loss: clip_epsilon has shape {tuple(eps.shape)}, expected a number or [K'] = [{k_ft}] (one per step)")
     # a traced step was checked at its eager first call
-    if reads_values() and not bool((torch.isfinite(eps) & (eps > 0)).all()):
+    if reads_values(eps) and not bool((torch.isfinite(eps) & (eps > 0)).all()):
         raise ConfigError(f"dppo_loss: clip_epsilon={clip_epsilon}: expected finite values > 0")
     if value_clip_epsilon is not None and old_state_value is None:
         raise ConfigError("value_clip_epsilon is set but old_state_value was not given")

@@ -375,11 +375,12 @@ def run_loop(run: Run, run_dir: Path, *, when: Cadence, time_offset: float = 0.0
 def _bar_options(shown: bool) -> dict:
     """tqdm's options beyond the defaults: ``disable`` when the bar is not ``shown``; off a terminal (a
     job's log file) a refresh every 30 s, not every 0.1 s (each a "\\r" line: megabytes of log in a long
-    run). tqdm's own TQDM_MININTERVAL and TQDM_DISABLE (=1: no bar) in the environment win."""
-    if not shown or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes"):  # (tqdm reads it at import)
+    run); a notebook's stream (ipykernel loaded) keeps tqdm's default. tqdm's own TQDM_MININTERVAL and
+    TQDM_DISABLE (any non-empty value, as tqdm reads it: no bar) in the environment win."""
+    if not shown or os.environ.get("TQDM_DISABLE", ""):  # (tqdm reads it at import, and our disable= would override it)
         return {"disable": True}
     tty = getattr(sys.stderr, "isatty", lambda: False)()
-    return {} if tty or "TQDM_MININTERVAL" in os.environ else {"mininterval": 30.0}
+    return {} if tty or "ipykernel" in sys.modules or "TQDM_MININTERVAL" in os.environ else {"mininterval": 30.0}
 
 
 @contextlib.contextmanager

@@ -698,5 +698,7 @@ def test_group_relative_advantage_refuses_a_float_group_dim():
 
     with pytest.raises(ShapeError, match="group_dim=1.0: expected an int"):
         group_relative_advantage(torch.ones(2, 4), group_dim=1.0)
-    torch.testing.assert_close(group_relative_advantage(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), group_dim=1, std="none"),
+    import numpy as np
+
+    torch.testing.assert_close(group_relative_advantage(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), group_dim=np.int64(1), std="none"),
                                torch.tensor([[0.5, -0.5], [-0.5, 0.5]]))

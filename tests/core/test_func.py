@@ -442,6 +442,10 @@ def test_vmap_maps_a_dict_of_stacked_params_and_takes_a_device_name(use_loop):
     obs = torch.randn(5, 3)
     got = vmap(lambda p, o: functional_call(members[0], p, (o,)), (0, None), use_loop=use_loop, device="cpu")(params, obs)
     torch.testing.assert_close(got, torch.stack([m(obs) for m in members]), rtol=0, atol=1e-6)
+    buffers = stack_module_state(members)[1]  # {}: Linear has no buffers; mapped as torch.func.vmap maps it (review pass)
+    assert buffers == {}
+    got = vmap(lambda p, b, o: functional_call(members[0], (p, b), (o,)), (0, 0, None), use_loop=use_loop)(params, buffers, obs)
+    torch.testing.assert_close(got, torch.stack([m(obs) for m in members]), rtol=0, atol=1e-6)
     with pytest.raises(ShapeError, match=r"member counts \[3, 4\]"):
         vmap(lambda p: p["a"], 0, use_loop=True)({"a": torch.ones(3), "b": torch.ones(4)})
     with pytest.raises(ShapeError, match=r"in_dims entry \(0, 0\)"):

@@ -286,3 +286,4 @@ def test_a_non_number_eps_or_clip_is_a_config_error_naming_it():
         with pytest.raises(ConfigError, match=name):
             call()
     torch.testing.assert_close(denormalize(stats, normalize(stats, x, eps=1e-8), eps=1e-8), x)  # numbers still pass
+    torch.testing.assert_close(normalize(stats, x, eps=torch.tensor(1e-8), clip=torch.tensor(10.0)), normalize(stats, x, clip=10.0))

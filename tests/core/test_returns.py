@@ -450,3 +450,9 @@ def test_returns_under_vmap_over_hyperparameters_an_ensemble_and_an_initial_carr
     torch.testing.assert_close(got, by_hand, rtol=0, atol=1e-12)
     with pytest.raises(ConfigError, match="gamma must lie in"):  # eager calls still check
         rlfunc.generalized_advantage_estimate(torch.tensor(1.5), 0.95, v, nv, r, d)
+    # and so do grad alone and an unbatched gamma under vmap, where the host read works (review pass: every
+    # transform skipped the check at first)
+    with pytest.raises(ConfigError, match="gamma must lie in"):
+        torch.func.grad(lambda sv: rlfunc.generalized_advantage_estimate(torch.tensor(1.5), 0.95, sv, nv, r, d)[0].sum())(v)
+    with pytest.raises(ConfigError, match="gamma must lie in"):
+        vmap(lambda sv: rlfunc.generalized_advantage_estimate(torch.tensor(1.5), 0.95, sv, nv, r, d)[0])(members)

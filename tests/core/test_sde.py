@@ -262,3 +262,6 @@ def test_sde_log_prob_and_entropy_name_a_mismatched_action_dim_and_promote_dtype
     want = sde_log_prob(a.double(), loc.double(), z.double(), log_std.double())
     assert got.dtype == torch.float64 and torch.equal(got, want)
     assert torch.equal(sde_entropy(z.double(), log_std, 5), sde_entropy(z.double(), log_std.double(), 5))
+    import numpy as np
+
+    assert torch.equal(sde_entropy(z, log_std, np.int64(5)), sde_entropy(z, log_std, 5))  # numpy ints as before

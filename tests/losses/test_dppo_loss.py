@@ -158,4 +158,6 @@ def test_clip_schedule_refuses_a_fractional_step_count():
     """Regression (functional-core pass): num_steps=2.5 was torch.linspace's TypeError."""
     with pytest.raises(ConfigError, match="num_steps=2.5: expected an int"):
         clip_schedule(2.5, 0.01, 0.1)
-    torch.testing.assert_close(clip_schedule(3, 0.01, 0.1, rate=0.0), torch.tensor([0.01, 0.055, 0.1]))
+    import numpy as np
+
+    torch.testing.assert_close(clip_schedule(np.int64(3), 0.01, 0.1, rate=0.0), torch.tensor([0.01, 0.055, 0.1]))

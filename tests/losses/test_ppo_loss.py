@@ -457,6 +457,8 @@ def test_ppo_loss_under_vmap_over_clip_epsilon_matches_a_loop():
     torch.testing.assert_close(got, loop, rtol=0, atol=1e-12)
     with pytest.raises(ConfigError, match="clip_epsilon"):  # an eager call still checks
         ppo_loss(*args, clip_epsilon=torch.tensor(-0.1))
+    with pytest.raises(ConfigError, match="clip_epsilon"):  # and grad alone (the read works there)
+        torch.func.grad(lambda lp: ppo_loss(lp, *args[1:], clip_epsilon=torch.tensor(-0.1))[0])(args[0])
 
 
 def test_explained_variance_of_targets_with_a_tiny_spread_is_exact():

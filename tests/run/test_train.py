@@ -60,7 +60,8 @@ def test_seeds_as_a_batch_equal_separate_runs(tmp_path):
             torch.testing.assert_close(vmapped.state["params"].get(key)[i], value[0], atol=1e-5, rtol=1e-4)
 
 
-def test_seeds_as_a_batch_under_target_kl_log_each_seeds_own_steps(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"prioritized_minibatches": True, "target_kl": 3e-5}])
+def test_seeds_as_a_batch_under_target_kl_log_each_seeds_own_steps(tmp_path, extra):
     # Regression (metrics pass): with several seeds and target_kl, a seed's metrics went on summing the
     # steps the other seeds took after it stopped, and "updates" was the longest seed's count (seed 3
     # alone: 2 updates at one iteration, beside seed 4: 3, and another approx_kl). Compared up to the first
@@ -68,11 +69,11 @@ def test_seeds_as_a_batch_under_target_kl_log_each_seeds_own_steps(tmp_path):
     # shared by the members (rlfunc.optim.adam), is ahead of its own run's, as documented, so its later
     # updates differ (a fresh machine's floats flipped iteration 4's target_kl stop: 9 updates against 7).
     # Regression too: a stopped seed went on drawing the epochs' shuffles from its generator, so its
-    # generator (its next rollout's actions) was no longer its own run's.
+    # generator (its next rollout's actions) was no longer its own run's; with prioritized minibatches too (review pass).
     import json
 
-    base = dict(num_envs=4, num_steps=128, minibatch_size=256, num_epochs=4, total_steps=2048, target_kl=1e-5, device="cpu",
-                checkpoint_every=0, version_every=0)  # 2 minibatches an epoch: a seed can stop an epoch before the other
+    base = dict({"num_envs": 4, "num_steps": 128, "minibatch_size": 256, "num_epochs": 4, "total_steps": 2048, "target_kl": 1e-5,
+                 "device": "cpu", "checkpoint_every": 0, "version_every": 0}, **extra)  # 2 minibatches an epoch: a seed can stop an epoch before the other
     together_run = train(preset("Pendulum-v1", seed=3, num_seeds=2, **base), tmp_path / "t", progress=False, tensorboard=False,
                          evaluate=False, max_iterations=2)
     together = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -296,7 +297,7 @@ def test_off_a_terminal_the_bar_refreshes_rarely_and_tqdm_disable_hides_it(tmp_p
     run_loop(Slow(), tmp_path / "a", when=when, tensorboard=False, evaluate=False)
     frames = [f for f in capsys.readouterr().err.replace("\r", "\n").splitlines() if f.startswith("slow:")]
     assert len(frames) == 2 and "0/40" in frames[0] and "40/40" in frames[-1], frames
-    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # any non-empty value, as tqdm reads it
     run_loop(Slow(), tmp_path / "b", when=when, tensorboard=False, evaluate=False)
     assert "slow:" not in capsys.readouterr().err
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 40
