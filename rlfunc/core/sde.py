@@ -173,7 +173,7 @@ def sde_log_std(latent: Tensor, log_std: Tensor, *, epsilon: float = EPSILON) ->
     _check_log_std(log_std, latent)
     if not epsilon > 0:
         raise ConfigError(f"epsilon={epsilon!r}: expected > 0")
-    dtype = torch.promote_types(latent.dtype, log_std.dtype)  # as the Gaussian functions (a float64 latent, float32 log_std)
+    dtype = torch.promote_types(latent.dtype, log_std.dtype)  # as the Gaussian functions (a double-precision latent, float32 log_std)
     variance = latent.to(dtype).square() @ torch.exp(2.0 * log_std.to(dtype))
     return 0.5 * torch.log(variance + epsilon)
 

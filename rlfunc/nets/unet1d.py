@@ -61,7 +61,7 @@ class SinusoidalStepEmbedding(nn.Module):
 
 def encode_steps(encoder: nn.Sequential, t: Tensor, dtype: torch.dtype) -> Tensor:
     """``encoder`` (a :class:`SinusoidalStepEmbedding` then layers) of ``t``, the float32 embedding cast
-    to ``dtype`` (the parameters') before the layers: float64 or bf16 parameters without autocast
+    to ``dtype`` (the parameters') before the layers: double-precision or bf16 parameters without autocast
     failed in the first Linear ("mat1 and mat2 must have the same dtype")."""
     h = t
     for i, layer in enumerate(encoder):
