@@ -208,7 +208,7 @@ class GRPOConfig:
         """The PPOConfig whose actor, initialisation and rollout policy GRPO shares (nproc 1: GRPO splits
         its groups over the ranks itself, :meth:`check_data_parallel`; PPO's policy takes the ranks from ``dist``)."""
         return PPOConfig(
-            env=self.env, num_envs=1, num_steps=1, minibatch_size=1, normalize_advantages=False, hidden=self.hidden, activation=self.activation,
+            env=self.env, num_envs=1, num_steps=1, minibatch_size=1, hidden=self.hidden, activation=self.activation,
             init_log_std=self.init_log_std, normalize_observations=self.normalize_observations, obs_clip=self.obs_clip,
             # env_workers=0: GRPO steps its own envs (its workers split num_seeds x num_groups x group_size of them);
             # the shared actor's one env refused --env-workers K unless K divided num_seeds
