@@ -124,9 +124,6 @@ class PPOConfig:
         for name in ("total_steps", "num_envs", "num_steps", "num_epochs", "minibatch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected a positive integer")
-        if self.minibatch_size == 1 and self.normalize_advantages:  # one sample normalises to 0: the actor never learned
-            raise ConfigError("minibatch_size=1 with normalize_advantages: a one-sample minibatch's advantage normalises to "
-                              "exactly 0, so the policy gets no gradient; use minibatch_size >= 2 or normalize_advantages=False")
         if self.batch_size % self.minibatch_size:
             raise ConfigError(
                 f"minibatch_size={self.minibatch_size} does not divide the batch "

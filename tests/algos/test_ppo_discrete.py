@@ -305,14 +305,3 @@ def test_cartpole_preset_versions_every_10_iterations():
     assert (config.run.version_every, config.run.eval_episodes) == (10, 100)
     assert preset("CartPole-v1", version_every=1).run.version_every == 1
     assert preset("Pendulum-v1").run.version_every == 1
-
-
-def test_a_one_sample_minibatch_with_advantage_normalisation_is_refused():
-    """Regression (PPO break pass): `--minibatch-size 1` trained nothing, silently: a one-sample minibatch's
-    advantage normalises to exactly 0, so loss_objective was -0.0 and the entropy stayed at ln 2."""
-    from rlfunc.algos.ppo import preset
-    from rlfunc.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="minibatch_size=1 with normalize_advantages"):
-        preset("CartPole-v1", num_envs=2, num_steps=4, minibatch_size=1, num_epochs=1)
-    assert preset("CartPole-v1", num_envs=2, num_steps=4, minibatch_size=1, num_epochs=1, normalize_advantages=False).minibatch_size == 1
