@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import warnings
 
 import torch
 
@@ -79,6 +81,23 @@ def distributed_backend(device: torch.device) -> str:
 def supports_vmap(device: torch.device) -> bool:
     """False where torch.func.vmap is unavailable (torch_npu); callers then use a loop."""
     return device.type != "npu"
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op CPU threads to ``threads`` (``RunConfig.torch_threads``; 0: leave torch's
+    default), at most the cores this process may run on: more only oversubscribes them, and a huge
+    count made torch's thread pool crash the process (``--torch-threads 100000``: a segfault). A run
+    configured on a larger machine and resumed on this one gets this one's cores. Warns when it caps.
+
+    Returns:
+        the threads torch uses now."""
+    if threads:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if threads > cores:
+            warnings.warn(f"torch_threads={threads}: this process may run on {cores} cores; using {cores}", stacklevel=2)
+            threads = cores
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def synchronize(device: torch.device) -> None:

@@ -60,7 +60,7 @@ from rlfunc.algos.diffusion_actor import (
 from rlfunc.algos.dppo import DPPOConfig, make_dppo
 from rlfunc.algos.sac_diffusion import SACDiffusionConfig, make_sac_diffusion
 from rlfunc.algos.td3_diffusion import TD3DiffusionConfig, make_td3_diffusion
-from rlfunc.device import resolve_device, span
+from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
@@ -85,8 +85,7 @@ def _setup(config) -> torch.device:
     """The run's device, once ``config.env`` is known to be one the actor runs on (EnvError if not)."""
     check_env(config.env)
     device = resolve_device(config.run.device)
-    if config.run.torch_threads:
-        torch.set_num_threads(config.run.torch_threads)
+    set_threads(config.run.torch_threads)
     return device
 
 

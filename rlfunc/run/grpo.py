@@ -36,7 +36,7 @@ from rlfunc.algos import registry as algorithms
 from rlfunc.algos.grpo import GRPOConfig, check_loss_fields, make_grpo
 from rlfunc.algos.ppo import EnvSpec
 from rlfunc.core.stats import seeds_summary, success_summary
-from rlfunc.device import resolve_device, span
+from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs import collect
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_rollout_gym, grouped_rollout_torchrl
@@ -147,8 +147,7 @@ class GRPORun(Run):
         collect.check_env_id(config.env)
         if not resumed:  # a new run from Python (train(config, ...)), as preset() and the CLI do: the other
             check_loss_fields(config)  # loss's settings were recorded and unread; a saved run still resumes
-        if config.run.torch_threads:
-            torch.set_num_threads(config.run.torch_threads)
+        set_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, config.loss
         self.world_size = 1 if dist is None else dist.world_size
         self.spec = _spec(config.env, config.loss)

@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from rlfunc.algos import registry as algorithms
 from rlfunc.algos.mappo import MAPPOConfig, make_mappo, state_value
 from rlfunc.config import check_episodes, check_eval_seed, replace
-from rlfunc.device import resolve_device, span
+from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs import registry
 from rlfunc.envs.grouped import grouped_reset
 from rlfunc.envs.registry import EnvEntry
@@ -224,8 +224,7 @@ class MAPPORun(Run):
             warnings.warn(f"run.seed={config.run.seed} is one of eval_seeds={config.eval_seeds}: the training warehouses draw "
                           "that evaluation's tasks, so it is not on unseen ones; pick another --seed or other --eval-seeds",
                           stacklevel=3)
-        if config.run.torch_threads:
-            torch.set_num_threads(config.run.torch_threads)
+        set_threads(config.run.torch_threads)
         self.config, self.device, self.name = config, device, f"mappo-{config.loss}"
         self.dist = dist if dist is not None and dist.active else None
         self.rank, self.world_size = (0, 1) if self.dist is None else (dist.rank, dist.world_size)

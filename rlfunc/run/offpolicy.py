@@ -47,7 +47,7 @@ from rlfunc.algos.ppo import EnvSpec
 from rlfunc.algos.sac import SACConfig, make_sac
 from rlfunc.algos.td3 import TD3Config, make_td3
 from rlfunc.core.stats import success_summary, summarize_returns
-from rlfunc.device import resolve_device, span
+from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs import collect
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
 from rlfunc.config import check_episodes, check_eval_seed
@@ -141,8 +141,7 @@ class OffPolicyRun(Run):
                           "so the run takes no gradient step; lower --learning-starts or raise --total-steps", stacklevel=2)
         self.venv = collect.make_vec_env(config.env, self.local_envs, workers=config.run.env_workers)
         try:
-            if config.run.torch_threads:
-                torch.set_num_threads(config.run.torch_threads)
+            set_threads(config.run.torch_threads)
             self.spec = env_spec(self.venv, config.env)
             self.algo = MAKERS[type(config)](config, self.spec, device, dist)
             self.state = self.algo.init()

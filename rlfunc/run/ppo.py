@@ -46,7 +46,7 @@ from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, check_new_run, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import seeds_summary, success_summary
 from rlfunc.config import check_episodes, replace
-from rlfunc.device import resolve_device, span
+from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
@@ -265,8 +265,7 @@ class PPORun(Run):
         self.venv = collect.make_vec_env(config.env, config.run.num_seeds * self.local_envs, vectorization=config.vectorization,
                                          workers=config.run.env_workers)
         try:
-            if config.run.torch_threads:
-                torch.set_num_threads(config.run.torch_threads)
+            set_threads(config.run.torch_threads)
             self.spec = env_spec(self.venv, config.env)
             warn_bounds_without_zero(self.spec, config.env)
             if not resumed:

@@ -41,7 +41,7 @@ from rlfunc.algos import registry as algorithms
 from rlfunc.algos.diffusion_actor import EnvInfo, check_env, dones_of_split, env_info
 from rlfunc.algos.ppo_encoder import ALGO, PPOEncoderConfig, check_dict_info, evaluate, make_ppo_encoder
 from rlfunc.core import func
-from rlfunc.device import resolve_device, span
+from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.envs.collect import reports_success
 from rlfunc.config import check_episodes, check_eval_seed
@@ -111,8 +111,7 @@ class EncoderRun(Run):
 
     def __init__(self, config: PPOEncoderConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         check_env(config.env)
-        if config.run.torch_threads:
-            torch.set_num_threads(config.run.torch_threads)
+        set_threads(config.run.torch_threads)
         self.config, self.device, self.dist = config, device, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         W = self.world_size

@@ -106,3 +106,39 @@ def test_span_is_a_no_op_unless_a_profiler_records(tmp_path):
         prof.step()
     (trace,) = tmp_path.glob("w*.pt.trace.json")
     assert '"the_range"' in trace.read_text()
+
+
+def test_set_threads_caps_at_the_cores_this_process_may_use(monkeypatch):
+    # Regression: `--torch-threads 100000` made torch's thread pool crash the process (exit 139),
+    # leaving a run dir that a rerun refused as not empty. It is capped at the cores, with a warning.
+    import os
+    import warnings
+
+    from rlfunc.device import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        with pytest.warns(UserWarning, match="torch_threads=100000: this process may run on 2 cores; using 2"):
+            assert set_threads(100000) == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # within the cores: no warning
+            assert set_threads(1) == 1
+            assert set_threads(0) == 1  # 0: torch's setting is left as it is
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_run_with_more_torch_threads_than_cores_trains(tmp_path):
+    # Regression: the input that crashed the process; in a subprocess, so that old code's segfault fails
+    # only this test.
+    import subprocess
+    import sys
+
+    code = ("from rlfunc.algos.ppo import preset; from rlfunc.run import train; "
+            f"train(preset('CartPole-v1', total_steps=256, torch_threads=100000, device='cpu'), {str(tmp_path / 'r')!r}, "
+            "progress=False, tensorboard=False, evaluate=False)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch_threads=100000: this process may run on" in done.stderr
+    assert (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") == 1
