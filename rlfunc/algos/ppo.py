@@ -852,7 +852,12 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
                         p.grad = None
                     with_curvature = transform is not None and shaped.curvature_due(config, optim_state)
                     graph_grads = shaped.gradients(loss.sum(), leaves, with_curvature)
-                    curvature = shaped.curvature(graph_grads, leaves, names, generators) if with_curvature else None
+                    if with_curvature and seed_updates is not None and not bool(active.all()):
+                        # a seed stopped by target_kl draws no probes either (as alone); its curvature is masked out
+                        probe_generators = [g if on else torch.Generator(device).manual_seed(0) for g, on in zip(generators, active.tolist())]
+                    else:
+                        probe_generators = generators
+                    curvature = shaped.curvature(graph_grads, leaves, names, probe_generators) if with_curvature else None
                     del graph_grads
                     grads = [p.grad for p in leaves]
                     if W > 1:  # all_reduce_mean, with the loss and metrics in its buffer: every rank decides alike

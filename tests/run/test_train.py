@@ -60,7 +60,7 @@ def test_seeds_as_a_batch_equal_separate_runs(tmp_path):
             torch.testing.assert_close(vmapped.state["params"].get(key)[i], value[0], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("extra", [{}, {"prioritized_minibatches": True, "target_kl": 3e-5}])
+@pytest.mark.parametrize("extra", [{}, {"prioritized_minibatches": True, "target_kl": 3e-5}, {"oscillation_damping": True, "hessian_interval": 1}])
 def test_seeds_as_a_batch_under_target_kl_log_each_seeds_own_steps(tmp_path, extra):
     # Regression (metrics pass): with several seeds and target_kl, a seed's metrics went on summing the
     # steps the other seeds took after it stopped, and "updates" was the longest seed's count (seed 3
