@@ -38,7 +38,9 @@ def check_episodes(episodes, copies: int = 1, name: str = "episodes") -> None:
         raise ConfigError(f"{name}={episodes!r}: expected an integer >= 1")
     if episodes * copies > MAX_EVAL_ENVS:
         per = f" per seed, {copies} seeds" if copies > 1 else ""
-        raise ConfigError(f"{name}={episodes}{per}: expected at most {MAX_EVAL_ENVS // copies} (an evaluation steps one env "
+        most = MAX_EVAL_ENVS // copies  # 0 for more seeds than the limit: the seeds alone are too many (it said "at most 0")
+        want = f"at most {most}" if most else f"fewer than {MAX_EVAL_ENVS + 1} seeds x episodes (evaluate fewer seeds together)"
+        raise ConfigError(f"{name}={episodes}{per}: expected {want} (an evaluation steps one env "
                           f"per episode at once, at most {MAX_EVAL_ENVS}: about 1 MB each for a MuJoCo env)")
 
 

@@ -353,3 +353,11 @@ def test_an_optional_number_field_refuses_a_non_number(cls, field, value, expect
     __post_init__ (every other field of the wrong type names itself)."""
     with pytest.raises(ConfigError, match=rf"^{field}={value!r}: expected {expected}$".replace("[", r"\[").replace("]", r"\]")):
         cls(**{field: value})
+
+
+def test_more_seeds_than_an_evaluation_can_step_name_the_limit():
+    # Regression: `--num-seeds 100000 --eval-episodes 2` said "expected at most 0" (episodes per seed).
+    with pytest.raises(ConfigError, match=r"^run.eval_episodes=2 per seed, 100000 seeds: expected fewer than 10001 seeds x episodes"):
+        RunConfig(eval_episodes=2, num_seeds=100_000)
+    with pytest.raises(ConfigError, match=r"^run.eval_episodes=2 per seed, 6000 seeds: expected at most 1 "):
+        RunConfig(eval_episodes=2, num_seeds=6_000)
