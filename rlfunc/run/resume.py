@@ -45,7 +45,8 @@ from rlfunc.run.log import read_metrics
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
 STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner state; 1 (no key): torch.optim's, beside it
-NO_SNAPSHOT = "no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end)"
+NO_SNAPSHOT = ("no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end); a run "
+               "stopped before its first one cannot be resumed: train it again with a new --run-dir, or remove this one")
 
 
 # ------------------------------------------------------------------------------------ the run dir

@@ -337,3 +337,30 @@ def test_the_progress_bar_keeps_the_last_return_instead_of_nan(tmp_path, capsys)
     train(config, tmp_path / "r", progress=True, tensorboard=False, evaluate=False)
     err = capsys.readouterr().err
     assert "steps_per_s=" in err and "episode_return=" in err and "nan" not in err
+
+
+def test_a_run_that_failed_before_its_first_snapshot_says_what_to_do(tmp_path, monkeypatch):
+    # Regression: a new run that failed after its first iteration but before its first snapshot left a run
+    # dir (its metrics line kept) that `resume` refused with "no snapshot" and `train` with "not empty",
+    # neither saying that it cannot be resumed and what to do instead.
+    import rlfunc.envs.collect as collect
+    from rlfunc.errors import CheckpointError, ConfigError
+    from rlfunc.run.loop import resume
+
+    real_rollout, calls = collect.rollout, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("the env broke")
+        return real_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(collect, "rollout", failing)
+    config = preset("Pendulum-v1", total_steps=3 * 128, **dict(TINY, checkpoint_every=0, version_every=0))
+    with pytest.raises(RuntimeError, match="the env broke"):
+        train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
+    assert (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") == 1  # its line is kept, not deleted
+    with pytest.raises(CheckpointError, match="cannot be resumed: train it again with a new --run-dir, or remove this one"):
+        resume(tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
+    with pytest.raises(ConfigError, match="is not empty .*choose a new --run-dir or remove it"):
+        train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
