@@ -127,6 +127,16 @@ def require_default(run: RunConfig, **why: str) -> None:
             raise ConfigError(f"run.{name}={value!r}: {reason}")
 
 
+def check_new_ppo_run(config: Any) -> None:
+    """ConfigError for a PPO-family config (``minibatch_size``, ``normalize_advantages``) that would
+    train nothing: a one-sample minibatch's advantage normalises to 0, so the policy loss and its
+    gradient are 0 on every step. Checked where a new run is built, not in the config's validation,
+    so that a run saved with it can still be evaluated and resumed."""
+    if config.minibatch_size == 1 and config.normalize_advantages:
+        raise ConfigError("minibatch_size=1 with normalize_advantages: a one-sample minibatch's advantage normalises to 0, "
+                          "so the policy would never move; use minibatch_size >= 2 or turn normalize_advantages off")
+
+
 def check_dependents(config: Any, base: Any) -> None:
     """ConfigError for a field that ``config`` sets away from ``base`` (what the run was configured
     from: the class defaults or an env preset) while the switch that field serves is off, so the run

@@ -45,7 +45,7 @@ from rlfunc.algos import registry as algorithms
 from rlfunc.algos.ppo import PPO, EnvSpec, PPOConfig, check_new_run, make_ppo
 from rlfunc.core import func
 from rlfunc.core.stats import seeds_summary, success_summary
-from rlfunc.config import check_episodes, replace
+from rlfunc.config import check_episodes, check_new_ppo_run, replace
 from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs import collect
 from rlfunc.errors import CheckpointError, ConfigError, EnvError
@@ -259,6 +259,8 @@ class PPORun(Run):
         self.config, self.device, self.dist = config, device, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)
         ppo_parallel.check_config(config, self.world_size)
+        if not resumed:
+            check_new_ppo_run(config)
         self.local_envs = config.num_envs // self.world_size  # this rank's envs per seed
         self.run_dir: Path | None = None  # set by open()
         self.total = config.num_iterations

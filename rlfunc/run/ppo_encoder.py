@@ -44,7 +44,7 @@ from rlfunc.core import func
 from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.envs.chunk import GymChunkEnv
 from rlfunc.envs.collect import reports_success
-from rlfunc.config import check_episodes, check_eval_seed
+from rlfunc.config import check_episodes, check_eval_seed, check_new_ppo_run
 from rlfunc.errors import CheckpointError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.optim.amp import precision, without_loss_scale
@@ -111,6 +111,8 @@ class EncoderRun(Run):
 
     def __init__(self, config: PPOEncoderConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         check_env(config.env)
+        if not resumed:
+            check_new_ppo_run(config)
         set_threads(config.run.torch_threads)
         self.config, self.device, self.dist = config, device, dist
         self.rank, self.world_size = (0, 1) if dist is None else (dist.rank, dist.world_size)

@@ -752,3 +752,43 @@ def test_a_missing_device_with_nproc_is_one_line_before_any_rank_starts(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "device='cuda': this machine has no CUDA device" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_new_run_whose_minibatches_normalise_every_advantage_to_zero_is_refused(tmp_path, capsys, monkeypatch):
+    # Regression (PPO break pass): `--minibatch-size 1` with advantage normalisation (the default) trained no
+    # policy, silently: a one-sample minibatch's advantage normalises to 0. A run saved with it (before the
+    # check) is still evaluated and resumed: the check is where a new run is built, not in the config.
+    import rlfunc.run.ppo as run_ppo
+
+    flags = ["--total-steps", "64", "--num-envs", "1", "--num-steps", "32", "--num-epochs", "1", "--eval-episodes", "2",
+             "--device", "cpu", "--checkpoint-every", "1"]
+    code = main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(tmp_path / "new"), "--minibatch-size", "1", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "minibatch_size=1 with normalize_advantages" in err[0], err
+    assert not (tmp_path / "new").exists()
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(tmp_path / "off"), "--minibatch-size", "1",
+                 "--no-normalize-advantages", "--total-steps", "32", *flags[2:]]) == 0  # without normalisation it trains
+    capsys.readouterr()
+    monkeypatch.setattr(run_ppo, "check_new_ppo_run", lambda config: None)  # a run saved before the check
+    assert main(["train", "ppo", "--env", "Pendulum-v1", "--run-dir", str(tmp_path / "old"), "--minibatch-size", "1",
+                 "--total-steps", "32", *flags[2:]]) == 0
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "old"), "--episodes", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["episodes"] == 2
+    assert main(["resume", str(tmp_path / "old"), "--total-steps", "64"]) == 0
+    assert json.loads((tmp_path / "old" / "eval.json").read_text())["env_steps"] == 64
+
+
+def test_a_new_encoder_run_with_one_sample_minibatches_is_refused(tmp_path):
+    from rlfunc.algos.ppo_encoder import PPOEncoderConfig
+    from rlfunc.config import check_new_ppo_run, replace
+    from rlfunc.errors import ConfigError
+    from rlfunc.run import train
+
+    config = replace(PPOEncoderConfig(), num_envs=1, num_steps=8, minibatch_size=1, device="cpu")
+    with pytest.raises(ConfigError, match="^minibatch_size=1 with normalize_advantages"):
+        train(config, tmp_path / "r", progress=False, tensorboard=False)
+    assert not (tmp_path / "r").exists()
+    check_new_ppo_run(replace(config, normalize_advantages=False))
+    check_new_ppo_run(PPOEncoderConfig())
