@@ -26,16 +26,23 @@ def params_from_module(module: nn.Module) -> TensorDict:
     """A detached copy of ``module``'s parameters and buffers as a nested TensorDict.
 
     The copy owns its storage so the module stays a skeleton and never aliases the learner's
-    parameters. Parameters require grad; buffers (e.g. BatchNorm running statistics) do not.
+    parameters. Parameters require grad; buffers (e.g. BatchNorm running statistics) do not. A tensor
+    the module holds under several names (tied weights) is kept once, under its first name, as
+    ``named_parameters`` lists it; :func:`apply` ties it to the others again (``functional_call``'s
+    ``tie_weights``), so its gradient sums every use.
 
     Raises:
         ShapeError: ``module`` is not a ``torch.nn.Module`` (a TensorDict of parameters is one already).
     """
     if not isinstance(module, nn.Module):
         raise ShapeError(f"params_from_module: module: expected a torch.nn.Module, got {type(module).__name__}")
-    params = TensorDict.from_module(module, as_module=False).clone()
+    params = TensorDict.from_module(module, as_module=False)
     trainable = {tuple(name.split(".")) for name, _ in module.named_parameters()}
-    return as_leaves(params, trainable)
+    kept = trainable | {tuple(name.split(".")) for name, _ in module.named_buffers()}  # each tensor once
+    tied = [k for k in params.keys(include_nested=True, leaves_only=True) if (k if isinstance(k, tuple) else (k,)) not in kept]
+    if tied:  # a second name of a tied tensor: two copies were a ValueError in apply (functional_call's tie check)
+        params = params.exclude(*tied)
+    return as_leaves(params.clone(), trainable)
 
 
 def as_leaves(params: TensorDictBase, trainable: set[tuple[str, ...]] | None = None) -> TensorDictBase:

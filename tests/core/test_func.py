@@ -450,3 +450,29 @@ def test_vmap_maps_a_dict_of_stacked_params_and_takes_a_device_name(use_loop):
         vmap(lambda p: p["a"], 0, use_loop=True)({"a": torch.ones(3), "b": torch.ones(4)})
     with pytest.raises(ShapeError, match=r"in_dims entry \(0, 0\)"):
         vmap(lambda p, o: o, ((0, 0), None), use_loop=use_loop)(params, obs)
+
+
+def test_params_from_module_keeps_a_tied_weight_once_and_apply_ties_it_again():
+    # Regression: a module with tied weights (b.weight is a.weight) gave params holding two copies, the
+    # second without grad, and apply() failed in functional_call ("got multiple values for keys ...
+    # which are tied"). The tensor is kept once; its gradient sums both uses, as the module's own.
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    module, x = Tied(), torch.randn(4, 3)
+    params = params_from_module(module)
+    assert sorted(params.keys(include_nested=True, leaves_only=True)) == [("a", "bias"), ("a", "weight"), ("b", "bias")]
+    assert all(v.requires_grad for v in params.values(include_nested=True, leaves_only=True))
+    out = apply(module, params, x)
+    module(x).square().sum().backward()
+    torch.testing.assert_close(out, module(x).detach())
+    out.square().sum().backward()
+    torch.testing.assert_close(params["a", "weight"].grad, module.a.weight.grad)  # both uses
+    torch.testing.assert_close(params["b", "bias"].grad, module.b.bias.grad)
