@@ -715,13 +715,17 @@ class ReplayDiffusionRun(DiffusionRun):
 def _episode_metrics(batch: TensorDict, env_id: str) -> dict:
     """Episodes that ended in ``batch`` [N, T]: their count and the env's own statistics of them
     (its registry entry's ``episode_metrics``), else their mean return and, for an env that reports
-    success (:func:`~rlfunc.algos.diffusion_actor.reports_success`), their success rate."""
+    success (:func:`~rlfunc.algos.diffusion_actor.reports_success`), their success rate, of the
+    episodes whose return is finite (a NaN or inf reward's episode counts nowhere)."""
     done = batch["next", "done"]
+    entry = registry.find(env_id)
+    own = entry is not None and entry.episode_metrics is not None
+    if not own:  # as PPO's and sac/td3's lines
+        done = done & batch["next", "episode_return"].isfinite()
     ended = int(done.sum())
     if not ended:
         return {"episodes": 0}
-    entry = registry.find(env_id)
-    if entry is not None and entry.episode_metrics is not None:
+    if own:
         return {"episodes": ended, **entry.episode_metrics(batch)}
     out = {"episodes": ended, "episode_return": float(batch["next", "episode_return"][done].mean())}
     if reports_success(env_id):

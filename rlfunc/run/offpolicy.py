@@ -31,6 +31,7 @@ the mean; td3: the actor's output) on ``eval_episodes`` episodes whose reset see
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from pathlib import Path
@@ -200,13 +201,14 @@ class OffPolicyRun(Run):
         """The iteration's end: the counters and generator state into ``state`` (the run's state
         from now on), and its metrics line: the mean return of the episodes that ended, each
         metric's mean over the gradient steps that gave it a finite value, the skipped steps' counts
-        (:class:`~rlfunc.algos.offpolicy.StepMetrics`; one host read per metric), ``extra``."""
+        (:class:`~rlfunc.algos.offpolicy.StepMetrics`; one host read per metric), ``extra``. An episode
+        whose return is not finite (a NaN or inf reward) is in neither "episodes" nor "episode_return"."""
         state["env_steps"] = torch.tensor(steps, device=self.device)
         state["iteration"] = state["iteration"] + 1
         state["rng"] = self.gen.get_state()
         self.state = state
-        finite = [r for r in returns if r == r]
-        record = {"iteration": i, "step": steps, "episodes": len(returns),
+        finite = [r for r in returns if math.isfinite(r)]  # as PPO's line: a non-finite return counts nowhere
+        record = {"iteration": i, "step": steps, "episodes": len(finite),
                   "steps_per_s": self.config.num_steps * self.config.num_envs / max(collect_s + update_s, 1e-9),
                   "collect_s": collect_s, "update_s": update_s, "updates": int(state["updates"]), **extra}
         if finite:

@@ -114,3 +114,36 @@ def test_non_finite_transitions_never_reach_the_replay_buffer_and_are_counted(tm
     assert all(bool(v.isfinite().all()) for v in buffer.values(include_nested=True, leaves_only=True) if v.is_floating_point())
     assert all(x["loss_critic"] is not None and x["loss_critic"] == x["loss_critic"] for x in lines[1:])
     assert lines[1]["skipped_critic"] == 0.0 and lines[1]["skipped_actor"] == 0.0  # no minibatch held a NaN
+
+
+_BAD_REWARD_ENV = """import gymnasium, numpy as np
+from gymnasium.envs.classic_control.pendulum import PendulumEnv
+class BadReward(PendulumEnv):
+    episode = -1
+    def reset(self, *, seed=None, options=None):
+        self.t, self.episode = 0, self.episode + 1
+        return super().reset(seed=seed, options=options)
+    def step(self, a):
+        obs, r, term, trunc, info = super().step(a)
+        self.t += 1
+        if self.t == 3 and self.episode % 4 in (1, 2):  # episodes 1, 2, 5, 6: a NaN, then an inf reward
+            r = np.nan if self.episode % 4 == 1 else np.inf
+        return obs, r, term, trunc, info
+gymnasium.register(id="BadRewardPendulum-v0", entry_point=BadReward, max_episode_steps=20)
+"""
+
+
+@pytest.mark.parametrize("name", ["sac", "td3"])
+def test_episodes_with_a_non_finite_return_are_left_out_of_the_line_as_ppo_does(tmp_path, capsys, monkeypatch, name):
+    """Regression: an off-policy line counted the episodes whose return was NaN in "episodes" (PPO's
+    line leaves them out of both), and an inf return made "episode_return" inf."""
+    (tmp_path / "rlfunc_test_bad_reward_env.py").write_text(_BAD_REWARD_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    d = tmp_path / "run"
+    assert main(["train", name, "--env", "rlfunc_test_bad_reward_env:BadRewardPendulum-v0", "--run-dir", str(d), *SMALL]) == 0
+    capsys.readouterr()
+    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    # 5 episodes of 20 steps in each 100-step line: line 0 holds episodes 0-4 (1: NaN, 2: inf), line 1 episodes 5-9 (5, 9:
+    # NaN, 6: inf)
+    assert [x["episodes"] for x in lines] == [3, 2]
+    assert all(-20 * 16.3 <= x["episode_return"] <= 0 for x in lines), lines  # a Pendulum return: finite, <= 0

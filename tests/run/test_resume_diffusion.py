@@ -445,3 +445,16 @@ def test_the_diffusion_runs_metrics_lines_time_their_phases(tmp_path):
         warm = [r["step"] < getattr(config, "warmup_steps", 0) for r in records]
         assert [r["update_s"] > 0 for r in records] == [not w for w in warm] and any(warm) == (name == "td3")
         assert sum(r["collect_s"] + r["update_s"] for r in records) <= records[-1]["time"]
+
+
+def test_an_episode_with_a_non_finite_return_is_left_out_of_a_gymnasium_line():
+    # Regression: td3-diffusion's (and dppo's, sac-diffusion's) line on a gymnasium env averaged a NaN or inf
+    # episode return into "episode_return" and counted it in "episodes"; ppo's and sac/td3's leave it out of both.
+    from tensordict import TensorDict
+
+    done = torch.tensor([[False, True, False], [True, False, True]]).unsqueeze(-1)
+    ret = torch.tensor([[9.0, -5.0, 7.0], [float("nan"), 3.0, float("inf")]]).unsqueeze(-1)
+    batch = TensorDict({"next": {"done": done, "episode_return": ret}}, batch_size=[2, 3])
+    assert td._episode_metrics(batch, "Pendulum-v1") == {"episodes": 1, "episode_return": -5.0}
+    batch["next", "episode_return"][0, 1] = float("-inf")
+    assert td._episode_metrics(batch, "Pendulum-v1") == {"episodes": 0}
