@@ -1,5 +1,6 @@
 """sac-diffusion's and td3-diffusion's update, eager vs ``--compile on`` (issue 18; the threshold of
-``--compile auto``, rlfunc.algos.replay_diffusion.AUTO_COMPILE_UPDATES, rests on it).
+``--compile auto``, AUTO_COMPILE_UPDATES of rlfunc.algos.td3_diffusion and rlfunc.algos.sac_diffusion,
+rests on it).
 
 Each algorithm at its defaults on PointReach-v0 (DiffusionMLP 256x256x256, horizon 1; sac-diffusion's
 20-step DDPM chain, td3-diffusion's 5 DDIM steps; critics 256x256; minibatches of 256), a replay buffer

@@ -2,8 +2,8 @@
 proprio, through the multimodal encoder) beside flat-observation PPO on Pusher-v5's state vector, at the
 same env-step budget; and Push-v0 with images (two cameras, proprio, instruction): steps/s and success.
 
-Both Pusher runs go through the library's own trainers (rlfunc.run.ppo_encoder.train_ppo_encoder and
-rlfunc.run.ppo.train) into RUN_DIRs under --out; the learning curves (mean return of the episodes that
+Both Pusher runs go through the library's own entry point (rlfunc.run.train, with an encoder-PPO and a
+PPO config) into RUN_DIRs under --out; the learning curves (mean return of the episodes that
 ended in each iteration) are read back from their metrics.jsonl and printed side by side, binned by env
 steps, with steps/s and the final deterministic evaluation of each.
 
@@ -65,7 +65,6 @@ def run_pusher(out: Path, steps: int, seed: int, bin_steps: int, state: bool = T
     """``pixel_kw``: device, envs, encoder of :func:`pixel_config`; ``state=False`` skips the state run."""
     from rlfunc.run import train
     from rlfunc.run.ppo import evaluate
-    from rlfunc.run import train
 
     results = {}
     t = time.perf_counter()

@@ -59,7 +59,7 @@ class AlgorithmEntry:
             snapshot's meta "config" is read back into it (:func:`config_from_meta`).
         run: ``(config, device, *, dist=None, resumed=False) -> rlfunc.run.Run``, one run of it
             (usually the :class:`rlfunc.run.Run` subclass itself); :func:`rlfunc.run.train` and
-            :func:`rlfunc.run.resume` drive it.
+            :func:`rlfunc.resume` drive it.
         command: ``rlfunc train NAME ARGS...``: ``(name, argv) -> exit code`` (parses the flags,
             trains, reports).
         evaluate: ``(run_dir, episodes=None, *, seed=None, device="auto") -> dict``, the JSON line

@@ -55,11 +55,6 @@ DEPENDENTS = (
 )
 
 
-def enabled(config) -> bool:
-    """Whether ``config`` turns on a step transform (damping or the adaptive clip radius)."""
-    return bool(config.oscillation_damping or config.adaptive_clip)
-
-
 def make_transform(config) -> shaping.GradientTransformation | None:
     """The chain ``config`` asks for (damping, then the trust region), or None when both are off."""
     parts = []

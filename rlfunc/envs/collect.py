@@ -423,18 +423,6 @@ def make_collector(env, policy: Policy, frames_per_batch: int, total_frames: int
     return Collector(env, policy_module(policy), frames_per_batch=frames_per_batch, total_frames=total_frames, **kwargs)
 
 
-def episode_returns(venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[int], *, device: torch.device, max_steps: int = 100_000) -> Tensor:
-    """Return of the first episode of every env of ``venv`` (reset with ``seeds``), acting with ``policy``.
-
-    Returns:
-        [N] float32 episodic returns (undiscounted, env reward units).
-
-    Raises:
-        EnvError: an episode has not ended after ``max_steps`` steps.
-    """
-    return episode_outcomes(venv, policy, seeds, device=device, max_steps=max_steps)[0]
-
-
 def _final_success(info: dict, ended: np.ndarray) -> np.ndarray | None:
     """``info["is_success"]`` of the envs that ended this step (SAME_STEP autoreset keeps the final
     step's info under "final_info"), or None when the env reports no success."""
@@ -447,10 +435,12 @@ def _final_success(info: dict, ended: np.ndarray) -> np.ndarray | None:
 def episode_outcomes(
     venv: gym.vector.VectorEnv, policy: Policy, seeds: Sequence[int], *, device: torch.device, max_steps: int = 100_000
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`episode_returns` and whether each first episode ended in success.
+    """The return of the first episode of every env of ``venv`` (reset with ``seeds``), acting with
+    ``policy``, and whether it ended in success.
 
     Returns:
-        (returns [N] float32, success [N] bool or None when the env puts no "is_success" in its info).
+        (returns [N] float32, undiscounted in env reward units; success [N] bool, or None when the env
+        puts no "is_success" in its info).
 
     A warning names how many episodes the policy acted NaN in: the env receives such an action as 0
     (:func:`_env_action`), so that episode's return is not the policy's (a seed with NaN parameters

@@ -1,4 +1,5 @@
-"""Gradient transforms in the optax shape, and the torch.optim path the other algorithms still use.
+"""Gradient transforms in the optax shape (every algorithm's update chain), and a torch.optim path
+for callers who keep a torch.optim optimizer.
 
 Transforms (the learner state owns the optimizer's state):
 

@@ -369,6 +369,17 @@ def check_learner(where: str, loaded: TensorDictBase | None, like: TensorDictBas
     return loaded
 
 
+def load_learner_for_eval(snapshot: Path, like: TensorDictBase, device: torch.device) -> TensorDictBase:
+    """``like`` (the fresh learner state the run's config builds, on ``device``) holding the learner
+    state of ``snapshot``, checked by :func:`check_learner` with generators="fresh" (an evaluation
+    draws nothing from them, so a run trained on another device type loads). Raises as those two."""
+    loaded, _ = load_snapshot(snapshot, device=device)
+    learner = check_learner(str(snapshot), loaded.get("learner", None), like, generators="fresh")
+    with torch.no_grad():
+        like.update_(learner)
+    return like
+
+
 def _table(flat: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], str]]:
     """{name: (shape as a list, dtype name)}: the form meta.json records and the checks compare."""
     return {name: (list(t.shape), _dtype_name(t.dtype)) for name, t in flat.items()}

@@ -18,7 +18,7 @@ Push-v0). Dict observations (Push-v0: two cameras, proprio, an instruction) go t
 observation statistics and actor spec. A snapshot is written every ``checkpoint_every`` iterations
 and at the end (the last ``keep_checkpoints`` kept).
 
-Resume (:func:`rlfunc.run.resume`, or ``rlfunc.run.train(None, run_dir, resume=True)``) continues from the newer of the latest snapshot and the current branch's head
+Resume (:func:`rlfunc.resume`, or ``rlfunc.run.train(None, run_dir, resume=True)``) continues from the newer of the latest snapshot and the current branch's head
 version (:func:`rlfunc.run.resume_source`) with its config, optionally with a new budget. On CPU it is
 exact: N iterations, stop, resume to 2N give the same parameters, optimizer and RNG states as 2N in
 one go. A snapshot holds the learner state (its "rng": the noise and minibatch generator; its

@@ -10,7 +10,7 @@ or from the torch env's generator, seeded once with the run's first seed for all
 backend: the seeds draw their start states from one stream, so seed k of a batch is a run of its
 own, not the run of seed k alone).
 
-Resume (:func:`rlfunc.run.resume`) is exact on CPU: 2N iterations in
+Resume (:func:`rlfunc.resume`) is exact on CPU: 2N iterations in
 one go equal N, stop, N more, parameter for parameter. A snapshot holds the learner state (its
 action-sampling generators included; its Adam state, ``state["optim"]``, as the snapshot's "optim":
 :func:`rlfunc.run.resume.learner_entries`) and, on the torch backend, the env's generator and state; the
@@ -251,10 +251,5 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     dev = resolve_device(device)
     spec = _spec(config.env, config.loss)
     checkpoint.check_env_spec(str(snap), meta, spec)
-    like = make_grpo(config, spec, dev).init().exclude("optim")
-    loaded, _ = checkpoint.load_snapshot(snap, device=dev)
-    # evaluation draws nothing from the generator states: those of another device type are replaced
-    learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), like, generators="fresh")
-    with torch.no_grad():
-        like.update_(learner)
+    like = checkpoint.load_learner_for_eval(snap, make_grpo(config, spec, dev).init().exclude("optim"), dev)
     return {"algo": meta["algo"], **evaluate_policy(config, like, spec, dev, episodes, config.run.seed if seed is None else seed)}

@@ -14,7 +14,7 @@ Collection is the torch-batched env's own loop (``step_and_maybe_reset``): every
 and every agent of every env, steps at once on the device; grpo/gspo reset all envs with
 :func:`rlfunc.envs.grouped.grouped_reset` so each group of ``group_size`` envs starts from one state.
 
-Resume (:func:`rlfunc.run.resume`): a snapshot holds the learner
+Resume (:func:`rlfunc.resume`): a snapshot holds the learner
 state (its Adam state, ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.run.resume.learner_entries`),
 the action-sampling / minibatch generator ("rng", uint8), the collection carry
 (the env output acted on next, the running team returns) and, on Warehouse-v0, the env's core state
@@ -181,11 +181,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
                                  eval_episodes=config.run.eval_episodes if episodes is None else episodes,
                                  eval_seeds=config.eval_seeds if seed is None else (seed,))
     algo = make_mappo(config, dims["obs_dim"], dims["n_agents"], dims["n_actions"], dev)
-    state = algo.init().exclude("optim")
-    loaded, _ = checkpoint.load_snapshot(snap, device=dev)
-    learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
-    with torch.no_grad():
-        state.update_(learner)
+    state = checkpoint.load_learner_for_eval(snap, algo.init().exclude("optim"), dev)
     return {"algo": "mappo", **evaluate_state(config, algo, state, dev)}
 
 

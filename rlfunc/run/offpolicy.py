@@ -352,9 +352,5 @@ def evaluate(run_dir: str | Path, episodes: int | None = None, *, seed: int | No
         venv.close()
     checkpoint.check_env_spec(str(path), meta, spec)
     algo = MAKERS[type(config)](config, spec, dev)
-    state = algo.init()
-    loaded, _ = checkpoint.load_snapshot(path, device=dev)
-    learner = checkpoint.check_learner(str(path), loaded.get("learner", None), state, generators="fresh")
-    with torch.no_grad():
-        state.update_(learner)
+    state = checkpoint.load_learner_for_eval(path, algo.init(), dev)
     return {"algo": meta["algo"], **evaluate_policy(algo, state, config, episodes, seed, dev)}

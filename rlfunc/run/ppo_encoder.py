@@ -14,7 +14,7 @@ seeds), the update is the single process's (:func:`rlfunc.algos.ppo_encoder.make
 0 alone writes, and a snapshot holds every rank's carry and episode state in the single process's
 env order (meta "world_size" says how many ranks wrote it), so it resumes on any W dividing N.
 
-Resume (:func:`rlfunc.run.resume`) continues the latest
+Resume (:func:`rlfunc.resume`) continues the latest
 snapshot or the current branch's head version (:func:`rlfunc.run.resume_source`). A snapshot holds
 the learner state (its action / minibatch generator "rng" included; its Adam state,
 ``state["optim"]``, as the snapshot's "optim": :func:`rlfunc.run.resume.learner_entries`), the carry
@@ -248,12 +248,7 @@ def evaluate_run(run_dir: str | Path, episodes: int | None = None, *, seed: int 
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{snap}: no valid env_info in meta.json ({e})") from None
     dev = resolve_device(device)
-    state = make_ppo_encoder(config, info, dev).init().exclude("optim")
-    loaded, _ = checkpoint.load_snapshot(snap, device=dev)
-    # evaluation draws no randomness: a run trained on another device type loads
-    learner = checkpoint.check_learner(str(snap), loaded.get("learner", None), state, generators="fresh")
-    with torch.no_grad():
-        state.update_(learner)
+    state = checkpoint.load_learner_for_eval(snap, make_ppo_encoder(config, info, dev).init().exclude("optim"), dev)
     return {"algo": meta["algo"], **evaluate_state(config, info, state, episodes, seed=seed, device=dev, max_envs=max_envs)}
 
 

@@ -247,7 +247,7 @@ def learner_entries(state: TensorDict) -> dict[str, TensorDict]:
 
 
 def state_meta() -> dict:
-    """The meta.json entries :func:`restore_state` reads: "resume_format" and "state_layout"."""
+    """The meta.json entries :func:`rlfunc.run.loop.load` reads: "resume_format" and "state_layout"."""
     return {"resume_format": RESUME_FORMAT, "state_layout": STATE_LAYOUT}
 
 

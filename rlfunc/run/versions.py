@@ -609,7 +609,7 @@ def _record_hash(record: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes, *, sync_dir: bool = True) -> int:
+def _atomic_write(path: Path, data: bytes) -> int:
     """Write ``data`` to ``path`` via an fsynced hidden temp file and ``os.replace``."""
     tmp = path.parent / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -618,8 +618,7 @@ def _atomic_write(path: Path, data: bytes, *, sync_dir: bool = True) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        if sync_dir:
-            _fsync_dir(path.parent)
+        _fsync_dir(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{path}: could not write ({_one_line(e)})") from e

@@ -155,7 +155,7 @@ def test_evaluation_reset_seeds_are_disjoint_from_training_ones():
 
 
 def test_train_and_evaluate_use_disjoint_reset_seeds(tmp_path, monkeypatch):
-    # what rlfunc.run.ppo.train and rlfunc.run.ppo.evaluate actually pass to the envs' reset
+    # what rlfunc.run.train (a ppo run) and rlfunc.run.ppo.evaluate actually pass to the envs' reset
     from rlfunc.algos.ppo import preset
     from rlfunc.run import train
     from rlfunc.run.ppo import evaluate

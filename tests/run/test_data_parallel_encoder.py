@@ -1,5 +1,5 @@
 """Data-parallel ppo-encoder (2 gloo ranks, each stepping 2 of 4 envs of a Dict observation: a 32x32
-uint8 camera and 4 proprio numbers): the iteration and the run (train_ppo_encoder, as torchrun's
+uint8 camera and 4 proprio numbers): the iteration and the run (rlfunc.run.train, as torchrun's
 workers call it for `rlfunc train ppo --env ENV --nproc 2`) are the single process's to float
 rounding, rank 0 alone writes, and a 2-rank snapshot resumes in one process. The env is a cheap
 test double (no rendering) whose episodes end at different steps, so envs reset mid-rollout and the
@@ -170,7 +170,7 @@ def _assert_same_snapshot(got_dir, want_dir, same_snapshots) -> dict:
 
 
 def test_a_two_rank_run_is_the_single_process_run_and_resumes_in_one_process(gloo, tmp_path, same_snapshots):
-    """2 iterations through train_ppo_encoder: on 2 ranks (1 iteration, then resumed on the same 2
+    """2 iterations through rlfunc.run.train: on 2 ranks (1 iteration, then resumed on the same 2
     ranks to 2), and that run's 1-iteration snapshot resumed in one process, both end in the single
     process's snapshot (floats within 1e-6, the rest exact); rank 0 alone writes, and its metrics
     lines count every rank's episodes."""

@@ -1,7 +1,7 @@
 """A data-parallel grpo run (2 gloo ranks, each stepping 2 of the 4 groups of 4 PointReach envs): its
 snapshot is the single process's (floats within 1e-6, generator states, counters and the env's
 integer state exact), and rank 0 alone writes the run's files. The ranks are spawned processes that
-call train_grpo as torchrun's workers would (`rlfunc train grpo --nproc 2` starts them with torchrun)."""
+call rlfunc.run.train as torchrun's workers would (`rlfunc train grpo --nproc 2` starts them with torchrun)."""
 
 import json
 

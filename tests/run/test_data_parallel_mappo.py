@@ -2,7 +2,7 @@
 mid-rollout): its snapshot, with the env's state, the collection carry and the running returns of
 every rank gathered, is the single process's (floats within 1e-6, generator states, counters and the
 env's integer state exact), its metrics count every rank's steps and episodes, and rank 0 alone
-writes. The ranks call train_mappo as torchrun's workers would."""
+writes. The ranks call rlfunc.run.train as torchrun's workers would."""
 
 import json
 

@@ -1,7 +1,7 @@
 """A data-parallel sac run on Pendulum-v1 (2 gloo ranks, each stepping 1 of the 2 envs, gathering every
 step's transitions into the one replay buffer): its snapshot is the single process's, rank 0 alone
 writes the run's files, and the 2-rank snapshot resumes in one process to the uninterrupted run.
-The ranks are spawned processes that call train_sac as torchrun's workers would (`rlfunc train sac
+The ranks are spawned processes that call rlfunc.run.train as torchrun's workers would (`rlfunc train sac
 --nproc 2` starts them with torchrun)."""
 
 import json

@@ -1,4 +1,4 @@
-"""Resume of multi-agent (train_mappo) and GRPO/GSPO (train_grpo) runs: exact on CPU.
+"""Resume of multi-agent (mappo) and GRPO/GSPO runs: exact on CPU.
 
 The property: 2N iterations in one go == N iterations, stop, resume for N more, tensor for tensor
 (learner, Adam state, generators, env state, collection carry), with the same metrics lines. A stop
