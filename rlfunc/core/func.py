@@ -311,10 +311,13 @@ def sequential_apply(module: nn.Sequential, *, stacked: bool) -> tuple[
     Raises:
         ShapeError: a layer with parameters is not ``nn.Linear``.
     """
-    plan: list[Any] = []  # per layer: (the Linear's name, whether it has a bias), or the parameter-free function
+    # a tensor's key in params: the first name the module holds it under (params_from_module keeps a reused
+    # layer's or a tied weight's tensor there only; a later name was a KeyError)
+    key_of = {id(p): tuple(n.split(".")) for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    plan: list[Any] = []  # per layer: (the Linear's weight key, its bias key or None), or the parameter-free function
     for name, layer in module._modules.items():  # as nn.Sequential.forward: a layer used twice runs twice
         if isinstance(layer, nn.Linear):
-            plan.append((name, layer.bias is not None))
+            plan.append((key_of[id(layer.weight)], None if layer.bias is None else key_of[id(layer.bias)]))
         elif next(layer.parameters(), None) is None:
             plan.append(_FUNCTIONAL.get(type(layer), layer))  # a module call costs ~3x the op itself
         else:
@@ -326,11 +329,10 @@ def sequential_apply(module: nn.Sequential, *, stacked: bool) -> tuple[
         out = []
         for step in plan:
             if isinstance(step, tuple):
-                name, has_bias = step
-                weight = params[name, "weight"].detach()
-                out.append(weight.transpose(-1, -2))
-                if has_bias:
-                    bias = params[name, "bias"].detach()
+                weight_key, bias_key = step
+                out.append(params[weight_key].detach().transpose(-1, -2))
+                if bias_key is not None:
+                    bias = params[bias_key].detach()
                     out.append(bias.unsqueeze(-2) if stacked else bias)
         return out
 
@@ -338,7 +340,7 @@ def sequential_apply(module: nn.Sequential, *, stacked: bool) -> tuple[
         i = 0
         for step in plan:
             if isinstance(step, tuple):
-                if step[1]:
+                if step[1] is not None:
                     x = matmul(weights[i + 1], x, weights[i])
                     i += 2
                 else:

@@ -106,16 +106,27 @@ def sequential_apply(module: nn.Sequential, params: TensorDictBase, x: Tensor, *
     """
     *body, (last_name, last) = list(module._modules.items())  # a layer used twice runs twice, as in nn.Sequential
     for name, layer in body:
-        x = _linear(layer, params, name, x) if isinstance(layer, nn.Linear) else layer(x)
-    out = _linear(last, params, last_name, x) if isinstance(last, nn.Linear) else last(x)
+        x = _linear(module, layer, params, name, x) if isinstance(layer, nn.Linear) else layer(x)
+    out = _linear(module, last, params, last_name, x) if isinstance(last, nn.Linear) else last(x)
     return (out, x) if return_hidden else out
 
 
-def _linear(layer: nn.Linear, params: TensorDictBase | Mapping, name: str, x: Tensor) -> Tensor:
+def _linear(module: nn.Module, layer: nn.Linear, params: TensorDictBase | Mapping, name: str, x: Tensor) -> Tensor:
     """``layer``'s F.linear with its weight (and bias, if the layer has one: ``bias=False`` has none) from
     ``params`` (a TensorDict, or nested dicts: PPO's single-seed step passes dicts, ~50x cheaper to index)."""
-    layer_params = params[name]
-    return F.linear(x, layer_params["weight"], layer_params["bias"] if layer.bias is not None else None)
+    try:
+        layer_params = params[name]
+        weight, bias = layer_params["weight"], (layer_params["bias"] if layer.bias is not None else None)
+    except KeyError:  # a reused layer or a tied weight: params_from_module keeps the tensor under its first name only
+        key_of = {id(p): n.split(".") for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+        weight, bias = (None if p is None else _get(params, key_of[id(p)]) for p in (layer.weight, layer.bias))
+    return F.linear(x, weight, bias)
+
+
+def _get(params: TensorDictBase | Mapping, path: list[str]) -> Tensor:
+    for key in path:
+        params = params[key]
+    return params
 
 
 def actor_critic_apply(net: GaussianActorCritic, params: TensorDictBase, observation: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -476,3 +476,28 @@ def test_params_from_module_keeps_a_tied_weight_once_and_apply_ties_it_again():
     out.square().sum().backward()
     torch.testing.assert_close(params["a", "weight"].grad, module.a.weight.grad)  # both uses
     torch.testing.assert_close(params["b", "bias"].grad, module.b.bias.grad)
+
+
+def test_the_fast_sequential_forwards_take_a_reused_layer_and_a_tied_weight():
+    # Regression (review pass): after params_from_module kept a shared tensor once, func.sequential_forward and
+    # nets.actor_critic.sequential_apply looked the second use up under its own name: a raw KeyError.
+    from rlfunc.core.func import sequential_forward
+    from rlfunc.nets.actor_critic import sequential_apply as differentiable_apply
+
+    torch.manual_seed(0)
+    reused = nn.Linear(3, 3)
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    tied[2].weight = tied[0].weight
+    x = torch.randn(5, 3)
+    for net in (nn.Sequential(reused, nn.Tanh(), reused), tied):
+        params = params_from_module(net)
+        want = apply(net, params, x)
+        torch.testing.assert_close(sequential_forward(net, params, stacked=False)(x), want.detach())
+        got = differentiable_apply(net, params, x)
+        torch.testing.assert_close(got, want)
+        grads = torch.autograd.grad(got.sum(), list(params.values(include_nested=True, leaves_only=True)))
+        want_grads = torch.autograd.grad(want.sum(), list(params.values(include_nested=True, leaves_only=True)))
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w)
+        stacked = stack_params([params, params])
+        torch.testing.assert_close(sequential_forward(net, stacked, stacked=True)(x.expand(2, 5, 3)), want.detach().expand(2, 5, 3))
