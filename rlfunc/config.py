@@ -127,14 +127,23 @@ def require_default(run: RunConfig, **why: str) -> None:
             raise ConfigError(f"run.{name}={value!r}: {reason}")
 
 
-def check_new_ppo_run(config: Any) -> None:
+def check_new_ppo_run(config: Any, *, per_micro_batch: bool = False) -> None:
     """ConfigError for a PPO-family config (``minibatch_size``, ``normalize_advantages``) that would
-    train nothing: a one-sample minibatch's advantage normalises to 0, so the policy loss and its
-    gradient are 0 on every step. Checked where a new run is built, not in the config's validation,
-    so that a run saved with it can still be evaluated and resumed."""
-    if config.minibatch_size == 1 and config.normalize_advantages:
+    train nothing, or nothing on some samples: a one-sample group's advantage normalises to 0, so its
+    policy loss and gradient are 0. The groups are the minibatches, or with ``per_micro_batch`` (dppo
+    in one process) the pieces of ``micro_batch_size`` a minibatch is split into (the last one is the
+    remainder). Checked where a new run is built, not in the config's validation, so that a run saved
+    with it can still be evaluated and resumed."""
+    if not config.normalize_advantages:
+        return
+    if config.minibatch_size == 1:
         raise ConfigError("minibatch_size=1 with normalize_advantages: a one-sample minibatch's advantage normalises to 0, "
                           "so the policy would never move; use minibatch_size >= 2 or turn normalize_advantages off")
+    micro = getattr(config, "micro_batch_size", None) if per_micro_batch else None
+    if micro is not None and micro < config.minibatch_size and (micro == 1 or config.minibatch_size % micro == 1):
+        raise ConfigError(f"micro_batch_size={micro} with minibatch_size={config.minibatch_size} and normalize_advantages: the "
+                          "advantages are normalised per micro-batch, and a one-sample micro-batch's normalises to 0 (its "
+                          "samples would never move the policy); choose a micro_batch_size that leaves no piece of one sample")
 
 
 def check_dependents(config: Any, base: Any) -> None:

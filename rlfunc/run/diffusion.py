@@ -64,7 +64,7 @@ from rlfunc.device import resolve_device, set_threads, span
 from rlfunc.diffusion.schedule import check_schedule
 from rlfunc.envs import registry
 from rlfunc.envs.async_collect import AsyncCollector, restart_seed
-from rlfunc.config import check_dependents, check_episodes, check_eval_seed
+from rlfunc.config import check_dependents, check_episodes, check_eval_seed, check_new_ppo_run
 from rlfunc.errors import CheckpointError
 from rlfunc.optim.amp import precision, without_loss_scale
 from rlfunc.run import Run
@@ -521,6 +521,7 @@ class DPPORun(DiffusionRun):
     def __init__(self, config: DPPOConfig, device: torch.device, *, dist=None, resumed: bool = False) -> None:
         if not resumed:  # a new run from Python too (dppo has no presets: the defaults are what it is configured from)
             check_dependents(config, DPPOConfig())
+            check_new_ppo_run(config, per_micro_batch=config.run.nproc == 1)  # data parallel: normalised per minibatch
         super().__init__(config, device, dist)
         self._finetune(make_dppo, config, resumed)
         self.total = self.config.num_iterations(self.config.actor.act_steps)

@@ -161,3 +161,30 @@ def test_init_from_a_run_on_another_env_names_that_env(bc_dir, tmp_path, capsys)
     assert code == 2 and len(err) == 1, err
     assert "its actor reads 'PointReach-v0' observations" in err[0] and err[0].endswith("; train on its env with --env PointReach-v0")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--minibatch-size", "1"], "minibatch_size=1 with normalize_advantages"),
+    (["--minibatch-size", "8", "--micro-batch-size", "1"], "micro_batch_size=1 with minibatch_size=8 and normalize_advantages"),
+    (["--minibatch-size", "8", "--micro-batch-size", "7"], "micro_batch_size=7 with minibatch_size=8"),  # pieces 7 + 1
+])
+def test_dppo_refuses_one_sample_advantage_groups(tmp_path, capsys, flags, named):
+    # Regression (review pass): dppo normalises the advantages per micro-batch in one process, so
+    # --micro-batch-size 1 (or --minibatch-size 1) trained no policy: approx_kl, clip_fraction and the
+    # objective 0 on every update, exit 0.
+    code = main(["train", "dppo", "--env", "Pendulum-v1", "--total-steps", "64", "--num-envs", "2", "--num-steps", "4",
+                 "--num-epochs", "1", "--device", "cpu", "--run-dir", str(tmp_path / "r"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and named in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+def test_dppo_with_micro_batches_of_two_or_more_trains(tmp_path, capsys):
+    code = main(["train", "dppo", "--env", "Pendulum-v1", "--total-steps", "64", "--num-envs", "2", "--num-steps", "4",
+                 "--num-epochs", "2", "--target-kl", "None", "--minibatch-size", "8", "--micro-batch-size", "3", "--eval-episodes", "1",
+                 "--device", "cpu", "--run-dir", str(tmp_path / "r")])  # pieces 3 + 3 + 2
+    capsys.readouterr()
+    assert code == 0
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    # the first update moved the policy, so the second one's ratio is not 1 (with one-sample pieces it stayed 1: kl 0)
+    assert len(lines) == 2 and all(x["updates"] == 2 and x["approx_kl"] > 1e-7 for x in lines), lines
