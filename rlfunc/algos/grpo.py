@@ -528,7 +528,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
         metrics = metric_sum / updates
         metrics["skipped_updates"] = skipped
         metrics["updates"] = torch.full((S,), updates, device=device)
-        metrics["episode_return"] = episode_return.flatten(1).mean(1)
+        finite = episode_return.flatten(1).isfinite()  # a NaN or inf reward's episode counts nowhere, as in ppo's line
+        metrics["episode_return"] = torch.where(finite, episode_return.flatten(1), 0.0).sum(1) / finite.sum(1)
         metrics["group_return_std"] = episode_return.std(-1, correction=0).flatten(1).mean(1)
         metrics["zero_advantage_groups"] = (advantage == 0).all(-1).float().flatten(1).mean(1)
         metrics["valid_steps"] = batch["mask"].flatten(1).sum(1).float()

@@ -526,9 +526,10 @@ def make_ppo_encoder(config: PPOEncoderConfig, info: EnvInfo, device: torch.devi
 
 
 def episode_metrics(batch: TensorDictBase) -> dict[str, Tensor]:
-    """Episodes that ended in ``batch`` ([N, T]): "episodes" (count), "episode_return" (mean return,
-    NaN when none ended) and "success_rate" (share that ended in success, NaN when none ended)."""
-    ended = batch["next", "done"].squeeze(-1)
+    """Episodes that ended in ``batch`` ([N, T]) with a finite return (a NaN or inf reward's episode
+    counts nowhere, as in ppo's line): "episodes" (count), "episode_return" (mean return, NaN when
+    none ended) and "success_rate" (share that ended in success, NaN when none ended)."""
+    ended = batch["next", "done"].squeeze(-1) & batch["next", "episode_return"].squeeze(-1).isfinite()
     count = ended.sum()
     nan = torch.full((), float("nan"), device=ended.device)
     ret = batch["next", "episode_return"].squeeze(-1)[ended]

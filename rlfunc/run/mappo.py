@@ -29,6 +29,7 @@ branch's head version, whichever is further along (after ``rlfunc versions rollb
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from pathlib import Path
@@ -281,6 +282,7 @@ class MAPPORun(Run):
                   "steps_per_s": config.steps_per_iteration / (t2 - t0), "collect_s": t1 - t0, "update_s": t2 - t1,
                   "lr": linear_lr(config.lr, i - 1, config.num_iterations, config.anneal_lr), **metrics,
                   "train_reward_per_step": float(stats["team_reward"].mean())}
+        ended = [r for r in ended if math.isfinite(r)]  # a NaN or inf team reward's episode counts nowhere, as in ppo's line
         if ended:
             record["episode_return"] = sum(ended) / len(ended)
         if "deliveries" in stats.keys():

@@ -702,3 +702,19 @@ def test_group_relative_advantage_refuses_a_float_group_dim():
 
     torch.testing.assert_close(group_relative_advantage(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), group_dim=np.int64(1), std="none"),
                                torch.tensor([[0.5, -0.5], [-0.5, 0.5]]))
+
+
+def test_a_non_finite_episode_return_is_left_out_of_the_metrics_mean():
+    # Regression (review pass): one sequence's NaN reward made the line's episode_return NaN (ppo's line leaves
+    # such an episode out).
+    from rlfunc.envs.grouped import sequence_return
+    from rlfunc.run.ppo import _generators
+
+    config, algo, state, rollout = _point_reach_setup(loss="grpo", num_epochs=1)
+    gens = _generators(state, torch.device("cpu"))
+    batch = rollout(algo.policy(state, gens), 0).reshape(1, 4, 4, -1)
+    batch["next", "reward"][0, 1, 2, 0] = float("nan")  # the first step of group 1's sequence 2 (every sequence has one)
+    returns = sequence_return(batch).flatten()
+    assert int(returns.isfinite().sum()) == 15
+    _, metrics = algo.iteration(state, batch, gens)
+    torch.testing.assert_close(metrics["episode_return"], returns[returns.isfinite()].mean().reshape(1))

@@ -325,3 +325,20 @@ def test_an_env_fields_rule_is_per_field_and_grouped_rollouts_read_episode_steps
     for field, value in (("episode_steps", 50), ("shaping_scale", 1.0)):
         with pytest.raises(ConfigError, match=rf"^{field}={value!r}: read only with an env that reads it"):
             check_dependents(MAPPOConfig(env="Toy-v0", **{field: value}), base)
+
+
+def test_a_non_finite_team_return_is_left_out_of_the_line(tmp_path, monkeypatch):
+    # Regression (review pass): an episode whose team return was NaN made the line's episode_return NaN (ppo's line
+    # leaves it out). The rollout's ended episodes are replaced by [NaN, 3.0, inf, 1.0].
+    import json
+
+    import rlfunc.run.mappo as run_mappo
+    from rlfunc.cli.commands import main
+
+    monkeypatch.setattr(run_mappo, "_episode_returns", lambda reward, done, running: ([float("nan"), 3.0, float("inf"), 1.0], running))
+    run = tmp_path / "run"
+    assert main(["train", "mappo", "--env", "Warehouse-v0", "--n-agents", "2", "--num-envs", "2", "--rollout-steps", "5",
+                 "--total-steps", "10", "--eval-episodes", "1", "--eval-seeds", "0", "--hidden", "8", "--device", "cpu",
+                 "--run-dir", str(run)]) == 0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["episode_return"] for x in lines] == [2.0]

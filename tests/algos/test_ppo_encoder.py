@@ -256,3 +256,15 @@ def test_bf16_autocast_with_checkpointed_vision_is_close_to_float32():
         grads.append(torch.cat([p.grad.flatten() for p in algo.trainable(state["params"])]))
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=0.05, abs=0.02)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.9
+
+
+def test_episode_metrics_leave_a_non_finite_return_out():
+    # Regression (review pass): a NaN or inf episode return was counted and averaged into the metrics line
+    # (ppo's line leaves it out of both).
+    from rlfunc.algos.ppo_encoder import episode_metrics
+
+    done = torch.tensor([[True, False, True], [True, True, False]]).unsqueeze(-1)
+    ret = torch.tensor([[-5.0, 1.0, float("nan")], [3.0, float("inf"), 2.0]]).unsqueeze(-1)
+    success = torch.tensor([[False, True, True], [True, True, False]]).unsqueeze(-1)
+    out = episode_metrics(TensorDict({"next": {"done": done, "episode_return": ret, "success": success}}, batch_size=[2, 3]))
+    assert int(out["episodes"]) == 2 and float(out["episode_return"]) == -1.0 and float(out["success_rate"]) == 0.5
