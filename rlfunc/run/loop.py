@@ -42,8 +42,9 @@ from rlfunc.errors import CheckpointError, ConfigError, RLFuncError, RunInterrup
 from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
-from rlfunc.run.resume import (NO_SNAPSHOT, RESUME_FORMAT, STATE_LAYOUT, InterruptOnSignal, StopOnSignal, check_budget, check_budget_covers, check_run_dir,
-                               has_loss_scale, has_shaping_link, truncate_metrics, with_loss_scales, with_shaping_in_chain)
+from rlfunc.run.resume import (RESUME_FORMAT, STATE_LAYOUT, InterruptOnSignal, StopOnSignal, check_budget, check_budget_covers, check_run_dir,
+                               has_loss_scale, has_shaping_link, no_snapshot_message, truncate_metrics, with_loss_scales,
+                               with_shaping_in_chain)
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
@@ -540,7 +541,7 @@ def _train(config, run_dir: Path, resume, total_steps, device, max_iterations, e
     if resume:
         source = resume_source(run_dir)
         if source is None:
-            raise CheckpointError(f"{run_dir}: {NO_SNAPSHOT}")
+            raise CheckpointError(no_snapshot_message(run_dir))
         meta, name = source_meta(run_dir, source)
         config = registry.config_from_meta(meta, name)
         entry = registry.lookup(meta["algo"])

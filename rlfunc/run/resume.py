@@ -45,8 +45,17 @@ from rlfunc.run.log import read_metrics
 
 RESUME_FORMAT = 1  # meta["resume_format"]: the snapshot holds every state a resume needs
 STATE_LAYOUT = 2  # meta["state_layout"]: the optimizer's state inside the learner state; 1 (no key): torch.optim's, beside it
-NO_SNAPSHOT = ("no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end); a run "
-               "stopped before its first one cannot be resumed: train it again with a new --run-dir, or remove this one")
+NO_SNAPSHOT = "no snapshot to resume from (a run writes one every checkpoint_every iterations and at its end)"
+
+
+def no_snapshot_message(run_dir: Path) -> str:
+    """Why ``run_dir`` (no snapshot, no version) cannot be resumed, and what to do: a run that stopped before
+    its first snapshot (its config.json or metrics lines are there) is trained again; any other directory
+    is named as not a run."""
+    if (run_dir / "config.json").is_file() or (run_dir / "metrics.jsonl").is_file():
+        return (f"{run_dir}: {NO_SNAPSHOT}; this run stopped before its first one and cannot be resumed: train it again "
+                "with a new --run-dir, or remove this one")
+    return f"{run_dir}: {NO_SNAPSHOT}; it holds no run (`rlfunc train ... --run-dir DIR` writes one; resume takes that DIR)"
 
 
 # ------------------------------------------------------------------------------------ the run dir

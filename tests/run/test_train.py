@@ -360,7 +360,12 @@ def test_a_run_that_failed_before_its_first_snapshot_says_what_to_do(tmp_path, m
     with pytest.raises(RuntimeError, match="the env broke"):
         train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
     assert (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") == 1  # its line is kept, not deleted
-    with pytest.raises(CheckpointError, match="cannot be resumed: train it again with a new --run-dir, or remove this one"):
+    with pytest.raises(CheckpointError, match="stopped before its first one and cannot be resumed: train it again with a new "
+                                              "--run-dir, or remove this one"):
         resume(tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
+    (tmp_path / "other" / "run").mkdir(parents=True)  # not a run (the parent of one, an easy slip): not to be removed
+    with pytest.raises(CheckpointError, match="no snapshot to resume from .*; it holds no run") as e:
+        resume(tmp_path / "other", progress=False, tensorboard=False, evaluate=False)
+    assert "remove" not in str(e.value)
     with pytest.raises(ConfigError, match="is not empty .*choose a new --run-dir or remove it"):
         train(config, tmp_path / "r", progress=False, tensorboard=False, evaluate=False)
