@@ -209,7 +209,8 @@ class MAPPORun(Run):
 
     Raises (on construction):
         EnvError: ``config.env`` is not a multi-agent env of the registry. ConfigError: a grouped
-            loss on an env whose state cannot be set.
+            loss on an env whose state cannot be set; a new ppo-loss run whose minibatches hold one
+            agent-step each.
     """
 
     data_parallel = True
@@ -231,6 +232,12 @@ class MAPPORun(Run):
         self.obs_dim = env.observation_spec["agents", "observation"].shape[-1]
         self.n_actions = env.action_spec["agents", "action"].n
         self.n_agents = env.n_agents
+        samples = config.num_envs * self.n_agents * config.rollout_steps  # an iteration's agent-steps (ppo loss)
+        if not resumed and config.loss == "ppo" and samples // config.num_minibatches == 1:
+            env.close()  # its one-sample minibatches' advantages normalise to 0: the policy would never move
+            raise ConfigError(f"num_minibatches={config.num_minibatches}: minibatches of one agent-step (an iteration has "
+                              f"{samples}), whose advantage normalises to 0, so the policy would never move; use at most "
+                              f"{samples // 2} minibatches")
         # the learning curve: Warehouse-v0's deliveries, else the team return of the episodes that ended
         self.curve = "deliveries_per_100_steps" if "deliveries" in env.observation_spec.keys() else "episode_return"
         self.algo = make_mappo(config, self.obs_dim, self.n_agents, self.n_actions, device, self.dist)

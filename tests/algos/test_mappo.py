@@ -342,3 +342,18 @@ def test_a_non_finite_team_return_is_left_out_of_the_line(tmp_path, monkeypatch)
                  "--run-dir", str(run)]) == 0
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["episode_return"] for x in lines] == [2.0]
+
+
+def test_a_new_run_of_one_agent_step_minibatches_is_refused(tmp_path, capsys):
+    # Regression (review pass): --num-minibatches up to the iteration's agent-steps was allowed, and minibatches of
+    # one agent-step normalise every advantage to 0: the policy never moved.
+    from rlfunc.cli.commands import main
+
+    flags = ["--env", "Warehouse-v0", "--n-agents", "2", "--num-envs", "2", "--rollout-steps", "5", "--total-steps", "10",
+             "--eval-episodes", "1", "--eval-seeds", "0", "--hidden", "8", "--device", "cpu"]  # 20 agent-steps an iteration
+    for k in (20, 11):
+        assert main(["train", "mappo", *flags, "--num-minibatches", str(k), "--run-dir", str(tmp_path / f"r{k}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"num_minibatches={k}: minibatches of one agent-step (an iteration has 20)" in err[0], err
+        assert "use at most 10 minibatches" in err[0] and not (tmp_path / f"r{k}").exists()
+    assert main(["train", "mappo", *flags, "--num-minibatches", "10", "--run-dir", str(tmp_path / "r10")]) == 0
