@@ -20,7 +20,7 @@ _ADAM_KEYS = frozenset(("exp_avg", "exp_avg_sq", "step"))
 
 
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, *,
-         weight_decay: float = 0.0) -> GradientTransform:
+         weight_decay: float = 0.0, member_dims: int = 0) -> GradientTransform:
     """Adam (Kingma & Ba 2015, Algorithm 1): per leaf, with t the leaf's step count,
     m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2,
     update = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps);
@@ -44,9 +44,13 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
             steps a copy of them and the update is the copy's change, so the stepped parameters agree
             with torch.optim.AdamW's to the rounding of that difference (bit for bit but where a
             parameter moves by more than half its magnitude).
+        member_dims: 0, or 1 for params stacked over members (seeds: every leaf leads with the same
+            dim S): each member then has its own step count per leaf, so a member that skips steps
+            (``mask``) keeps the bias correction of its own run, and S members step as S separate
+            Adams would, bit for bit (each member's arithmetic is torch's on that member's tensors).
 
-    State: ``{"step": {leaf: 0-dim float32}, "exp_avg": like params, "exp_avg_sq": like params}``,
-    zeros from ``init`` (torch.optim's initial state). ``update`` writes the moments and steps of the
+    State: ``{"step": {leaf: 0-dim float32, or [S] with member_dims=1}, "exp_avg": like params,
+    "exp_avg_sq": like params}``, zeros from ``init`` (torch.optim's initial state). ``update`` writes the moments and steps of the
     leaves present in ``grads`` into these tensors in place (as torch.optim does: a copy per step
     would double the optimizer's memory traffic) and returns the same state; clone it to keep the old.
 
@@ -58,19 +62,23 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         mask: [S] bool on the leaves' device, the members (leading dim S of every leaf, S > 1) whose
             step is valid; or one bool flag ([1] or 0-dim) for the whole step, the form for unstacked
             params (one member). A member with False keeps its moments and gets a zero update, so its
-            parameters stay bit for bit (its non-finite gradients never reach them). The step count
-            is one per leaf, shared by the members, and still advances for a skipped member while
-            another steps (its later bias correction is that of one more step); with a single flag
-            a skipped step leaves everything, the count included, untouched. The same rule as
-            :func:`rlfunc.optim.masked_step` over torch.optim.Adam. An [S] mask cannot tell stacked
-            params from unstacked ones whose leaves all happen to lead with S rows: it is read as
-            per-member there.
+            parameters stay bit for bit (its non-finite gradients never reach them). With
+            ``member_dims=1`` its step count stays too. Without, the step count is one per leaf,
+            shared by the members, and still advances for a skipped member while another steps (its
+            later bias correction is that of one more step: the rule of
+            :func:`rlfunc.optim.masked_step` over torch.optim.Adam); with a single flag a skipped step
+            leaves everything, the count included, untouched. An [S] mask cannot tell stacked params
+            from unstacked ones whose leaves all happen to lead with S rows: it is read as per-member there.
+
+    Per-member step counts cost one host read per step (whether the members' counts still agree:
+    then one multi-tensor step for all, else one per stepping member).
 
     Raises:
-        ConfigError: ``lr``, ``betas``, ``eps`` or ``weight_decay`` out of range; (update) no ``params``
+        ConfigError: ``lr``, ``betas``, ``eps``, ``weight_decay`` or ``member_dims`` out of range; (update) no ``params``
             given with a ``weight_decay``; (update) a per-step ``lr`` that is not finite and >= 0, or
             neither a number nor a tensor.
-        ShapeError (update): a key of ``grads`` not in the state (or in ``params``), or of another shape
+        ShapeError: (init, ``member_dims=1``) a leaf without a leading member dim, or of another S than
+            the first; (update) a key of ``grads`` not in the state (or in ``params``), or of another shape
             or dtype; a tensor ``lr`` not floating or of more than one element; a ``mask`` that is not
             a bool tensor of shape [S] (S the leading dim of every leaf) or [1] / [], or on another
             device than the gradients. The ``lr`` and ``mask`` checks are Python-level (no host
@@ -90,13 +98,21 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         raise ConfigError(f"eps={eps!r}: expected >= 0")
     if not real(weight_decay) or not weight_decay >= 0:
         raise ConfigError(f"weight_decay={weight_decay!r}: expected >= 0")
+    if member_dims not in (0, 1) or isinstance(member_dims, bool):
+        raise ConfigError(f"member_dims={member_dims!r}: expected 0 (one step count per leaf) or 1 (one per member)")
     base_lr = lr
 
     def init(params: TensorDictBase) -> TensorDict:
         leaves = [p.detach() for p in tree_leaves(params)]
+        counts = leaves[0].shape[:1] if member_dims and leaves else torch.Size([])
+        if member_dims:
+            for i, p in enumerate(leaves):
+                if p.dim() == 0 or p.shape[:1] != counts:
+                    raise ShapeError(f"adam(member_dims=1).init: leaf {i} of the params has shape {list(p.shape)}, expected "
+                                     f"a leading member dim of {counts[0] if counts else 'the first leaf'}'s size")
         return TensorDict(
             {
-                "step": tree_like(params, [torch.zeros((), dtype=torch.float32, device=p.device) for p in leaves]),
+                "step": tree_like(params, [torch.zeros(counts, dtype=torch.float32, device=p.device) for p in leaves]),
                 "exp_avg": tree_like(params, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]),
                 "exp_avg_sq": tree_like(params, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]),
             },
@@ -136,8 +152,13 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         else:
             old = None
             updates = _zeros_like_each(g)
+        members = steps[0].dim() == 1  # member_dims=1: a step count per member (init's or a checked snapshot's)
         if torch.compiler.is_compiling():  # a compiled step (rlfunc.device.compile_step): no host reads
+            if members:
+                return _traced_member_step(updates, g, m, v, steps, old, mask, kw, lr), state
             return _traced_step(updates, g, m, v, steps, old, mask, kw, lr), state
+        if members:
+            return _member_step(updates, g, m, v, steps, old, mask, kw), state
         with torch.no_grad():
             bad = None
             if mask is None or bool(mask.all()):
@@ -228,6 +249,70 @@ def _traced_step(updates, g, m, v, steps, old, mask, kw, lr):
     return updates
 
 
+def _rows(lists, members) -> list[list[Tensor]]:
+    """Each list of stacked leaves as the list of its ``members``' rows (views), member-major."""
+    out = []
+    for xs in lists:
+        split = [x.unbind(0) for x in xs]  # one op per leaf for all its rows (indexing was one per row)
+        out.append([rows[i] for i in members for rows in split])
+    return out
+
+
+def _member_step(updates, g, m, v, steps, old, mask, kw) -> list[Tensor]:
+    """``update_leaves``' eager step with one step count per member (``steps``: [S] per leaf): while
+    every member steps and their counts agree, one multi-tensor step over the stacked leaves with
+    the shared count; otherwise one over the stepping members' rows (views: in place), each with its
+    own count (torch's multi-tensor Adam takes a count per tensor). A member ``mask`` leaves out
+    keeps its moments and count and gets a zero update; its gradients are not read."""
+    S = steps[0].shape[0]
+    with torch.no_grad():
+        on = None if mask is None else mask.reshape(-1).expand(S)
+        if on is None or bool(on.all()):
+            counts = torch.stack(steps)  # [L, S]
+            if bool((counts == counts[:, :1]).all()):  # in step: the members' arithmetic, all at once
+                shared = list(counts[:, 0].unbind(0))  # 0-dim views of a copy, which torch's adam advances
+                torch_adam(updates, g, m, v, [], shared, **kw)
+                torch._foreach_add_(steps, 1.0)  # as torch's adam advances a count (float32, exact below 2**24)
+                if old is not None:
+                    torch._foreach_sub_(updates, old)
+                return updates
+            stepping = range(S)
+        else:
+            stepping = on.nonzero().squeeze(-1).tolist()
+        if stepping:
+            u, gr, a, b, t = _rows((updates, g, m, v, steps), stepping)
+            torch_adam(u, gr, a, b, [], t, **kw)
+        if old is not None:  # a member not stepped: its copy is its old values, so its update is 0
+            torch._foreach_sub_(updates, old)
+    return updates
+
+
+def _traced_member_step(updates, g, m, v, steps, old, mask, kw, lr) -> list[Tensor]:
+    """:func:`_member_step` without data-dependent branches, for torch.compile: torch's capturable
+    step on each member's rows with its own count; a member ``mask`` leaves out gets zero gradients,
+    then its moments and count back and a zero update (as :func:`_traced_step`)."""
+    kw = {**kw, "lr": lr, "capturable": True} if isinstance(lr, Tensor) else {**kw, "capturable": True}
+    S = steps[0].shape[0]
+    if mask is not None:
+        on = mask.reshape(-1).expand(S)
+        keep = [on.view(-1, *([1] * (x.dim() - 1))) for x in g]
+        saved = [(a.clone(), b.clone()) for a, b in zip(m, v)]
+        saved_steps = [t.clone() for t in steps]
+        g = [torch.where(k, x, torch.zeros_like(x)) for k, x in zip(keep, g)]
+    rows = _rows((updates, g, m, v, steps), range(S))  # each member's rows with its own count, in one step
+    torch_adam(*rows[:4], [], rows[4], **kw)
+    if old is not None:
+        torch._foreach_sub_(updates, old)
+    if mask is not None:
+        for k, a, b, u, (sa, sb) in zip(keep, m, v, updates, saved):
+            a.copy_(torch.where(k, a, sa))
+            b.copy_(torch.where(k, b, sb))
+            u.copy_(torch.where(k, u, torch.zeros_like(u)))
+        for t, st in zip(steps, saved_steps):
+            t.copy_(torch.where(on, t, st))
+    return updates
+
+
 def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, params: TensorDictBase, *,
                           indices: Sequence[int] | None = None) -> TensorDict:
     """``state`` (an :func:`adam` state, or a :func:`rlfunc.optim.chain` state holding one) with its
@@ -267,6 +352,8 @@ def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, pa
         for name in names:
             value = entry[name]
             want = target[name].get(key)
+            if name == "step" and value.dim() == 0 and want.dim() == 1:  # one count per member (member_dims=1): torch.optim's was shared
+                value = value.expand(want.shape)
             if value.shape != want.shape:
                 raise ValueError(f"{name} of {key!r} (entry {i}) has shape {list(value.shape)}, expected {list(want.shape)}")
             target[name].set(key, value.to(want.dtype))

@@ -597,3 +597,52 @@ def test_stacked_clipping_refuses_gradients_of_other_members():
         clip.update(TensorDict({"a": torch.ones(2, 3), "b": torch.ones(3, 3)}, batch_size=[]), state)
     with pytest.raises(ShapeError, match=r"^clip_by_global_norm: gradients of 5 member\(s\), a state of 3"):
         clip.update(TensorDict({"w": torch.ones(5, 2)}, batch_size=[]), state)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_adam_with_member_step_counts_steps_each_member_as_its_own_torch_optim_adam(weight_decay):
+    # Regression: the step count was one per leaf, shared by the members, so a member skipped by the
+    # mask (a seed stopped by target_kl, or one whose gradients were not finite) later stepped with
+    # the bias correction of one more step than its own run's. With member_dims=1 each member counts
+    # its own steps: every member equals a torch.optim.Adam (AdamW) that saw only that member's steps,
+    # bit for bit, through skips, a skip of all, and the counts apart then together again.
+    S = 3
+    ours = stacked_params(members=S)
+    torch_cls = torch.optim.AdamW if weight_decay else torch.optim.Adam
+    theirs = [[p[i].detach().clone().requires_grad_() for p in leaves(ours)] for i in range(S)]
+    opts = [torch_cls(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, foreach=True) for ps in theirs]
+    update = adam(LR, BETAS, EPS, weight_decay=weight_decay, member_dims=1)
+    state = update.init(ours)
+    assert all(s.shape == (S,) for s in tree_leaves(state["step"]))
+    masks = [torch.tensor([True, False, True]), None, torch.tensor([False, True, True]), torch.tensor([False]),
+             torch.tensor([True, True, False]), torch.tensor([True, True, True])]
+    for t, mask in enumerate(masks):
+        grads = random_grads(ours, t)
+        on = torch.ones(S, dtype=torch.bool) if mask is None else mask.expand(S)
+        for g in grads:  # a skipped member's gradients are never read
+            g[~on] = float("nan")
+        updates, state = update.update(as_td(ours, grads), state, ours, mask=mask)
+        apply_updates(ours, updates)
+        for i in range(S):
+            if on[i]:
+                for p, g in zip(theirs[i], grads):
+                    p.grad = g[i].clone()
+                opts[i].step()
+        for i in range(S):
+            for p, q in zip(leaves(ours), theirs[i]):
+                if weight_decay:  # bit for bit but where a parameter moves by more than half its magnitude (adam's docstring)
+                    torch.testing.assert_close(p.detach()[i], q.detach(), rtol=0, atol=2e-7)
+                else:
+                    assert torch.equal(p.detach()[i], q.detach()), (t, i)
+        for s in tree_leaves(state["step"]):  # apart after the first step (1, 0, 1), each its own torch.optim's count
+            assert s.tolist() == [float(opt.state[theirs[i][0]].get("step", 0.0)) for i, opt in enumerate(opts)], t
+    assert [float(opt.state[theirs[i][0]].get("step", 0.0)) for i, opt in enumerate(opts)] == [4.0, 4.0, 4.0]
+
+
+def test_adam_with_member_step_counts_refuses_params_without_a_member_dim():
+    with pytest.raises(ConfigError, match="member_dims"):
+        adam(LR, member_dims=2)
+    with pytest.raises(ShapeError, match="leading member dim"):
+        adam(LR, member_dims=1).init(TensorDict({"a": torch.zeros(3, 2), "b": torch.zeros(2, 2)}, batch_size=[]))
+    with pytest.raises(ShapeError, match="leading member dim"):
+        adam(LR, member_dims=1).init(TensorDict({"a": torch.zeros(3, 2), "b": torch.zeros(())}, batch_size=[]))
