@@ -287,7 +287,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
     "obs_stats", "rng" (uint8 generator states [S, L]), "iteration" and "env_steps" (0-dim int64), and
     "optim", the state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr,
     eps=adam_eps))``: "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg",
-    "exp_avg_sq"}, Adam's per-leaf step counts (0-dim float32) and moments (like "params"); with a step
+    "exp_avg_sq"}, Adam's per-leaf step counts (float32: [S], one per seed, with S > 1; 0-dim with one)
+    and moments (like "params"); with a step
     transform on, Adam's state is "1" "inner", beside the transforms' (:mod:`rlfunc.algos.shaped`).
 
     ``iteration`` takes a grouped batch [S, num_groups, group_size, T] with "observation" (raw),
@@ -309,7 +310,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on (rlfunc.algos.shaped)
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
-    optimizer = shaped.optimizer(config, clip, adam(config.lr, eps=config.adam_eps))  # chain(clip, adam), Adam wrapped when shaping
+    # chain(clip, adam), Adam wrapped when shaping; a step count per seed (a seed whose step is skipped keeps its own run's)
+    optimizer = shaped.optimizer(config, clip, adam(config.lr, eps=config.adam_eps, member_dims=int(config.run.num_seeds > 1)))
     reduce = all_reduce_mean(None if dist is None else dist.group)  # data parallel: ahead of the chain (stateless)
     # data parallel: the loss's and the metrics' means over valid steps, weighted by the share's part of the minibatch's
     token_means = {"kl_ref", "approx_kl", *(("clip_fraction", "ratio_mean") if config.loss == "grpo" else ())}

@@ -1,8 +1,8 @@
 """PPO with a Gaussian actor (Box actions) or a categorical one (Discrete and MultiDiscrete actions),
 as ``make_ppo(config, spec, device, dist=None) -> PPO(init, iteration, policy, net)`` over stacked seeds.
 
-Every learner tensor carries a leading seed dim S (``--num-seeds``); members share nothing but
-Adam's per-leaf step counts (Adam is elementwise), so S seeds train as S separate runs would, up
+Every learner tensor carries a leading seed dim S (``--num-seeds``), Adam's step counts included
+(``adam(member_dims=1)``: a seed stopped by target_kl keeps its own), so S seeds train as S separate runs would, up
 to float rounding (each has its own env seeds, noise generator, normalisers and minibatch order;
 a batched matmul rounds unlike a single one, and such differences grow over a run: compare returns). The
 optimizer's state is part of the learner state: the update is ``chain(clip_by_global_norm, adam)``
@@ -323,7 +323,7 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64), and "optim", the
     state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr, eps=adam_eps))``:
     "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
-    per-leaf step counts (0-dim float32) and moments (like "params"). With a step transform on, Adam's
+    per-leaf step counts (float32: [S], one per seed, with S > 1; 0-dim with one) and moments (like "params"). With a step transform on, Adam's
     state is "1" "inner", beside the transforms' ("transform", "step", "metrics": :mod:`rlfunc.algos.shaped`).
     """
     S, N = config.run.num_seeds, config.num_envs
@@ -352,7 +352,8 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     vmap = lambda fn, **kw: func.vmap(fn, use_loop=use_loop, device=device, **kw)  # noqa: E731
     transform = shaped.make_transform(config)  # None unless a step transform is on
     clip = clip_by_global_norm(config.max_grad_norm, stacked=True)
-    optimizer = shaped.optimizer(config, clip, adam(config.lr, eps=config.adam_eps))  # chain(clip, adam), Adam wrapped when shaping
+    # chain(clip, adam), Adam wrapped when shaping; a step count per seed (one stopped by target_kl or skipped keeps its own run's)
+    optimizer = shaped.optimizer(config, clip, adam(config.lr, eps=config.adam_eps, member_dims=int(S > 1)))
     # data parallel: the chain is all_reduce_mean -> clip -> adam; its first link runs ahead of the norms and the
     # finiteness mask (which must see the averaged gradients) and is stateless, so the state keeps its layout
     reduce = all_reduce_mean(None if dist is None else dist.group)

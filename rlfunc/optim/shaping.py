@@ -122,9 +122,9 @@ def shape_steps(inner: GradientTransform, transform: GradientTransformation, met
     tensor ``[*M]``, :func:`hutchinson_curvature`; None: the stored estimate) from its arguments; the
     other ``extra`` (``lr``, ``grad_norm``) reach ``inner``. ``mask`` (bool ``[*M]``, as Adam's) reaches
     ``inner`` too, and a member it leaves out (a skipped update) keeps its part of the transforms'
-    state and metrics and gets a zero step; the shared counters ("step", the transforms' "count")
-    advance when any member steps. Gradients of a subset of the params' leaves (frozen ones left out)
-    step and shape that subset.
+    state and metrics and gets a zero step (its counts too, such as :func:`oscillation_damping`'s
+    "count"); the shared counter "step" advances when any member steps. Gradients of a subset of
+    the params' leaves (frozen ones left out) step and shape that subset.
 
     Raises:
         ConfigError: ``update`` without ``params``.
@@ -299,7 +299,8 @@ def oscillation_damping(
             state["prev_sign"][k] = torch.zeros_like(p)
             for f in fields[1:]:
                 state[f][k] = p.new_zeros(p.shape[:member_dims])
-        count = torch.zeros((), dtype=torch.int64, device=_device(params))
+        first = next(iter(params.values()), None)  # the member dims' sizes (every tensor leads with them)
+        count = torch.zeros(() if first is None else first.shape[:member_dims], dtype=torch.int64, device=_device(params))
         return _td({**{f: _td(v) for f, v in state.items()}, "count": count})
 
     def update(updates: TensorDictBase, state: TensorDictBase, *, grads: TensorDictBase | None = None,
@@ -327,7 +328,7 @@ def oscillation_damping(
             c = stack("curvature")
         else:
             c = torch.stack([curvature.get(k).detach().to(g.dtype) for k in names], -1)
-        bias = 1.0 - rms_decay ** count.to(g.dtype)
+        bias = (1.0 - rms_decay ** count.to(g.dtype)).unsqueeze(-1)  # [*M, 1]: each member's own steps
         newton = lr * c.clamp_min(0) / ((grad_sq / bias).sqrt() + eps)
         factor = (1 + strength * a.clamp(max=0)) / (1 + newton)  # [*M, L]
         u = torch.cat([updates.get(k).flatten(member_dims) for k in names], -1) * factor.index_select(-1, seg)

@@ -43,8 +43,8 @@ from rlfunc.run import checkpoint, versions
 from rlfunc.run.log import MetricsLogger, plot_learning_curve, to_jsonable
 from rlfunc.run.profile import IterationProfiler
 from rlfunc.run.resume import (RESUME_FORMAT, STATE_LAYOUT, InterruptOnSignal, StopOnSignal, check_budget, check_budget_covers, check_run_dir,
-                               has_loss_scale, has_shaping_link, no_snapshot_message, truncate_metrics, with_loss_scales,
-                               with_shaping_in_chain)
+                               has_loss_scale, has_member_steps, has_shaping_link, no_snapshot_message, truncate_metrics,
+                               with_loss_scales, with_member_steps, with_shaping_in_chain)
 
 # the record keys the progress bar shows, when the record has them
 SHOWN = ("episode_return", "success_rate", "loss_denoise", "steps_per_s")
@@ -228,7 +228,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
     like = fresh.exclude(*run.variable)
     scaled = has_loss_scale(fresh)  # fp16: a snapshot from before the loss scale was state holds bare optimizer states
     shaping = has_shaping_link(fresh)  # a snapshot from before the shaping state was a link holds it beside the chain
-    check = like if layout == STATE_LAYOUT and not run.variable and not scaled and not shaping else None
+    members = has_member_steps(fresh)  # one from before Adam's step counts were per seed holds one count for all
+    check = like if layout == STATE_LAYOUT and not run.variable and not scaled and not shaping and not members else None
     if kind == "snapshot":
         loaded, meta = checkpoint.load_snapshot(where, device=device, like=check)
     else:
@@ -240,6 +241,8 @@ def load(run: Run, run_dir: Path, source: tuple[str, Path | str], device) -> tup
         loaded = with_loss_scales(loaded, fresh, meta.get("grad_scaler"))
     if shaping:
         loaded = with_shaping_in_chain(loaded, fresh)
+    if members:
+        loaded = with_member_steps(loaded, fresh)
     if check is None:
         checkpoint.check_learner(name, loaded.exclude(*run.variable), like)
     checkpoint.check_env_spec(name, meta, getattr(run, "spec", None))  # the env it was trained on (ppo, grpo, sac, td3)

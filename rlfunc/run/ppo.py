@@ -52,7 +52,7 @@ from rlfunc.errors import CheckpointError, ConfigError, EnvError
 from rlfunc.optim import linear_lr
 from rlfunc.run import checkpoint
 from rlfunc.run import Run
-from rlfunc.run.resume import STATE_LAYOUT, generator_from_state, optim_from_layout_1, state_layout
+from rlfunc.run.resume import STATE_LAYOUT, generator_from_state, has_member_steps, optim_from_layout_1, state_layout, with_member_steps
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes never reuse training reset seeds
 LAYOUT_1_COMMIT = "c0e6595"  # the last rlfunc that wrote PPO snapshots of state layout 1 (torch.optim's state)
@@ -155,7 +155,8 @@ def upgrade_layout_1(loaded: TensorDict, meta: dict, where: str, like: TensorDic
 
 def _load_snapshot(path: Path, like: TensorDict, device: torch.device) -> TensorDict:
     """The snapshot at ``path`` checked against ``like`` (:func:`_saved_state` of the trained run),
-    converted first when of state layout 1 (:func:`upgrade_layout_1`). Generator states of another
+    converted first when of state layout 1 (:func:`upgrade_layout_1`) or when it shares Adam's step
+    counts between seeds (:func:`rlfunc.run.resume.with_member_steps`). Generator states of another
     device type are replaced by fresh ones (``generators="fresh"``: for evaluation, which draws none).
 
     Raises:
@@ -163,10 +164,14 @@ def _load_snapshot(path: Path, like: TensorDict, device: torch.device) -> Tensor
     """
     name = str(path)
     layout = state_layout(name, checkpoint.load_meta(path), "PPO")
-    check = like if layout == STATE_LAYOUT else None
+    members = has_member_steps(like)  # several seeds: a snapshot from before their Adam step counts were their own
+    check = like if layout == STATE_LAYOUT and not members else None
     loaded, meta = checkpoint.load_snapshot(path, device=device, like=check, generators="fresh")
     if layout == 1:
         loaded = upgrade_layout_1(loaded, meta, name, like)
+    if members:
+        loaded = with_member_steps(loaded, like)
+    if check is None:
         checkpoint.check_learner(name, loaded, like, generators="fresh")
     return loaded
 

@@ -249,6 +249,35 @@ def with_shaping_in_chain(loaded: TensorDict, like: TensorDict) -> TensorDict:
     return loaded
 
 
+def _member_count_paths(td: TensorDict, path: tuple = ()) -> list[tuple]:
+    """The keys of ``td``'s optimizer step counts kept one per member ([S]): Adam's "step" leaves
+    (``adam(member_dims=1)``) and a shaping transform's "count" (:func:`rlfunc.optim.shaping.oscillation_damping`)."""
+    keys = set(td.keys())
+    if {"step", "exp_avg", "exp_avg_sq"} <= keys and isinstance(td.get("step"), TensorDict):
+        return [path + ("step",) + (k if isinstance(k, tuple) else (k,))
+                for k, v in td.get("step").items(include_nested=True, leaves_only=True) if v.dim() == 1]
+    damping = {"count", "prev_sign", "agreement"} <= keys and isinstance(td.get("count"), torch.Tensor)  # oscillation damping's state
+    found = [path + ("count",)] if damping and td.get("count").dim() == 1 else []
+    return found + [p for k, v in td.items() if isinstance(v, TensorDict) for p in _member_count_paths(v, path + (k,))]
+
+
+def has_member_steps(like: TensorDict) -> bool:
+    """Whether the run whose snapshot structure is ``like`` keeps optimizer step counts one per seed
+    (Adam's with several ppo or grpo seeds; oscillation damping's with gradient shaping)."""
+    return bool(_member_count_paths(like))
+
+
+def with_member_steps(loaded: TensorDict, like: TensorDict) -> TensorDict:
+    """``loaded`` with each step count that ``like`` (the fresh run's snapshot structure) keeps one per
+    seed ([S]) but ``loaded`` holds as one count for all seeds (0-dim: snapshots written before the
+    counts were per seed, which shared them) given to every seed. Other entries are left as they are."""
+    for path in _member_count_paths(like):
+        saved = loaded.get(path, None)
+        if isinstance(saved, torch.Tensor) and saved.dim() == 0:
+            loaded.set(path, saved.expand(like.get(path).shape).clone())
+    return loaded
+
+
 def learner_entries(state: TensorDict) -> dict[str, TensorDict]:
     """A snapshot's entries for a learner ``state`` that owns its optimizer: "learner" (all of it but
     "optim") and "optim" (the update chain's state), where these runs' snapshots always kept Adam's state."""

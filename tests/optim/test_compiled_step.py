@@ -90,6 +90,8 @@ def test_compiled_iterations_equal_eager_and_compile_once():
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5, rtol=1e-4, equal_nan=True), key
     assert float(mc[0]["compile_s"][0]) > 0 and "compile_s" not in mc[1].keys()  # the first metrics line reports it
     assert int(mc[1]["skipped_data"][1]) == 4 and int(mc[1]["skipped_data"][0]) == 0
+    for steps in (eager["optim", "1", "step"], compiled["optim", "1", "step"]):  # each seed's own Adam count: 12 steps, 4 skipped
+        assert all(s.tolist() == [12.0, 8.0] for s in steps.values(include_nested=True, leaves_only=True))
 
 
 def test_compile_on_refuses_what_it_does_not_compile():

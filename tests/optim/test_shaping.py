@@ -568,3 +568,34 @@ def test_shaping_transforms_see_the_clipped_gradients(monkeypatch):
     monkeypatch.setattr(shaping, "oscillation_damping", recording)
     _run(replace(PPOConfig(), **SMALL, num_seeds=2, max_grad_norm=1e-3, oscillation_damping=True, hessian_interval=2))
     assert len(seen) == 8 and all(bool((n <= 1e-3 + 1e-7).all()) for n in seen), seen
+
+
+def test_a_member_skipped_by_the_mask_keeps_its_own_counts_through_shape_steps():
+    # Regression: oscillation damping's RMS bias correction counted the steps of any member ("count"
+    # shared), as Adam's step count was, so a member the mask skipped (a seed stopped by target_kl) was
+    # damped afterwards as if it had taken the others' steps. Each member of a 2-member chain now equals
+    # a 1-member chain that took only its own steps.
+    from rlfunc.optim import adam
+
+    def link(members):
+        damping = shaping.oscillation_damping(1e-2, strength=0.5, member_dims=1)
+        return shaping.shape_steps(adam(1e-2, member_dims=int(members > 1)), damping, ("sign_agreement", "damping"), member_dims=1)
+
+    g = torch.Generator().manual_seed(0)
+    params = TensorDict({"actor": {"0": {"weight": torch.randn(2, 3, 4, generator=g)}}, "log_std": torch.randn(2, 4, generator=g)},
+                        batch_size=[])
+    alone = [params.apply(lambda p, i=i: p[i : i + 1].clone()) for i in range(2)]
+    pair, singles = link(2), link(1)
+    state, states = pair.init(params), [singles.init(a) for a in alone]
+    assert state["transform", "count"].shape == (2,)
+    for mask in ([True, False], [True, False], [True, True], [False, True], [True, True]):
+        grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+        out, state = pair.update(grads, state, params, lr=1e-2, mask=torch.tensor(mask))
+        params = params.apply(lambda p, u: p + u, out)
+        for i in (0, 1):
+            if mask[i]:
+                step, states[i] = singles.update(grads.apply(lambda x, i=i: x[i : i + 1]), states[i], alone[i], lr=1e-2)
+                alone[i] = alone[i].apply(lambda p, u: p + u, step)
+            for key, value in alone[i].items(include_nested=True, leaves_only=True):
+                torch.testing.assert_close(params.get(key)[i : i + 1], value, rtol=0, atol=1e-7)
+    assert state["transform", "count"].tolist() == [4, 3]

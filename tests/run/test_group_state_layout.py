@@ -52,6 +52,8 @@ def _as_layout_1(snap: Path) -> None:
     state, meta = checkpoint.load_snapshot(snap)
     adam = state["optim", "1"]
     keys = _keys(state["learner", "params"])
+    for k in keys:  # several seeds: one count per seed now ([S], equal in these runs); torch.optim kept one (0-dim)
+        adam["step"].set(k, adam["step"].get(k).reshape(-1)[0].clone())
     stepped = [i for i, k in enumerate(keys) if float(adam["step"].get(k)) > 0]
     optim = TensorDict({str(i): {n: adam[n].get(keys[i]) for n in ("step", "exp_avg", "exp_avg_sq")} for i in stepped},
                        batch_size=[])

@@ -152,3 +152,38 @@ def test_a_version_of_layout_1_resumes_exactly_after_a_rollback(tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def _as_shared_counts(snap: Path) -> None:
+    """Rewrite a snapshot's per-seed step counts ([S]: Adam's with several seeds, oscillation
+    damping's) into one 0-dim count, as rlfunc wrote them before the counts were per seed."""
+    from rlfunc.run.resume import _member_count_paths
+
+    state, meta = checkpoint.load_snapshot(snap)
+    paths = _member_count_paths(state)
+    assert paths
+    for path in paths:
+        state.set(path, state.get(path)[0].clone())
+    checkpoint.save_snapshot(snap, state, meta)
+
+
+@pytest.mark.parametrize("extra", [{"num_seeds": 2}, {"oscillation_damping": True}, {"num_seeds": 2, "layout_1": True}])
+def test_a_snapshot_with_one_step_count_for_all_seeds_resumes_exactly_and_evaluates(tmp_path, extra):
+    # Snapshots written before the step counts were per seed (adam(member_dims=1), oscillation damping's
+    # "count") hold one 0-dim count: it is given to every seed on load (the seeds' counts were equal
+    # then unless target_kl stopped them apart), so such a run resumes as the one that never stopped.
+    extra = dict(extra)
+    layout_1 = extra.pop("layout_1", False)
+    config = preset("Pendulum-v1", total_steps=4 * 128, **TINY, **extra)
+    full = train(config, tmp_path / "full", progress=False, tensorboard=False, evaluate=False)
+    train(config, tmp_path / "part", max_iterations=2, progress=False, tensorboard=False, evaluate=False)
+    snap = checkpoint.latest_snapshot(tmp_path / "part")
+    _as_shared_counts(snap)
+    if layout_1:
+        _as_layout_1(snap)
+    assert evaluate(tmp_path / "part", episodes=2)["env_steps"] == 256
+    resumed = train(config, tmp_path / "part", resume=True, progress=False, tensorboard=False, evaluate=False)
+    a, b = _leaves(full.state), _leaves(resumed.state)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
