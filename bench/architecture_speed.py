@@ -56,6 +56,23 @@ from rlfunc.algos.ppo import preset
 from rlfunc.run import train
 train(preset("CartPole-v1", total_steps=8 * 32 * {its}, device="cpu", version_every=0), RUN, progress=False, tensorboard=False, evaluate=False)
 """, "update_s", False),
+    # the update alone of 4 seeds as a batch (stacked params; Adam's step counts one per seed since the
+    # per-member counts): the per-step check whether the seeds' counts still agree is what it adds
+    "ppo Pendulum-v1 4 seeds update s": ("""
+from rlfunc.algos.ppo import preset
+from rlfunc.run import train
+train(preset("Pendulum-v1", num_seeds=4, total_steps=16 * 256 * {its}, device="cpu", version_every=0), RUN, progress=False,
+      tensorboard=False, evaluate=False)
+""", "update_s", False),
+    # the same under target_kl: once the seeds stop apart their Adam counts differ, and every later step goes
+    # through the per-seed path; per gradient step (update_s / the most steps a seed took: the two trees'
+    # seeds stop at other steps once their counts differ, so their iterations take other numbers of steps)
+    "ppo Pendulum-v1 4 seeds target_kl s per step": ("""
+from rlfunc.algos.ppo import preset
+from rlfunc.run import train
+train(preset("Pendulum-v1", num_seeds=4, target_kl=1e-3, total_steps=16 * 256 * {its}, device="cpu", version_every=0), RUN,
+      progress=False, tensorboard=False, evaluate=False)
+""", "update_s_per_step", False),
     "dppo PointReach-v0 iteration s": ("""
 from rlfunc.algos.dppo import DPPOConfig
 try:
@@ -86,6 +103,8 @@ def measure(tree: Path, snippet: str, key: str, iterations: int) -> float:
         if key == "iteration_s":  # wall-clock between consecutive lines: the collection and the update
             times = [r["time"] for r in records]
             values = [b - a for a, b in zip(times, times[1:])]
+        elif key == "update_s_per_step":  # several seeds: the most gradient steps any seed took
+            values = [r["update_s"] / max(r["updates"]) for r in records if "update_s" in r][1:]
         else:
             values = [r[key] for r in records if key in r][1:]
         return statistics.median(values)
