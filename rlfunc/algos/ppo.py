@@ -1,9 +1,10 @@
 """PPO with a Gaussian actor (Box actions) or a categorical one (Discrete and MultiDiscrete actions),
 as ``make_ppo(config, spec, device, dist=None) -> PPO(init, iteration, policy, net)`` over stacked seeds.
 
-Every learner tensor carries a leading seed dim S (``--num-seeds``), Adam's step counts included
-(``adam(member_dims=1)``: a seed stopped by target_kl keeps its own), so S seeds train as S separate runs would, up
-to float rounding (each has its own env seeds, noise generator, normalisers and minibatch order;
+Every learner tensor but the run's counters ("iteration", "env_steps", gradient shaping's step)
+carries a leading seed dim S (``--num-seeds``), Adam's step counts included (``adam(member_dims=1)``:
+a seed stopped by target_kl keeps its own), so S seeds train as S separate runs would, up to float
+rounding (each has its own env seeds, noise generator, normalisers and minibatch order;
 a batched matmul rounds unlike a single one, and such differences grow over a run: compare returns). The
 optimizer's state is part of the learner state: the update is ``chain(clip_by_global_norm, adam)``
 of :mod:`rlfunc.optim`, its state ``state["optim"]``.

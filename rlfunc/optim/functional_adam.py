@@ -70,8 +70,9 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
             leaves everything, the count included, untouched. An [S] mask cannot tell stacked params
             from unstacked ones whose leaves all happen to lead with S rows: it is read as per-member there.
 
-    Per-member step counts cost one host read per step (whether the members' counts still agree:
-    then one multi-tensor step for all, else one per stepping member).
+    Per-member step counts cost a host read per eager step (whether the members' counts still agree:
+    then torch's multi-tensor step for all; else, with some members masked, their counts too, and the
+    same arithmetic with a bias correction per member). A compiled step reads none.
 
     Raises:
         ConfigError: ``lr``, ``betas``, ``eps``, ``weight_decay`` or ``member_dims`` out of range; (update) no ``params``
@@ -260,10 +261,12 @@ def _rows(lists, members) -> list[list[Tensor]]:
 
 def _member_step(updates, g, m, v, steps, old, mask, kw) -> list[Tensor]:
     """``update_leaves``' eager step with one step count per member (``steps``: [S] per leaf): while
-    every member steps and their counts agree, one multi-tensor step over the stacked leaves with
-    the shared count; otherwise one over the stepping members' rows (views: in place), each with its
-    own count (torch's multi-tensor Adam takes a count per tensor). A member ``mask`` leaves out
-    keeps its moments and count and gets a zero update; its gradients are not read."""
+    every member steps and their counts agree, torch's multi-tensor step over the stacked leaves with
+    the shared count; otherwise, on the CPU, :func:`_counts_apart_step` (the same arithmetic with a
+    bias correction per member), and on an accelerator torch's step over the stepping members' rows
+    (views: in place), each with its own count (torch's multi-tensor Adam takes a count per tensor).
+    A member ``mask`` leaves out keeps its moments and count and gets a zero update; its gradients
+    never reach its parameters."""
     S = steps[0].shape[0]
     with torch.no_grad():
         on = None if mask is None else mask.reshape(-1).expand(S)
@@ -276,40 +279,98 @@ def _member_step(updates, g, m, v, steps, old, mask, kw) -> list[Tensor]:
                 if old is not None:
                     torch._foreach_sub_(updates, old)
                 return updates
-            stepping = range(S)
         else:
-            stepping = on.nonzero().squeeze(-1).tolist()
-        if stepping:
-            u, gr, a, b, t = _rows((updates, g, m, v, steps), stepping)
-            torch_adam(u, gr, a, b, [], t, **kw)
-        if old is not None:  # a member not stepped: its copy is its old values, so its update is 0
-            torch._foreach_sub_(updates, old)
+            counts = torch.stack(steps)
+        if kw["capturable"] or any(x.dtype != g[0].dtype for x in g):  # an accelerator, or mixed dtypes: torch's step
+            # on the stepping members' rows, each with its own count
+            stepping = range(S) if on is None else on.nonzero().squeeze(-1).tolist()
+            if stepping:
+                u, gr, a, b, t = _rows((updates, g, m, v, steps), stepping)
+                torch_adam(u, gr, a, b, [], t, **kw)
+            if old is not None:  # a member not stepped: its copy is its old values, so its update is 0
+                torch._foreach_sub_(updates, old)
+            return updates
+        return _counts_apart_step(updates, g, m, v, steps, counts, old, on, kw)
+
+
+def _counts_apart_step(updates, g, m, v, steps, counts, old, on, kw) -> list[Tensor]:
+    """:func:`_member_step` on the CPU where the members' counts differ or some skip: the arithmetic of
+    torch's non-capturable multi-tensor Adam (``torch.optim.adam._multi_tensor_adam``) over the stacked
+    leaves, with each member's bias corrections (Python floats of its count, as torch computes them)
+    as an [S, 1, ...] column where torch has one scalar per tensor: the same float32 operations, so
+    each member's step is the one torch takes on its rows alone (tested bit for bit against
+    torch.optim.Adam). A member ``on`` leaves out keeps its moments and count and gets a zero update."""
+    S = counts.shape[1]
+    lr, b1, b2, eps = kw["lr"], kw["beta1"], kw["beta2"], kw["eps"]
+    skipped = None if on is None or bool(on.all()) else (~on).nonzero().squeeze(-1)
+    if skipped is not None:
+        saved = [(a.index_select(0, skipped), b.index_select(0, skipped)) for a, b in zip(m, v)]
+        g = [x.nan_to_num(0.0, 0.0, 0.0) for x in g]  # a skipped member's rows are computed, then put back
+        new_counts = counts + on.to(counts.dtype)
+    else:
+        new_counts = counts + 1.0
+    torch._foreach_copy_(steps, list(new_counts.unbind(0)))
+    # a member that never stepped (count 0) and skips: any finite value (max 1), its update is 0
+    c = [[max(n, 1.0) for n in row] for row in new_counts.tolist()]
+    x0 = g[0]
+    sizes = torch.tensor([[(lr / (1 - b1 ** n)) * -1 for n in row] for row in c], dtype=x0.dtype, device=x0.device)  # [L, S]
+    sqrts = torch.tensor([[(1 - b2 ** n) ** 0.5 for n in row] for row in c], dtype=x0.dtype, device=x0.device)
+    column = lambda t, x: t.view(S, *([1] * (x.dim() - 1)))  # noqa: E731  [S, 1, ...] against a leaf [S, ...]
+    step_size = [column(t, x) for t, x in zip(sizes.unbind(0), g)]
+    bc2_sqrt = [column(t, x) for t, x in zip(sqrts.unbind(0), g)]
+    if kw.get("decoupled_weight_decay"):
+        torch._foreach_mul_(updates, 1 - lr * kw["weight_decay"])
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, 1 - b2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    step = torch._foreach_mul(m, step_size)  # torch's addcdiv: param + value * m / denom, in that order
+    torch._foreach_div_(step, denom)
+    torch._foreach_add_(updates, step)
+    if old is not None:
+        torch._foreach_sub_(updates, old)
+    if skipped is not None:
+        for a, b, u, (sa, sb) in zip(m, v, updates, saved):
+            a.index_copy_(0, skipped, sa)
+            b.index_copy_(0, skipped, sb)
+            u.index_fill_(0, skipped, 0.0)
     return updates
 
 
 def _traced_member_step(updates, g, m, v, steps, old, mask, kw, lr) -> list[Tensor]:
-    """:func:`_member_step` without data-dependent branches, for torch.compile: torch's capturable
-    step on each member's rows with its own count; a member ``mask`` leaves out gets zero gradients,
-    then its moments and count back and a zero update (as :func:`_traced_step`)."""
-    kw = {**kw, "lr": lr, "capturable": True} if isinstance(lr, Tensor) else {**kw, "capturable": True}
+    """:func:`_member_step` without data-dependent branches, for torch.compile: Adam over the stacked
+    leaves with each member's bias corrections as an [S, 1, ...] column of its own count (tensor
+    ops, as torch's capturable step computes them), so the graph does not grow with S; a member
+    ``mask`` leaves out gets zero gradients, then its moments and count back and a zero update (as
+    :func:`_traced_step`). Equal to the eager step to float rounding (tested)."""
+    lr = kw["lr"] if lr is None else lr
+    b1, b2, eps = kw["beta1"], kw["beta2"], kw["eps"]
     S = steps[0].shape[0]
-    if mask is not None:
-        on = mask.reshape(-1).expand(S)
+    on = None if mask is None else mask.reshape(-1).expand(S)
+    if on is not None:
         keep = [on.view(-1, *([1] * (x.dim() - 1))) for x in g]
         saved = [(a.clone(), b.clone()) for a, b in zip(m, v)]
-        saved_steps = [t.clone() for t in steps]
         g = [torch.where(k, x, torch.zeros_like(x)) for k, x in zip(keep, g)]
-    rows = _rows((updates, g, m, v, steps), range(S))  # each member's rows with its own count, in one step
-    torch_adam(*rows[:4], [], rows[4], **kw)
+    for t in steps:
+        t.add_(1.0 if on is None else on.to(t.dtype))
+    if kw.get("decoupled_weight_decay"):
+        torch._foreach_mul_(updates, 1 - lr * kw["weight_decay"])
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, 1 - b2)
+    for u, a, b, t in zip(updates, m, v, steps):
+        c = t.clamp_min(1.0).view(S, *([1] * (u.dim() - 1)))  # a member that never stepped and skips: its update is 0 anyway
+        step_size = lr / (1 - b1 ** c)
+        u.sub_(step_size * a / (b.sqrt() / (1 - b2 ** c).sqrt() + eps))
     if old is not None:
         torch._foreach_sub_(updates, old)
-    if mask is not None:
+    if on is not None:
         for k, a, b, u, (sa, sb) in zip(keep, m, v, updates, saved):
             a.copy_(torch.where(k, a, sa))
             b.copy_(torch.where(k, b, sb))
             u.copy_(torch.where(k, u, torch.zeros_like(u)))
-        for t, st in zip(steps, saved_steps):
-            t.copy_(torch.where(on, t, st))
     return updates
 
 
@@ -353,7 +414,7 @@ def adam_state_from_torch(torch_state: TensorDictBase, state: TensorDictBase, pa
             value = entry[name]
             want = target[name].get(key)
             if name == "step" and value.dim() == 0 and want.dim() == 1:  # one count per member (member_dims=1): torch.optim's was shared
-                value = value.expand(want.shape)
+                value = value.expand(want.shape).clone()  # a count of each member's own (expand alone aliased them)
             if value.shape != want.shape:
                 raise ValueError(f"{name} of {key!r} (entry {i}) has shape {list(value.shape)}, expected {list(want.shape)}")
             target[name].set(key, value.to(want.dtype))

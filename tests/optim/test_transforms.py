@@ -646,3 +646,43 @@ def test_adam_with_member_step_counts_refuses_params_without_a_member_dim():
         adam(LR, member_dims=1).init(TensorDict({"a": torch.zeros(3, 2), "b": torch.zeros(2, 2)}, batch_size=[]))
     with pytest.raises(ShapeError, match="leading member dim"):
         adam(LR, member_dims=1).init(TensorDict({"a": torch.zeros(3, 2), "b": torch.zeros(())}, batch_size=[]))
+
+
+def test_adam_with_member_step_counts_over_leaves_of_two_dtypes_steps_as_torch_optim_adam():
+    # The per-row path (an accelerator's, and the CPU's for leaves of several dtypes): each member as its own
+    # torch.optim.Adam, bit for bit, through skips that set the counts apart.
+    S = 3
+    g = torch.Generator().manual_seed(1)
+    ours = TensorDict({"w": torch.randn(S, 4, 5, dtype=torch.float64, generator=g), "b": torch.randn(S, 5, generator=g)}, batch_size=[])
+    theirs = [[ours[k][i].clone().requires_grad_() for k in ("b", "w")] for i in range(S)]
+    opts = [torch.optim.Adam(ps, lr=LR, betas=BETAS, eps=EPS, foreach=True) for ps in theirs]
+    update = adam(LR, BETAS, EPS, member_dims=1)
+    state = update.init(ours)
+    for mask in (torch.tensor([True, False, True]), None, torch.tensor([False, True, True]), torch.tensor([True, True, True])):
+        grads = ours.apply(lambda p: torch.randn(p.shape, dtype=p.dtype, generator=g))
+        updates, state = update.update(grads, state, ours, mask=mask)
+        ours = ours.apply(lambda p, u: p + u, updates)
+        for i in range(S):
+            if mask is None or mask[i]:
+                theirs[i][0].grad, theirs[i][1].grad = grads["b"][i].clone(), grads["w"][i].clone()
+                opts[i].step()
+            assert torch.equal(ours["b"][i], theirs[i][0].detach()) and torch.equal(ours["w"][i], theirs[i][1].detach())
+    assert state["step", "w"].tolist() == [3.0, 3.0, 4.0]
+
+
+def test_a_shared_torch_optim_count_becomes_a_count_of_each_members_own():
+    # Regression (review pass): adam_state_from_torch expanded torch.optim's 0-dim step to [S] without a
+    # copy, so the members' counts were one memory location (stride 0), shared with the caller's
+    # torch.optim state: a step of every member failed ("more than one element of the written-to tensor
+    # refers to a single memory location") and a masked one advanced the skipped member's count too.
+    from rlfunc.optim import adam_state_from_torch
+
+    params = TensorDict({"w": torch.randn(2, 3)}, batch_size=[])
+    update = adam(LR, member_dims=1)
+    torch_state = TensorDict({"0": {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}},
+                             batch_size=[])
+    state = adam_state_from_torch(torch_state, update.init(params), params)
+    assert state["step", "w"].tolist() == [3.0, 3.0] and state["step", "w"].stride() == (1,)
+    _, state = update.update(TensorDict({"w": torch.ones(2, 3)}, batch_size=[]), state, params)
+    _, state = update.update(TensorDict({"w": torch.ones(2, 3)}, batch_size=[]), state, params, mask=torch.tensor([True, False]))
+    assert state["step", "w"].tolist() == [5.0, 4.0] and float(torch_state["0", "step"]) == 3.0
