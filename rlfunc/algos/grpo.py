@@ -288,8 +288,8 @@ def make_grpo(config: GRPOConfig, spec: EnvSpec, device: torch.device, dist=None
     "optim", the state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr,
     eps=adam_eps))``: "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg",
     "exp_avg_sq"}, Adam's per-leaf step counts (float32: [S], one per seed, with S > 1; 0-dim with one)
-    and moments (like "params"); with a step
-    transform on, Adam's state is "1" "inner", beside the transforms' (:mod:`rlfunc.algos.shaped`).
+    and moments (like "params"); with a step transform on, Adam's state is "1" "inner", beside the
+    transforms' (:mod:`rlfunc.algos.shaped`).
 
     ``iteration`` takes a grouped batch [S, num_groups, group_size, T] with "observation" (raw),
     "action", "sample_log_prob", ("next", "reward") and "mask" (:mod:`rlfunc.envs.grouped`), gathered

@@ -324,8 +324,9 @@ def make_ppo(config: PPOConfig, spec: EnvSpec, device: torch.device, dist=None) 
     "rng" (uint8 generator states, [S, L]), "iteration" and "env_steps" (0-dim int64), and "optim", the
     state of the update chain ``chain(clip_by_global_norm(max_grad_norm), adam(lr, eps=adam_eps))``:
     "0" {"norm": [S], the last pre-clip gradient norms}, "1" {"step", "exp_avg", "exp_avg_sq"}, Adam's
-    per-leaf step counts (float32: [S], one per seed, with S > 1; 0-dim with one) and moments (like "params"). With a step transform on, Adam's
-    state is "1" "inner", beside the transforms' ("transform", "step", "metrics": :mod:`rlfunc.algos.shaped`).
+    per-leaf step counts (float32: [S], one per seed, with S > 1; 0-dim with one) and moments (like
+    "params"). With a step transform on, Adam's state is "1" "inner", beside the transforms'
+    ("transform", "step", "metrics": :mod:`rlfunc.algos.shaped`).
     """
     S, N = config.run.num_seeds, config.num_envs
     W, rank = (1, 0) if dist is None else (dist.world_size, dist.rank)

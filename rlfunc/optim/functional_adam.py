@@ -47,11 +47,12 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
         member_dims: 0, or 1 for params stacked over members (seeds: every leaf leads with the same
             dim S): each member then has its own step count per leaf, so a member that skips steps
             (``mask``) keeps the bias correction of its own run, and S members step as S separate
-            Adams would, bit for bit (each member's arithmetic is torch's on that member's tensors).
+            Adams would: bit for bit in eager steps (torch's arithmetic on each member's rows, tested
+            on the CPU against torch.optim.Adam), to float rounding in a compiled one.
 
     State: ``{"step": {leaf: 0-dim float32, or [S] with member_dims=1}, "exp_avg": like params,
-    "exp_avg_sq": like params}``, zeros from ``init`` (torch.optim's initial state). ``update`` writes the moments and steps of the
-    leaves present in ``grads`` into these tensors in place (as torch.optim does: a copy per step
+    "exp_avg_sq": like params}``, zeros from ``init`` (torch.optim's initial state). ``update`` writes
+    the moments and steps of the leaves present in ``grads`` into these tensors in place (as torch.optim does: a copy per step
     would double the optimizer's memory traffic) and returns the same state; clone it to keep the old.
 
     ``update(grads, state, params=None, *, lr=None, mask=None)`` (and ``update_leaves``, the same over
@@ -75,8 +76,8 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
     same arithmetic with a bias correction per member). A compiled step reads none.
 
     Raises:
-        ConfigError: ``lr``, ``betas``, ``eps``, ``weight_decay`` or ``member_dims`` out of range; (update) no ``params``
-            given with a ``weight_decay``; (update) a per-step ``lr`` that is not finite and >= 0, or
+        ConfigError: ``lr``, ``betas``, ``eps``, ``weight_decay`` or ``member_dims`` out of range;
+            (update) no ``params`` given with a ``weight_decay``; (update) a per-step ``lr`` that is not finite and >= 0, or
             neither a number nor a tensor.
         ShapeError: (init, ``member_dims=1``) a leaf without a leading member dim, or of another S than
             the first; (update) a key of ``grads`` not in the state (or in ``params``), or of another shape
