@@ -271,8 +271,8 @@ def _member_step(updates, g, m, v, steps, old, mask, kw) -> list[Tensor]:
     S = steps[0].shape[0]
     with torch.no_grad():
         on = None if mask is None else mask.reshape(-1).expand(S)
+        counts = torch.stack(steps)  # [L, S]
         if on is None or bool(on.all()):
-            counts = torch.stack(steps)  # [L, S]
             if bool((counts == counts[:, :1]).all()):  # in step: the members' arithmetic, all at once
                 shared = list(counts[:, 0].unbind(0))  # 0-dim views of a copy, which torch's adam advances
                 torch_adam(updates, g, m, v, [], shared, **kw)
@@ -280,8 +280,6 @@ def _member_step(updates, g, m, v, steps, old, mask, kw) -> list[Tensor]:
                 if old is not None:
                     torch._foreach_sub_(updates, old)
                 return updates
-        else:
-            counts = torch.stack(steps)
         if kw["capturable"] or any(x.dtype != g[0].dtype for x in g):  # an accelerator, or mixed dtypes: torch's step
             # on the stepping members' rows, each with its own count
             stepping = range(S) if on is None else on.nonzero().squeeze(-1).tolist()
